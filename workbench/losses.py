@@ -1,0 +1,237 @@
+"""Loss functions with Tinker's exact semantics: token-level, summed (never averaged).
+
+Notation: B datums in a micro-batch, T positions. `logprobs_B_T` are the learner's log-probabilities of
+`target_tokens` (log p_θ), `sampling_logprobs_B_T` the sampler's (log q, the `logprobs` input), A the
+`advantages`. `mask_B_T` is True on real (non-padding) positions. Every loss returns its per-position
+loss (zero where it does not apply), the positions that count, and per-position diagnostics that the
+session averages over those positions into `name:mean` metrics. The total loss is the sum of the
+per-position losses over positions and datums; "If you would like to explore different aggregation
+schemes, you can include that in the advantage tensor computation" (Tinker docs).
+
+| loss                 | needs                                   | config (Tinker default)                        |
+|----------------------|-----------------------------------------|------------------------------------------------|
+| cross_entropy        | target_tokens, [weights=1]              | -                                              |
+| importance_sampling  | target_tokens, logprobs, advantages     | -                                              |
+| ppo                  | target_tokens, logprobs, advantages     | clip_low_threshold 0.8, clip_high_threshold 1.2 |
+| cispo                | target_tokens, logprobs, advantages     | clip_low_threshold 0.0, clip_high_threshold 4.0 |
+| dro                  | target_tokens, logprobs, advantages     | beta 0.05                                      |
+| ppo_critic (critic)  | values (old), returns, [weights=1]      | value_clip 0.2                                 |
+
+Custom losses are plain functions `fn(data, logprobs_list) -> (loss, metrics)` passed to
+`TrainingClient.forward_backward_custom`; they need no entry here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """What a loss returns for one micro-batch."""
+
+    elementwise_loss_B_T: Tensor  # summed into `loss:sum`; zero on padding
+    active_B_T: Tensor  # bool: positions that carry loss; `:mean` diagnostics average over them
+    diagnostics: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, T) per-position values
+
+
+LossFn = Callable[[Tensor, Mapping[str, Tensor], Tensor, Mapping[str, float]], LossOutput]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss and what it needs.
+
+    `head` is what the model predicts for it: the policy's `logprobs` of `target_tokens`, or the
+    critic's `values`. `required_inputs` must be in every datum; `training_inputs` are required by
+    `forward_backward` but may be left out of `forward`, which then returns predictions only.
+    `optional_inputs` maps each optional input to the value used where a datum leaves it out.
+    `summarize` derives batch-level metrics from the averaged diagnostics.
+    """
+
+    fn: LossFn
+    head: Literal["logprobs", "values"]
+    required_inputs: tuple[str, ...]
+    optional_inputs: Mapping[str, float] = field(default_factory=dict)
+    training_inputs: tuple[str, ...] = ()
+    config_defaults: Mapping[str, float] = field(default_factory=dict)
+    summarize: Callable[[dict[str, float]], dict[str, float]] | None = None
+
+
+def cross_entropy(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+    """Supervised learning: weighted negative log-likelihood of the targets.
+
+    loss = Σ_t −w_t · log p_θ(x_t). Weights are usually 0 on the prompt and 1 on the completion; any
+    float works (negative weights push probability down).
+    """
+    weights_B_T = inputs["weights"] * mask_B_T
+    return LossOutput(
+        elementwise_loss_B_T=-logprobs_B_T * weights_B_T,
+        active_B_T=(weights_B_T != 0),
+    )
+
+
+def _ratio(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """r_t = p_θ(x_t) / q(x_t), the advantages, and the positions with a non-zero advantage."""
+    advantages_B_T = inputs["advantages"] * mask_B_T
+    ratio_B_T = torch.exp(logprobs_B_T - inputs["logprobs"]) * mask_B_T
+    return ratio_B_T, advantages_B_T, (advantages_B_T != 0) & mask_B_T
+
+
+def importance_sampling(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+    """REINFORCE with an importance-sampling correction for sampler/learner mismatch.
+
+    loss = −Σ_t r_t · A_t with r_t = p_θ(x_t)/q(x_t); gradient −A_t · r_t · ∇log p_θ(x_t).
+    (Williams 1992; off-policy correction as in the Tinker docs.)
+    """
+    ratio_B_T, advantages_B_T, active_B_T = _ratio(logprobs_B_T, inputs, mask_B_T)
+    return LossOutput(
+        elementwise_loss_B_T=-ratio_B_T * advantages_B_T,
+        active_B_T=active_B_T,
+        diagnostics={"ratio": ratio_B_T.detach()},
+    )
+
+
+def _clip_fraction(ratio_B_T: Tensor, low: float, high: float) -> Tensor:
+    return ((ratio_B_T < low) | (ratio_B_T > high)).float()
+
+
+def ppo(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+    """Clipped surrogate objective (Schulman et al. 2017, https://arxiv.org/abs/1707.06347).
+
+    loss = −Σ_t min(r_t·A_t, clip(r_t, low, high)·A_t), thresholds given as absolute ratio bounds
+    (Tinker: `clip_low_threshold` 0.8, `clip_high_threshold` 1.2, i.e. ε = 0.2 on both sides).
+    """
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    ratio_B_T, advantages_B_T, active_B_T = _ratio(logprobs_B_T, inputs, mask_B_T)
+    clipped_B_T = torch.clamp(ratio_B_T, low, high)
+    objective_B_T = torch.minimum(ratio_B_T * advantages_B_T, clipped_B_T * advantages_B_T)
+    return LossOutput(
+        elementwise_loss_B_T=-objective_B_T * mask_B_T,
+        active_B_T=active_B_T,
+        diagnostics={"ratio": ratio_B_T.detach(), "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high)},
+    )
+
+
+def cispo(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+    """Clipped IS-weight policy optimisation (MiniMax-M1, https://arxiv.org/abs/2506.13585).
+
+    loss = −Σ_t sg(clip(r_t, low, high)) · A_t · log p_θ(x_t): the IS weight is clipped and detached,
+    so every token keeps a gradient (PPO zeroes the clipped ones). Tinker defaults: 0.0 and 4.0.
+    """
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    ratio_B_T, advantages_B_T, active_B_T = _ratio(logprobs_B_T, inputs, mask_B_T)
+    weight_B_T = torch.clamp(ratio_B_T, low, high).detach()
+    return LossOutput(
+        elementwise_loss_B_T=-weight_B_T * advantages_B_T * logprobs_B_T * mask_B_T,
+        active_B_T=active_B_T,
+        diagnostics={"ratio": ratio_B_T.detach(), "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high)},
+    )
+
+
+def dro(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+    """Direct Reward Optimisation (Richemond et al. 2024, https://arxiv.org/abs/2405.19107).
+
+    loss = −Σ_t (log p_θ(x_t)·A_t − ½·β·(log p_θ(x_t) − log q(x_t))²): a policy-gradient term plus a
+    quadratic proximal penalty towards the sampler. The penalty applies at every position, advantage or
+    not, as in Tinker.
+    """
+    beta = config["beta"]
+    advantages_B_T = inputs["advantages"] * mask_B_T
+    log_ratio_B_T = (logprobs_B_T - inputs["logprobs"]) * mask_B_T
+    objective_B_T = logprobs_B_T * advantages_B_T - 0.5 * beta * log_ratio_B_T**2
+    return LossOutput(
+        elementwise_loss_B_T=-objective_B_T * mask_B_T,
+        active_B_T=mask_B_T,
+        diagnostics={"ratio": torch.exp(log_ratio_B_T.detach()) * mask_B_T},
+    )
+
+
+def ppo_critic(values_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+    """Clipped value loss for the critic (as in PPO's reference implementation, and SkyRL's `ppo_critic`).
+
+    loss = Σ_t w_t · ½ · max((V_t − R_t)², (clip(V_t, V_old,t − c, V_old,t + c) − R_t)²), with V_old the
+    `values` input (from when the data was collected), R the `returns`, c = `value_clip`.
+    """
+    clip = config["value_clip"]
+    weights_B_T = inputs["weights"] * mask_B_T
+    old_values_B_T, returns_B_T = inputs["values"], inputs["returns"]
+    clipped_values_B_T = old_values_B_T + torch.clamp(values_B_T - old_values_B_T, -clip, clip)
+    unclipped_sq_B_T = (values_B_T - returns_B_T) ** 2
+    clipped_sq_B_T = (clipped_values_B_T - returns_B_T) ** 2
+    residual_B_T = (returns_B_T - values_B_T).detach()
+    return LossOutput(
+        elementwise_loss_B_T=0.5 * torch.maximum(unclipped_sq_B_T, clipped_sq_B_T) * weights_B_T,
+        active_B_T=(weights_B_T != 0),
+        diagnostics={
+            "value_clip_fraction": (clipped_sq_B_T > unclipped_sq_B_T).float(),
+            "_returns": returns_B_T,
+            "_returns_sq": returns_B_T**2,
+            "_residual": residual_B_T,
+            "_residual_sq": residual_B_T**2,
+        },
+    )
+
+
+def _explained_variance(means: dict[str, float]) -> dict[str, float]:
+    """1 − Var(R − V) / Var(R) over the loss positions, from the averaged moments."""
+    var_returns = means.pop("_returns_sq") - means.pop("_returns") ** 2
+    var_residual = means.pop("_residual_sq") - means.pop("_residual") ** 2
+    if var_returns > 1e-12:
+        means["explained_variance"] = 1.0 - var_residual / var_returns
+    return means
+
+
+_POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+LOSSES: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(cross_entropy, "logprobs", ("target_tokens",), optional_inputs={"weights": 1.0}),
+    "importance_sampling": LossSpec(importance_sampling, "logprobs", _POLICY_INPUTS),
+    "ppo": LossSpec(ppo, "logprobs", _POLICY_INPUTS, config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "cispo": LossSpec(cispo, "logprobs", _POLICY_INPUTS, config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
+    "dro": LossSpec(dro, "logprobs", _POLICY_INPUTS, config_defaults={"beta": 0.05}),
+    "ppo_critic": LossSpec(
+        ppo_critic,
+        "values",
+        (),
+        optional_inputs={"weights": 1.0},
+        training_inputs=("values", "returns"),
+        config_defaults={"value_clip": 0.2},
+        summarize=_explained_variance,
+    ),
+}
+
+
+def resolve_loss(name: str, config: Mapping[str, float] | None) -> tuple[LossSpec, dict[str, float]]:
+    """Look up a loss by name and complete its config with Tinker's defaults.
+
+    Raises ValueError for an unknown loss, an unknown config key, or a value out of range.
+    """
+    if not isinstance(name, str) or name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)} or use forward_backward_custom")
+    spec = LOSSES[name]
+    resolved = dict(spec.config_defaults)
+    for key, value in dict(config or {}).items():
+        if key not in spec.config_defaults:
+            known = sorted(spec.config_defaults) or "none"
+            raise ValueError(f"unknown loss_fn_config key {key!r} for {name!r}; it takes: {known}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
+        resolved[key] = float(value)
+    if "clip_low_threshold" in resolved:
+        low, high = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
+        if not 0.0 <= low <= 1.0 <= high:
+            raise ValueError(
+                f"{name} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {low} and {high}"
+            )
+    if "beta" in resolved and resolved["beta"] < 0:
+        raise ValueError(f"dro beta must be >= 0, got {resolved['beta']}")
+    if "value_clip" in resolved and resolved["value_clip"] <= 0:
+        raise ValueError(f"ppo_critic value_clip must be > 0, got {resolved['value_clip']}")
+    return spec, resolved

@@ -1,0 +1,191 @@
+"""Base models and their LoRA adapters.
+
+`load_base_model` resolves a name (a built-in alias, a local folder or an HF id), loads the tokenizer and
+the frozen base weights on the chosen device and dtype. `attach_lora` wraps the base in a peft model with
+one named adapter; `add_lora_adapter` adds another (the critic's) on the same base weights, so a second
+adapter costs its own parameters only.
+
+Which layers get adapters follows Tinker's `LoraConfig`: attention projections (`train_attn`), MLP
+projections (`train_mlp`) and the output embedding (`train_unembed`). Layers are classified by where
+they sit in the module tree (under an attention or an MLP block), so any HF decoder works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import peft
+import torch
+import transformers
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from workbench.builtin_models import BUILTIN_MODELS
+from workbench.types import LoraConfig
+
+_ATTENTION_MARKERS = ("attn", "attention")
+_MLP_MARKERS = ("mlp", "feed_forward", "ffn")
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    """What identifies a base model: checkpoints refuse to load onto a different one."""
+
+    name: str  # as the user gave it: alias, HF id or folder
+    path: str  # the folder or HF id transformers loaded
+    model_type: str
+    vocab_size: int  # rows of the input embedding: valid token ids are [0, vocab_size)
+    hidden_size: int
+    num_layers: int
+    max_length: int  # the longest sequence the model accepts (max_position_embeddings)
+
+    def identity(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+        }
+
+
+def resolve_device_and_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    """Auto: CUDA in bf16 when available, else CPU in fp32 (where sampler and trainer logprobs agree)."""
+    resolved_device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        return resolved_device, torch.bfloat16 if resolved_device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                 "float16": torch.float16, "fp16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
+        return resolved_device, names[dtype]
+    return resolved_device, dtype
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' per-load progress bars (ours say what is happening)."""
+    was_enabled = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def resolve_model_path(name: str) -> str:
+    """A built-in alias becomes its prepared folder; a folder or an HF id is used as given."""
+    if name in BUILTIN_MODELS:
+        return str(BUILTIN_MODELS[name]())
+    return name
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(
+    name: str, device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BaseModelInfo]:
+    """Load the frozen base model, its tokenizer and its identity."""
+    path = resolve_model_path(name)
+    if Path(name).exists() and not Path(name).is_dir():
+        raise ValueError(f"base_model {name!r} is a file; give a model folder, an HF id, or one of {sorted(BUILTIN_MODELS)}")
+    tokenizer = load_tokenizer(name)
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device)
+    model.eval()  # no dropout: the trainer's logprobs must equal the sampler's
+    model.requires_grad_(False)
+    config = model.config
+    info = BaseModelInfo(
+        name=name,
+        path=path,
+        model_type=config.model_type,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        max_length=config.max_position_embeddings,
+    )
+    return model, tokenizer, info
+
+
+def lora_target_modules(model: nn.Module, lora: LoraConfig) -> list[str]:
+    """Names of the linear layers that `lora` asks to adapt, as peft `target_modules`.
+
+    Leaf names (`q_proj`, ...) are used when they pick out exactly the chosen layers, which keeps the
+    adapter config short and readable by vLLM; otherwise the full module paths are used.
+    """
+    unembed = model.get_output_embeddings()
+    chosen: list[str] = []
+    others: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = name.split(".")
+        if module is unembed:
+            wanted = lora.train_unembed
+        elif any(marker in part for part in parts for marker in _ATTENTION_MARKERS):
+            wanted = lora.train_attn
+        elif any(marker in part for part in parts for marker in _MLP_MARKERS):
+            wanted = lora.train_mlp
+        else:
+            wanted = False
+        (chosen if wanted else others).append(name)
+    if not chosen:
+        raise ValueError(f"{lora} selects no linear layer of this model")
+    leaves = {name.split(".")[-1] for name in chosen}
+    if not any(name.split(".")[-1] in leaves for name in others):
+        return sorted(leaves)
+    return chosen
+
+
+def _lora_peft_config(model: nn.Module, lora: LoraConfig) -> peft.LoraConfig:
+    return peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=0.0,
+        target_modules=lora_target_modules(model, lora),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_lora(model: PreTrainedModel, lora: LoraConfig, adapter_name: str, seed: int) -> peft.PeftModel:
+    """Wrap the base model in peft with one adapter. A-matrices are drawn from a generator seeded with
+    `seed`; B-matrices start at zero, so the adapted model starts equal to the base."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = peft.get_peft_model(model, _lora_peft_config(model, lora), adapter_name=adapter_name)
+    peft_model.eval()
+    return peft_model
+
+
+def add_lora_adapter(peft_model: peft.PeftModel, lora: LoraConfig, adapter_name: str, seed: int) -> None:
+    """Add another adapter on the same frozen base weights."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model.add_adapter(adapter_name, _lora_peft_config(peft_model.get_base_model(), lora))
+    peft_model.eval()
+
+
+def adapter_parameters(peft_model: peft.PeftModel, adapter_name: str) -> dict[str, nn.Parameter]:
+    """The trainable tensors of one adapter, by qualified name, in a stable order."""
+    marker = f".{adapter_name}."
+    params = {
+        name: param
+        for name, param in peft_model.named_parameters()
+        if "lora_" in name and marker in name
+    }
+    if not params:
+        raise ValueError(f"no LoRA parameters found for adapter {adapter_name!r}")
+    return params

@@ -1,0 +1,367 @@
+"""The kernel-resident Session: one frozen base model, a LoRA policy, and the Tinker training API on it.
+
+A Session owns the model, the adapters' optimizers, the worker thread that runs every operation, the
+weight versions and the metrics history. Users reach it through Tinker-named clients: `sess.policy` (a
+`TrainingClient`), `sess.reference` (the base model with adapters off, forward only).
+
+Every operation is validated in the caller's thread before it is queued, so bad input raises at once
+and changes nothing; then it runs on the worker thread, in submission order, and returns an `APIFuture`.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from workbench.batching import MicroBatch, PreparedDatum, collate, plan_microbatches, prepare_batch
+from workbench.futures import APIFuture
+from workbench.logprobs import target_logprobs
+from workbench.losses import LossSpec, resolve_loss
+from workbench.metrics import MetricsHistory
+from workbench.models import adapter_parameters, attach_lora, load_base_model, resolve_device_and_dtype
+from workbench.training import TrainableAdapter
+from workbench.types import (
+    AdamParams,
+    ForwardBackwardOutput,
+    LoraConfig,
+    OptimStepResponse,
+    TensorData,
+    to_adam_params,
+    to_lora_config,
+)
+from workbench.worker import SessionClosedError, Worker
+
+POLICY = "policy"
+REFERENCE = "reference"
+
+CustomLossFn = Callable[[list[Any], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything that defines a session; saved with every checkpoint and logged to W&B."""
+
+    base_model: str
+    lora: LoraConfig
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_tokens_per_microbatch: int = 8192
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Accumulated:
+    """Sums over the micro-batches of one call, turned into `name:reduction` metrics at the end."""
+
+    loss: float = 0.0
+    active_tokens: float = 0.0
+    diagnostic_sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, elementwise_loss_B_T: Tensor, active_B_T: Tensor, diagnostics: Mapping[str, Tensor]) -> None:
+        self.loss += float(elementwise_loss_B_T.detach().sum())
+        active = active_B_T.float()
+        self.active_tokens += float(active.sum())
+        for name, values_B_T in diagnostics.items():
+            total = float((values_B_T.detach().float() * active).sum())
+            self.diagnostic_sums[name] = self.diagnostic_sums.get(name, 0.0) + total
+
+    def metrics(self, spec: LossSpec | None, with_loss: bool) -> dict[str, float]:
+        metrics: dict[str, float] = {"num_tokens:sum": self.active_tokens}
+        if with_loss:
+            metrics["loss:sum"] = self.loss
+        if self.active_tokens > 0:
+            means = {name: total / self.active_tokens for name, total in self.diagnostic_sums.items()}
+            if spec is not None and spec.summarize is not None and with_loss:
+                means = spec.summarize(means)
+            metrics.update({f"{name}:mean": value for name, value in means.items() if not name.startswith("_")})
+        return metrics
+
+
+class Session:
+    """A base model with a LoRA policy, trained through Tinker's API, in this process.
+
+    Args:
+        base_model: a built-in alias (`"tiny"`, `"smollm2-135m"`), a local HF folder or an HF hub id.
+        lora: the policy's adapter (`LoraConfig`, the SDK's, or a dict); default rank 32 on every layer.
+        seed: seeds the adapters' initialisation (unless `lora.seed` is set) and the samplers.
+        device, dtype: default CUDA/bf16 when a GPU is present, else CPU/fp32.
+        max_tokens_per_microbatch: padded tokens per forward pass; bounds activation memory.
+    """
+
+    def __init__(
+        self,
+        base_model: str = "tiny",
+        lora: LoraConfig | Mapping[str, Any] | None = None,
+        *,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_tokens_per_microbatch: int = 8192,
+    ):
+        lora_config = to_lora_config(lora if lora is not None else LoraConfig())
+        if max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
+        resolved_device, resolved_dtype = resolve_device_and_dtype(device, dtype)
+        self.config = SessionConfig(
+            base_model=base_model,
+            lora=lora_config,
+            seed=seed,
+            device=str(resolved_device),
+            dtype=str(resolved_dtype).removeprefix("torch."),
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+        )
+        self.device = resolved_device
+        self.dtype = resolved_dtype
+        base, self.tokenizer, self.base_info = load_base_model(base_model, resolved_device, resolved_dtype)
+        self._model = attach_lora(base, lora_config, POLICY, seed=lora_config.seed if lora_config.seed is not None else seed)
+        self._adapters: dict[str, TrainableAdapter] = {POLICY: TrainableAdapter(POLICY, adapter_parameters(self._model, POLICY))}
+        self._active_adapter = POLICY
+        self.history = MetricsHistory()
+        self._worker = Worker()
+        self._closed = False
+
+        from workbench.clients import TrainingClient
+
+        self.policy = TrainingClient(self, POLICY)
+        self.reference = TrainingClient(self, REFERENCE)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def step(self) -> int:
+        """The policy's optimizer step count: the x-axis of the history."""
+        return self._adapters[POLICY].step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError("this session is closed; create a new Session")
+
+    def _adapter(self, role: str) -> TrainableAdapter:
+        if role not in self._adapters:
+            raise ValueError(f"the {role} is not trainable")
+        return self._adapters[role]
+
+    def close(self) -> None:
+        """Finish queued work, then free the model and optimizer memory. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.close()
+        for sink in self.history.sinks:
+            sink.close()
+        del self._model
+        self._adapters.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"step {self.step}"
+        return f"Session({self.config.base_model!r}, rank={self.config.lora.rank}, {self.device}/{self.config.dtype}, {state})"
+
+    # ------------------------------------------------------------------------------------------ validation
+
+    def _prepare(self, data: Sequence[Any], required: Sequence[str], optional: Mapping[str, float | None], strict: bool = True) -> list[PreparedDatum]:
+        return prepare_batch(
+            data,
+            required=required,
+            optional=optional,
+            vocab_size=self.base_info.vocab_size,
+            max_length=self.base_info.max_length,
+            strict=strict,
+        )
+
+    def _check_loss_role(self, role: str, spec: LossSpec, loss_name: str) -> None:
+        wants = "values" if role == "critic" else "logprobs"
+        if spec.head != wants:
+            if role == "critic":
+                raise ValueError(f"{loss_name!r} is a policy loss; the critic trains with 'ppo_critic'")
+            raise ValueError(f"{loss_name!r} is the critic's loss; the {role} uses a policy loss such as 'ppo'")
+
+    # ------------------------------------------------------------------------------------------ submission
+
+    def _submit_forward(
+        self, role: str, data: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None, backward: bool
+    ) -> APIFuture[ForwardBackwardOutput]:
+        self._check_open()
+        if backward:
+            self._adapter(role)
+        spec, config = resolve_loss(loss_fn, loss_fn_config)
+        self._check_loss_role(role, spec, loss_fn)
+        required = spec.required_inputs + (spec.training_inputs if backward else ())
+        optional: dict[str, float | None] = dict(spec.optional_inputs)
+        if not backward:
+            optional.update(dict.fromkeys(spec.training_inputs))
+        batch = self._prepare(data, required, optional)
+        with_loss = backward or all(key in item.inputs for item in batch for key in spec.training_inputs)
+        if not with_loss and any(key in item.inputs for item in batch for key in spec.training_inputs):
+            raise ValueError(
+                f"some datums carry {list(spec.training_inputs)} and some do not: give them to all datums "
+                "(to compute the loss) or to none (values only)"
+            )
+        op = "forward_backward" if backward else "forward"
+        return self._worker.submit(lambda: self._run_loss(op, role, batch, spec, config, with_loss))
+
+    def _submit_custom(self, role: str, data: Sequence[Any], loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+        self._check_open()
+        self._adapter(role)
+        if not callable(loss_fn):
+            raise ValueError(f"forward_backward_custom needs a function fn(data, logprobs_list) -> (loss, metrics), got {loss_fn!r}")
+        batch = self._prepare(data, ("target_tokens",), {}, strict=False)
+        user_data = list(data)
+        return self._worker.submit(lambda: self._run_custom(role, batch, loss_fn, user_data))
+
+    def _submit_optim_step(self, role: str, adam_params: Any) -> APIFuture[OptimStepResponse]:
+        self._check_open()
+        self._adapter(role)
+        params = to_adam_params(adam_params)
+        return self._worker.submit(lambda: self._run_optim_step(role, params))
+
+    # ------------------------------------------------------------------------------------------ worker ops
+
+    def _activate(self, role: str) -> None:
+        """Make `role`'s adapter the one the forward pass uses (the reference disables adapters instead)."""
+        if role != REFERENCE and role != self._active_adapter:
+            self._model.set_adapter(role)
+            self._active_adapter = role
+
+    def _predict(self, role: str, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The model's prediction for a micro-batch: the targets' logprobs (and the entropy of the
+        next-token distribution, detached) for the policy and the reference."""
+        self._activate(role)
+        if role == REFERENCE:
+            with self._model.disable_adapter():
+                logits_B_T_V = self._logits(micro)
+        else:
+            logits_B_T_V = self._logits(micro)
+        logprobs_B_T, entropy_B_T = target_logprobs(logits_B_T_V, micro.inputs["target_tokens"])
+        return logprobs_B_T, {"entropy": entropy_B_T}
+
+    def _logits(self, micro: MicroBatch) -> Tensor:
+        return self._model(
+            input_ids=micro.input_ids_B_T, attention_mask=micro.attention_mask_B_T, use_cache=False
+        ).logits
+
+    def _record(self, op: str, role: str, metrics: Mapping[str, float]) -> None:
+        self.history.record(op, role, self.step, metrics)
+
+    def _run_loss(
+        self, op: str, role: str, batch: list[PreparedDatum], spec: LossSpec, config: Mapping[str, float], with_loss: bool
+    ) -> ForwardBackwardOutput:
+        backward = op == "forward_backward"
+        outputs: list[dict[str, TensorData]] = [{} for _ in batch]
+        totals = _Accumulated()
+
+        def run_microbatches() -> None:
+            for indices in plan_microbatches([item.length for item in batch], self.config.max_tokens_per_microbatch):
+                micro = collate(batch, indices, self.tokenizer.pad_token_id, self.device)
+                mask_B_T = micro.attention_mask_B_T.bool()
+                with torch.set_grad_enabled(backward):
+                    prediction_B_T, extra = self._predict(role, micro)
+                    if with_loss:
+                        result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
+                        if backward:
+                            result.elementwise_loss_B_T.sum().backward()
+                        totals.add(result.elementwise_loss_B_T, result.active_B_T, {**extra, **result.diagnostics})
+                        per_position = {spec.head: prediction_B_T, "elementwise_loss": result.elementwise_loss_B_T}
+                    else:
+                        totals.add(torch.zeros_like(prediction_B_T), mask_B_T, extra)
+                        per_position = {spec.head: prediction_B_T}
+                _scatter_outputs(outputs, micro, per_position)
+
+        if backward:
+            with self._adapter(role).accumulating():
+                run_microbatches()
+        else:
+            with torch.no_grad():
+                run_microbatches()
+        metrics = totals.metrics(spec, with_loss)
+        self._record(op, role, metrics)
+        return ForwardBackwardOutput(loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics)
+
+    def _run_custom(self, role: str, batch: list[PreparedDatum], loss_fn: CustomLossFn, user_data: list[Any]) -> ForwardBackwardOutput:
+        """`forward_backward_custom`: the user's loss over per-datum logprob tensors.
+
+        When the batch fits in one micro-batch, the tensors given to `loss_fn` are slices of the live
+        graph and `loss.backward()` reaches the adapter directly. Otherwise (the SDK's method): logprobs
+        are computed without a graph, `loss_fn` runs on leaf copies, and each micro-batch is run again
+        with the surrogate Σ logprobs · ∂loss/∂logprobs, whose parameter gradient is the same.
+        """
+        plan = plan_microbatches([item.length for item in batch], self.config.max_tokens_per_microbatch)
+        logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
+        outputs: list[dict[str, TensorData]] = [{} for _ in batch]
+        with self._adapter(role).accumulating():
+            if len(plan) == 1:
+                micro = collate(batch, plan[0], self.tokenizer.pad_token_id, self.device)
+                logprobs_B_T, _ = self._predict(role, micro)
+                for row, index in enumerate(micro.indices):
+                    logprobs_list[index] = logprobs_B_T[row, : micro.lengths[row]]
+                loss, user_metrics = _call_custom_loss(loss_fn, user_data, logprobs_list)
+                loss.backward()
+            else:
+                with torch.no_grad():
+                    for indices in plan:
+                        micro = collate(batch, indices, self.tokenizer.pad_token_id, self.device)
+                        logprobs_B_T, _ = self._predict(role, micro)
+                        for row, index in enumerate(micro.indices):
+                            logprobs_list[index] = logprobs_B_T[row, : micro.lengths[row]].clone().requires_grad_(True)
+                loss, user_metrics = _call_custom_loss(loss_fn, user_data, logprobs_list)
+                loss.backward()
+                for indices in plan:
+                    micro = collate(batch, indices, self.tokenizer.pad_token_id, self.device)
+                    logprobs_B_T, _ = self._predict(role, micro)
+                    grad_B_T = torch.zeros_like(logprobs_B_T)
+                    for row, index in enumerate(micro.indices):
+                        if logprobs_list[index].grad is not None:
+                            grad_B_T[row, : micro.lengths[row]] = logprobs_list[index].grad
+                    (logprobs_B_T * grad_B_T).sum().backward()
+        for index, logprobs_N in enumerate(logprobs_list):
+            outputs[index] = {"logprobs": TensorData.from_torch(logprobs_N.detach())}
+        metrics = {**user_metrics, "loss:sum": float(loss.detach())}
+        self._record("forward_backward_custom", role, metrics)
+        return ForwardBackwardOutput(loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics)
+
+    def _run_optim_step(self, role: str, params: AdamParams) -> OptimStepResponse:
+        response = self._adapters[role].optim_step(params)
+        self._record("optim_step", role, response.metrics)
+        return response
+
+
+def _scatter_outputs(outputs: list[dict[str, TensorData]], micro: MicroBatch, per_position: Mapping[str, Tensor]) -> None:
+    """Cut each (B, T) tensor back into one length-N_d `TensorData` per datum, in input order."""
+    arrays = {name: tensor_B_T.detach().float().cpu().numpy() for name, tensor_B_T in per_position.items()}
+    for row, index in enumerate(micro.indices):
+        n = micro.lengths[row]
+        for name, array_B_T in arrays.items():
+            outputs[index][name] = TensorData(np.ascontiguousarray(array_B_T[row, :n]), "float32")
+
+
+def _call_custom_loss(loss_fn: CustomLossFn, data: list[Any], logprobs_list: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
+    result = loss_fn(data, logprobs_list)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ValueError("a custom loss must return (loss, metrics): a scalar tensor and a dict of floats")
+    loss, metrics = result
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(f"a custom loss must return a scalar tensor as its loss, got {type(loss).__name__}")
+    if not loss.requires_grad:
+        raise ValueError("the custom loss does not depend on the logprobs it was given: nothing to differentiate")
+    return loss.reshape(()), {str(key): float(value) for key, value in dict(metrics).items()}

@@ -1,0 +1,419 @@
+"""Tinker-shaped data types, and conversion into them from the `tinker` SDK, dicts and lists.
+
+The names, fields and defaults follow the `tinker` SDK (0.38) so that code written against Tinker reads
+the same here: a `Datum` is a `ModelInput` plus a dict of per-position `loss_fn_inputs`; results are
+`ForwardBackwardOutput`, `OptimStepResponse`, `SampleResponse`. Objects built with the real SDK are
+accepted wherever ours are: `to_datum`, `to_model_input`, `to_adam_params`, `to_sampling_params` and
+`to_lora_config` turn an SDK object, a plain dict or a list into ours. The SDK is never imported here: when
+a caller holds an SDK object, the SDK is already in `sys.modules`, and that module's classes are what we
+check against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+TensorDtype = Literal["int64", "float32"]
+StopReason = Literal["stop", "length"]
+
+# The dtype a raw list gets for each known `loss_fn_inputs` key (the SDK uses the same table).
+INPUT_DTYPES: dict[str, TensorDtype] = {
+    "target_tokens": "int64",
+    "weights": "float32",
+    "advantages": "float32",
+    "logprobs": "float32",
+    "values": "float32",
+    "returns": "float32",
+}
+
+
+def _tinker_class(name: str) -> type | None:
+    """The `tinker` SDK's class of that name if the SDK is loaded, else None."""
+    module = sys.modules.get("tinker")
+    return None if module is None else getattr(module, name)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class EncodedTextChunk:
+    """A run of token ids inside a `ModelInput`."""
+
+    tokens: tuple[int, ...]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """The tokens a model reads, as a list of chunks (Tinker's `ModelInput`; text chunks only)."""
+
+    chunks: tuple[EncodedTextChunk, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
+        return cls(chunks=(EncodedTextChunk(tokens=tuple(tokens)),))
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls(chunks=())
+
+    def to_ints(self) -> list[int]:
+        return [token for chunk in self.chunks for token in chunk.tokens]
+
+    @property
+    def length(self) -> int:
+        return sum(chunk.length for chunk in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+        return ModelInput(chunks=(*self.chunks, chunk))
+
+    def append_int(self, token: int) -> ModelInput:
+        return self.append(EncodedTextChunk(tokens=(token,)))
+
+
+@dataclass(frozen=True, eq=False)
+class TensorData:
+    """A dense tensor as Tinker ships it: flat data, a dtype (`int64` or `float32`) and a shape.
+
+    Backed by a numpy array; `.data` gives the flat list, `.tolist()` the nested list.
+    """
+
+    array: np.ndarray = field(repr=False)
+    dtype: TensorDtype = "float32"
+
+    def __init__(self, data: Any = None, dtype: TensorDtype = "float32", shape: Sequence[int] | None = None):
+        if dtype not in ("int64", "float32"):
+            raise ValueError(f"TensorData dtype must be 'int64' or 'float32', got {dtype!r}")
+        array = np.asarray([] if data is None else data, dtype=np.int64 if dtype == "int64" else np.float32)
+        if shape is not None:
+            array = array.reshape(tuple(shape))
+        object.__setattr__(self, "array", array)
+        object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.array.shape)
+
+    @property
+    def data(self) -> list[Any]:
+        return self.array.reshape(-1).tolist()
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        if array.dtype.kind in "iub":
+            return cls(array, "int64")
+        if array.dtype.kind == "f":
+            return cls(array, "float32")
+        raise ValueError(f"TensorData holds integers or floats, got numpy dtype {array.dtype}")
+
+    @classmethod
+    def from_torch(cls, tensor: torch.Tensor) -> TensorData:
+        tensor = tensor.detach().cpu()
+        if tensor.dtype.is_floating_point:
+            tensor = tensor.float()
+        return cls.from_numpy(tensor.numpy())
+
+    def to_numpy(self) -> np.ndarray:
+        return self.array
+
+    def to_torch(self) -> torch.Tensor:
+        return torch.from_numpy(self.array.copy())
+
+    def tolist(self) -> list[Any]:
+        return self.array.tolist()
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, TensorData)
+            and self.dtype == other.dtype
+            and np.array_equal(self.array, other.array)
+        )
+
+    def __repr__(self) -> str:
+        return f"TensorData(dtype={self.dtype!r}, shape={self.shape}, data={self.array.tolist()!r})"
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training example: the tokens read (`model_input`) and per-position loss inputs.
+
+    `loss_fn_inputs[k]` has one entry per position of `model_input`: position i predicts
+    `target_tokens[i]`. Values may be `TensorData`, lists, numpy arrays or torch tensors; they are
+    converted to `TensorData` with the dtype of `INPUT_DTYPES` (float32 for keys not listed there).
+    """
+
+    model_input: ModelInput
+    loss_fn_inputs: Mapping[str, TensorData] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_input", to_model_input(self.model_input))
+        converted = {key: to_tensor_data(key, value) for key, value in dict(self.loss_fn_inputs).items()}
+        object.__setattr__(self, "loss_fn_inputs", converted)
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Per-step AdamW hyper-parameters (Tinker's defaults). Every field applies on every `optim_step`.
+
+    `weight_decay` is decoupled (AdamW); `grad_clip_norm` clips the global L2 norm, 0 means no clipping.
+    """
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"AdamParams.{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.learning_rate < 0:
+            raise ValueError(f"AdamParams.learning_rate must be >= 0, got {self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"AdamParams.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.eps <= 0:
+            raise ValueError(f"AdamParams.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"AdamParams.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip_norm < 0:
+            raise ValueError(f"AdamParams.grad_clip_norm must be >= 0 (0 = off), got {self.grad_clip_norm}")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Which layers get LoRA adapters, and how big (Tinker's `LoraConfig` plus `alpha`).
+
+    The adapter output is scaled by `alpha / rank` (Hu et al. 2021, https://arxiv.org/abs/2106.09685).
+    `seed` fixes the adapters' initialisation; None takes the session seed.
+    """
+
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+    alpha: float = 32.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoraConfig.rank must be a positive integer, got {self.rank!r}")
+        if not (self.train_unembed or self.train_mlp or self.train_attn):
+            raise ValueError("LoraConfig trains nothing: set at least one of train_attn, train_mlp, train_unembed")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample (Tinker's `SamplingParams`).
+
+    `temperature=0` is greedy; `top_k=-1` and `top_p=1` switch those filters off. `stop` is a string,
+    a list of strings or a list of token ids; None stops at the tokenizer's EOS, `[]` never stops early.
+    `max_tokens=None` samples up to the model's context length.
+    """
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if stop is not None:
+            stop = tuple(stop)
+            if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)):
+                raise ValueError(f"SamplingParams.stop must be strings or token ids, not a mix: {self.stop!r}")
+            if any(isinstance(s, str) and not s for s in stop):
+                raise ValueError("SamplingParams.stop strings must not be empty")
+        object.__setattr__(self, "stop", stop)
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutput:
+    """Result of `forward` / `forward_backward`: one dict of `TensorData` per datum, plus metrics.
+
+    Metric keys are `name:reduction` (`loss:sum`, `ratio:mean`, ...), as the SDK merges them.
+    """
+
+    loss_fn_output_type: str
+    loss_fn_outputs: list[dict[str, TensorData]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OptimStepResponse:
+    """Result of `optim_step`. `applied` is False when the step was skipped, and `skipped_reason` says why."""
+
+    metrics: dict[str, float]
+    applied: bool = True
+    skipped_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+
+
+@dataclass(frozen=True)
+class SampleResponse:
+    """Sampled sequences, the prompt's logprobs when asked for (first entry None), and the weight
+    version that produced them."""
+
+    sequences: list[SampledSequence]
+    weights_version: int
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass(frozen=True)
+class SaveWeightsResponse:
+    path: str
+
+
+@dataclass(frozen=True)
+class SaveWeightsForSamplerResponse:
+    path: str
+
+
+@dataclass(frozen=True)
+class LoadWeightsResponse:
+    path: str
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+
+
+def to_tensor_data(key: str, value: Any) -> TensorData:
+    """Turn a `loss_fn_inputs` value (ours, the SDK's, torch, numpy or a list) into `TensorData`."""
+    if isinstance(value, TensorData):
+        return value
+    tinker_tensor_data = _tinker_class("TensorData")
+    if tinker_tensor_data is not None and isinstance(value, tinker_tensor_data):
+        return TensorData(value.to_numpy(), value.dtype)
+    if isinstance(value, torch.Tensor):
+        return TensorData.from_torch(value)
+    if isinstance(value, np.ndarray):
+        return TensorData.from_numpy(value)
+    if isinstance(value, (list, tuple)):
+        array = np.asarray(value)
+        if array.dtype == object or array.dtype.kind not in "iubf":
+            raise ValueError(f"loss_fn_inputs[{key!r}] must be a rectangular list of numbers")
+        dtype = INPUT_DTYPES.get(key, "float32")
+        if dtype == "int64" and array.dtype.kind == "f":
+            return TensorData(array, "float32")  # kept float so validation can name the bad value
+        return TensorData(array, dtype)
+    raise TypeError(f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}")
+
+
+def to_model_input(value: Any) -> ModelInput:
+    """Turn a `ModelInput` (ours or the SDK's), a list of token ids, or a dict with `chunks` into ours."""
+    if isinstance(value, ModelInput):
+        return value
+    tinker_model_input = _tinker_class("ModelInput")
+    if tinker_model_input is not None and isinstance(value, tinker_model_input):
+        return ModelInput.from_ints(value.to_ints())
+    if isinstance(value, Mapping):
+        chunks = []
+        for chunk in value.get("chunks", ()):
+            kind = chunk.get("type", "encoded_text")
+            if kind != "encoded_text":
+                raise ValueError(f"only text chunks are supported, got a {kind!r} chunk")
+            chunks.append(EncodedTextChunk(tokens=tuple(chunk["tokens"])))
+        return ModelInput(chunks=tuple(chunks))
+    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
+        tokens = value.tolist() if isinstance(value, (np.ndarray, torch.Tensor)) else list(value)
+        return ModelInput.from_ints(tokens)
+    raise TypeError(f"model_input must be a ModelInput or a list of token ids, got {type(value).__name__}")
+
+
+def to_datum(value: Any) -> Datum:
+    """Turn a `Datum` (ours or the SDK's) or a dict with `model_input` and `loss_fn_inputs` into ours."""
+    if isinstance(value, Datum):
+        return value
+    tinker_datum = _tinker_class("Datum")
+    if tinker_datum is not None and isinstance(value, tinker_datum):
+        return Datum(model_input=value.model_input, loss_fn_inputs=dict(value.loss_fn_inputs))
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"model_input", "loss_fn_inputs"}
+        if unknown or "model_input" not in value:
+            raise ValueError(f"a datum dict has keys 'model_input' and 'loss_fn_inputs', got {sorted(value)}")
+        return Datum(model_input=value["model_input"], loss_fn_inputs=value.get("loss_fn_inputs", {}))
+    raise TypeError(f"a datum must be a Datum or a dict, got {type(value).__name__}")
+
+
+def _dataclass_from(cls: type, value: Any, sdk_name: str) -> Any:
+    """Build our config dataclass `cls` from itself, the SDK's same-named object, or a dict."""
+    if isinstance(value, cls):
+        return value
+    sdk_class = _tinker_class(sdk_name)
+    if sdk_class is not None and isinstance(value, sdk_class):
+        value = value.model_dump()
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**{k: v for k, v in value.items() if v is not None or k in ("seed", "stop", "max_tokens")})
+    raise TypeError(f"expected {cls.__name__}, the SDK's {sdk_name} or a dict, got {type(value).__name__}")
+
+
+def to_adam_params(value: Any) -> AdamParams:
+    return _dataclass_from(AdamParams, AdamParams() if value is None else value, "AdamParams")
+
+
+def to_sampling_params(value: Any) -> SamplingParams:
+    return _dataclass_from(SamplingParams, value, "SamplingParams")
+
+
+def to_lora_config(value: Any) -> LoraConfig:
+    return _dataclass_from(LoraConfig, value, "LoraConfig")
