@@ -21,7 +21,7 @@ from workbench.types import Datum, to_datum
 
 # Fixed cost of one extra forward pass, in padded-token equivalents. The planner splits a batch only
 # where the padding saved is worth more than this.
-MICROBATCH_OVERHEAD_TOKENS = 64
+MICROBATCH_OVERHEAD_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _check_tokens(where: str, array: np.ndarray, vocab_size: int) -> None:
     if array.dtype.kind == "f":
         if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
             bad = int(np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))[0])
-            raise ValueError(f"{where}: token ids must be integers, got {array[bad]!r} at position {bad}")
+            raise ValueError(f"{where}: token ids must be integers, got {array[bad].item()!r} at position {bad}")
     elif array.dtype.kind not in "iu":
         raise ValueError(f"{where}: token ids must be integers, got dtype {array.dtype}")
     out_of_range = (array < 0) | (array >= vocab_size)
@@ -132,7 +132,7 @@ def prepare_datum(
             finite = np.isfinite(array)
             if not finite.all():
                 bad = int(np.flatnonzero(~finite)[0])
-                raise ValueError(f"{where}: loss_fn_inputs[{key!r}] has a non-finite value {array[bad]} at position {bad}")
+                raise ValueError(f"{where}: loss_fn_inputs[{key!r}] has a non-finite value {array[bad].item()} at position {bad}")
             inputs[key] = torch.from_numpy(array.astype(np.float32))
     for key, default in optional.items():
         if key not in inputs and default is not None:

@@ -52,7 +52,8 @@ class LossSpec:
     critic's `values`. `required_inputs` must be in every datum; `training_inputs` are required by
     `forward_backward` but may be left out of `forward`, which then returns predictions only.
     `optional_inputs` maps each optional input to the value used where a datum leaves it out.
-    `summarize` derives batch-level metrics from the averaged diagnostics.
+    `summarize` derives batch-level metrics from the averaged diagnostics. `reports_entropy` adds the
+    policy's mean next-token entropy (`entropy:mean`), the RL losses' usual collapse signal.
     """
 
     fn: LossFn
@@ -62,6 +63,7 @@ class LossSpec:
     training_inputs: tuple[str, ...] = ()
     config_defaults: Mapping[str, float] = field(default_factory=dict)
     summarize: Callable[[dict[str, float]], dict[str, float]] | None = None
+    reports_entropy: bool = False
 
 
 def cross_entropy(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
@@ -192,10 +194,14 @@ _POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, "logprobs", ("target_tokens",), optional_inputs={"weights": 1.0}),
-    "importance_sampling": LossSpec(importance_sampling, "logprobs", _POLICY_INPUTS),
-    "ppo": LossSpec(ppo, "logprobs", _POLICY_INPUTS, config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "cispo": LossSpec(cispo, "logprobs", _POLICY_INPUTS, config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
-    "dro": LossSpec(dro, "logprobs", _POLICY_INPUTS, config_defaults={"beta": 0.05}),
+    "importance_sampling": LossSpec(importance_sampling, "logprobs", _POLICY_INPUTS, reports_entropy=True),
+    "ppo": LossSpec(
+        ppo, "logprobs", _POLICY_INPUTS, config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, reports_entropy=True
+    ),
+    "cispo": LossSpec(
+        cispo, "logprobs", _POLICY_INPUTS, config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, reports_entropy=True
+    ),
+    "dro": LossSpec(dro, "logprobs", _POLICY_INPUTS, config_defaults={"beta": 0.05}, reports_entropy=True),
     "ppo_critic": LossSpec(
         ppo_critic,
         "values",

@@ -3,15 +3,37 @@
 Every operation appends one row: which op, on which model, at which optimizer step (the policy's step
 count: the x-axis of every plot and of W&B), when, and its metrics. Sinks receive each row as it is
 recorded; a sink that raises is reported with a warning and never breaks the operation.
+
+`JsonlSink` keeps a plain-text copy of the rows next to the session's files: one JSON object a line,
+flushed per row, so a crash loses at most the row being written and any tool (pandas, jq) can read it.
+
+`WandbSink` forwards rows to a W&B run. Several operations share one optimizer step (a
+`forward_backward` per micro-batch, `forward` on held-out data, then `optim_step`), so rows cannot be
+logged with `run.log(..., step=step)`: W&B keeps one row per step there (a second micro-batch's loss
+would overwrite the first's) and ignores a step smaller than the last. Instead every row is its own `run.log` call (W&B's internal `_step` counts rows) carrying the
+`optimizer_step` metric, and `define_metric` makes `optimizer_step` the x-axis of every model's
+metrics. Keys are `"{model}/{op}/{metric}"`, e.g. `policy/forward_backward/loss:sum`: the W&B UI
+groups charts by the part before the first `/`, so each model gets its own section, and keeping the op
+in the key keeps a held-out `forward` loss and the training `forward_backward` loss on separate lines
+instead of one line that zig-zags between them.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import wandb
+
+ROW_COLUMNS = ("step", "op", "model", "time")
+"""The columns every history row has; the other keys are metrics."""
 
 
 class Sink(Protocol):
@@ -58,7 +80,7 @@ class MetricsHistory:
         seen: dict[str, None] = {}
         for row in self.rows:
             for key in row:
-                if key not in ("step", "op", "model", "time"):
+                if key not in ROW_COLUMNS:
                     seen.setdefault(key)
         return list(seen)
 
@@ -81,3 +103,144 @@ class MetricsHistory:
 
     def __repr__(self) -> str:
         return f"MetricsHistory({len(self.rows)} rows, metrics={self.names()})"
+
+
+class JsonlSink:
+    """Appends every row to a JSON Lines file, flushed per row.
+
+    NaN metrics are written as `NaN`, which Python's `json` and pandas read back; the file is opened in
+    append mode so a resumed session continues the same file.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(dict(row)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __repr__(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"
+
+
+WandbSetting = bool | Mapping[str, Any] | None
+"""What `Session(wandb=...)` accepts: False (off), None or True (on), or extra `wandb.init` kwargs."""
+
+STEP_METRIC = "optimizer_step"
+"""The W&B metric that carries each row's optimizer step: the x-axis of every model's charts."""
+
+
+class WandbSink:
+    """Forwards history rows to a W&B run; see the module docstring for the key layout and the x-axis.
+
+    Create it with `open_wandb_run`. Checkpoint events go to `log_event`.
+    """
+
+    def __init__(self, run: wandb.Run) -> None:
+        self._run = run
+        self._run.define_metric(STEP_METRIC)
+        self._models: set[str] = set()
+
+    @property
+    def run_id(self) -> str:
+        return self._run.id
+
+    @property
+    def url(self) -> str | None:
+        """The run's page, or None for an offline run (sync it with `wandb sync <directory>`)."""
+        return None if self._run.offline else self._run.url
+
+    @property
+    def mode(self) -> str:
+        """`"online"` or `"offline"`."""
+        return self._run.settings.mode
+
+    @property
+    def directory(self) -> Path:
+        """The run's local folder, e.g. `<dir>/wandb/offline-run-<time>-<run_id>`."""
+        return Path(self._run.settings.sync_dir)
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        model, op = row["model"], row["op"]
+        if model not in self._models:
+            self._run.define_metric(f"{model}/*", step_metric=STEP_METRIC)
+            self._models.add(model)
+        data = {f"{model}/{op}/{key}": value for key, value in row.items() if key not in ROW_COLUMNS}
+        data[STEP_METRIC] = row["step"]
+        self._run.log(data)
+
+    def log_event(self, name: str, payload: Mapping[str, Any]) -> None:
+        """Record a one-off event (e.g. a saved checkpoint) in the run summary under `event/{name}`.
+
+        Events are facts about the run, not series, so they go to the summary shown on the run's
+        overview page rather than to the charts; a later event of the same name replaces the earlier one
+        (the latest checkpoint is the one worth showing there).
+        """
+        self._run.summary[f"event/{name}"] = dict(payload)
+
+    def close(self) -> None:
+        """Finish the run (an offline run is then complete and ready for `wandb sync`)."""
+        self._run.finish()
+
+    def __repr__(self) -> str:
+        return f"WandbSink(run_id={self.run_id!r}, mode={self.mode!r}, directory={str(self.directory)!r})"
+
+
+def open_wandb_run(
+    setting: WandbSetting,
+    *,
+    config: Mapping[str, Any],
+    run_id: str | None,
+    project: str,
+    directory: Path,
+) -> WandbSink | None:
+    """Start the W&B run for a session, or return None when W&B is off.
+
+    The mode is the first of: a `"mode"` in `setting`, the `WANDB_MODE` environment variable, then
+    `"online"` if W&B credentials are configured (`WANDB_API_KEY`, a netrc entry or `wandb login`, as
+    found by `wandb.login(prompt=False, verify=False)`, which never prompts) and `"offline"` otherwise:
+    an offline run is a local folder that `wandb sync` uploads later. Mode `"disabled"` returns None.
+
+    Every session gets its own run (`reinit="create_new"`), so several sessions in one notebook never
+    finish each other's runs, and nothing here relies on the global `wandb.run`.
+
+    Args:
+        setting: False for no run; None or True for the default run; a mapping of extra `wandb.init`
+            kwargs (e.g. `{"project": "x", "mode": "offline"}`), which override the ones below.
+        config: The session config, logged once as the run config.
+        run_id: Resume (or create) the run with this id, so a resumed session continues the same run;
+            None for a fresh id.
+        project: The W&B project.
+        directory: Where W&B puts its `wandb/` folder of run files (created if missing).
+
+    Returns:
+        The sink to add to `MetricsHistory.sinks`, or None.
+    """
+    if not (setting is None or isinstance(setting, bool | Mapping)):
+        raise TypeError(f"wandb must be False, True, None or a dict of wandb.init kwargs, got {setting!r}")
+    if setting is False:
+        return None
+    import wandb  # imported here: sessions without W&B do not pay for importing it
+
+    extra = dict(setting) if isinstance(setting, Mapping) else {}
+    mode = extra.get("mode") or os.environ.get("WANDB_MODE")
+    if mode is None:
+        mode = "online" if wandb.login(prompt=False, verify=False) else "offline"
+    if mode == "disabled":
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    init_kwargs: dict[str, Any] = {
+        "project": project,
+        "dir": directory,
+        "config": dict(config),
+        "mode": mode,
+        "reinit": "create_new",
+    }
+    if run_id is not None:
+        init_kwargs |= {"id": run_id, "resume": "allow"}
+    return WandbSink(wandb.init(**(init_kwargs | extra)))

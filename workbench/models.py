@@ -13,8 +13,9 @@ they sit in the module tree (under an attention or an MLP block), so any HF deco
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import peft
@@ -41,6 +42,7 @@ class BaseModelInfo:
     hidden_size: int
     num_layers: int
     max_length: int  # the longest sequence the model accepts (max_position_embeddings)
+    linear_layers: Mapping[str, str] = field(default_factory=dict, repr=False)  # name -> attn | mlp | unembed | other
 
     def identity(self) -> dict[str, object]:
         return {
@@ -68,11 +70,17 @@ def resolve_device_and_dtype(device: str | torch.device | None, dtype: str | tor
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """Hide transformers' per-load progress bars (ours say what is happening)."""
+    """Hide transformers' per-load progress bars (ours say what is happening) and the deprecation
+    notice peft's wrapping triggers inside transformers, which users can do nothing about."""
     was_enabled = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            # An unembedding adapter on a model with tied embeddings adapts the output layer only, as
+            # Tinker's `train_unembed` means; merged exports untie the two (checkpoints.export_merged).
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*", category=UserWarning)
+            yield
     finally:
         if was_enabled:
             transformers.utils.logging.enable_progress_bar()
@@ -98,8 +106,12 @@ def load_base_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BaseModelInfo]:
     """Load the frozen base model, its tokenizer and its identity."""
     path = resolve_model_path(name)
-    if Path(name).exists() and not Path(name).is_dir():
-        raise ValueError(f"base_model {name!r} is a file; give a model folder, an HF id, or one of {sorted(BUILTIN_MODELS)}")
+    local = Path(name).expanduser()
+    if local.exists() and not (local / "config.json").is_file():
+        raise ValueError(
+            f"base_model {name!r} is not a model folder (no config.json); give an HF model folder, "
+            f"an HF id, or one of {sorted(BUILTIN_MODELS)}"
+        )
     tokenizer = load_tokenizer(name)
     with _quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -115,32 +127,42 @@ def load_base_model(
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
         max_length=config.max_position_embeddings,
+        linear_layers=classify_linear_layers(model),
     )
     return model, tokenizer, info
 
 
-def lora_target_modules(model: nn.Module, lora: LoraConfig) -> list[str]:
-    """Names of the linear layers that `lora` asks to adapt, as peft `target_modules`.
+def classify_linear_layers(model: nn.Module) -> dict[str, str]:
+    """Every linear layer of a (not yet adapted) model by kind: `attn`, `mlp`, `unembed` or `other`.
 
-    Leaf names (`q_proj`, ...) are used when they pick out exactly the chosen layers, which keeps the
-    adapter config short and readable by vLLM; otherwise the full module paths are used.
+    Computed once on the clean base model: after peft wraps layers, its own sub-layers are linear too.
     """
     unembed = model.get_output_embeddings()
-    chosen: list[str] = []
-    others: list[str] = []
+    kinds: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         parts = name.split(".")
         if module is unembed:
-            wanted = lora.train_unembed
+            kinds[name] = "unembed"
         elif any(marker in part for part in parts for marker in _ATTENTION_MARKERS):
-            wanted = lora.train_attn
+            kinds[name] = "attn"
         elif any(marker in part for part in parts for marker in _MLP_MARKERS):
-            wanted = lora.train_mlp
+            kinds[name] = "mlp"
         else:
-            wanted = False
-        (chosen if wanted else others).append(name)
+            kinds[name] = "other"
+    return kinds
+
+
+def lora_target_modules(linear_layers: Mapping[str, str], lora: LoraConfig) -> list[str]:
+    """Names of the linear layers that `lora` asks to adapt, as peft `target_modules`.
+
+    Leaf names (`q_proj`, ...) are used when they pick out exactly the chosen layers, which keeps the
+    adapter config short and readable by vLLM; otherwise the full module paths are used.
+    """
+    wanted_kinds = {"attn": lora.train_attn, "mlp": lora.train_mlp, "unembed": lora.train_unembed, "other": False}
+    chosen = [name for name, kind in linear_layers.items() if wanted_kinds[kind]]
+    others = [name for name, kind in linear_layers.items() if not wanted_kinds[kind]]
     if not chosen:
         raise ValueError(f"{lora} selects no linear layer of this model")
     leaves = {name.split(".")[-1] for name in chosen}
@@ -149,32 +171,32 @@ def lora_target_modules(model: nn.Module, lora: LoraConfig) -> list[str]:
     return chosen
 
 
-def _lora_peft_config(model: nn.Module, lora: LoraConfig) -> peft.LoraConfig:
+def _lora_peft_config(linear_layers: Mapping[str, str], lora: LoraConfig) -> peft.LoraConfig:
     return peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=0.0,
-        target_modules=lora_target_modules(model, lora),
+        target_modules=lora_target_modules(linear_layers, lora),
         bias="none",
         task_type="CAUSAL_LM",
     )
 
 
-def attach_lora(model: PreTrainedModel, lora: LoraConfig, adapter_name: str, seed: int) -> peft.PeftModel:
+def attach_lora(model: PreTrainedModel, info: BaseModelInfo, lora: LoraConfig, adapter_name: str, seed: int) -> peft.PeftModel:
     """Wrap the base model in peft with one adapter. A-matrices are drawn from a generator seeded with
     `seed`; B-matrices start at zero, so the adapted model starts equal to the base."""
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(seed)
-        peft_model = peft.get_peft_model(model, _lora_peft_config(model, lora), adapter_name=adapter_name)
+        peft_model = peft.get_peft_model(model, _lora_peft_config(info.linear_layers, lora), adapter_name=adapter_name)
     peft_model.eval()
     return peft_model
 
 
-def add_lora_adapter(peft_model: peft.PeftModel, lora: LoraConfig, adapter_name: str, seed: int) -> None:
+def add_lora_adapter(peft_model: peft.PeftModel, info: BaseModelInfo, lora: LoraConfig, adapter_name: str, seed: int) -> None:
     """Add another adapter on the same frozen base weights."""
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(seed)
-        peft_model.add_adapter(adapter_name, _lora_peft_config(peft_model.get_base_model(), lora))
+        peft_model.add_adapter(adapter_name, _lora_peft_config(info.linear_layers, lora))
     peft_model.eval()
 
 

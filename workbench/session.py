@@ -11,8 +11,15 @@ and changes nothing; then it runs on the worker thread, in submission order, and
 from __future__ import annotations
 
 import gc
+import hashlib
+import os
+import re
+import secrets
+import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +30,7 @@ from workbench.batching import MicroBatch, PreparedDatum, collate, plan_microbat
 from workbench.futures import APIFuture
 from workbench.logprobs import target_logprobs
 from workbench.losses import LossSpec, resolve_loss
-from workbench.metrics import MetricsHistory
+from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
 from workbench.models import adapter_parameters, attach_lora, load_base_model, resolve_device_and_dtype
 from workbench.training import TrainableAdapter
 from workbench.types import (
@@ -39,6 +46,7 @@ from workbench.worker import SessionClosedError, Worker
 
 POLICY = "policy"
 REFERENCE = "reference"
+WANDB_PROJECT = "workbench"
 
 CustomLossFn = Callable[[list[Any], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
 
@@ -56,6 +64,14 @@ class SessionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def default_run_dir(base_model: str) -> Path:
+    """A fresh folder for a session's files: `$WORKBENCH_RUNS` (default `./runs`) /
+    `<model>-<date>-<time>-<random>`. Its name is also the W&B run id."""
+    root = Path(os.environ.get("WORKBENCH_RUNS", "runs"))
+    model = re.sub(r"[^A-Za-z0-9]+", "-", Path(base_model).name).strip("-").lower() or "model"
+    return root / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 @dataclass
@@ -95,6 +111,10 @@ class Session:
         seed: seeds the adapters' initialisation (unless `lora.seed` is set) and the samplers.
         device, dtype: default CUDA/bf16 when a GPU is present, else CPU/fp32.
         max_tokens_per_microbatch: padded tokens per forward pass; bounds activation memory.
+        run_dir: where the session writes its history (`history.jsonl`), checkpoints and W&B files;
+            default a fresh folder under `./runs` (see `default_run_dir`).
+        wandb: False for no W&B run; None/True for a run that is online when W&B credentials are
+            configured and offline otherwise; a dict of extra `wandb.init` arguments.
     """
 
     def __init__(
@@ -106,6 +126,8 @@ class Session:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         max_tokens_per_microbatch: int = 8192,
+        run_dir: str | Path | None = None,
+        wandb: WandbSetting = None,
     ):
         lora_config = to_lora_config(lora if lora is not None else LoraConfig())
         if max_tokens_per_microbatch < 1:
@@ -122,10 +144,14 @@ class Session:
         self.device = resolved_device
         self.dtype = resolved_dtype
         base, self.tokenizer, self.base_info = load_base_model(base_model, resolved_device, resolved_dtype)
-        self._model = attach_lora(base, lora_config, POLICY, seed=lora_config.seed if lora_config.seed is not None else seed)
+        self._model = attach_lora(base, self.base_info, lora_config, POLICY, seed=lora_config.seed if lora_config.seed is not None else seed)
         self._adapters: dict[str, TrainableAdapter] = {POLICY: TrainableAdapter(POLICY, adapter_parameters(self._model, POLICY))}
         self._active_adapter = POLICY
         self.history = MetricsHistory()
+        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(base_model)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.history.sinks.append(JsonlSink(self.run_dir / "history.jsonl"))
+        self.wandb_run = self._open_wandb(wandb)
         self._worker = Worker()
         self._closed = False
 
@@ -133,6 +159,19 @@ class Session:
 
         self.policy = TrainingClient(self, POLICY)
         self.reference = TrainingClient(self, REFERENCE)
+
+    def _open_wandb(self, setting: WandbSetting) -> WandbSink | None:
+        """Start the session's W&B run; a W&B failure leaves W&B off with a warning, never the session."""
+        try:
+            sink = open_wandb_run(
+                setting, config=self.config.to_dict(), run_id=self.run_dir.name, project=WANDB_PROJECT, directory=self.run_dir
+            )
+        except Exception as error:
+            warnings.warn(f"W&B is off for this session: {error!r}", RuntimeWarning, stacklevel=3)
+            return None
+        if sink is not None:
+            self.history.sinks.append(sink)
+        return sink
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -153,6 +192,14 @@ class Session:
         if role not in self._adapters:
             raise ValueError(f"the {role} is not trainable")
         return self._adapters[role]
+
+    def state_digest(self) -> str:
+        """A sha256 over everything training can change: every adapter's weights, accumulated gradients,
+        optimizer state and counters. Equal digests mean bit-identical training state."""
+        digest = hashlib.sha256()
+        for name in sorted(self._adapters):
+            self._adapters[name].update_digest(digest)
+        return digest.hexdigest()
 
     def close(self) -> None:
         """Finish queued work, then free the model and optimizer memory. Safe to call twice."""
@@ -244,17 +291,17 @@ class Session:
             self._model.set_adapter(role)
             self._active_adapter = role
 
-    def _predict(self, role: str, micro: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        """The model's prediction for a micro-batch: the targets' logprobs (and the entropy of the
-        next-token distribution, detached) for the policy and the reference."""
+    def _predict(self, role: str, micro: MicroBatch, with_entropy: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+        """The model's prediction for a micro-batch: the targets' logprobs for the policy and the
+        reference (and, when asked, the detached entropy of each next-token distribution)."""
         self._activate(role)
         if role == REFERENCE:
             with self._model.disable_adapter():
                 logits_B_T_V = self._logits(micro)
         else:
             logits_B_T_V = self._logits(micro)
-        logprobs_B_T, entropy_B_T = target_logprobs(logits_B_T_V, micro.inputs["target_tokens"])
-        return logprobs_B_T, {"entropy": entropy_B_T}
+        logprobs_B_T, entropy_B_T = target_logprobs(logits_B_T_V, micro.inputs["target_tokens"], with_entropy)
+        return logprobs_B_T, {} if entropy_B_T is None else {"entropy": entropy_B_T}
 
     def _logits(self, micro: MicroBatch) -> Tensor:
         return self._model(
@@ -276,7 +323,7 @@ class Session:
                 micro = collate(batch, indices, self.tokenizer.pad_token_id, self.device)
                 mask_B_T = micro.attention_mask_B_T.bool()
                 with torch.set_grad_enabled(backward):
-                    prediction_B_T, extra = self._predict(role, micro)
+                    prediction_B_T, extra = self._predict(role, micro, spec.reports_entropy)
                     if with_loss:
                         result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
                         if backward:

@@ -13,6 +13,7 @@ the bad gradient is dropped.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Iterator
 
@@ -65,6 +66,21 @@ class TrainableAdapter:
         for param in self.parameters.values():
             param.grad = None
         self.pending_backward_calls = 0
+
+    def update_digest(self, digest: hashlib._Hash) -> None:
+        """Feed every bit of this adapter's trainable state into `digest`: weights, accumulated
+        gradients, optimizer moments and step counts, and the counters."""
+        digest.update(f"{self.name}:{self.step}:{self.weights_version}:{self.pending_backward_calls}".encode())
+        for index, (name, param) in enumerate(self.parameters.items()):
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+            grad = param.grad
+            digest.update(b"no-grad" if grad is None else grad.detach().cpu().contiguous().numpy().tobytes())
+            for key, value in sorted(self.optimizer.state.get(param, {}).items()):
+                digest.update(f"{index}:{key}".encode())
+                digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+        for group in self.optimizer.param_groups:
+            digest.update(repr({k: v for k, v in group.items() if k != "params"}).encode())
 
     # ------------------------------------------------------------------------------------------ step
 

@@ -1,0 +1,42 @@
+"""Test configuration: offline, headless, deterministic.
+
+Nothing downloads at test time (`HF_HUB_OFFLINE=1`); W&B is disabled unless a test turns it on; plots
+use the Agg backend. `gpu` and `vllm` tests are skipped where there is no CUDA device or no vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ["MPLBACKEND"] = "Agg"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+if "WORKBENCH_RUNS" not in os.environ:  # session folders go to a scratch area, not the working tree
+    import tempfile
+
+    os.environ["WORKBENCH_RUNS"] = tempfile.mkdtemp(prefix="workbench-test-runs-")
+
+import pytest
+import torch
+
+import workbench as wb
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_cuda = torch.cuda.is_available()
+    has_vllm = has_cuda and importlib.util.find_spec("vllm") is not None
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="needs vllm and a CUDA device"))
+
+
+@pytest.fixture
+def tiny() -> wb.Session:
+    """A fresh session on the tiny model (rank 4), closed after the test."""
+    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0)
+    yield session
+    session.close()

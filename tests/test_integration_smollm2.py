@@ -1,0 +1,38 @@
+"""The real model: SmolLM2-135M-Instruct, converted from the packaged GGUF (kept few: seconds each)."""
+
+from __future__ import annotations
+
+import pytest
+
+import workbench as wb
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Name a primary colour.", "Red is a primary colour."),
+    ("What is 3 + 4?", "3 + 4 = 7."),
+    ("Say hello in Spanish.", "Hola!"),
+]
+
+
+def chat_datum(tokenizer, question: str, answer: str) -> wb.Datum:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt).input_ids
+    answer_ids = tokenizer(answer + "<|im_end|>").input_ids
+    tokens = prompt_ids + answer_ids
+    weights = [0.0] * len(prompt_ids) + [1.0] * len(answer_ids)
+    return wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
+
+
+def test_sft_loss_falls_on_smollm2() -> None:
+    with wb.Session("smollm2-135m", wb.LoraConfig(rank=16), seed=0) as sess:
+        assert sess.base_info.vocab_size == 49152 and sess.base_info.num_layers == 30
+        data = [chat_datum(sess.tokenizer, q, a) for q, a in EXAMPLES]
+        losses = []
+        for _ in range(4):
+            losses.append(sess.policy.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            assert sess.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
+        after = sess.policy.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        assert after < 0.8 * losses[0], (losses, after)
+        assert sorted(losses, reverse=True) == losses

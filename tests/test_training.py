@@ -1,0 +1,395 @@
+"""Training semantics on the tiny model: Tinker's forward_backward / forward / optim_step contract."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import pytest
+import torch
+from datums import ce_datum, ragged_ce_batch, random_tokens, rl_datum, sft_datum
+
+import workbench as wb
+
+
+def _params(sess: wb.Session) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in sess._adapters["policy"].parameters.items()}
+
+
+def _batch(tokenizer) -> list[wb.Datum]:
+    return [
+        sft_datum(tokenizer, "Question: What is two plus two?", " Answer: Two plus two is four."),
+        sft_datum(tokenizer, "User: Hello!", " Assistant: I am well, thank you."),
+        sft_datum(tokenizer, "The quick brown fox", " jumps over the lazy dog."),
+        sft_datum(tokenizer, "Red, orange, yellow,", " green, blue, indigo and violet."),
+    ]
+
+
+def test_forward_backward_outputs_align_with_targets(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    out = tiny.policy.forward_backward(data, "cross_entropy").result()
+    assert len(out.loss_fn_outputs) == len(data)
+    total = 0.0
+    for datum, output in zip(data, out.loss_fn_outputs, strict=True):
+        n = datum.model_input.length
+        logprobs = output["logprobs"].tolist()
+        assert len(logprobs) == n == len(output["elementwise_loss"].tolist())
+        weights = datum.loss_fn_inputs["weights"].tolist()
+        assert output["elementwise_loss"].tolist() == pytest.approx([-lp * w for lp, w in zip(logprobs, weights, strict=True)], abs=1e-6)
+        total += sum(-lp * w for lp, w in zip(logprobs, weights, strict=True))
+        assert all(lp <= 0 for lp in logprobs)
+    assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    assert out.metrics["num_tokens:sum"] == sum(sum(1 for w in d.loss_fn_inputs["weights"].tolist() if w) for d in data)
+    assert "entropy:mean" not in out.metrics  # an RL diagnostic; SFT does not pay for it
+
+
+def test_logprobs_match_a_plain_transformers_forward(tiny: wb.Session) -> None:
+    datum = _batch(tiny.tokenizer)[0]
+    out = tiny.policy.forward([datum], "cross_entropy").result()
+    tokens = torch.tensor([datum.model_input.to_ints()])
+    with torch.no_grad():
+        logits = tiny._model.get_base_model()(tokens).logits[0]
+    targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(targets)), targets]
+    assert out.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_forward_changes_nothing(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    before = tiny.state_digest()
+    first = tiny.policy.forward(data, "cross_entropy").result()
+    second = tiny.policy.forward(data, "cross_entropy").result()
+    assert tiny.state_digest() == before
+    assert first.metrics == second.metrics
+    assert tiny.policy.optim_step().result().applied is False
+
+
+def test_training_lowers_the_loss_and_bumps_versions(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    losses = []
+    for _ in range(6):
+        losses.append(tiny.policy.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        response = tiny.policy.optim_step(wb.AdamParams(learning_rate=3e-2)).result()
+        assert response.applied
+    assert losses[-1] < 0.7 * losses[0]
+    assert tiny.policy.step == 6 and tiny.policy.weights_version == 6
+
+
+def test_only_lora_parameters_change(tiny: wb.Session) -> None:
+    base_before = {name: t.clone() for name, t in tiny._model.get_base_model().state_dict().items() if "lora_" not in name}
+    adapter_before = _params(tiny)
+    tiny.policy.forward_backward(_batch(tiny.tokenizer), "cross_entropy").result()
+    tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    base_after = {name: t for name, t in tiny._model.get_base_model().state_dict().items() if "lora_" not in name}
+    assert base_before.keys() == base_after.keys()
+    for name, tensor in base_before.items():
+        assert torch.equal(tensor, base_after[name]), f"base weight {name} changed"
+    changed = [name for name, t in _params(tiny).items() if not torch.equal(t, adapter_before[name])]
+    assert changed, "no adapter parameter changed"
+    assert all("lora_" in name for name in changed)
+    trainable = [name for name, p in tiny._model.named_parameters() if p.requires_grad]
+    assert all("lora_" in name for name in trainable)
+
+
+def test_gradient_accumulation_equals_one_big_batch() -> None:
+    data = ragged_ce_batch(seed=1, count=8, min_len=4, max_len=40, vocab=900)
+    results = []
+    for split in ([data], [data[:4], data[4:]], [[d] for d in data]):
+        with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
+            for _ in range(2):
+                for part in split:
+                    sess.policy.forward_backward(part, "cross_entropy")
+                sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+            results.append(_params(sess))
+    for other in results[1:]:
+        for name, tensor in results[0].items():
+            torch.testing.assert_close(other[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_microbatch_split_equals_one_pass_and_keeps_input_order() -> None:
+    data = ragged_ce_batch(seed=2, count=9, min_len=3, max_len=60, vocab=900)
+    outputs = []
+    grads = []
+    for budget in (100_000, 64):
+        with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=budget) as sess:
+            outputs.append(sess.policy.forward_backward(data, "cross_entropy").result())
+            grads.append({n: p.grad.clone() for n, p in sess._adapters["policy"].parameters.items()})
+    whole, split = outputs
+    assert whole.metrics["loss:sum"] == pytest.approx(split.metrics["loss:sum"], rel=1e-5)
+    for datum, a, b in zip(data, whole.loss_fn_outputs, split.loss_fn_outputs, strict=True):
+        assert len(a["logprobs"].tolist()) == datum.model_input.length
+        assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-5)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=1e-4)
+
+
+def _reference_adamw(
+    params: dict[str, torch.Tensor], grads_per_step: list[dict[str, torch.Tensor]], settings: list[wb.AdamParams]
+) -> dict[str, torch.Tensor]:
+    """AdamW written out by hand (Loshchilov & Hutter 2019) with global-norm clipping, per-step settings."""
+    p = {n: t.clone().double() for n, t in params.items()}
+    m = {n: torch.zeros_like(t) for n, t in p.items()}
+    v = {n: torch.zeros_like(t) for n, t in p.items()}
+    for t, (grads, s) in enumerate(zip(grads_per_step, settings, strict=True), start=1):
+        g = {n: grads[n].double() for n in p}
+        norm = math.sqrt(sum(float((x**2).sum()) for x in g.values()))
+        if s.grad_clip_norm > 0 and norm > s.grad_clip_norm:
+            g = {n: x * (s.grad_clip_norm / (norm + 1e-6)) for n, x in g.items()}
+        for n in p:
+            p[n] = p[n] * (1 - s.learning_rate * s.weight_decay)
+            m[n] = s.beta1 * m[n] + (1 - s.beta1) * g[n]
+            v[n] = s.beta2 * v[n] + (1 - s.beta2) * g[n] ** 2
+            m_hat = m[n] / (1 - s.beta1**t)
+            v_hat = v[n] / (1 - s.beta2**t)
+            p[n] = p[n] - s.learning_rate * m_hat / (v_hat.sqrt() + s.eps)
+    return {n: x.float() for n, x in p.items()}
+
+
+def test_optim_step_honours_every_adam_field_on_every_call(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    settings = [
+        wb.AdamParams(learning_rate=1e-2, beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.1, grad_clip_norm=0.5),
+        wb.AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, grad_clip_norm=0.0),
+        wb.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.5, grad_clip_norm=1e6),
+    ]
+    start = _params(tiny)
+    grads_per_step = []
+    for s in settings:
+        tiny.policy.forward_backward(data, "cross_entropy").result()
+        grads_per_step.append({n: p.grad.clone() for n, p in tiny._adapters["policy"].parameters.items()})
+        metrics = tiny.policy.optim_step(s).result().metrics
+        assert metrics["learning_rate"] == s.learning_rate
+        expected_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads_per_step[-1].values()))
+        assert metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
+    expected = _reference_adamw(start, grads_per_step, settings)
+    for name, tensor in _params(tiny).items():
+        torch.testing.assert_close(tensor, expected[name], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"learning_rate": 2e-2},
+        {"beta1": 0.5},
+        {"beta2": 0.5},
+        {"eps": 1e-1},
+        {"weight_decay": 0.5},
+        {"grad_clip_norm": 1e-3},
+    ],
+)
+def test_each_adam_field_has_an_effect(change: dict[str, float]) -> None:
+    data = ragged_ce_batch(seed=3, count=3, min_len=5, max_len=20, vocab=900)
+    outcomes = []
+    for params in (wb.AdamParams(learning_rate=1e-2), wb.AdamParams(**{"learning_rate": 1e-2, **change})):
+        with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
+            # two steps, so that the second moment and momentum (beta1, beta2) matter
+            for _ in range(2):
+                sess.policy.forward_backward(data, "cross_entropy").result()
+                sess.policy.optim_step(params).result()
+            outcomes.append(_params(sess))
+    assert any(not torch.equal(outcomes[0][n], outcomes[1][n]) for n in outcomes[0])
+
+
+def test_tinker_sdk_objects_are_accepted_unchanged(tiny: wb.Session) -> None:
+    tinker = pytest.importorskip("tinker")
+    tokens = tiny.tokenizer("The quick brown fox jumps over the lazy dog").input_ids
+    n = len(tokens) - 1
+    sdk_datum = tinker.Datum(
+        model_input=tinker.ModelInput(chunks=[tinker.EncodedTextChunk(tokens=tokens[:3]), tinker.EncodedTextChunk(tokens=tokens[3:-1])]),
+        loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(__import__("numpy").array(tokens[1:])), "weights": [1.0] * n},
+    )
+    ours = ce_datum(tokens)
+    sdk_out = tiny.policy.forward([sdk_datum], "cross_entropy").result()
+    our_out = tiny.policy.forward([ours], "cross_entropy").result()
+    dict_out = tiny.policy.forward(
+        [{"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:], "weights": [1.0] * n}}], "cross_entropy"
+    ).result()
+    assert sdk_out.metrics["loss:sum"] == our_out.metrics["loss:sum"] == dict_out.metrics["loss:sum"]
+    tiny.policy.forward_backward([sdk_datum], "cross_entropy").result()
+    response = tiny.policy.optim_step(tinker.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
+    assert response.applied and response.metrics["learning_rate"] == 1e-3
+
+
+def test_rl_losses_run_and_report_diagnostics(tiny: wb.Session) -> None:
+    rng = random.Random(0)
+    tokens = random_tokens(rng, 12, 900)
+    reference = tiny.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    data = [rl_datum(tokens, 5, [lp - 0.3 for lp in reference], 1.0), rl_datum(tokens, 5, reference, -0.5)]
+    for loss in ("importance_sampling", "ppo", "cispo", "dro"):
+        out = tiny.policy.forward(data, loss).result()
+        assert math.isfinite(out.metrics["loss:sum"])
+        assert out.metrics["num_tokens:sum"] > 0
+        assert out.metrics["ratio:mean"] == pytest.approx((math.exp(0.3) + 1) / 2, rel=1e-4) or loss == "dro"
+    ppo_metrics = tiny.policy.forward(data, "ppo").result().metrics
+    # the first datum's ratio exp(0.3) = 1.35 is outside [0.8, 1.2]; the second's is 1
+    assert ppo_metrics["clip_fraction:mean"] == pytest.approx(0.5)
+    # entropy:mean is the mean next-token entropy over the positions with an advantage
+    with torch.no_grad():
+        logits = tiny._model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
+        entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    assert ppo_metrics["entropy:mean"] == pytest.approx(float(entropy[4:].mean()), rel=1e-5)
+
+
+def test_custom_loss_equals_the_builtin_loss() -> None:
+    data = ragged_ce_batch(seed=4, count=6, min_len=4, max_len=50, vocab=900)
+
+    def nll(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = sum((-lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(batch, logprobs, strict=True))
+        return loss, {"custom/pieces:sum": float(len(logprobs))}
+
+    grads = []
+    for run in ("builtin", "custom-one-pass", "custom-two-pass"):
+        budget = 64 if run == "custom-two-pass" else 100_000
+        with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=budget) as sess:
+            if run == "builtin":
+                out = sess.policy.forward_backward(data, "cross_entropy").result()
+            else:
+                out = sess.policy.forward_backward_custom(data, nll).result()
+                assert out.metrics["custom/pieces:sum"] == 6
+            grads.append(({n: p.grad.clone() for n, p in sess._adapters["policy"].parameters.items()}, out))
+    (builtin_grads, builtin_out) = grads[0]
+    for custom_grads, custom_out in grads[1:]:
+        assert custom_out.metrics["loss:sum"] == pytest.approx(builtin_out.metrics["loss:sum"], rel=1e-5)
+        for a, b in zip(builtin_out.loss_fn_outputs, custom_out.loss_fn_outputs, strict=True):
+            assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-5)
+        for name, grad in builtin_grads.items():
+            torch.testing.assert_close(custom_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_custom_loss_may_couple_datums(tiny: wb.Session) -> None:
+    data = ragged_ce_batch(seed=5, count=3, min_len=5, max_len=9, vocab=900)
+
+    def mean_of_means(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        means = torch.stack([lp.mean() for lp in logprobs])
+        return -(means - means.mean().detach()).pow(2).sum() - means.sum(), {}
+
+    out = tiny.policy.forward_backward_custom(data, mean_of_means).result()
+    assert math.isfinite(out.metrics["loss:sum"])
+    assert tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
+
+
+def test_non_finite_gradient_skips_the_step(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    tiny.policy.forward_backward(data, "cross_entropy").result()
+    tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    before = tiny.state_digest()
+
+    def poisoned(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return (logprobs[0] * float("nan")).sum(), {}
+
+    out = tiny.policy.forward_backward_custom(data, poisoned).result()
+    assert math.isnan(out.metrics["loss:sum"])  # the logged loss is honest
+    response = tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    assert not response.applied
+    assert "non-finite" in response.skipped_reason
+    assert tiny.state_digest() == before
+    assert tiny.policy.step == 1
+    # the session trains on afterwards
+    tiny.policy.forward_backward(data, "cross_entropy").result()
+    assert tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result().applied
+
+
+def test_failure_inside_an_operation_leaves_the_accumulated_gradient(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    tiny.policy.forward_backward(data, "cross_entropy").result()
+    before = tiny.state_digest()
+
+    def broken(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs[0].sum().backward(retain_graph=True)  # a partial gradient, then a failure
+        raise RuntimeError("bug in my loss")
+
+    with pytest.raises(RuntimeError, match="bug in my loss"):
+        tiny.policy.forward_backward_custom(data, broken).result()
+    assert tiny.state_digest() == before
+
+
+def test_out_of_memory_mid_batch_restores_gradients_and_recovers() -> None:
+    data = ragged_ce_batch(seed=6, count=6, min_len=10, max_len=60, vocab=900)
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=80) as sess:
+        sess.policy.forward_backward(data[:2], "cross_entropy").result()
+        before = sess.state_digest()
+        real_logits = sess._logits
+        calls = {"n": 0}
+
+        def failing_logits(micro):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise torch.OutOfMemoryError("simulated: out of memory")
+            return real_logits(micro)
+
+        sess._logits = failing_logits
+        with pytest.raises(torch.OutOfMemoryError):
+            sess.policy.forward_backward(data, "cross_entropy").result()
+        assert calls["n"] == 2
+        assert sess.state_digest() == before
+        sess._logits = real_logits
+        sess.policy.forward_backward(data[2:3], "cross_entropy").result()
+        assert sess.policy.optim_step().result().applied
+
+
+def test_futures_run_in_order_and_are_awaitable(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    fb = tiny.policy.forward_backward(data, "cross_entropy")
+    step = tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2))
+    after = tiny.policy.forward(data, "cross_entropy")
+    assert step.result(timeout=60).applied
+    assert after.result().metrics["loss:sum"] < fb.result().metrics["loss:sum"]
+
+    async def train() -> float:
+        out = await tiny.policy.forward_backward(data, "cross_entropy")
+        await tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result_async()
+        return out.metrics["loss:sum"]
+
+    assert math.isfinite(asyncio.run(train()))
+    assert tiny.policy.step == 2
+
+
+def test_history_records_every_operation(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    tiny.policy.forward_backward(data, "cross_entropy").result()
+    tiny.policy.optim_step().result()
+    tiny.policy.forward(data, "cross_entropy").result()
+    ops = [(row["op"], row["model"], row["step"]) for row in tiny.history]
+    assert ops == [("forward_backward", "policy", 0), ("optim_step", "policy", 1), ("forward", "policy", 1)]
+    steps, values = tiny.history.series("loss:sum", op="forward_backward")
+    assert steps == [0] and len(values) == 1
+
+
+def test_reference_is_the_base_model_and_forward_only(tiny: wb.Session) -> None:
+    data = _batch(tiny.tokenizer)
+    for _ in range(3):
+        tiny.policy.forward_backward(data, "cross_entropy").result()
+        tiny.policy.optim_step(wb.AdamParams(learning_rate=3e-2)).result()
+    reference = tiny.reference.forward(data, "cross_entropy").result()
+    policy = tiny.policy.forward(data, "cross_entropy").result()
+    assert reference.metrics["loss:sum"] > policy.metrics["loss:sum"]
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as fresh:
+        untrained = fresh.policy.forward(data, "cross_entropy").result()
+    assert reference.metrics["loss:sum"] == pytest.approx(untrained.metrics["loss:sum"], rel=1e-6)
+    with pytest.raises(ValueError, match="reference is not trainable"):
+        tiny.reference.forward_backward(data, "cross_entropy")
+    with pytest.raises(ValueError, match="reference is not trainable"):
+        tiny.reference.optim_step()
+
+
+def test_close_frees_and_a_new_session_works() -> None:
+    sess = wb.Session("tiny", wb.LoraConfig(rank=2))
+    sess.close()
+    sess.close()
+    with pytest.raises(wb.SessionClosedError):
+        sess.policy.forward([ce_datum([1, 2, 3])], "cross_entropy")
+    with wb.Session("tiny", wb.LoraConfig(rank=2)) as again:
+        assert again.policy.forward([ce_datum([1, 2, 3])], "cross_entropy").result().metrics["num_tokens:sum"] == 2
+
+
+def test_service_client_entry_point() -> None:
+    with wb.ServiceClient(base_url="http://unused", api_key="tml-unused") as service:
+        tc = service.create_lora_training_client(base_model="tiny", rank=8, train_unembed=False)
+        assert tc.get_info().lora_rank == 8
+        tokens = tc.get_tokenizer()("two plus two is four").input_ids
+        out = tc.forward_backward([ce_datum(tokens)], "cross_entropy").result()
+        assert out.metrics["loss:sum"] > 0
+        assert tc.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
+        names = [n for n, _ in tc.session._model.named_parameters() if "lora_" in n]
+        assert not any("lm_head" in n for n in names)
