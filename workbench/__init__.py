@@ -4,6 +4,7 @@ One kernel-resident `Session` holds a base model with a LoRA policy, and speaks 
 (`forward_backward`, `forward`, `optim_step`, ...) on the local GPU or CPU.
 """
 
+from workbench.advantages import broadcast_to_tokens, completion_mask, gae, group_relative_advantages, kl_penalty
 from workbench.clients import ModelInfo, ServiceClient, TrainingClient
 from workbench.futures import APIFuture
 from workbench.losses import LOSSES
@@ -45,4 +46,9 @@ __all__ = [
     "SessionConfig",
     "TensorData",
     "TrainingClient",
+    "broadcast_to_tokens",
+    "completion_mask",
+    "gae",
+    "group_relative_advantages",
+    "kl_penalty",
 ]

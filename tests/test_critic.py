@@ -1,0 +1,165 @@
+"""The critic: a LoRA value model on the policy's frozen base, trained with ppo_critic."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from datums import ce_datum, random_tokens, rl_datum
+
+import workbench as wb
+
+
+def _critic_datum(tokens: list[int], values: list[float], returns: list[float], weights: list[float] | None = None) -> wb.Datum:
+    inputs = {"target_tokens": tokens[1:], "values": values, "returns": returns}
+    if weights is not None:
+        inputs["weights"] = weights
+    return wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+@pytest.fixture
+def with_critic() -> wb.Session:
+    session = wb.Session("tiny", wb.LoraConfig(rank=4), critic=True, seed=0)
+    yield session
+    session.close()
+
+
+def test_critic_gives_one_value_per_position_starting_at_zero(with_critic: wb.Session) -> None:
+    tokens = list(range(5, 25))
+    out = with_critic.critic.forward([ce_datum(tokens)], "ppo_critic").result()
+    values = out.loss_fn_outputs[0]["values"].tolist()
+    assert values == [0.0] * 19
+    assert "loss:sum" not in out.metrics  # no returns given: values only
+
+
+def test_critic_training_reduces_value_error(with_critic: wb.Session) -> None:
+    import random
+
+    rng = random.Random(0)
+    sequences = [random_tokens(rng, 12, 900) for _ in range(4)]
+    # a fixed toy target: the return is the sequence's index, the same at every position
+    targets = [[float(i)] * 11 for i in range(4)]
+
+    def value_error() -> float:
+        out = with_critic.critic.forward([ce_datum(s) for s in sequences], "ppo_critic").result()
+        return sum((v - t) ** 2 for o, ts in zip(out.loss_fn_outputs, targets, strict=True) for v, t in zip(o["values"].tolist(), ts, strict=True))
+
+    before = value_error()
+    for _ in range(80):
+        values = with_critic.critic.forward([ce_datum(s) for s in sequences], "ppo_critic").result()
+        data = [_critic_datum(s, o["values"].tolist(), t) for s, o, t in zip(sequences, values.loss_fn_outputs, targets, strict=True)]
+        out = with_critic.critic.forward_backward(data, "ppo_critic", {"value_clip": 1.0}).result()
+        assert {"loss:sum", "value_clip_fraction:mean", "explained_variance:mean"} <= set(out.metrics)
+        with_critic.critic.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    after = value_error()
+    assert after < 0.05 * before, (before, after)
+    assert out.metrics["explained_variance:mean"] > 0.5
+
+
+def test_critic_and_policy_do_not_disturb_each_other(with_critic: wb.Session) -> None:
+    tokens = list(range(30, 50))
+    policy_data = [ce_datum(tokens)]
+    critic_data = [_critic_datum(tokens, [0.0] * 19, [1.0] * 19)]
+    with_critic.policy.forward_backward(policy_data, "cross_entropy").result()  # pending policy gradient
+    policy_before = with_critic.state_digest("policy")
+    for _ in range(3):
+        with_critic.critic.forward_backward(critic_data, "ppo_critic").result()
+        assert with_critic.critic.optim_step(wb.AdamParams(learning_rate=1e-2)).result().applied
+    assert with_critic.state_digest("policy") == policy_before
+    critic_before = with_critic.state_digest("critic")
+    policy_lp = with_critic.policy.forward(policy_data, "cross_entropy").result().metrics["loss:sum"]
+    assert with_critic.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result().applied
+    with_critic.policy.forward_backward(policy_data, "cross_entropy").result()
+    with_critic.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    assert with_critic.state_digest("critic") == critic_before
+    assert with_critic.policy.forward(policy_data, "cross_entropy").result().metrics["loss:sum"] < policy_lp
+    assert with_critic.critic.step == 3 and with_critic.policy.step == 2
+
+
+def test_creating_and_deleting_a_critic_leaves_the_policy_alone() -> None:
+    tokens = list(range(60, 80))
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
+        sess.policy.forward_backward([ce_datum(tokens)], "cross_entropy").result()
+        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        sess.policy.forward_backward([ce_datum(tokens)], "cross_entropy").result()
+        before = sess.state_digest("policy")
+        logprobs = sess.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        critic = sess.create_critic(wb.LoraConfig(rank=2, train_unembed=False))
+        critic.forward_backward([_critic_datum(tokens, [0.0] * 19, [2.0] * 19)], "ppo_critic").result()
+        critic.optim_step().result()
+        head = weakref.ref(sess._value_head)
+        critic_param = weakref.ref(next(iter(sess._adapters["critic"].parameters.values())))
+        sess.delete_critic()
+        gc.collect()
+        assert sess.critic is None and sess.config.critic is None
+        assert head() is None and critic_param() is None, "the critic's tensors are still referenced"
+        assert not any(".critic." in name for name, _ in sess._model.named_parameters())
+        assert sess.state_digest("policy") == before
+        again = sess.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert again == logprobs
+        assert sess.policy.optim_step().result().applied
+
+
+def test_critic_shares_the_base_weights(with_critic: wb.Session) -> None:
+    base_params = {id(p) for n, p in with_critic._model.named_parameters() if "lora_" not in n}
+    critic_params = with_critic._adapters["critic"].parameters
+    assert not any(id(p) in base_params for p in critic_params.values())
+    lora = sum(p.numel() for n, p in critic_params.items() if "lora_" in n)
+    base = sum(p.numel() for n, p in with_critic._model.named_parameters() if "lora_" not in n)
+    assert lora + with_critic.base_info.hidden_size + 1 == sum(p.numel() for p in critic_params.values())
+    assert lora < 0.5 * base
+
+
+BAD_CRITIC_CASES = [
+    ("policy loss on the critic", lambda t: [ce_datum(t)], "cross_entropy", "'cross_entropy' is a policy loss; the critic trains with 'ppo_critic'"),
+    ("ppo on the critic", lambda t: [rl_datum(t, 3, [-1.0] * 9, 1.0)], "ppo", "'ppo' is a policy loss"),
+    ("missing returns", lambda t: [wb.Datum(model_input=t[:-1], loss_fn_inputs={"values": [0.0] * 9})], "ppo_critic", r"missing \['returns'\]"),
+    ("missing values", lambda t: [wb.Datum(model_input=t[:-1], loss_fn_inputs={"returns": [0.0] * 9})], "ppo_critic", r"missing \['values'\]"),
+    ("mismatched returns", lambda t: [_critic_datum(t, [0.0] * 9, [1.0] * 8)], "ppo_critic", r"loss_fn_inputs\['returns'\] has shape \[8\], but model_input has 9 tokens"),
+    ("NaN return", lambda t: [_critic_datum(t, [0.0] * 9, [float("nan")] * 9)], "ppo_critic", "non-finite"),
+]
+
+
+@pytest.mark.parametrize(("case", "build", "loss", "message"), BAD_CRITIC_CASES, ids=[c[0] for c in BAD_CRITIC_CASES])
+def test_bad_critic_input_changes_nothing(with_critic: wb.Session, case, build, loss, message) -> None:
+    tokens = list(range(100, 110))
+    with_critic.critic.forward_backward([_critic_datum(tokens, [0.0] * 9, [1.0] * 9)], "ppo_critic").result()
+    before = with_critic.state_digest()
+    with pytest.raises(ValueError, match=message):
+        with_critic.critic.forward_backward(build(tokens), loss)
+    assert with_critic.state_digest() == before
+
+
+def test_forward_values_all_or_none(with_critic: wb.Session) -> None:
+    tokens = list(range(100, 110))
+    with pytest.raises(ValueError, match="some datums carry"):
+        with_critic.critic.forward([_critic_datum(tokens, [0.0] * 9, [1.0] * 9), ce_datum(tokens)], "ppo_critic")
+
+
+def test_critic_configuration_errors() -> None:
+    with wb.Session("tiny", wb.LoraConfig(rank=2)) as sess:
+        with pytest.raises(ValueError, match="train_unembed=False"):
+            sess.create_critic(wb.LoraConfig(rank=2))
+        with pytest.raises(ValueError, match="has no critic"):
+            sess.delete_critic()
+        sess.create_critic()
+        with pytest.raises(ValueError, match="already has a critic"):
+            sess.create_critic()
+
+
+def test_reference_logprobs_feed_a_kl_penalty(with_critic: wb.Session) -> None:
+    tokens = list(range(200, 215))
+    data = [ce_datum(tokens)]
+    for _ in range(3):
+        with_critic.policy.forward_backward(data, "cross_entropy").result()
+        with_critic.policy.optim_step(wb.AdamParams(learning_rate=3e-2)).result()
+    policy_lp = with_critic.policy.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    reference_lp = with_critic.reference.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    mask = torch.ones(14)
+    advantages, metrics = wb.kl_penalty([torch.zeros(14)], [policy_lp.to_torch()], [reference_lp.to_torch()], [mask], coef=0.1)
+    kl = float((policy_lp.to_torch() - reference_lp.to_torch()).mean())
+    assert metrics["kl_policy_reference:mean"] == pytest.approx(kl, rel=1e-5)
+    assert kl > 0  # trained towards these tokens: the policy gives them more probability than the base
+    assert advantages[0].shape == (14,)
