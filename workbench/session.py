@@ -158,6 +158,9 @@ class Session:
         self._model = attach_lora(base, self.base_info, lora_config, POLICY, seed=lora_config.seed if lora_config.seed is not None else seed)
         self._adapters: dict[str, TrainableAdapter] = {POLICY: TrainableAdapter(POLICY, adapter_parameters(self._model, POLICY))}
         self._active_adapter = POLICY
+        # Draws the seeds of sampling requests that give none: sampling is reproducible from the session
+        # seed, and its state is saved with checkpoints.
+        self._sampling_generator = torch.Generator().manual_seed(seed)
         self.history = MetricsHistory()
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(base_model)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -461,8 +464,15 @@ class Session:
         self._record("forward_backward_custom", role, metrics)
         return ForwardBackwardOutput(loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics)
 
+    def _before_weights_change(self, role: str) -> None:
+        """Called on the worker thread right before `role`'s weights change (an optimizer step, a load):
+        samplers pinned to the current weights keep a copy of them first."""
+
     def _run_optim_step(self, role: str, params: AdamParams) -> OptimStepResponse:
-        response = self._adapters[role].optim_step(params)
+        adapter = self._adapters[role]
+        if adapter.pending_backward_calls:
+            self._before_weights_change(role)
+        response = adapter.optim_step(params)
         self._record("optim_step", role, response.metrics)
         return response
 
