@@ -36,3 +36,16 @@ def test_sft_loss_falls_on_smollm2() -> None:
         after = sess.policy.forward(data, "cross_entropy").result().metrics["loss:sum"]
         assert after < 0.8 * losses[0], (losses, after)
         assert sorted(losses, reverse=True) == losses
+
+
+def test_sampler_and_trainer_logprobs_agree_on_smollm2() -> None:
+    with wb.Session("smollm2-135m", wb.LoraConfig(rank=16), seed=0) as sess:
+        data = [chat_datum(sess.tokenizer, q, a) for q, a in EXAMPLES[:2]]
+        sess.policy.forward_backward(data, "cross_entropy").result()
+        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result()  # a non-zero adapter
+        prompts = [wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": q}]) for q, _ in EXAMPLES[:3]]
+        report = wb.check_logprob_agreement(
+            sess, prompts, num_samples=2, sampling_params=wb.SamplingParams(max_tokens=16, temperature=1.0, seed=0)
+        )
+        assert report.num_tokens >= 3 * 2 * 2
+        assert report.max_abs_diff <= 1e-4, report

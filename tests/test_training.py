@@ -374,8 +374,16 @@ def test_reference_is_the_base_model_and_forward_only(tiny: wb.Session) -> None:
 
 
 def test_close_frees_and_a_new_session_works() -> None:
-    sess = wb.Session("tiny", wb.LoraConfig(rank=2))
+    import gc
+    import weakref
+
+    sess = wb.Session("tiny", wb.LoraConfig(rank=2), critic=True)
+    client = sess.sampling_client()
+    client.sample([1, 2, 3], 1, wb.SamplingParams(max_tokens=2)).result()
+    model = weakref.ref(sess._model)
     sess.close()
+    gc.collect()
+    assert model() is None, "the model is still referenced after close()"
     sess.close()
     with pytest.raises(wb.SessionClosedError):
         sess.policy.forward([ce_datum([1, 2, 3])], "cross_entropy")

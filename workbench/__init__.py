@@ -4,12 +4,26 @@ One kernel-resident `Session` holds a base model with a LoRA policy, and speaks 
 (`forward_backward`, `forward`, `optim_step`, ...) on the local GPU or CPU.
 """
 
-from workbench.advantages import broadcast_to_tokens, completion_mask, gae, group_relative_advantages, kl_penalty
-from workbench.clients import ModelInfo, ServiceClient, TrainingClient
+from workbench.advantages import (
+    broadcast_to_tokens,
+    completion_mask,
+    gae,
+    group_relative_advantages,
+    kl_penalty,
+)
+from workbench.archive import UnsafeArchiveError, export_archive, import_archive
+from workbench.chat import chat_datum, chat_prompt
+from workbench.checkpoint_store import CheckpointError, CheckpointInfo, CorruptCheckpointError
+from workbench.clients import ModelInfo, SamplingClient, ServiceClient, TrainingClient
 from workbench.futures import APIFuture
 from workbench.losses import LOSSES
 from workbench.metrics import MetricsHistory
+from workbench.panel import Panel
+from workbench.probes import AgreementReport, check_logprob_agreement
+from workbench.rollouts import completion_positions, critic_datum, policy_datum, sequence_datum
+from workbench.run import Run, RunActiveError, RunState, train_step
 from workbench.session import Session, SessionConfig
+from workbench.token_view import TokenView, render_datum, render_sample, render_tokens
 from workbench.types import (
     AdamParams,
     Datum,
@@ -29,6 +43,10 @@ __all__ = [
     "LOSSES",
     "APIFuture",
     "AdamParams",
+    "AgreementReport",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CorruptCheckpointError",
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
@@ -37,18 +55,38 @@ __all__ = [
     "ModelInfo",
     "ModelInput",
     "OptimStepResponse",
+    "Panel",
+    "Run",
+    "RunActiveError",
+    "RunState",
     "SampleResponse",
     "SampledSequence",
+    "SamplingClient",
     "SamplingParams",
     "ServiceClient",
     "Session",
     "SessionClosedError",
     "SessionConfig",
     "TensorData",
+    "TokenView",
     "TrainingClient",
+    "UnsafeArchiveError",
     "broadcast_to_tokens",
+    "chat_datum",
+    "chat_prompt",
+    "check_logprob_agreement",
     "completion_mask",
+    "completion_positions",
+    "critic_datum",
+    "export_archive",
     "gae",
     "group_relative_advantages",
+    "import_archive",
     "kl_penalty",
+    "policy_datum",
+    "render_datum",
+    "render_sample",
+    "render_tokens",
+    "sequence_datum",
+    "train_step",
 ]

@@ -7,6 +7,7 @@ the policy, the critic, or the reference (the base model with adapters off, forw
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,10 +15,20 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedTokenizerBase
 
 from workbench.futures import APIFuture
-from workbench.types import ForwardBackwardOutput, LoraConfig, OptimStepResponse
+from workbench.types import (
+    ForwardBackwardOutput,
+    LoraConfig,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from workbench.session import CustomLossFn, Session
+    from workbench.types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,38 @@ class TrainingClient:
         `learning_rate`, `step`, `applied`."""
         return self._session._submit_optim_step(self.role, adam_params)
 
+    def save_state(self, name: str, overwrite: bool = False) -> APIFuture[SaveWeightsResponse]:
+        """Save the whole session's state (policy and critic, optimizers, counters, weight versions, RNG
+        states, config), whichever client is asked, to `<run_dir>/checkpoints/<name>`; `.path` is that
+        folder. Atomic: the folder appears complete or not at all. An existing name needs `overwrite=True`.
+        Accumulated gradients not yet applied are saved too, and come back on load."""
+        from workbench.checkpoints import save_state
+
+        return save_state(self._session, name, overwrite)
+
+    def load_state(self, path: str | Path) -> APIFuture[LoadWeightsResponse]:
+        """Load a `save_state` checkpoint (a folder, or a checkpoint name of this run) into this session:
+        every model's weights, optimizer state and counters, and the RNG states. The checkpoint is
+        verified (file hashes, base model, adapter shapes) before anything changes; an error names the
+        problem and leaves the session as it was. Each weights_version becomes max(saved, current) + 1."""
+        from workbench.checkpoints import load_state
+
+        return load_state(self._session, path)
+
+    def save_weights_for_sampler(self, name: str, overwrite: bool = False) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """Save the policy's adapter as a peft folder, `<run_dir>/sampler_weights/<name>` (`.path`), that
+        `peft.AutoPeftModelForCausalLM.from_pretrained(path)` and vLLM's `LoRARequest` load on their own."""
+        from workbench.checkpoints import save_weights_for_sampler
+
+        return save_weights_for_sampler(self._session, self.role, name, overwrite)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """A sampling client pinned to this model's current weights (`name` is accepted for Tinker
+        compatibility and ignored: the weights stay in memory, nothing is written)."""
+        if self.role != "policy":
+            raise ValueError(f"only the policy samples; the {self.role} does not")
+        return self._session.sampling_client()
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self._session.tokenizer
 
@@ -98,6 +141,62 @@ class TrainingClient:
             lora_rank=lora.rank if lora else None,
             is_lora=self.role != "reference",
         )
+
+
+class SamplingClient:
+    """Samples from fixed weights: the policy's at the version it was created from, or the base model.
+
+    Tinker's snapshot semantics: later optimizer steps do not change what this client samples. Every
+    `SampleResponse` reports the version it used. The client holds on to its version's weights (a copy
+    is made only once the policy has moved on) until it is garbage-collected or `close()`d.
+    """
+
+    def __init__(self, session: Session, version: int | None):
+        self._session = session
+        self._version = version  # None: the base model, adapters off
+        session._pin_version(version)
+        self._release = weakref.finalize(self, session._unpin_version, version)
+
+    @property
+    def weights_version(self) -> int | None:
+        """The policy weight version this client samples; None for the base model."""
+        return self._version
+
+    @property
+    def is_base(self) -> bool:
+        return self._version is None
+
+    def __repr__(self) -> str:
+        what = "base model" if self._version is None else f"policy weights_version={self._version}"
+        return f"SamplingClient({what})"
+
+    def sample(
+        self,
+        prompt: ModelInput | Sequence[int],
+        num_samples: int,
+        sampling_params: SamplingParams | Mapping[str, Any],
+        include_prompt_logprobs: bool = False,
+    ) -> APIFuture[SampleResponse]:
+        """Sample `num_samples` continuations of `prompt`, with the logprob of every sampled token.
+
+        With `include_prompt_logprobs`, the response's `prompt_logprobs` has one entry per prompt token
+        (the first is None: nothing predicts it). Concurrent calls are generated together.
+        """
+        return self._session._submit_sample(self._version, prompt, num_samples, sampling_params, include_prompt_logprobs)
+
+    def compute_logprobs(self, prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
+        """The logprob of every token of `prompt` given the ones before it (first entry None)."""
+        return self._session._submit_compute_logprobs(self._version, prompt)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._session.tokenizer
+
+    def get_base_model(self) -> str:
+        return self._session.config.base_model
+
+    def close(self) -> None:
+        """Release the pinned weights now rather than at garbage collection."""
+        self._release()
 
 
 class ServiceClient:

@@ -21,6 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
+from matplotlib.ticker import MaxNLocator
 
 from workbench.metrics import MetricsHistory
 
@@ -71,6 +72,7 @@ class LivePlot:
         for name, ax in self.axes.items():
             ax.set_title(name)
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps are whole numbers
             ax.grid(alpha=0.3)
             self._notes[name] = ax.text(
                 0.5, 0.5, "no data yet", transform=ax.transAxes, ha="center", va="center", color="gray"

@@ -10,6 +10,7 @@ and changes nothing; then it runs on the worker thread, in submission order, and
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
@@ -17,7 +18,7 @@ import re
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,23 +33,41 @@ from workbench.futures import APIFuture
 from workbench.logprobs import target_logprobs
 from workbench.losses import LossSpec, resolve_loss
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
-from workbench.models import adapter_parameters, add_lora_adapter, attach_lora, load_base_model, resolve_device_and_dtype
+from workbench.models import (
+    adapter_parameters,
+    add_lora_adapter,
+    attach_lora,
+    load_base_model,
+    resolve_device_and_dtype,
+)
 from workbench.run import Run, StepFn, start_run
+from workbench.sampling import SamplerChoice, resolve_sampler
+from workbench.sampling.hf import HFSampler
+from workbench.sampling.requests import RequestResult, SampleRequest, prepare_request
+from workbench.sampling.vllm import VLLMSampler
 from workbench.training import TrainableAdapter
 from workbench.types import (
     AdamParams,
     ForwardBackwardOutput,
     LoraConfig,
+    ModelInput,
     OptimStepResponse,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
     TensorData,
     to_adam_params,
     to_lora_config,
+    to_model_input,
 )
+from workbench.versions import WeightSnapshots
 from workbench.worker import SessionClosedError, Worker
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from workbench.checkpoint_store import CheckpointInfo, CheckpointKind
+    from workbench.clients import SamplingClient, TrainingClient
     from workbench.panel import Panel
 
 POLICY = "policy"
@@ -69,6 +88,8 @@ class SessionConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_tokens_per_microbatch: int = 8192
+    sampler: str = "hf"
+    max_samples_per_request: int = 128
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +142,9 @@ class Session:
         seed: seeds the adapters' initialisation (unless `lora.seed` is set) and the samplers.
         device, dtype: default CUDA/bf16 when a GPU is present, else CPU/fp32.
         max_tokens_per_microbatch: padded tokens per forward pass; bounds activation memory.
+        sampler: `"hf"` (generate in-process), `"vllm"` (GPU, LoRA hot-swap) or `"auto"` (vLLM when
+            installed with a CUDA device, else HF).
+        max_samples_per_request: the largest `num_samples` one sample call may ask for; bounds memory.
         run_dir: where the session writes its history (`history.jsonl`), checkpoints and W&B files;
             default a fresh folder under `./runs` (see `default_run_dir`).
         wandb: False for no W&B run; None/True for a run that is online when W&B credentials are
@@ -137,13 +161,18 @@ class Session:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         max_tokens_per_microbatch: int = 8192,
+        sampler: SamplerChoice = "auto",
+        max_samples_per_request: int = 128,
         run_dir: str | Path | None = None,
         wandb: WandbSetting = None,
     ):
         lora_config = to_lora_config(lora if lora is not None else LoraConfig())
         if max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
+        if max_samples_per_request < 1:
+            raise ValueError(f"max_samples_per_request must be >= 1, got {max_samples_per_request}")
         resolved_device, resolved_dtype = resolve_device_and_dtype(device, dtype)
+        sampler_kind = resolve_sampler(sampler, resolved_device, lora_config)
         self.config = SessionConfig(
             base_model=base_model,
             lora=lora_config,
@@ -151,6 +180,8 @@ class Session:
             device=str(resolved_device),
             dtype=str(resolved_dtype).removeprefix("torch."),
             max_tokens_per_microbatch=max_tokens_per_microbatch,
+            sampler=sampler_kind,
+            max_samples_per_request=max_samples_per_request,
         )
         self.device = resolved_device
         self.dtype = resolved_dtype
@@ -161,6 +192,9 @@ class Session:
         # Draws the seeds of sampling requests that give none: sampling is reproducible from the session
         # seed, and its state is saved with checkpoints.
         self._sampling_generator = torch.Generator().manual_seed(seed)
+        self._snapshots = WeightSnapshots(self._adapters[POLICY].parameters)
+        self._hf_sampler = HFSampler(self._model, self.tokenizer, resolved_device)
+        self._vllm_sampler: VLLMSampler | None = None  # started on first use when sampler == "vllm"
         self.history = MetricsHistory()
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(base_model)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -279,11 +313,17 @@ class Session:
         """Finish queued work, then free the model and optimizer memory. Safe to call twice."""
         if self._closed:
             return
+        if self.current_run is not None and self.current_run.active:
+            self.current_run.stop()  # the step in progress finishes; none starts after it
+            self.current_run.wait()
         self._closed = True
         self._worker.close()
         for sink in self.history.sinks:
             sink.close()
-        del self._model
+        if self._vllm_sampler is not None:
+            self._vllm_sampler.close()
+        # every holder of the model or its tensors lets go, so that the memory is really freed
+        del self._model, self._hf_sampler, self._snapshots, self._vllm_sampler, self._value_head
         self._adapters.clear()
         gc.collect()
         if torch.cuda.is_available():
@@ -467,6 +507,8 @@ class Session:
     def _before_weights_change(self, role: str) -> None:
         """Called on the worker thread right before `role`'s weights change (an optimizer step, a load):
         samplers pinned to the current weights keep a copy of them first."""
+        if role == POLICY:
+            self._snapshots.before_change(self._adapters[POLICY].weights_version)
 
     def _run_optim_step(self, role: str, params: AdamParams) -> OptimStepResponse:
         adapter = self._adapters[role]
@@ -475,6 +517,187 @@ class Session:
         response = adapter.optim_step(params)
         self._record("optim_step", role, response.metrics)
         return response
+
+    # ------------------------------------------------------------------------------------------ sampling
+
+    def sampling_client(self, version: int | None = None, *, base: bool = False) -> SamplingClient:
+        """A client that samples the policy's weights at `version` (default: the current ones), or the
+        base model with adapters off (`base=True`). A past version is available while some live client
+        is pinned to it (see `live_versions`)."""
+        self._check_open()
+        from workbench.clients import SamplingClient
+
+        if base:
+            if version is not None:
+                raise ValueError("a base-model client has no version: pass base=True or a version, not both")
+            return SamplingClient(self, None)
+        current = self.policy.weights_version
+        if version is None:
+            version = current
+        if not self._snapshots.is_available(version, current):
+            raise ValueError(f"weights version {version} is not held; available: {self.live_versions()}")
+        return SamplingClient(self, version)
+
+    def live_versions(self) -> list[int]:
+        """The policy weight versions a sampling client can use now: the current one and those that live
+        clients are pinned to."""
+        return sorted({*self._snapshots.pinned_versions(), self.policy.weights_version})
+
+    def _pin_version(self, version: int | None) -> None:
+        if version is not None:
+            self._snapshots.pin(version)
+
+    def _unpin_version(self, version: int | None) -> None:
+        if version is None or self._closed:  # a closed session has dropped every copy already
+            return
+        self._snapshots.unpin(version)
+        if self._vllm_sampler is not None and version not in self.live_versions():
+            engine = self._vllm_sampler
+            self._worker.submit(lambda: engine.forget(version))
+
+    def _submit_sample(
+        self,
+        version: int | None,
+        prompt: ModelInput | Sequence[int],
+        num_samples: int,
+        sampling_params: SamplingParams | Mapping[str, Any],
+        include_prompt_logprobs: bool,
+    ) -> APIFuture[SampleResponse]:
+        self._check_open()
+        request = prepare_request(
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            tokenizer=self.tokenizer,
+            vocab_size=self.base_info.vocab_size,
+            max_length=self.base_info.max_length,
+            max_samples_per_request=self.config.max_samples_per_request,
+            generator=self._sampling_generator,
+        )
+        return self._worker.submit_batchable(("sample", version), request, lambda batch: self._run_sample_batch(version, batch))
+
+    def _submit_compute_logprobs(self, version: int | None, prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
+        self._check_open()
+        tokens = tuple(to_model_input(prompt).to_ints())
+        self._prepare([{"model_input": list(tokens), "loss_fn_inputs": {}}], (), {})  # same checks as training data
+        return self._worker.submit(lambda: self._run_prompt_logprobs(version, tokens))
+
+    @contextlib.contextmanager
+    def _sampling_weights(self, version: int | None) -> Iterator[None]:
+        """The model in the state a sampling client asks for: the policy at `version`, or the base."""
+        self._activate(POLICY)
+        if version is None:
+            with self._model.disable_adapter():
+                yield
+        else:
+            with self._snapshots.weights(version, self.policy.weights_version):
+                yield
+
+    def _run_prompt_logprobs(self, version: int | None, tokens: tuple[int, ...]) -> list[float | None]:
+        with self._sampling_weights(version):
+            return self._hf_sampler.prompt_logprobs([tokens])[0]
+
+    def _vllm(self) -> VLLMSampler:
+        if self._vllm_sampler is None:
+            self._vllm_sampler = VLLMSampler(
+                self.base_info.path, self.base_info.path, self.dtype, self.config.lora.rank, self.base_info.max_length, self.config.seed
+            )
+        return self._vllm_sampler
+
+    def _write_policy_adapter(self, version: int, folder: Path) -> None:
+        """The policy's adapter at `version`, in peft's format, for vLLM to load (worker thread)."""
+        from workbench.session_state import peft_adapter_files
+
+        with self._sampling_weights(version):
+            files = peft_adapter_files(self._model, POLICY, self.base_info.path)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+
+    def _run_sample_batch(self, version: int | None, requests: list[SampleRequest]) -> list[SampleResponse]:
+        start = time.perf_counter()
+        if self.config.sampler == "vllm":
+            results = self._vllm().generate(requests, version, self._write_policy_adapter)
+        else:
+            with self._sampling_weights(version):
+                results = self._hf_sampler.generate(requests)
+        seconds = time.perf_counter() - start
+        generated = sum(len(row.tokens) for result in results for row in result.rows)
+        responses = []
+        for request, result in zip(requests, results, strict=True):
+            responses.append(self._sample_response(version, request, result, seconds, generated))
+        return responses
+
+    def _sample_response(
+        self, version: int | None, request: SampleRequest, result: RequestResult, batch_seconds: float, batch_tokens: int
+    ) -> SampleResponse:
+        sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason) for row in result.rows]
+        tokens = sum(len(s.tokens) for s in sequences)
+        metrics = {
+            "num_samples:sum": float(request.num_samples),
+            "num_tokens:sum": float(tokens),
+            "stop_fraction:mean": sum(s.stop_reason == "stop" for s in sequences) / len(sequences),
+            "sample_seconds": batch_seconds,
+            "tokens_per_second": batch_tokens / batch_seconds if batch_seconds > 0 else 0.0,
+        }
+        if tokens:
+            metrics["logprob:mean"] = sum(sum(s.logprobs) for s in sequences) / tokens
+        sync_ms = 0.0
+        if version is not None:
+            metrics["weights_version"] = float(version)
+            metrics["staleness"] = float(self.policy.weights_version - version)
+            if self._vllm_sampler is not None:
+                sync_ms = self._vllm_sampler.sync_ms(version)
+                metrics["sync_ms"] = sync_ms
+        self._record("sample", POLICY if version is not None else REFERENCE, metrics)
+        return SampleResponse(sequences=sequences, weights_version=version, prompt_logprobs=result.prompt_logprobs, sync_ms=sync_ms)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, *, device: str | None = None, run_dir: str | Path | None = None, wandb: WandbSetting = None
+    ) -> Session:
+        """A new session that continues the run saved by `save_state` at `path`, exactly: same config
+        (base model, adapters, critic, seed, dtype), weights, optimizer state, counters, weight versions
+        and RNG states. It continues in the checkpoint's run folder and W&B run (see
+        `workbench.checkpoints.from_checkpoint`). `device` (and with it the sampler) follows this machine
+        unless given; `run_dir` and `wandb` as for `Session(...)`."""
+        from workbench.checkpoints import from_checkpoint
+
+        return from_checkpoint(cls, path, device, run_dir, wandb)
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        """This run's complete checkpoints, state (`save_state`) and sampler (`save_weights_for_sampler`),
+        oldest first. Leftovers of interrupted saves are not listed (`cleanup_checkpoints` removes them)."""
+        from workbench.checkpoint_store import list_checkpoints
+
+        return list_checkpoints(self.run_dir)
+
+    def delete_checkpoint(self, name: str, kind: CheckpointKind = "state") -> None:
+        """Delete this run's checkpoint `name` (`kind="sampler"` for sampler weights). Runs between
+        operations, so it never races a save."""
+        self._check_open()
+        from workbench.checkpoint_store import delete
+
+        self._worker.submit(lambda: delete(self.run_dir, name, kind)).result()
+
+    def cleanup_checkpoints(self) -> list[Path]:
+        """Remove what interrupted saves and deletions left behind in this run's checkpoint folders;
+        returns the removed paths. Runs between operations, so it never removes a save in progress."""
+        self._check_open()
+        from workbench.checkpoint_store import cleanup
+
+        return self._worker.submit(lambda: cleanup(self.run_dir)).result()
+
+    def export_merged(self, path: str | Path) -> Path:
+        """Write the policy merged into the base weights, with the tokenizer, as a new HF model folder
+        at `path` (for `AutoModelForCausalLM.from_pretrained` and serving); the session is unchanged.
+        See `workbench.merged_export`."""
+        from workbench.merged_export import export_merged
+
+        return export_merged(self, path)
 
     # ------------------------------------------------------------------------------------------ runs and views
 
@@ -507,10 +730,14 @@ class Session:
     def panel(self, train_data: Sequence[Any] | None = None, *, metrics: Sequence[str] = ("loss:sum",)) -> Panel:
         """The notebook panel over this session: status bar, Train, Sample, Checkpoints and Metrics tabs.
 
+        The Train tab's buttons act on `current_run` while it is active (Step single-steps a paused run,
+        Run resumes it, Pause and Stop); otherwise Step and Run start a run on `train_data`, of one step
+        or of the tab's step count: `self.run(wb.train_step(train_data, loss), steps, adam_params=...)`
+        with the tab's loss and AdamParams.
+
         Args:
-            train_data: The datums the Train tab's buttons train on (`forward_backward` with the tab's
-                loss, then `optim_step` with its AdamParams). Without them, the buttons control the
-                session's current run only.
+            train_data: The datums the Train tab trains on; without them its buttons control runs
+                started from cells only.
             metrics: The history metrics the Metrics tab plots at first.
         """
         from workbench.panel import Panel

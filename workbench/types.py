@@ -307,12 +307,14 @@ class SampledSequence:
 
 @dataclass(frozen=True)
 class SampleResponse:
-    """Sampled sequences, the prompt's logprobs when asked for (first entry None), and the weight
-    version that produced them."""
+    """Sampled sequences, the prompt's logprobs when asked for (first entry None), the policy weight
+    version that produced them (None: the base model), and the milliseconds it took to push that
+    version to the sampler engine (0 when the engine samples the live weights in place)."""
 
     sequences: list[SampledSequence]
-    weights_version: int
+    weights_version: int | None
     prompt_logprobs: list[float | None] | None = None
+    sync_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,111 @@
+"""Sampling throughput: workbench's batched sampler against raw HF `generate`, and against one request
+per sample.
+
+8 prompts x 8 samples x 64 tokens (no early stop, so every configuration samples the same number of
+tokens), temperature 1.0, top_p 0.95, in the same process:
+  - raw: one `model.generate` call on the 64 rows (left-padded), do_sample with the same settings;
+  - workbench: 8 `sample(prompt, num_samples=8)` calls submitted together (generated in one batch),
+    per-token logprobs included; target >= 0.9x raw;
+  - one request per sample: 64 `sample(prompt, num_samples=1)` calls, each awaited before the next
+    (a backend that forwards each sample as its own request); target: workbench >= 3x this.
+On a GPU with vLLM installed, the same with `sampler="vllm"`, plus the time from `optim_step` to the
+first token sampled from the new weights.
+
+    python bench/sample.py --model tiny
+    python bench/sample.py --model smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import torch
+from transformers import GenerationConfig
+
+import workbench as wb
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three colours.", "What is 12 + 30?", "Write a haiku about rain.",
+    "Who wrote Hamlet?", "Say hello in Spanish.", "What is a prime number?", "Describe the sea in one line.",
+]
+PROMPTS, SAMPLES, TOKENS = 8, 8, 64
+PARAMS = wb.SamplingParams(max_tokens=TOKENS, temperature=1.0, top_p=0.95, stop=[])
+
+
+def prompts_for(sess: wb.Session) -> list[list[int]]:
+    return [wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": q}]).to_ints() for q in QUESTIONS[:PROMPTS]]
+
+
+def raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
+    """The floor: one HF generate call over all rows, sampling with the same settings."""
+    rows = [p for p in prompts for _ in range(SAMPLES)]
+    longest = max(len(p) for p in rows)
+    pad = sess.tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in rows], device=sess.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in rows], device=sess.device)
+    config = GenerationConfig(max_new_tokens=TOKENS, do_sample=True, temperature=1.0, top_p=0.95, eos_token_id=[], pad_token_id=pad)
+    with torch.no_grad():
+        out = sess._model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return (out.shape[1] - longest) * len(rows)
+
+
+def batched(sess: wb.Session, prompts: list[list[int]]) -> int:
+    client = sess.sampling_client()
+    futures = [client.sample(p, SAMPLES, PARAMS) for p in prompts]
+    return sum(len(s.tokens) for f in futures for s in f.result().sequences)
+
+
+def one_per_sample(sess: wb.Session, prompts: list[list[int]]) -> int:
+    client = sess.sampling_client()
+    return sum(len(client.sample(p, 1, PARAMS).result().sequences[0].tokens) for p in prompts for _ in range(SAMPLES))
+
+
+def tokens_per_second(fn, sess: wb.Session, prompts: list[list[int]], repeats: int) -> float:
+    fn(sess, prompts)  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = fn(sess, prompts)
+        best = max(best, tokens / (time.perf_counter() - start))
+    return best
+
+
+def update_to_first_token(sess: wb.Session, prompt: list[int]) -> float:
+    """Seconds from submitting an optimizer step to the first token sampled from the new weights."""
+    datum = wb.Datum(model_input=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:]})
+    sess.policy.forward_backward([datum], "cross_entropy").result()
+    start = time.perf_counter()
+    sess.policy.optim_step(wb.AdamParams(learning_rate=1e-5)).result()
+    sess.sampling_client().sample(prompt, 1, wb.SamplingParams(max_tokens=1)).result()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--repeats", type=int, default=2, help="timed repeats per configuration (best is reported)")
+    args = parser.parse_args()
+    samplers = ["hf"] + (["vllm"] if wb.sampling.vllm_unavailable_reason(torch.device("cuda")) is None else [])
+    for sampler in samplers:
+        with wb.Session(args.model, wb.LoraConfig(rank=16), sampler=sampler, wandb=False) as sess:
+            prompts = prompts_for(sess)
+            print(f"model={args.model} sampler={sampler} device={sess.device} dtype={sess.config.dtype} "
+                  f"{PROMPTS} prompts x {SAMPLES} samples x {TOKENS} tokens, best of {args.repeats}")
+            rows = []
+            if sampler == "hf":
+                rows.append(("raw generate (floor)", tokens_per_second(raw_generate, sess, prompts, args.repeats)))
+            rows.append(("workbench batched", tokens_per_second(batched, sess, prompts, args.repeats)))
+            rows.append(("one request per sample", tokens_per_second(one_per_sample, sess, prompts, 1)))
+            ours = rows[-2][1]
+            for name, tps in rows:
+                print(f"  {name:24s} {tps:9.1f} tok/s   workbench / this = {ours / tps:5.2f}")
+            print(f"  optim_step -> first token of the new version: {update_to_first_token(sess, prompts[0]) * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

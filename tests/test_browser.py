@@ -1,0 +1,255 @@
+"""The panel in a real browser: JupyterLab on 127.0.0.1, Debian's chromium driven by playwright.
+
+A generated notebook creates a session on the tiny model and shows its panel; the test runs it, clicks
+the Train tab's Step button, and checks in the page that the status bar's step counter and the Metrics
+tab's plot advanced. The screenshot goes to `artifacts/panel.png` (and `docs/panel.png`, which the
+README shows). Every process the test starts (server, kernel, browser) is stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from playwright.sync_api import Page, expect, sync_playwright
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+BLOB_URL = re.compile(r"^blob:")  # an ipywidgets Image shows its bytes through a blob URL
+SERVER_START_S = 120
+PANEL_RENDER_MS = 240_000  # kernel start, torch import and the tiny model on two shared cores
+STEP_MS = 60_000
+
+NOTEBOOK_CELLS = [
+    """import workbench as wb
+
+sess = wb.Session("tiny", wb.LoraConfig(rank=4), wandb=False)
+tok = sess.tokenizer
+
+
+def sft(prompt, completion):
+    prompt_ids, completion_ids = tok(prompt).input_ids, tok(completion).input_ids
+    tokens = prompt_ids + completion_ids
+    weights = [0.0] * len(prompt_ids) + [1.0] * len(completion_ids)
+    return wb.Datum(
+        model_input=wb.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+    )
+
+
+data = [sft("User: Hello!", " Assistant: Hi there."), sft("The quick brown fox", " jumps over the lazy dog.")]""",
+    """sess.panel(train_data=data, metrics=("loss:sum", "grad_norm"))""",
+]
+
+if not CHROMIUM.exists():
+    pytest.skip("needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; `make browser`)", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Lab:
+    url: str
+    token: str
+    notebook: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def api(self, path: str, method: str = "GET") -> bytes:
+        request = urllib.request.Request(
+            f"{self.url}{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.read()
+
+
+def _write_settings(settings_dir: Path) -> None:
+    """User settings that keep JupyterLab's news and update toasts off the screenshot."""
+    folder = settings_dir / "@jupyterlab" / "apputils-extension"
+    folder.mkdir(parents=True)
+    (folder / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+
+
+def _write_notebook(path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in NOTEBOOK_CELLS]
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, path)
+
+
+def _stop(lab: Lab) -> None:
+    """Shut the server down through its API (it stops its kernels), then make sure every process it
+    started has exited, by pid."""
+    started = [lab.process.pid]
+    with contextlib.suppress(psutil.NoSuchProcess):
+        started += [child.pid for child in psutil.Process(lab.process.pid).children(recursive=True)]
+    try:
+        lab.api("/api/shutdown", method="POST")
+        lab.process.wait(timeout=30)
+    except (urllib.error.URLError, OSError, subprocess.TimeoutExpired):
+        lab.process.terminate()
+        try:
+            lab.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            lab.process.kill()
+            lab.process.wait()
+    for pid in started:
+        try:
+            process = psutil.Process(pid)
+            process.terminate()
+            process.wait(timeout=10)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[Lab]:
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    _write_notebook(root / "panel.ipynb")
+    _write_settings(tmp_path / "jupyter" / "settings")
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WORKBENCH_RUNS": str(tmp_path / "runs"),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "jupyter" / "config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter" / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "jupyter" / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "jupyter" / "workspaces"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    env.pop("MPLBACKEND", None)  # the kernel picks its own inline backend
+    log = tmp_path / "jupyterlab.log"
+    command = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        "--allow-root",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--expose-app-in-browser",
+    ]
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(command, cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    lab = Lab(url=f"http://127.0.0.1:{port}", token=token, notebook="panel.ipynb", process=process, log=log)
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"JupyterLab exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                json.loads(lab.api("/api/status"))
+                break
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not start in {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield lab
+    finally:
+        _stop(lab)
+
+
+def test_the_panel_trains_from_a_click_in_jupyterlab(lab: Lab, tmp_path: Path) -> None:
+    artifacts = REPO / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    workspace = secrets.token_hex(4)
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1280, "height": 1000},
+        )
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            try:
+                _train_from_the_panel(page, lab, workspace, artifacts / "panel.png")
+            except BaseException:
+                page.screenshot(path=str(artifacts / "browser-failure.png"), full_page=True)
+                raise
+        finally:
+            context.close()
+    (REPO / "docs").mkdir(exist_ok=True)
+    shutil.copyfile(artifacts / "panel.png", REPO / "docs" / "panel.png")
+
+
+def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path) -> None:
+    page.goto(f"{lab.url}/lab/workspaces/{workspace}/tree/{lab.notebook}?reset&token={lab.token}")
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.sessionContext"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.isReady",
+        timeout=PANEL_RENDER_MS,
+    )
+    page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+    panel = page.locator(".wb-panel")
+    try:
+        expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
+    except AssertionError:
+        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+        raise AssertionError(f"the panel never rendered; cell outputs: {outputs}") from None
+    expect(page.get_by_text("Loading widget")).to_have_count(0)
+
+    step = panel.locator('[data-field="step"]')
+    expect(step).to_have_text("step 0")
+    plot = panel.locator(".wb-metrics-plot")
+    expect(plot).to_have_attribute("src", BLOB_URL)
+    before = plot.get_attribute("src")
+
+    for expected in (1, 2, 3):
+        panel.locator(".wb-train-step").click(timeout=STEP_MS)
+        expect(step).to_have_text(f"step {expected}", timeout=STEP_MS)
+    expect(panel.locator('[data-field="run-progress"]')).to_contain_text("finished · 1/1", timeout=STEP_MS)
+
+    panel.locator(".lm-TabBar-tab", has_text="Metrics").click()
+    expect(plot).to_be_visible()
+    expect(plot).not_to_have_attribute("src", before or "", timeout=STEP_MS)
+    page.wait_for_timeout(1500)  # let the last redraw land before the picture is taken
+    assert plot.evaluate("img => img.complete && img.naturalWidth > 0")
+    panel.screenshot(path=str(screenshot))

@@ -1,0 +1,214 @@
+"""Background runs: `sess.run(step_fn, steps)` returns at once; pause / step / resume / stop / set act
+between steps; a failing step function fails the run and keeps its traceback."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from datums import sft_datum
+
+import workbench as wb
+from workbench.run import RUN_MODEL, RunActiveError, RunState, train_step
+
+WAIT_S = 30.0
+
+
+def _data(sess: wb.Session) -> list[wb.Datum]:
+    return [sft_datum(sess.tokenizer, "User: Hello!", " Assistant: Hi there.")]
+
+
+class Gate:
+    """A step function whose step `i` waits until the test opens gate `i`, and records what it saw."""
+
+    def __init__(self) -> None:
+        self.opened: dict[int, threading.Event] = {}
+        self.entered: dict[int, threading.Event] = {}
+        self.seen: list[tuple[int, str, float]] = []
+
+    def _event(self, table: dict[int, threading.Event], i: int) -> threading.Event:
+        return table.setdefault(i, threading.Event())
+
+    def open(self, *indices: int) -> None:
+        for i in indices:
+            self._event(self.opened, i).set()
+
+    def wait_entered(self, i: int) -> None:
+        assert self._event(self.entered, i).wait(WAIT_S), f"step {i} never started"
+
+    def __call__(self, sess: wb.Session, i: int) -> dict[str, float]:
+        self._event(self.entered, i).set()
+        assert self._event(self.opened, i).wait(WAIT_S), f"step {i} was never opened"
+        assert sess.current_run is not None
+        self.seen.append((i, threading.current_thread().name, sess.current_run.adam_params.learning_rate))
+        return {"reward:mean": float(i)}
+
+
+def test_run_returns_at_once_and_records_each_step(tiny: wb.Session, capsys: pytest.CaptureFixture[str]) -> None:
+    gate = Gate()
+    run = tiny.run(gate, steps=3)
+    assert run.state is RunState.RUNNING and run.i == 0  # returned while step 0 is still blocked
+    assert tiny.current_run is run
+    gate.wait_entered(0)
+    gate.open(0, 1, 2)
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    assert run.i == 3 and not run.active
+    assert [i for i, _, _ in gate.seen] == [0, 1, 2]
+    assert {thread for _, thread, _ in gate.seen} == {"workbench-run"}
+    rows = [row for row in tiny.history if row["op"] == "run_step"]
+    assert [(row["model"], row["step"], row["reward:mean"]) for row in rows] == [(RUN_MODEL, 0, 0.0), (RUN_MODEL, 0, 1.0), (RUN_MODEL, 0, 2.0)]
+    assert "3/3" in capsys.readouterr().err  # the tqdm progress bar
+
+
+def test_run_steps_are_recorded_at_the_step_they_started_from(tiny: wb.Session) -> None:
+    data = _data(tiny)
+
+    def step(sess: wb.Session, i: int) -> dict[str, float]:
+        assert sess.current_run is not None
+        fb = sess.policy.forward_backward(data, "cross_entropy")
+        sess.policy.optim_step(sess.current_run.adam_params).result()
+        return {"loss:sum": fb.result().metrics["loss:sum"], "reward:mean": -float(i)}
+
+    run = tiny.run(step, steps=3, adam_params={"learning_rate": 1e-2})
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    assert tiny.step == 3
+    assert [(row["step"], row["reward:mean"]) for row in tiny.history if row["op"] == "run_step"] == [(0, 0.0), (1, -1.0), (2, -2.0)]
+    assert tiny.history.series("learning_rate")[1] == [1e-2] * 3
+    assert [row["op"] for row in tiny.history][:3] == ["forward_backward", "optim_step", "run_step"]
+
+
+def test_pause_step_resume(tiny: wb.Session) -> None:
+    gate = Gate()
+    gate.open(*range(6))
+    run = tiny.run(gate, steps=6, paused=True)
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 0
+    run.step()
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 1  # exactly one step, then paused again
+    run.step()
+    run.step()
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 3
+    run.resume()
+    assert run.wait(WAIT_S) is RunState.FINISHED and run.i == 6
+    with pytest.raises(RuntimeError, match="single-steps a paused run"):
+        run.step()
+
+
+def test_pause_takes_effect_after_the_current_step(tiny: wb.Session) -> None:
+    gate = Gate()
+    gate.open(0)
+    run = tiny.run(gate, steps=5)
+    gate.wait_entered(1)
+    run.pause()  # step 1 is executing: it finishes, step 2 does not start
+    assert run.state is RunState.PAUSED and run.busy
+    gate.open(1, 2, 3, 4)
+    assert run.wait(WAIT_S) is RunState.PAUSED
+    assert run.i == 2 and not run.busy
+    run.resume()
+    assert run.wait(WAIT_S) is RunState.FINISHED and run.i == 5
+
+
+def test_stop_finishes_the_current_step_then_ends(tiny: wb.Session) -> None:
+    gate = Gate()
+    run = tiny.run(gate, steps=5)
+    gate.wait_entered(0)
+    run.stop()
+    assert run.state is RunState.RUNNING  # the step in progress is not interrupted
+    gate.open(*range(5))
+    assert run.wait(WAIT_S) is RunState.STOPPED
+    assert run.i == 1 and [i for i, _, _ in gate.seen] == [0]
+
+
+def test_stop_while_paused_ends_at_once(tiny: wb.Session) -> None:
+    run = tiny.run(Gate(), steps=5, paused=True)
+    run.stop()
+    assert run.wait(WAIT_S) is RunState.STOPPED and run.i == 0
+    run.stop()  # stopping an ended run changes nothing
+    assert run.state is RunState.STOPPED
+
+
+def test_set_changes_the_adam_params_of_the_next_step(tiny: wb.Session) -> None:
+    run = tiny.run(train_step(_data(tiny)), steps=4, adam_params=wb.AdamParams(learning_rate=1e-3), paused=True)
+    run.step()
+    run.wait(WAIT_S)
+    assert run.set(learning_rate=3e-5, grad_clip_norm=1.0) == wb.AdamParams(learning_rate=3e-5, grad_clip_norm=1.0)
+    assert run.adam_params.learning_rate == 3e-5  # no step executing: applied at once
+    run.step()
+    run.wait(WAIT_S)
+    run.resume()
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    assert tiny.history.series("learning_rate", op="optim_step")[1] == [1e-3, 3e-5, 3e-5, 3e-5]
+    with pytest.raises(ValueError, match="learning_rate must be >= 0"):
+        run.set(learning_rate=-1.0)
+    with pytest.raises(ValueError, match="AdamParams fields"):
+        run.set(momentum=0.5)
+    assert run.adam_params.learning_rate == 3e-5
+
+
+def test_set_during_a_step_waits_for_the_step_to_end(tiny: wb.Session) -> None:
+    seen: list[float] = []
+
+    def step(sess: wb.Session, i: int) -> None:
+        run = sess.current_run
+        assert run is not None
+        seen.append(run.adam_params.learning_rate)
+        if i == 0:
+            run.set(learning_rate=5e-3)  # as the panel does while a step is in progress
+            seen.append(run.adam_params.learning_rate)
+
+    run = tiny.run(step, steps=2, adam_params=wb.AdamParams(learning_rate=1e-3))
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    assert seen == [1e-3, 1e-3, 5e-3]
+
+
+def test_an_exception_fails_the_run_and_keeps_the_traceback(tiny: wb.Session) -> None:
+    def step(sess: wb.Session, i: int) -> dict[str, float]:
+        if i == 2:
+            raise ZeroDivisionError("reward model divided by zero")
+        return {"reward:mean": 1.0}
+
+    run = tiny.run(step, steps=5)
+    assert run.wait(WAIT_S) is RunState.FAILED
+    assert run.i == 2
+    assert isinstance(run.error, ZeroDivisionError)
+    assert run.traceback is not None and "reward model divided by zero" in run.traceback and "in step" in run.traceback
+    assert "failed" in repr(run)
+    # the session is untouched and takes a new run
+    assert tiny.run(step, steps=1).wait(WAIT_S) is RunState.FINISHED
+
+
+def test_a_step_function_must_return_metrics_or_none(tiny: wb.Session) -> None:
+    run = tiny.run(lambda sess, i: 1.5, steps=2)
+    assert run.wait(WAIT_S) is RunState.FAILED
+    assert isinstance(run.error, TypeError) and "dict of metrics or None" in str(run.error)
+    assert tiny.run(lambda sess, i: None, steps=2).wait(WAIT_S) is RunState.FINISHED
+    assert not [row for row in tiny.history if row["op"] == "run_step"]
+
+
+def test_one_active_run_at_a_time(tiny: wb.Session) -> None:
+    run = tiny.run(Gate(), steps=3, paused=True)
+    with pytest.raises(RunActiveError, match="still paused"):
+        tiny.run(Gate(), steps=3)
+    run.stop()
+    run.wait(WAIT_S)
+    assert tiny.run(lambda sess, i: None, steps=1).wait(WAIT_S) is RunState.FINISHED
+
+
+def test_bad_arguments_raise_in_the_callers_thread(tiny: wb.Session) -> None:
+    with pytest.raises(ValueError, match="positive integer"):
+        tiny.run(lambda sess, i: None, steps=0)
+    with pytest.raises(TypeError, match="step_fn"):
+        tiny.run("step", steps=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="train_step needs at least one datum"):
+        train_step([])
+    with pytest.raises(RuntimeError, match=r"sess\.run"):
+        train_step(_data(tiny))(tiny, 0)
+    assert tiny.current_run is None
+
+
+def test_closing_the_session_stops_a_paused_run() -> None:
+    sess = wb.Session("tiny", wb.LoraConfig(rank=4))
+    run = sess.run(lambda s, i: None, steps=3, paused=True)
+    sess.close()
+    assert run.wait(WAIT_S) is RunState.STOPPED and run.i == 0
+    with pytest.raises(wb.SessionClosedError):
+        sess.run(lambda s, i: None, steps=1)

@@ -1,0 +1,293 @@
+"""Sampling on the tiny model: SamplingParams in full, batching, versions, agreement with training."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.sampling.hf import HFSampler, filter_top_k_top_p
+
+PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
+
+
+def _ids(sess: wb.Session, text: str) -> list[int]:
+    return sess.tokenizer(text).input_ids
+
+
+def _forward_logprobs(sess: wb.Session, prompt: list[int], tokens: list[int]) -> list[float]:
+    full = prompt + tokens
+    out = sess.policy.forward([wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy").result()
+    return out.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+
+
+def _logits_after(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return sess._model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(tiny: wb.Session) -> None:
+    sc = tiny.sampling_client()
+    params = wb.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50)
+    futures = [sc.sample(_ids(tiny, p), 3, params) for p in PROMPTS]  # different prompt lengths, one batch
+    worst = 0.0
+    for prompt, future in zip(PROMPTS, futures, strict=True):
+        response = future.result()
+        assert len(response.sequences) == 3
+        for seq in response.sequences:
+            assert len(seq.tokens) == len(seq.logprobs) == 12 and seq.stop_reason == "length"
+            scored = _forward_logprobs(tiny, _ids(tiny, prompt), seq.tokens)
+            worst = max(worst, max(abs(a - b) for a, b in zip(scored, seq.logprobs, strict=True)))
+    assert worst <= 1e-4
+
+
+def test_agreement_probe_reports(tiny: wb.Session, capsys) -> None:
+    report = wb.check_logprob_agreement(tiny, [_ids(tiny, p) for p in PROMPTS], num_samples=2)
+    assert report.num_tokens > 0 and report.max_abs_diff <= 1e-4
+    assert "max |Δ|" in capsys.readouterr().out
+
+
+def test_same_seed_same_tokens_even_when_batched_with_others(tiny: wb.Session) -> None:
+    sc = tiny.sampling_client()
+    params = wb.SamplingParams(max_tokens=10, temperature=1.0, seed=1234)
+    alone = sc.sample(_ids(tiny, PROMPTS[0]), 4, params).result()
+    again = sc.sample(_ids(tiny, PROMPTS[0]), 4, params).result()
+    other = sc.sample(_ids(tiny, PROMPTS[1]), 5, wb.SamplingParams(max_tokens=20, temperature=0.7, seed=1))
+    batched = sc.sample(_ids(tiny, PROMPTS[0]), 4, params)
+    other.result()
+    tokens = [s.tokens for s in alone.sequences]
+    assert tokens == [s.tokens for s in again.sequences] == [s.tokens for s in batched.result().sequences]
+    assert len({tuple(t) for t in tokens}) > 1  # the samples differ from each other
+    different = sc.sample(_ids(tiny, PROMPTS[0]), 4, wb.SamplingParams(max_tokens=10, temperature=1.0, seed=99)).result()
+    assert [s.tokens for s in different.sequences] != tokens
+
+
+def test_unseeded_requests_are_reproducible_from_the_session_seed() -> None:
+    results = []
+    for _ in range(2):
+        with wb.Session("tiny", wb.LoraConfig(rank=4), seed=5) as sess:
+            sc = sess.sampling_client()
+            results.append([s.tokens for s in sc.sample(_ids(sess, "Hello"), 3, wb.SamplingParams(max_tokens=6)).result().sequences])
+            results[-1] += [s.tokens for s in sc.sample(_ids(sess, "Hello"), 3, wb.SamplingParams(max_tokens=6)).result().sequences]
+    assert results[0] == results[1]
+    assert results[0][:3] != results[0][3:]  # consecutive unseeded calls draw different seeds
+
+
+def test_temperature_zero_and_top_k_one_are_greedy(tiny: wb.Session) -> None:
+    prompt = _ids(tiny, PROMPTS[2])
+    sc = tiny.sampling_client()
+    greedy = sc.sample(prompt, 2, wb.SamplingParams(max_tokens=8, temperature=0.0)).result()
+    top1 = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=8, temperature=1.5, top_k=1)).result()
+    tokens = greedy.sequences[0].tokens
+    assert greedy.sequences[1].tokens == tokens == top1.sequences[0].tokens
+    context = list(prompt)
+    for token in tokens:
+        assert token == int(_logits_after(tiny, context).argmax())
+        context.append(token)
+
+
+def test_nucleus_filter_keeps_the_smallest_set_reaching_top_p() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    kept = torch.isfinite(filter_top_k_top_p(logits, -1, 0.8))[0].tolist()
+    assert kept == [True, True, False, False]
+    kept = torch.isfinite(filter_top_k_top_p(logits, -1, 0.81))[0].tolist()
+    assert kept == [True, True, True, False]
+    kept = torch.isfinite(filter_top_k_top_p(logits, 1, 1.0))[0].tolist()
+    assert kept == [True, False, False, False]
+    assert torch.isfinite(filter_top_k_top_p(logits, -1, 1e-6))[0].tolist() == [True, False, False, False]
+
+
+def test_top_p_samples_only_from_the_nucleus(tiny: wb.Session) -> None:
+    prompt = _ids(tiny, PROMPTS[0])
+    response = tiny.sampling_client().sample(prompt, 8, wb.SamplingParams(max_tokens=1, temperature=1.0, top_p=0.05, seed=0)).result()
+    probs = torch.softmax(_logits_after(tiny, prompt), -1)
+    ranked = probs.argsort(descending=True).tolist()
+    nucleus = set()
+    mass = 0.0
+    for token in ranked:
+        nucleus.add(token)
+        mass += float(probs[token])
+        if mass >= 0.05:
+            break
+    assert {s.tokens[0] for s in response.sequences} <= nucleus
+
+
+def test_stop_token_ids_and_stop_strings(tiny: wb.Session) -> None:
+    prompt = _ids(tiny, PROMPTS[0])
+    sc = tiny.sampling_client()
+    free = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[])).result().sequences[0]
+    stop_token = free.tokens[5]
+    first = free.tokens.index(stop_token)
+    stopped = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[stop_token])).result().sequences[0]
+    assert stopped.stop_reason == "stop"
+    assert stopped.tokens == free.tokens[: first + 1]  # the stop token is included
+    assert stopped.logprobs == free.logprobs[: first + 1]
+
+    text = tiny.tokenizer.decode(free.tokens[3:5])
+    by_string = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[text])).result().sequences[0]
+    assert by_string.stop_reason == "stop"
+    assert text in tiny.tokenizer.decode(by_string.tokens)
+    assert text not in tiny.tokenizer.decode(by_string.tokens[:-1])
+    assert by_string.tokens == free.tokens[: len(by_string.tokens)]
+
+
+def test_eos_stops_by_default_and_not_with_an_empty_stop_list(tiny: wb.Session) -> None:
+    eos = tiny.tokenizer.eos_token_id
+    prompt = _ids(tiny, "The answer is")
+    sc = tiny.sampling_client()
+    params = {"max_tokens": 60, "temperature": 1.0, "seed": 3}
+    free = sc.sample(prompt, 64, wb.SamplingParams(**params, stop=[])).result().sequences
+    rows = [i for i, s in enumerate(free) if eos in s.tokens]
+    assert rows, "no sample contains EOS: pick another seed"
+    assert all(s.stop_reason == "length" and len(s.tokens) == 60 for s in free)
+    default = sc.sample(prompt, 64, wb.SamplingParams(**params)).result().sequences
+    for i in rows:
+        cut = free[i].tokens.index(eos) + 1
+        assert default[i].tokens == free[i].tokens[:cut] and default[i].stop_reason == "stop"
+
+
+def test_prompt_logprobs_and_compute_logprobs(tiny: wb.Session) -> None:
+    prompt = _ids(tiny, PROMPTS[0])
+    sc = tiny.sampling_client()
+    response = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=2), include_prompt_logprobs=True).result()
+    assert response.prompt_logprobs[0] is None and len(response.prompt_logprobs) == len(prompt)
+    expected = _forward_logprobs(tiny, prompt[:1], prompt[1:])
+    assert response.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert sc.compute_logprobs(prompt).result() == response.prompt_logprobs
+    assert sc.sample(prompt, 1, wb.SamplingParams(max_tokens=2)).result().prompt_logprobs is None
+    assert sc.compute_logprobs(prompt[:1]).result() == [None]
+
+
+def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> None:
+    prompt = _ids(tiny, PROMPTS[1])
+    params = wb.SamplingParams(max_tokens=8, seed=11)
+    v0 = tiny.policy.save_weights_and_get_sampling_client()
+    before = v0.sample(prompt, 2, params).result()
+    assert before.weights_version == 0 and tiny._snapshots.held_bytes() == 0  # the current version costs no copy
+    data = [wb.Datum(model_input=prompt + before.sequences[0].tokens[:-1], loss_fn_inputs={"target_tokens": prompt[1:] + before.sequences[0].tokens})]
+    for _ in range(3):
+        tiny.policy.forward_backward(data, "cross_entropy").result()
+        tiny.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
+    assert tiny.policy.weights_version == 3
+    after = v0.sample(prompt, 2, params).result()
+    assert after.weights_version == 0
+    assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
+    assert [s.logprobs for s in after.sequences] == [s.logprobs for s in before.sequences]
+    v3 = tiny.sampling_client()
+    newer = v3.sample(prompt, 2, params).result()
+    assert newer.weights_version == 3
+    assert [s.logprobs for s in newer.sequences] != [s.logprobs for s in before.sequences]
+    assert tiny.live_versions() == [0, 3]
+    assert tiny._snapshots.held_bytes() > 0
+    # the live adapter is untouched by sampling the old version
+    digest = tiny.state_digest()
+    v0.sample(prompt, 1, params).result()
+    assert tiny.state_digest() == digest
+    del v0
+    gc.collect()
+    assert tiny.live_versions() == [3] and tiny._snapshots.held_bytes() == 0
+    with pytest.raises(ValueError, match="weights version 0 is not held"):
+        tiny.sampling_client(version=0)
+
+
+def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
+    prompt = _ids(tiny, PROMPTS[0])
+    data = [wb.Datum(model_input=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:]})]
+    tiny.policy.forward_backward(data, "cross_entropy").result()
+    tiny.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
+    base = tiny.sampling_client(base=True)
+    response = base.sample(prompt, 2, wb.SamplingParams(max_tokens=6, seed=2)).result()
+    assert response.weights_version is None
+    for seq in response.sequences:
+        full = prompt + seq.tokens
+        ref = tiny.reference.forward([wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy").result()
+        assert ref.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :] == pytest.approx(seq.logprobs, abs=1e-5)
+
+
+def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypatch) -> None:
+    calls: list[int] = []
+    real = HFSampler._generate_chunk
+
+    def counting(self, requests):
+        calls.append(len(requests))
+        return real(self, requests)
+
+    monkeypatch.setattr(HFSampler, "_generate_chunk", counting)
+    sc = tiny.sampling_client()
+    tokens = _ids(tiny, PROMPTS[0])
+    # a training op keeps the worker busy while the sample calls queue up behind it
+    tiny.policy.forward_backward([wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64, "cross_entropy")
+    futures = [sc.sample(_ids(tiny, p), 2, wb.SamplingParams(max_tokens=4)) for p in PROMPTS * 3]
+    assert all(len(f.result().sequences) == 2 for f in futures)
+    assert calls == [9]
+    rows = [row for row in tiny.history if row["op"] == "sample"]
+    assert len(rows) == 9 and all(row["num_samples:sum"] == 2 for row in rows)
+
+
+def test_sample_history_reports_versions_and_staleness(tiny: wb.Session) -> None:
+    sc = tiny.sampling_client()
+    tokens = _ids(tiny, PROMPTS[0])
+    tiny.policy.forward_backward([wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy").result()
+    tiny.policy.optim_step().result()
+    sc.sample(tokens, 1, wb.SamplingParams(max_tokens=3)).result()
+    row = tiny.history.rows[-1]
+    assert row["op"] == "sample" and row["weights_version"] == 0 and row["staleness"] == 1 and row["num_tokens:sum"] == 3
+
+
+def test_tinker_sampling_params_are_accepted(tiny: wb.Session) -> None:
+    tinker = pytest.importorskip("tinker")
+    prompt = tinker.ModelInput.from_ints(_ids(tiny, PROMPTS[0]))
+    response = tiny.sampling_client().sample(prompt, 1, tinker.SamplingParams(max_tokens=4, temperature=0.0)).result()
+    assert len(response.sequences[0].tokens) == 4
+
+
+def test_chat_prompt_renders_the_template(tiny: wb.Session) -> None:
+    prompt = wb.chat_prompt(tiny.tokenizer, [{"role": "user", "content": "hi"}])
+    assert tiny.tokenizer.decode(prompt.to_ints()) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    datum = wb.chat_datum(tiny.tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+    weights = datum.loss_fn_inputs["weights"].tolist()
+    trained = [t for t, w in zip(datum.loss_fn_inputs["target_tokens"].tolist(), weights, strict=True) if w]
+    assert tiny.tokenizer.decode(trained) == "hello<|im_end|>"
+
+
+BAD = [
+    ("empty prompt", lambda s: ([], 1, {"max_tokens": 2}), "prompt is empty"),
+    ("token out of range", lambda s: ([1, s.base_info.vocab_size], 1, {"max_tokens": 2}), "outside the vocabulary"),
+    ("max_tokens 0", lambda s: ([1, 2], 1, {"max_tokens": 0}), "max_tokens must be an integer >= 1"),
+    ("beyond the context", lambda s: ([1, 2], 1, {"max_tokens": 511}), "exceeds the model's context of 512"),
+    ("negative temperature", lambda s: ([1, 2], 1, {"temperature": -1.0}), "temperature"),
+    ("top_p zero", lambda s: ([1, 2], 1, {"top_p": 0.0}), "top_p"),
+    ("top_p above one", lambda s: ([1, 2], 1, {"top_p": 1.01}), "top_p"),
+    ("no samples", lambda s: ([1, 2], 0, {"max_tokens": 2}), r"num_samples must be an integer in \[1, 4\]"),
+    ("too many samples", lambda s: ([1, 2], 5, {"max_tokens": 2}), r"num_samples must be an integer in \[1, 4\]"),
+    ("stop id out of range", lambda s: ([1, 2], 1, {"max_tokens": 2, "stop": [100000]}), "stop token ids"),
+    ("unknown field", lambda s: ([1, 2], 1, {"max_new_tokens": 2}), "unknown SamplingParams field"),
+]
+
+
+@pytest.mark.parametrize(("case", "build", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_sampling_input_raises_and_changes_nothing(case, build, message) -> None:
+    with wb.Session("tiny", wb.LoraConfig(rank=2), max_samples_per_request=4) as sess:
+        sc = sess.sampling_client()
+        digest = sess.state_digest()
+        generator_state = sess._sampling_generator.get_state().clone()
+        prompt, num_samples, params = build(sess)
+        with pytest.raises(ValueError, match=message):
+            sc.sample(prompt, num_samples, params)
+        assert sess.state_digest() == digest
+        assert torch.equal(sess._sampling_generator.get_state(), generator_state)
+        assert len(sess.history) == 0
+
+
+def test_sampler_choice_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="sampler='vllm' is not available"):
+        wb.Session("tiny", wb.LoraConfig(rank=2), sampler="vllm")
+    with wb.Session("tiny", wb.LoraConfig(rank=2), sampler="auto") as sess:
+        assert sess.config.sampler == "hf"
+    with pytest.raises(ValueError, match="sampler must be"):
+        wb.Session("tiny", wb.LoraConfig(rank=2), sampler="sglang")

@@ -1,0 +1,390 @@
+"""The panel, driven headless: every control is clicked or edited from Python, and the session, its
+run and its history must respond exactly as if a cell had made the same calls."""
+
+from __future__ import annotations
+
+import html
+import re
+import threading
+from pathlib import Path
+
+import ipywidgets
+import pytest
+import torch
+from datums import sft_datum
+from matplotlib.figure import Figure
+
+import workbench as wb
+from workbench.run import RunState
+
+WAIT_S = 30.0
+
+
+def _data(sess: wb.Session) -> list[wb.Datum]:
+    return [
+        sft_datum(sess.tokenizer, "User: Hello!", " Assistant: Hi there."),
+        sft_datum(sess.tokenizer, "The quick brown fox", " jumps over the lazy dog."),
+    ]
+
+
+@pytest.fixture
+def panel(tiny: wb.Session):
+    p = tiny.panel(train_data=_data(tiny))
+    yield p
+    p.close()
+
+
+def _wait(sess: wb.Session) -> RunState:
+    assert sess.current_run is not None
+    return sess.current_run.wait(WAIT_S)
+
+
+def test_the_status_bar_shows_the_session(panel: wb.Panel, tiny: wb.Session) -> None:
+    text = panel.status.widget.value
+    for expected in ("tiny", "cpu/float32", "MiB", '"step"><b>step</b> 0', "v0", '"critic"><b>critic</b> no', "W&amp;B</b> off", "none"):
+        assert expected in text
+    tiny.policy.forward_backward(_data(tiny), "cross_entropy")
+    tiny.policy.optim_step().result()  # a cell trains; the panel follows on its next refresh
+    panel.refresh()
+    assert '"step"><b>step</b> 1' in panel.status.widget.value and '"weights"><b>weights</b> v1' in panel.status.widget.value
+    tiny.create_critic()
+    panel.refresh()
+    assert '"critic"><b>critic</b> yes' in panel.status.widget.value
+
+
+def test_step_button_without_a_run_trains_one_step_with_the_tab_settings(panel: wb.Panel, tiny: wb.Session) -> None:
+    panel.train.adam["learning_rate"].value = 2e-3
+    panel.train.adam["grad_clip_norm"].value = 1.0
+    panel.train.step_button.click()
+    assert _wait(tiny) is RunState.FINISHED
+    assert tiny.step == 1
+    assert [row["op"] for row in tiny.history] == ["forward_backward", "optim_step"]
+    assert tiny.history.last("learning_rate") == 2e-3
+    assert tiny.current_run is not None and tiny.current_run.adam_params == wb.AdamParams(learning_rate=2e-3, grad_clip_norm=1.0)
+    panel.refresh()
+    assert "finished · 1/1" in panel.train.progress_text.value
+    assert panel.train.progress.value == panel.train.progress.max == 1
+    assert '"step"><b>step</b> 1' in panel.status.widget.value
+
+
+def test_run_button_runs_the_tab_step_count(panel: wb.Panel, tiny: wb.Session) -> None:
+    panel.train.steps.value = 3
+    panel.train.run_button.click()
+    assert _wait(tiny) is RunState.FINISHED
+    assert tiny.step == 3 and len(tiny.history.series("loss:sum", op="forward_backward")[1]) == 3
+
+
+def test_the_loss_dropdown_picks_the_loss_and_a_failure_shows_its_traceback(panel: wb.Panel, tiny: wb.Session) -> None:
+    panel.train.loss.value = "importance_sampling"  # SFT datums lack its inputs: the run must fail visibly
+    panel.train.step_button.click()
+    assert _wait(tiny) is RunState.FAILED
+    panel.refresh()
+    assert "Traceback" in panel.train.error.value and "advantages" in panel.train.error.value
+    assert panel.train.progress.bar_style == "danger"
+    assert tiny.step == 0
+    panel.train.loss.value = "cross_entropy"
+    panel.train.step_button.click()
+    assert _wait(tiny) is RunState.FINISHED
+    panel.refresh()
+    assert panel.train.error.value == "" and tiny.step == 1
+
+
+def test_buttons_control_a_run_started_from_a_cell(panel: wb.Panel, tiny: wb.Session) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def step(sess: wb.Session, i: int) -> dict[str, float]:
+        if i == 2:
+            entered.set()
+            assert release.wait(WAIT_S)
+        return {"reward:mean": float(i)}
+
+    run = tiny.run(step, steps=6, paused=True)
+    panel.refresh()
+    t = panel.train
+    assert (t.run_button.description, t.run_button.disabled, t.pause_button.disabled) == ("Resume", False, True)
+    assert not t.step_button.disabled and not t.stop_button.disabled and t.loss.disabled
+
+    t.step_button.click()
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 1
+    t.run_button.click()  # resume: step 2 blocks until released
+    assert entered.wait(WAIT_S)
+    panel.refresh()
+    assert t.run_button.disabled and not t.pause_button.disabled and t.step_button.disabled
+    t.pause_button.click()
+    release.set()
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 3
+    t.stop_button.click()
+    assert run.wait(WAIT_S) is RunState.STOPPED and run.i == 3
+    panel.refresh()
+    assert "stopped · 3/6" in t.progress_text.value
+    assert not t.run_button.disabled and t.run_button.description == "Run" and t.stop_button.disabled
+    assert tiny.history.series("reward:mean", op="run_step")[1] == [0.0, 1.0, 2.0]
+
+
+def test_adam_fields_edit_the_active_run(panel: wb.Panel, tiny: wb.Session) -> None:
+    run = tiny.run(wb.train_step(_data(tiny)), steps=3, adam_params={"learning_rate": 1e-3}, paused=True)
+    panel.refresh()
+    assert panel.train.adam["learning_rate"].value == 1e-3  # the fields show the run's settings
+    panel.train.adam["learning_rate"].value = 4e-3
+    assert run.adam_params.learning_rate == 4e-3
+    assert "from the run's next step" in panel.train.feedback.text
+
+    panel.train.adam["beta2"].value = 1.5  # invalid: shown, and the run keeps its settings
+    assert "beta2 must be in [0, 1)" in panel.train.feedback.text
+    assert run.adam_params.beta2 == 0.95
+    panel.refresh()
+    assert panel.train.adam["beta2"].value == 0.95
+
+    run.set(weight_decay=0.01)  # from a cell: the panel shows it
+    panel.refresh()
+    assert panel.train.adam["weight_decay"].value == 0.01
+
+    panel.train.step_button.click()
+    run.wait(WAIT_S)
+    assert tiny.history.last("learning_rate") == 4e-3
+    run.stop()
+    run.wait(WAIT_S)
+
+
+def test_invalid_fields_without_a_run_block_starting_one(panel: wb.Panel, tiny: wb.Session) -> None:
+    panel.train.adam["eps"].value = 0.0
+    assert "eps must be > 0" in panel.train.feedback.text
+    panel.train.step_button.click()
+    assert "eps must be > 0" in panel.train.feedback.text
+    assert tiny.current_run is None and tiny.step == 0
+
+
+def test_without_training_data_the_buttons_only_control_runs(tiny: wb.Session) -> None:
+    panel = tiny.panel()
+    try:
+        assert panel.train.step_button.disabled and panel.train.run_button.disabled
+        panel.train.step_button.click()  # a programmatic click on a disabled button still reports why
+        assert "no training data" in panel.train.feedback.text
+        assert tiny.current_run is None
+        run = tiny.run(wb.train_step(_data(tiny)), steps=2, paused=True)
+        panel.refresh()
+        assert not panel.train.step_button.disabled
+        panel.train.step_button.click()
+        assert run.wait(WAIT_S) is RunState.PAUSED and tiny.step == 1
+        run.stop()
+    finally:
+        panel.close()
+
+
+def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) -> None:
+    m = panel.metrics
+    assert m.select.value == ("loss:sum",) and m.plot is not None and m.plot.names == ["loss:sum"]
+    before, renders = m.image.value, m.renders
+    panel.refresh()
+    assert m.renders == renders  # nothing new: nothing redrawn
+    panel.train.step_button.click()
+    _wait(tiny)
+    panel.refresh()
+    assert m.renders > renders and bytes(m.image.value) != bytes(before)
+    assert bytes(m.image.value).startswith(b"\x89PNG")
+    assert {"grad_norm", "learning_rate", "loss:sum"} <= set(m.select.options)
+    assert m.select.value == ("loss:sum",)  # new options keep the selection
+
+    m.select.value = ("grad_norm", "loss:sum")
+    assert m.plot.names == ["grad_norm", "loss:sum"]
+    steps, values = m.plot.lines["grad_norm"]["policy/optim_step"].get_data()
+    assert list(steps) == [1] and len(values) == 1
+    m.select.value = ()
+    assert m.plot is None and bytes(m.image.value) == b""
+
+
+def test_the_panel_redraws_itself_until_closed(tiny: wb.Session) -> None:
+    panel = tiny.panel(train_data=_data(tiny), metrics=("grad_norm",))
+    assert panel.polling and panel.metrics.select.value == ("grad_norm",)
+    tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
+    deadline = threading.Event()
+    for _ in range(100):  # the timer, not the test, refreshes
+        if '"step"><b>step</b> 2' in panel.status.widget.value:
+            break
+        deadline.wait(0.1)
+    assert '"step"><b>step</b> 2' in panel.status.widget.value
+    assert "finished · 2/2" in panel.train.progress_text.value
+    panel.close()
+    assert not panel.polling
+
+
+def test_closing_the_session_ends_the_panel_timer() -> None:
+    sess = wb.Session("tiny", wb.LoraConfig(rank=4))
+    panel = sess.panel()
+    sess.close()
+    panel._timer.join(WAIT_S)
+    assert not panel.polling
+    assert "closed" in panel.status.widget.value
+
+
+def test_sess_plot_draws_the_named_metrics(tiny: wb.Session) -> None:
+    tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
+    figure = tiny.plot("loss:sum", "grad_norm")
+    assert isinstance(figure, Figure)
+    assert [ax.get_title() for ax in figure.axes] == ["loss:sum", "grad_norm"]
+    assert [ax.get_title() for ax in tiny.plot().axes] == tiny.history.names()
+
+
+# ------------------------------------------------------------------------------------------------ Sample
+
+
+def _sample(panel: wb.Panel) -> wb.SampleResponse:
+    panel.sample.sample_button.click()
+    assert panel.sample.rendered is not None, panel.sample.feedback.text
+    return panel.sample.rendered.result(WAIT_S)
+
+
+def test_the_sample_tab_samples_with_its_settings(panel: wb.Panel, tiny: wb.Session) -> None:
+    s = panel.sample
+    assert s.chat.value and not s.chat.disabled  # the tiny tokenizer has a chat template
+    s.prompt.value = "Hello <there> & you"
+    s.max_tokens.value = 4
+    s.num_samples.value = 3
+    s.seed.value = "7"
+    response = _sample(panel)
+    assert len(response.sequences) == 3 and response.weights_version == 0
+    assert all(len(sequence.tokens) <= 4 for sequence in response.sequences)
+    shown = s.output.value
+    assert shown.count("sample ") == 3 and "weights v0" in shown and "probability exp(logprob)" in shown
+    chat = wb.chat_prompt(tiny.tokenizer, [{"role": "user", "content": "Hello <there> & you"}])
+    assert html.escape(tiny.tokenizer.decode(chat.to_ints())) in shown  # the chat-rendered prompt, escaped
+    row = tiny.history.rows[-1]
+    assert (row["op"], row["num_samples:sum"]) == ("sample", 3.0)
+    assert _sample(panel) == response  # the seed makes it repeatable
+
+    s.chat.value = False
+    s.seed.value = ""
+    s.temperature.value = 0.0  # greedy: every sample the same
+    s.top_p.value = 0.5
+    assert s.sampling_params() == wb.SamplingParams(max_tokens=4, temperature=0.0, top_p=0.5, seed=None)
+    greedy = _sample(panel)
+    assert len({tuple(sequence.tokens) for sequence in greedy.sequences}) == 1
+    assert html.escape(tiny.tokenizer.decode(tiny.tokenizer("Hello <there> & you").input_ids)) in s.output.value
+
+
+def test_the_version_picker_offers_the_live_snapshots_and_the_base(panel: wb.Panel, tiny: wb.Session) -> None:
+    s = panel.sample
+    assert s.version.options == (("current (v0)", "current"), ("base model", "base"))
+    pinned = tiny.sampling_client()  # a cell holds a client on v0; then the policy trains
+    tiny.run(wb.train_step(_data(tiny)), steps=1).wait(WAIT_S)
+    panel.refresh()
+    assert s.version.options == (("current (v1)", "current"), ("v0", "0"), ("base model", "base"))
+    assert "v1 (pinned v0)" in panel.status.widget.value
+    s.prompt.value = "Hi"
+    s.max_tokens.value = 2
+    s.version.value = "0"
+    assert _sample(panel).weights_version == 0
+    s.version.value = "base"
+    assert _sample(panel).weights_version is None and "base model" in s.output.value
+    assert tiny.history.rows[-1]["model"] == "reference"
+    s.version.value = "current"
+    assert _sample(panel).weights_version == 1
+    s.version.value = "0"
+    pinned.close()
+    panel.refresh()
+    assert s.version.options == (("current (v1)", "current"), ("base model", "base"))
+    assert s.version.value == "current"  # the chosen snapshot is gone: back to the current weights
+
+
+def test_sample_tab_errors_are_shown(panel: wb.Panel, tiny: wb.Session) -> None:
+    s = panel.sample
+    s.sample_button.click()
+    assert "write a prompt first" in s.feedback.text and s.rendered is None
+    s.prompt.value = "Hi"
+    s.seed.value = "seven"
+    s.sample_button.click()
+    assert "seed must be an integer" in s.feedback.text and s.rendered is None
+    assert not [row for row in tiny.history if row["op"] == "sample"]
+
+
+# ------------------------------------------------------------------------------------------------ Checkpoints
+
+
+def _act(panel: wb.Panel, button: ipywidgets.Button) -> object:
+    before = panel.checkpoints.last_action
+    button.click()
+    done = panel.checkpoints.last_action
+    assert done is not None and done is not before, panel.checkpoints.feedback.text
+    return done.result(WAIT_S)
+
+
+def _names(sess: wb.Session) -> list[tuple[str, str, int]]:
+    return [(info.name, info.kind, info.step) for info in sess.list_checkpoints()]
+
+
+def test_save_and_overwrite_with_confirmation(panel: wb.Panel, tiny: wb.Session) -> None:
+    c = panel.checkpoints
+    assert "no checkpoints yet" in c.table.value and c.choice.options == ()
+    c.name.value = "first"
+    _act(panel, c.save_button)
+    assert _names(tiny) == [("first", "state", 0)]
+    assert "saved first" in c.feedback.text
+    assert re.search(r"<td[^>]*>first</td><td[^>]*>state</td><td[^>]*>0</td>", c.table.value)
+    assert "KiB" in c.table.value
+    assert c.choice.value == str(tiny.list_checkpoints()[0].path)
+
+    tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
+    c.name.value = ""
+    _act(panel, c.save_button)  # the default name is the step
+    assert _names(tiny) == [("first", "state", 0), ("step-2", "state", 2)]
+
+    c.name.value = "first"  # taken: replacing it asks first
+    c.save_button.click()
+    assert c.confirm_row.layout.display == "flex" and "Replace checkpoint first?" in c.confirm_text.value
+    c.cancel_button.click()
+    assert c.confirm_row.layout.display == "none" and c.pending is None
+    assert ("first", "state", 0) in _names(tiny)
+    c.save_button.click()
+    before = c.last_action
+    c.confirm_button.click()
+    assert c.last_action is not before and c.last_action is not None
+    c.last_action.result(WAIT_S)
+    assert sorted(_names(tiny)) == [("first", "state", 2), ("step-2", "state", 2)]
+
+
+def test_load_asks_then_restores_the_saved_state(panel: wb.Panel, tiny: wb.Session) -> None:
+    c = panel.checkpoints
+    saved = {name: p.detach().clone() for name, p in tiny._adapters["policy"].parameters.items()}
+    tiny.policy.save_state("start").result()  # saved from a cell: the tab lists it on refresh
+    tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
+    panel.refresh()
+    assert c.choice.options == (("start (state, step 0)", str(tiny.list_checkpoints()[0].path)),)
+    c.load_button.click()
+    assert "Load start?" in c.confirm_text.value and tiny.step == 2  # nothing happens before Confirm
+    _act(panel, c.confirm_button)
+    assert tiny.step == 0
+    assert all(torch.equal(p, saved[name]) for name, p in tiny._adapters["policy"].parameters.items())
+    assert "loaded start (step 0)" in c.feedback.text
+
+
+def test_delete_asks_then_removes_the_checkpoint(panel: wb.Panel, tiny: wb.Session) -> None:
+    c = panel.checkpoints
+    tiny.policy.save_state("keep").result()
+    tiny.policy.save_weights_for_sampler("adapter").result()
+    panel.refresh()
+    assert [label for label, _ in c.choice.options] == ["adapter (sampler, step 0)", "keep (state, step 0)"]
+    c.choice.value = c.choice.options[0][1]
+    c.load_button.click()
+    assert "holds sampler weights only" in c.feedback.text and c.pending is None
+    c.delete_button.click()
+    assert "Delete checkpoint adapter" in c.confirm_text.value
+    assert len(tiny.list_checkpoints()) == 2
+    c.confirm_button.click()
+    assert _names(tiny) == [("keep", "state", 0)] and "deleted adapter" in c.feedback.text
+    assert [label for label, _ in c.choice.options] == ["keep (state, step 0)"]
+
+
+def test_export_writes_the_merged_model(panel: wb.Panel, tiny: wb.Session, tmp_path: Path) -> None:
+    c = panel.checkpoints
+    c.export_button.click()
+    assert "give the folder" in c.feedback.text
+    c.export_path.value = str(tmp_path / "merged")
+    target = _act(panel, c.export_button)
+    assert Path(str(target)) == tmp_path / "merged" and (tmp_path / "merged" / "config.json").is_file()
+    assert "exported the merged policy" in c.feedback.text
+    before = c.last_action
+    c.export_button.click()  # the folder exists now: the error is shown, not raised
+    assert c.last_action is not None and c.last_action is not before
+    with pytest.raises(Exception, match="already exists"):
+        c.last_action.result(WAIT_S)
+    assert "already exists" in c.feedback.text

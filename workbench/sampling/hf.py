@@ -1,0 +1,227 @@
+"""In-process sampling with HF `generate` on the live model, with per-token logprobs.
+
+Notation: N rows in one `generate` call (the requests' samples together), V vocabulary, P longest prompt.
+
+Every queued request for the same weights is generated in one batched `generate` call: prompts are
+left-padded (HF derives position ids from the attention mask), each request's prompt repeated
+`num_samples` times. Token choice happens in our own logits processor, so that each request keeps its own
+sampling parameters and its own seeded generator inside a shared batch (same seed, same tokens, whatever
+else is in the batch), and so that the logprob of each chosen token is read from the unprocessed
+distribution: log_softmax of the model's logits, the same number `forward` computes for that token. The
+processor returns scores that leave `generate` (run greedy) exactly one choice per row. Rows end at their
+own stop token, stop string or `max_tokens`; the call ends when every row has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from workbench.batching import PreparedDatum, collate
+from workbench.logprobs import target_logprobs
+from workbench.sampling.requests import GeneratedRow, RequestResult, SampleRequest
+from workbench.types import SamplingParams, StopReason
+
+# Rows per `generate` call: bounds the KV cache; a request is never split across calls.
+MAX_ROWS_PER_GENERATE = 256
+# Tokens of a row's tail decoded to look for stop strings (plus the longest stop string's length).
+_STOP_STRING_TAIL_TOKENS = 8
+
+
+def filter_top_k_top_p(scores_R_V: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Mask (to -inf) the tokens outside the top-k and outside the nucleus: the smallest set of most
+    likely tokens whose probability reaches top_p (Holtzman et al. 2020, https://arxiv.org/abs/1904.09751).
+    The most likely token always stays."""
+    if top_k > 0 and top_k < scores_R_V.shape[-1]:
+        kth_R_1 = torch.topk(scores_R_V, top_k, dim=-1).values[:, -1:]
+        scores_R_V = scores_R_V.masked_fill(scores_R_V < kth_R_1, -math.inf)
+    if top_p < 1.0:
+        sorted_R_V, order_R_V = torch.sort(scores_R_V, dim=-1, descending=True)
+        probs_R_V = torch.softmax(sorted_R_V, dim=-1)
+        mass_before_R_V = probs_R_V.cumsum(dim=-1) - probs_R_V
+        remove_sorted_R_V = mass_before_R_V >= top_p
+        remove_R_V = remove_sorted_R_V.scatter(-1, order_R_V, remove_sorted_R_V)
+        scores_R_V = scores_R_V.masked_fill(remove_R_V, -math.inf)
+    return scores_R_V
+
+
+class _ChooseTokens(LogitsProcessor):
+    """Picks every row's next token with its request's parameters and generator; records the token and
+    its logprob under the unprocessed distribution.
+
+    Requests with the same parameters are filtered together (one sort and one softmax for all their
+    rows); only the draw is per request, from the request's own generator.
+    """
+
+    def __init__(self, requests: list[tuple[slice, SamplingParams, torch.Generator]], device: torch.device):
+        by_params: dict[SamplingParams, list[tuple[slice, torch.Generator]]] = {}
+        for rows, params, generator in requests:
+            by_params.setdefault(params, []).append((rows, generator))
+        self.groups: list[tuple[SamplingParams, Tensor, list[tuple[slice, torch.Generator]]]] = []
+        for params, members in by_params.items():
+            rows_G = torch.cat([torch.arange(r.start, r.stop) for r, _ in members]).to(device)
+            offset = 0
+            local = []
+            for rows, generator in members:  # each request's rows as a slice of the group's rows
+                local.append((slice(offset, offset + rows.stop - rows.start), generator))
+                offset += rows.stop - rows.start
+            self.groups.append((params, rows_G, local))
+        self.tokens: list[Tensor] = []  # per step, (N,)
+        self.logprobs: list[Tensor] = []  # per step, (N,)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        logits_N_V = scores.float()
+        tokens_N = torch.empty(logits_N_V.shape[0], dtype=torch.long, device=logits_N_V.device)
+        for params, rows_G, requests in self.groups:
+            logits_G_V = logits_N_V.index_select(0, rows_G)
+            if params.temperature == 0:
+                tokens_N[rows_G] = logits_G_V.argmax(dim=-1)
+                continue
+            filtered_G_V = filter_top_k_top_p(logits_G_V / params.temperature, params.top_k, params.top_p)
+            probs_G_V = torch.softmax(filtered_G_V, dim=-1)
+            tokens_G = torch.empty(len(rows_G), dtype=torch.long, device=logits_N_V.device)
+            for rows, generator in requests:
+                tokens_G[rows] = torch.multinomial(probs_G_V[rows], 1, generator=generator).squeeze(1)
+            tokens_N[rows_G] = tokens_G
+        logprobs_N = torch.log_softmax(logits_N_V, dim=-1).gather(1, tokens_N[:, None]).squeeze(1)
+        self.tokens.append(tokens_N)
+        self.logprobs.append(logprobs_N)
+        forced_N_V = torch.full_like(scores, -math.inf)
+        return forced_N_V.scatter_(1, tokens_N[:, None], 0.0)
+
+
+class _RowStops(StoppingCriteria):
+    """Ends each row at its request's stop token, stop string or max_tokens; remembers where and why."""
+
+    def __init__(self, row_requests: list[SampleRequest], chooser: _ChooseTokens, tokenizer: PreTrainedTokenizerBase):
+        self.row_requests = row_requests
+        self.chooser = chooser
+        self.tokenizer = tokenizer
+        self.ended: list[tuple[int, StopReason] | None] = [None] * len(row_requests)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: object) -> Tensor:
+        step = len(self.chooser.tokens)
+        newest = self.chooser.tokens[-1].tolist()
+        for row, request in enumerate(self.row_requests):
+            if self.ended[row] is not None:
+                continue
+            if newest[row] in request.stop_token_ids or (request.stop_strings and self._stop_string_seen(row, request, step)):
+                self.ended[row] = (step, "stop")
+            elif step >= request.max_tokens:
+                self.ended[row] = (step, "length")
+        done = [end is not None for end in self.ended]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    def _stop_string_seen(self, row: int, request: SampleRequest, step: int) -> bool:
+        tail_tokens = _STOP_STRING_TAIL_TOKENS + max(len(s) for s in request.stop_strings)
+        first = max(0, step - tail_tokens)
+        tail = [int(self.chooser.tokens[t][row]) for t in range(first, step)]
+        text = self.tokenizer.decode(tail, skip_special_tokens=False)
+        return any(stop in text for stop in request.stop_strings)
+
+
+class HFSampler:
+    """Generates for a list of requests with whatever adapter state the model is in when called."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[RequestResult]:
+        results: list[RequestResult] = []
+        chunk: list[SampleRequest] = []
+        for request in requests:
+            if chunk and sum(r.num_samples for r in chunk) + request.num_samples > MAX_ROWS_PER_GENERATE:
+                results.extend(self._generate_chunk(chunk))
+                chunk = []
+            chunk.append(request)
+        if chunk:
+            results.extend(self._generate_chunk(chunk))
+        return results
+
+    @torch.no_grad()
+    def _generate_chunk(self, requests: list[SampleRequest]) -> list[RequestResult]:
+        row_requests = [request for request in requests for _ in range(request.num_samples)]
+        longest = max(request.prompt_length for request in requests)
+        pad = int(self.tokenizer.pad_token_id)
+        input_ids_N_P = torch.full((len(row_requests), longest), pad, dtype=torch.long)
+        attention_mask_N_P = torch.zeros_like(input_ids_N_P)
+        for row, request in enumerate(row_requests):
+            input_ids_N_P[row, longest - request.prompt_length :] = torch.tensor(request.prompt_tokens)
+            attention_mask_N_P[row, longest - request.prompt_length :] = 1
+        groups = []
+        start = 0
+        for request in requests:
+            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+            groups.append((slice(start, start + request.num_samples), request.params, generator))
+            start += request.num_samples
+        chooser = _ChooseTokens(groups, self.device)
+        stops = _RowStops(row_requests, chooser, self.tokenizer)
+        config = GenerationConfig(
+            max_new_tokens=max(request.max_tokens for request in requests),
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=[],  # rows end by _RowStops alone: `stop=[]` must run past the EOS token
+            pad_token_id=pad,
+        )
+        self.model.generate(
+            input_ids=input_ids_N_P.to(self.device),
+            attention_mask=attention_mask_N_P.to(self.device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([chooser]),
+            stopping_criteria=StoppingCriteriaList([stops]),
+        )
+        tokens_S_N = torch.stack(chooser.tokens).cpu()
+        logprobs_S_N = torch.stack(chooser.logprobs).cpu()
+        rows: list[GeneratedRow] = []
+        for row in range(len(row_requests)):
+            end = stops.ended[row] or (tokens_S_N.shape[0], "length")
+            length, reason = end
+            rows.append(GeneratedRow(tokens_S_N[:length, row].tolist(), logprobs_S_N[:length, row].tolist(), reason))
+        prompt_logprobs = self.prompt_logprobs([r.prompt_tokens for r in requests if r.include_prompt_logprobs])
+        results = []
+        start = 0
+        for request in requests:
+            results.append(
+                RequestResult(
+                    rows=rows[start : start + request.num_samples],
+                    prompt_logprobs=prompt_logprobs.pop(0) if request.include_prompt_logprobs else None,
+                )
+            )
+            start += request.num_samples
+        return results
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompts: list[tuple[int, ...]]) -> list[list[float | None]]:
+        """log p(token_i | tokens_<i) for every prompt token but the first (None: nothing predicts it)."""
+        if not prompts:
+            return []
+        batch = [
+            PreparedDatum(torch.tensor(p[:-1], dtype=torch.long), {"target_tokens": torch.tensor(p[1:], dtype=torch.long)})
+            for p in prompts
+            if len(p) > 1
+        ]
+        computed: list[list[float]] = []
+        if batch:
+            micro = collate(batch, list(range(len(batch))), int(self.tokenizer.pad_token_id), self.device)
+            logits_B_T_V = self.model(
+                input_ids=micro.input_ids_B_T, attention_mask=micro.attention_mask_B_T, use_cache=False
+            ).logits
+            logprobs_B_T, _ = target_logprobs(logits_B_T_V, micro.inputs["target_tokens"], with_entropy=False)
+            computed = [logprobs_B_T[row, : micro.lengths[row]].tolist() for row in range(len(batch))]
+        out: list[list[float | None]] = []
+        for prompt in prompts:
+            out.append([None, *computed.pop(0)] if len(prompt) > 1 else [None])
+        return out

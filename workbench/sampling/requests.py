@@ -1,0 +1,121 @@
+"""A validated sampling request, and what a sampler engine returns for it.
+
+Notation: P prompt tokens; R = num_samples rows per request.
+
+Validation happens in the caller's thread before anything is queued (`prepare_request`): a bad prompt or
+bad parameters raise a `ValueError` and change nothing. The request's seed is fixed here too: a request
+without a seed draws one from the session's sampling generator, in submission order, so a run's samples
+are reproducible from the session seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from workbench.types import ModelInput, SamplingParams, StopReason, to_model_input, to_sampling_params
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One `sample` call: a prompt, R samples, and the parameters that apply to all of them."""
+
+    prompt_tokens: tuple[int, ...]
+    num_samples: int
+    params: SamplingParams
+    seed: int
+    max_tokens: int  # params.max_tokens, or what is left of the context
+    stop_token_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    include_prompt_logprobs: bool
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_tokens)
+
+
+@dataclass(frozen=True)
+class GeneratedRow:
+    """One sampled sequence: its tokens (the stop token included), their logprobs, and why it ended."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    rows: list[GeneratedRow]
+    prompt_logprobs: list[float | None] | None
+
+
+def stop_conditions(params: SamplingParams, tokenizer: PreTrainedTokenizerBase) -> tuple[frozenset[int], tuple[str, ...]]:
+    """The token ids and strings that end a sample.
+
+    `stop=None`: the tokenizer's end-of-sequence token. `stop=[]`: nothing (samples run to max_tokens).
+    Token ids: exactly those. Strings: those strings, and the end-of-sequence token as well, since a
+    model that has emitted it has finished its answer.
+    """
+    eos = frozenset() if tokenizer.eos_token_id is None else frozenset({int(tokenizer.eos_token_id)})
+    stop = params.stop
+    if stop is None:
+        return eos, ()
+    if len(stop) == 0:
+        return frozenset(), ()
+    if isinstance(stop[0], str):
+        return eos, tuple(str(s) for s in stop)
+    return frozenset(int(s) for s in stop), ()
+
+
+def prepare_request(
+    prompt: ModelInput,
+    num_samples: int,
+    sampling_params: SamplingParams,
+    include_prompt_logprobs: bool,
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    vocab_size: int,
+    max_length: int,
+    max_samples_per_request: int,
+    generator: torch.Generator,
+) -> SampleRequest:
+    """Validate a sampling call against the model and fix its seed; raises ValueError naming the problem."""
+    params = to_sampling_params(sampling_params)
+    tokens = to_model_input(prompt).to_ints()
+    if not tokens:
+        raise ValueError("prompt is empty: sampling needs at least one prompt token")
+    for position, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ValueError(f"prompt token {token!r} at position {position} is outside the vocabulary [0, {vocab_size})")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= max_samples_per_request:
+        raise ValueError(
+            f"num_samples must be an integer in [1, {max_samples_per_request}] "
+            f"(the session's max_samples_per_request), got {num_samples!r}"
+        )
+    room = max_length - len(tokens)
+    if room < 1:
+        raise ValueError(f"prompt has {len(tokens)} tokens: no room left in the model's context of {max_length}")
+    max_tokens = room if params.max_tokens is None else params.max_tokens
+    if max_tokens > room:
+        raise ValueError(
+            f"max_tokens={max_tokens} with a {len(tokens)}-token prompt exceeds the model's context of {max_length} "
+            f"(at most {room} new tokens)"
+        )
+    if params.stop is not None and len(params.stop) and not isinstance(params.stop[0], str):
+        bad = [s for s in params.stop if not 0 <= int(s) < vocab_size]
+        if bad:
+            raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=generator))
+    stop_ids, stop_strings = stop_conditions(params, tokenizer)
+    return SampleRequest(
+        prompt_tokens=tuple(tokens),
+        num_samples=num_samples,
+        params=params,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_ids,
+        stop_strings=stop_strings,
+        include_prompt_logprobs=bool(include_prompt_logprobs),
+    )
