@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env demo test test-unit test-notebooks lab bench browser
+.PHONY: env demo test test-unit test-notebooks lab bench browser screenshot
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ test: env browser test-unit test-notebooks
 
 lab: env
 	$(BIN)/jupyter lab --notebook-dir=notebooks --LabApp.news_url=None
+
+# The README's panel screenshot, taken by the real-browser test.
+screenshot: env browser
+	$(BIN)/python -m pytest -q tests/test_browser.py
+	cp artifacts/panel.png docs/panel.png
 
 bench: env
 	$(BIN)/python bench/train.py --model tiny

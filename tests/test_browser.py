@@ -2,8 +2,8 @@
 
 A generated notebook creates a session on the tiny model and shows its panel; the test runs it, clicks
 the Train tab's Step button, and checks in the page that the status bar's step counter and the Metrics
-tab's plot advanced. The screenshot goes to `artifacts/panel.png` (and `docs/panel.png`, which the
-README shows). Every process the test starts (server, kernel, browser) is stopped at teardown.
+tab's plot advanced. The screenshot goes to `artifacts/panel.png`; `make screenshot` copies it to
+`docs/panel.png`, which the README shows. Every process the test starts (server, kernel, browser) is stopped at teardown.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -213,8 +212,6 @@ def test_the_panel_trains_from_a_click_in_jupyterlab(lab: Lab, tmp_path: Path) -
                 raise
         finally:
             context.close()
-    (REPO / "docs").mkdir(exist_ok=True)
-    shutil.copyfile(artifacts / "panel.png", REPO / "docs" / "panel.png")
 
 
 def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path) -> None:
