@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import wandb
 
 from workbench.metrics import STEP_METRIC, JsonlSink, MetricsHistory, WandbSink, open_wandb_run
 
@@ -109,20 +108,9 @@ def test_open_wandb_run_rejects_other_settings(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def wandb_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """No credentials anywhere W&B looks (env, netrc, settings), and every W&B path under tmp_path."""
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC"):
-        monkeypatch.delenv(name, raising=False)
-    home = tmp_path / "home"
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(home / ".cache" / "wandb"))
-    monkeypatch.setenv("WANDB_DATA_DIR", str(home / ".local" / "share" / "wandb"))
-    directory = tmp_path / "runs"
-    monkeypatch.setenv("WANDB_DIR", str(directory))
-    wandb.teardown()  # W&B reads its environment once per process setup; start from this one
-    yield directory
-    wandb.teardown()
+def wandb_dir(no_wandb_credentials: Path) -> Path:
+    """Where the tests' W&B runs go (`open_wandb_run`'s `directory`)."""
+    return no_wandb_credentials / "runs"
 
 
 def test_wandb_off_opens_nothing(wandb_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,3 +108,13 @@ def test_live_plot_renders_png() -> None:
     plot.update(training_history(3))
     png = plot.to_png()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_figure_returned_to_a_notebook_shows_as_png() -> None:
+    """A bare Figure shows only as text unless the kernel has loaded the inline backend; ours carry their
+    own PNG representation."""
+    from IPython.core.formatters import PNGFormatter
+
+    fig = plot_history(training_history(3), "loss:sum")
+    assert fig._repr_png_().startswith(b"\x89PNG\r\n\x1a\n")
+    assert PNGFormatter()(fig).startswith(b"\x89PNG\r\n\x1a\n")

@@ -8,29 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import wandb
 from datums import sft_datum
 
 import workbench as wb
 from workbench.metrics import STEP_METRIC, WandbSink
 
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def no_wandb_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """No W&B key or mode anywhere W&B looks, so a session's run is offline; W&B's own files in tmp_path."""
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC"):
-        monkeypatch.delenv(name, raising=False)
-    home = tmp_path / "home"
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(home / ".cache" / "wandb"))
-    monkeypatch.setenv("WANDB_DATA_DIR", str(home / ".local" / "share" / "wandb"))
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
-    wandb.teardown()
-    yield tmp_path
-    wandb.teardown()
 
 
 def _data(sess: wb.Session) -> list[wb.Datum]:

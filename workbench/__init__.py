@@ -4,6 +4,7 @@ One kernel-resident `Session` holds a base model with a LoRA policy, and speaks 
 (`forward_backward`, `forward`, `optim_step`, ...) on the local GPU or CPU.
 """
 
+from workbench import datasets
 from workbench.advantages import (
     broadcast_to_tokens,
     completion_mask,
@@ -78,6 +79,7 @@ __all__ = [
     "completion_mask",
     "completion_positions",
     "critic_datum",
+    "datasets",
     "export_archive",
     "gae",
     "group_relative_advantages",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedTokenizerBase
 
 from workbench.futures import APIFuture
+from workbench.sampling import operations
 from workbench.types import (
     ForwardBackwardOutput,
     LoraConfig,
@@ -27,7 +28,8 @@ from workbench.types import (
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from workbench.session import CustomLossFn, Session
+    from workbench.forward_backward import CustomLossFn
+    from workbench.session import Session
     from workbench.types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
 
 
@@ -182,11 +184,11 @@ class SamplingClient:
         With `include_prompt_logprobs`, the response's `prompt_logprobs` has one entry per prompt token
         (the first is None: nothing predicts it). Concurrent calls are generated together.
         """
-        return self._session._submit_sample(self._version, prompt, num_samples, sampling_params, include_prompt_logprobs)
+        return operations.submit_sample(self._session, self._version, prompt, num_samples, sampling_params, include_prompt_logprobs)
 
     def compute_logprobs(self, prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
         """The logprob of every token of `prompt` given the ones before it (first entry None)."""
-        return self._session._submit_compute_logprobs(self._version, prompt)
+        return operations.submit_compute_logprobs(self._session, self._version, prompt)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self._session.tokenizer

@@ -3,7 +3,8 @@
 Figures are built with `matplotlib.figure.Figure`, not `pyplot`, so nothing is registered in pyplot's
 global figure list: a notebook shows a figure once (when a cell returns it), a live panel that redraws
 every second leaks nothing, and everything works headless (PNG bytes come from the Agg renderer
-whatever the backend).
+whatever the backend). A bare `Figure` shows as text in a kernel where neither pyplot nor `%matplotlib`
+has loaded the inline backend, so the figures made here carry their own `_repr_png_`.
 
 A metric can come from several kinds of row (the training `forward_backward` loss and a held-out
 `forward` loss; the policy and the critic), so each axes draws one line per `model/op`, labelled when
@@ -40,6 +41,16 @@ def metric_lines(history: MetricsHistory, name: str) -> dict[str, tuple[list[int
     return lines
 
 
+class NotebookFigure(Figure):
+    """A `Figure` that a notebook shows as a PNG when a cell returns it, in any kernel: IPython uses the
+    inline backend's formatter when one is registered, else this `_repr_png_`."""
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png")
+        return buffer.getvalue()
+
+
 class LivePlot:
     """One figure for a fixed set of metrics, redrawn in place as the history grows.
 
@@ -59,7 +70,7 @@ class LivePlot:
         columns = min(len(self.names), MAX_COLUMNS)
         rows = math.ceil(len(self.names) / columns)
         if fig is None:
-            fig = Figure(figsize=(4.5 * columns, 3.2 * rows), layout="constrained")
+            fig = NotebookFigure(figsize=(4.5 * columns, 3.2 * rows), layout="constrained")
         else:
             fig.clear()
         self.figure = fig

@@ -10,7 +10,6 @@ and changes nothing; then it runs on the worker thread, in submission order, and
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import os
@@ -18,17 +17,17 @@ import re
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from workbench.batching import MicroBatch, PreparedDatum, collate, plan_microbatches, prepare_batch
+from workbench.batching import MicroBatch, PreparedDatum, prepare_batch
 from workbench.critic import CRITIC, ValueHead, critic_values, default_critic_lora
+from workbench.forward_backward import CustomLossFn, run_custom, run_loss
 from workbench.futures import APIFuture
 from workbench.logprobs import target_logprobs
 from workbench.losses import LossSpec, resolve_loss
@@ -43,22 +42,15 @@ from workbench.models import (
 from workbench.run import Run, StepFn, start_run
 from workbench.sampling import SamplerChoice, resolve_sampler
 from workbench.sampling.hf import HFSampler
-from workbench.sampling.requests import RequestResult, SampleRequest, prepare_request
 from workbench.sampling.vllm import VLLMSampler
 from workbench.training import TrainableAdapter
 from workbench.types import (
     AdamParams,
     ForwardBackwardOutput,
     LoraConfig,
-    ModelInput,
     OptimStepResponse,
-    SampledSequence,
-    SampleResponse,
-    SamplingParams,
-    TensorData,
     to_adam_params,
     to_lora_config,
-    to_model_input,
 )
 from workbench.versions import WeightSnapshots
 from workbench.worker import SessionClosedError, Worker
@@ -74,7 +66,6 @@ POLICY = "policy"
 REFERENCE = "reference"
 WANDB_PROJECT = "workbench"
 
-CustomLossFn = Callable[[list[Any], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -101,34 +92,6 @@ def default_run_dir(base_model: str) -> Path:
     root = Path(os.environ.get("WORKBENCH_RUNS", "runs"))
     model = re.sub(r"[^A-Za-z0-9]+", "-", Path(base_model).name).strip("-").lower() or "model"
     return root / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
-@dataclass
-class _Accumulated:
-    """Sums over the micro-batches of one call, turned into `name:reduction` metrics at the end."""
-
-    loss: float = 0.0
-    active_tokens: float = 0.0
-    diagnostic_sums: dict[str, float] = field(default_factory=dict)
-
-    def add(self, elementwise_loss_B_T: Tensor, active_B_T: Tensor, diagnostics: Mapping[str, Tensor]) -> None:
-        self.loss += float(elementwise_loss_B_T.detach().sum())
-        active = active_B_T.float()
-        self.active_tokens += float(active.sum())
-        for name, values_B_T in diagnostics.items():
-            total = float((values_B_T.detach().float() * active).sum())
-            self.diagnostic_sums[name] = self.diagnostic_sums.get(name, 0.0) + total
-
-    def metrics(self, spec: LossSpec | None, with_loss: bool) -> dict[str, float]:
-        metrics: dict[str, float] = {"num_tokens:sum": self.active_tokens}
-        if with_loss:
-            metrics["loss:sum"] = self.loss
-        if self.active_tokens > 0:
-            means = {name: total / self.active_tokens for name, total in self.diagnostic_sums.items()}
-            if spec is not None and spec.summarize is not None and with_loss:
-                means = spec.summarize(means)
-            metrics.update({f"{name}:mean": value for name, value in means.items() if not name.startswith("_")})
-        return metrics
 
 
 class Session:
@@ -196,7 +159,7 @@ class Session:
         self._hf_sampler = HFSampler(self._model, self.tokenizer, resolved_device)
         self._vllm_sampler: VLLMSampler | None = None  # started on first use when sampler == "vllm"
         self.history = MetricsHistory()
-        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(base_model)
+        self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir(base_model)).absolute()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history.sinks.append(JsonlSink(self.run_dir / "history.jsonl"))
         self.wandb_run = self._open_wandb(wandb)
@@ -380,7 +343,7 @@ class Session:
                 "(to compute the loss) or to none (values only)"
             )
         op = "forward_backward" if backward else "forward"
-        return self._worker.submit(lambda: self._run_loss(op, role, batch, spec, config, with_loss))
+        return self._worker.submit(lambda: run_loss(self, op, role, batch, spec, config, with_loss))
 
     def _submit_custom(self, role: str, data: Sequence[Any], loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
         self._check_open()
@@ -389,7 +352,7 @@ class Session:
             raise ValueError(f"forward_backward_custom needs a function fn(data, logprobs_list) -> (loss, metrics), got {loss_fn!r}")
         batch = self._prepare(data, ("target_tokens",), {}, strict=False)
         user_data = list(data)
-        return self._worker.submit(lambda: self._run_custom(role, batch, loss_fn, user_data))
+        return self._worker.submit(lambda: run_custom(self, role, batch, loss_fn, user_data))
 
     def _submit_optim_step(self, role: str, adam_params: Any) -> APIFuture[OptimStepResponse]:
         self._check_open()
@@ -427,82 +390,6 @@ class Session:
 
     def _record(self, op: str, role: str, metrics: Mapping[str, float]) -> None:
         self.history.record(op, role, self.step, metrics)
-
-    def _run_loss(
-        self, op: str, role: str, batch: list[PreparedDatum], spec: LossSpec, config: Mapping[str, float], with_loss: bool
-    ) -> ForwardBackwardOutput:
-        backward = op == "forward_backward"
-        outputs: list[dict[str, TensorData]] = [{} for _ in batch]
-        totals = _Accumulated()
-
-        def run_microbatches() -> None:
-            for indices in plan_microbatches([item.length for item in batch], self.config.max_tokens_per_microbatch):
-                micro = collate(batch, indices, self.tokenizer.pad_token_id, self.device)
-                mask_B_T = micro.attention_mask_B_T.bool()
-                with torch.set_grad_enabled(backward):
-                    prediction_B_T, extra = self._predict(role, micro, spec.reports_entropy)
-                    if with_loss:
-                        result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
-                        if backward:
-                            result.elementwise_loss_B_T.sum().backward()
-                        totals.add(result.elementwise_loss_B_T, result.active_B_T, {**extra, **result.diagnostics})
-                        per_position = {spec.head: prediction_B_T, "elementwise_loss": result.elementwise_loss_B_T}
-                    else:
-                        totals.add(torch.zeros_like(prediction_B_T), mask_B_T, extra)
-                        per_position = {spec.head: prediction_B_T}
-                _scatter_outputs(outputs, micro, per_position)
-
-        if backward:
-            with self._adapter(role).accumulating():
-                run_microbatches()
-        else:
-            with torch.no_grad():
-                run_microbatches()
-        metrics = totals.metrics(spec, with_loss)
-        self._record(op, role, metrics)
-        return ForwardBackwardOutput(loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics)
-
-    def _run_custom(self, role: str, batch: list[PreparedDatum], loss_fn: CustomLossFn, user_data: list[Any]) -> ForwardBackwardOutput:
-        """`forward_backward_custom`: the user's loss over per-datum logprob tensors.
-
-        When the batch fits in one micro-batch, the tensors given to `loss_fn` are slices of the live
-        graph and `loss.backward()` reaches the adapter directly. Otherwise (the SDK's method): logprobs
-        are computed without a graph, `loss_fn` runs on leaf copies, and each micro-batch is run again
-        with the surrogate Σ logprobs · ∂loss/∂logprobs, whose parameter gradient is the same.
-        """
-        plan = plan_microbatches([item.length for item in batch], self.config.max_tokens_per_microbatch)
-        logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
-        outputs: list[dict[str, TensorData]] = [{} for _ in batch]
-        with self._adapter(role).accumulating():
-            if len(plan) == 1:
-                micro = collate(batch, plan[0], self.tokenizer.pad_token_id, self.device)
-                logprobs_B_T, _ = self._predict(role, micro)
-                for row, index in enumerate(micro.indices):
-                    logprobs_list[index] = logprobs_B_T[row, : micro.lengths[row]]
-                loss, user_metrics = _call_custom_loss(loss_fn, user_data, logprobs_list)
-                loss.backward()
-            else:
-                with torch.no_grad():
-                    for indices in plan:
-                        micro = collate(batch, indices, self.tokenizer.pad_token_id, self.device)
-                        logprobs_B_T, _ = self._predict(role, micro)
-                        for row, index in enumerate(micro.indices):
-                            logprobs_list[index] = logprobs_B_T[row, : micro.lengths[row]].clone().requires_grad_(True)
-                loss, user_metrics = _call_custom_loss(loss_fn, user_data, logprobs_list)
-                loss.backward()
-                for indices in plan:
-                    micro = collate(batch, indices, self.tokenizer.pad_token_id, self.device)
-                    logprobs_B_T, _ = self._predict(role, micro)
-                    grad_B_T = torch.zeros_like(logprobs_B_T)
-                    for row, index in enumerate(micro.indices):
-                        if logprobs_list[index].grad is not None:
-                            grad_B_T[row, : micro.lengths[row]] = logprobs_list[index].grad
-                    (logprobs_B_T * grad_B_T).sum().backward()
-        for index, logprobs_N in enumerate(logprobs_list):
-            outputs[index] = {"logprobs": TensorData.from_torch(logprobs_N.detach())}
-        metrics = {**user_metrics, "loss:sum": float(loss.detach())}
-        self._record("forward_backward_custom", role, metrics)
-        return ForwardBackwardOutput(loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics)
 
     def _before_weights_change(self, role: str) -> None:
         """Called on the worker thread right before `role`'s weights change (an optimizer step, a load):
@@ -554,104 +441,6 @@ class Session:
         if self._vllm_sampler is not None and version not in self.live_versions():
             engine = self._vllm_sampler
             self._worker.submit(lambda: engine.forget(version))
-
-    def _submit_sample(
-        self,
-        version: int | None,
-        prompt: ModelInput | Sequence[int],
-        num_samples: int,
-        sampling_params: SamplingParams | Mapping[str, Any],
-        include_prompt_logprobs: bool,
-    ) -> APIFuture[SampleResponse]:
-        self._check_open()
-        request = prepare_request(
-            prompt,
-            num_samples,
-            sampling_params,
-            include_prompt_logprobs,
-            tokenizer=self.tokenizer,
-            vocab_size=self.base_info.vocab_size,
-            max_length=self.base_info.max_length,
-            max_samples_per_request=self.config.max_samples_per_request,
-            generator=self._sampling_generator,
-        )
-        return self._worker.submit_batchable(("sample", version), request, lambda batch: self._run_sample_batch(version, batch))
-
-    def _submit_compute_logprobs(self, version: int | None, prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
-        self._check_open()
-        tokens = tuple(to_model_input(prompt).to_ints())
-        self._prepare([{"model_input": list(tokens), "loss_fn_inputs": {}}], (), {})  # same checks as training data
-        return self._worker.submit(lambda: self._run_prompt_logprobs(version, tokens))
-
-    @contextlib.contextmanager
-    def _sampling_weights(self, version: int | None) -> Iterator[None]:
-        """The model in the state a sampling client asks for: the policy at `version`, or the base."""
-        self._activate(POLICY)
-        if version is None:
-            with self._model.disable_adapter():
-                yield
-        else:
-            with self._snapshots.weights(version, self.policy.weights_version):
-                yield
-
-    def _run_prompt_logprobs(self, version: int | None, tokens: tuple[int, ...]) -> list[float | None]:
-        with self._sampling_weights(version):
-            return self._hf_sampler.prompt_logprobs([tokens])[0]
-
-    def _vllm(self) -> VLLMSampler:
-        if self._vllm_sampler is None:
-            self._vllm_sampler = VLLMSampler(
-                self.base_info.path, self.base_info.path, self.dtype, self.config.lora.rank, self.base_info.max_length, self.config.seed
-            )
-        return self._vllm_sampler
-
-    def _write_policy_adapter(self, version: int, folder: Path) -> None:
-        """The policy's adapter at `version`, in peft's format, for vLLM to load (worker thread)."""
-        from workbench.session_state import peft_adapter_files
-
-        with self._sampling_weights(version):
-            files = peft_adapter_files(self._model, POLICY, self.base_info.path)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
-
-    def _run_sample_batch(self, version: int | None, requests: list[SampleRequest]) -> list[SampleResponse]:
-        start = time.perf_counter()
-        if self.config.sampler == "vllm":
-            results = self._vllm().generate(requests, version, self._write_policy_adapter)
-        else:
-            with self._sampling_weights(version):
-                results = self._hf_sampler.generate(requests)
-        seconds = time.perf_counter() - start
-        generated = sum(len(row.tokens) for result in results for row in result.rows)
-        responses = []
-        for request, result in zip(requests, results, strict=True):
-            responses.append(self._sample_response(version, request, result, seconds, generated))
-        return responses
-
-    def _sample_response(
-        self, version: int | None, request: SampleRequest, result: RequestResult, batch_seconds: float, batch_tokens: int
-    ) -> SampleResponse:
-        sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason) for row in result.rows]
-        tokens = sum(len(s.tokens) for s in sequences)
-        metrics = {
-            "num_samples:sum": float(request.num_samples),
-            "num_tokens:sum": float(tokens),
-            "stop_fraction:mean": sum(s.stop_reason == "stop" for s in sequences) / len(sequences),
-            "sample_seconds": batch_seconds,
-            "tokens_per_second": batch_tokens / batch_seconds if batch_seconds > 0 else 0.0,
-        }
-        if tokens:
-            metrics["logprob:mean"] = sum(sum(s.logprobs) for s in sequences) / tokens
-        sync_ms = 0.0
-        if version is not None:
-            metrics["weights_version"] = float(version)
-            metrics["staleness"] = float(self.policy.weights_version - version)
-            if self._vllm_sampler is not None:
-                sync_ms = self._vllm_sampler.sync_ms(version)
-                metrics["sync_ms"] = sync_ms
-        self._record("sample", POLICY if version is not None else REFERENCE, metrics)
-        return SampleResponse(sequences=sequences, weights_version=version, prompt_logprobs=result.prompt_logprobs, sync_ms=sync_ms)
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
@@ -743,24 +532,3 @@ class Session:
         from workbench.panel import Panel
 
         return Panel(self, train_data=train_data, metrics=metrics)
-
-
-def _scatter_outputs(outputs: list[dict[str, TensorData]], micro: MicroBatch, per_position: Mapping[str, Tensor]) -> None:
-    """Cut each (B, T) tensor back into one length-N_d `TensorData` per datum, in input order."""
-    arrays = {name: tensor_B_T.detach().float().cpu().numpy() for name, tensor_B_T in per_position.items()}
-    for row, index in enumerate(micro.indices):
-        n = micro.lengths[row]
-        for name, array_B_T in arrays.items():
-            outputs[index][name] = TensorData(np.ascontiguousarray(array_B_T[row, :n]), "float32")
-
-
-def _call_custom_loss(loss_fn: CustomLossFn, data: list[Any], logprobs_list: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
-    result = loss_fn(data, logprobs_list)
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise ValueError("a custom loss must return (loss, metrics): a scalar tensor and a dict of floats")
-    loss, metrics = result
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise ValueError(f"a custom loss must return a scalar tensor as its loss, got {type(loss).__name__}")
-    if not loss.requires_grad:
-        raise ValueError("the custom loss does not depend on the logprobs it was given: nothing to differentiate")
-    return loss.reshape(()), {str(key): float(value) for key, value in dict(metrics).items()}
