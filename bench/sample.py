@@ -48,7 +48,8 @@ def raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
     pad = sess.tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in rows], device=sess.device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in rows], device=sess.device)
-    config = GenerationConfig(max_new_tokens=TOKENS, do_sample=True, temperature=1.0, top_p=0.95, eos_token_id=[], pad_token_id=pad)
+    # top_k=0: HF would otherwise apply its default top_k=50, which workbench (top_k=-1) does not
+    config = GenerationConfig(max_new_tokens=TOKENS, do_sample=True, temperature=1.0, top_p=0.95, top_k=0, eos_token_id=[], pad_token_id=pad)
     with torch.no_grad():
         out = sess._model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     return (out.shape[1] - longest) * len(rows)

@@ -30,7 +30,7 @@ def _logits_after(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
 
 def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(tiny: wb.Session) -> None:
     sc = tiny.sampling_client()
-    params = wb.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50)
+    params = wb.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, stop=[])
     futures = [sc.sample(_ids(tiny, p), 3, params) for p in PROMPTS]  # different prompt lengths, one batch
     worst = 0.0
     for prompt, future in zip(PROMPTS, futures, strict=True):

@@ -48,12 +48,38 @@ def filter_top_k_top_p(scores_R_V: Tensor, top_k: int, top_p: float) -> Tensor:
         scores_R_V = scores_R_V.masked_fill(scores_R_V < kth_R_1, -math.inf)
     if top_p < 1.0:
         sorted_R_V, order_R_V = torch.sort(scores_R_V, dim=-1, descending=True)
-        probs_R_V = torch.softmax(sorted_R_V, dim=-1)
-        mass_before_R_V = probs_R_V.cumsum(dim=-1) - probs_R_V
-        remove_sorted_R_V = mass_before_R_V >= top_p
+        remove_sorted_R_V = _outside_nucleus(sorted_R_V, top_p)
         remove_R_V = remove_sorted_R_V.scatter(-1, order_R_V, remove_sorted_R_V)
         scores_R_V = scores_R_V.masked_fill(remove_R_V, -math.inf)
     return scores_R_V
+
+
+def _outside_nucleus(sorted_R_V: Tensor, top_p: float) -> Tensor:
+    """For scores sorted in descending order: True where the probability mass before a token already
+    reaches top_p."""
+    probs_R_V = torch.softmax(sorted_R_V, dim=-1)
+    return probs_R_V.cumsum(dim=-1) - probs_R_V >= top_p
+
+
+def draw_tokens(scores_R_V: Tensor, params: SamplingParams, requests: list[tuple[slice, torch.Generator]]) -> Tensor:
+    """One token per row: temperature, top-k and nucleus filtering, then a draw from each request's own
+    generator. With top_p < 1 the draw happens in sorted order, which is the same distribution without
+    scattering the filtered scores back (one pass over the (R, V) scores fewer)."""
+    scaled_R_V = scores_R_V / params.temperature
+    if params.top_k > 0 and params.top_k < scaled_R_V.shape[-1]:
+        kth_R_1 = torch.topk(scaled_R_V, params.top_k, dim=-1).values[:, -1:]
+        scaled_R_V = scaled_R_V.masked_fill(scaled_R_V < kth_R_1, -math.inf)
+    order_R_V: Tensor | None = None
+    if params.top_p < 1.0:
+        scaled_R_V, order_R_V = torch.sort(scaled_R_V, dim=-1, descending=True)
+        scaled_R_V = scaled_R_V.masked_fill(_outside_nucleus(scaled_R_V, params.top_p), -math.inf)
+    probs_R_V = torch.softmax(scaled_R_V, dim=-1)
+    picked_R = torch.empty(probs_R_V.shape[0], dtype=torch.long, device=probs_R_V.device)
+    for rows, generator in requests:
+        picked_R[rows] = torch.multinomial(probs_R_V[rows], 1, generator=generator).squeeze(1)
+    if order_R_V is None:
+        return picked_R
+    return order_R_V.gather(1, picked_R[:, None]).squeeze(1)
 
 
 class _ChooseTokens(LogitsProcessor):
@@ -68,6 +94,7 @@ class _ChooseTokens(LogitsProcessor):
         by_params: dict[SamplingParams, list[tuple[slice, torch.Generator]]] = {}
         for rows, params, generator in requests:
             by_params.setdefault(params, []).append((rows, generator))
+        self.all_rows = len(by_params) == 1  # one group, in row order: no gathering of rows needed
         self.groups: list[tuple[SamplingParams, Tensor, list[tuple[slice, torch.Generator]]]] = []
         for params, members in by_params.items():
             rows_G = torch.cat([torch.arange(r.start, r.stop) for r, _ in members]).to(device)
@@ -82,23 +109,23 @@ class _ChooseTokens(LogitsProcessor):
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         logits_N_V = scores.float()
-        tokens_N = torch.empty(logits_N_V.shape[0], dtype=torch.long, device=logits_N_V.device)
-        for params, rows_G, requests in self.groups:
-            logits_G_V = logits_N_V.index_select(0, rows_G)
-            if params.temperature == 0:
-                tokens_N[rows_G] = logits_G_V.argmax(dim=-1)
-                continue
-            filtered_G_V = filter_top_k_top_p(logits_G_V / params.temperature, params.top_k, params.top_p)
-            probs_G_V = torch.softmax(filtered_G_V, dim=-1)
-            tokens_G = torch.empty(len(rows_G), dtype=torch.long, device=logits_N_V.device)
-            for rows, generator in requests:
-                tokens_G[rows] = torch.multinomial(probs_G_V[rows], 1, generator=generator).squeeze(1)
-            tokens_N[rows_G] = tokens_G
-        logprobs_N = torch.log_softmax(logits_N_V, dim=-1).gather(1, tokens_N[:, None]).squeeze(1)
+        if self.all_rows:
+            tokens_N = self._choose(logits_N_V, *self.groups[0][::2])
+        else:
+            tokens_N = torch.empty(logits_N_V.shape[0], dtype=torch.long, device=logits_N_V.device)
+            for params, rows_G, requests in self.groups:
+                tokens_N[rows_G] = self._choose(logits_N_V.index_select(0, rows_G), params, requests)
+        # log softmax at the chosen token only: logit − logsumexp(logits)
+        logprobs_N = logits_N_V.gather(1, tokens_N[:, None]).squeeze(1) - torch.logsumexp(logits_N_V, dim=-1)
         self.tokens.append(tokens_N)
         self.logprobs.append(logprobs_N)
-        forced_N_V = torch.full_like(scores, -math.inf)
-        return forced_N_V.scatter_(1, tokens_N[:, None], 0.0)
+        return scores.fill_(-math.inf).scatter_(1, tokens_N[:, None], 0.0)  # `scores` is generate's own copy
+
+    @staticmethod
+    def _choose(logits_G_V: Tensor, params: SamplingParams, requests: list[tuple[slice, torch.Generator]]) -> Tensor:
+        if params.temperature == 0:
+            return logits_G_V.argmax(dim=-1)
+        return draw_tokens(logits_G_V, params, requests)
 
 
 class _RowStops(StoppingCriteria):
