@@ -30,8 +30,8 @@ from transformers import (
 
 from workbench.batching import PreparedDatum, collate
 from workbench.logprobs import target_logprobs
-from workbench.sampling.requests import GeneratedRow, RequestResult, SampleRequest
-from workbench.types import SamplingParams, StopReason
+from workbench.sampling.requests import RequestResult, SampleRequest
+from workbench.types import SampledSequence, SamplingParams, StopReason
 
 # Rows per `generate` call: bounds the KV cache; a request is never split across calls.
 MAX_ROWS_PER_GENERATE = 256
@@ -212,18 +212,18 @@ class HFSampler:
         )
         tokens_S_N = torch.stack(chooser.tokens).cpu()
         logprobs_S_N = torch.stack(chooser.logprobs).cpu()
-        rows: list[GeneratedRow] = []
+        rows: list[SampledSequence] = []
         for row in range(len(row_requests)):
             end = stops.ended[row] or (tokens_S_N.shape[0], "length")
             length, reason = end
-            rows.append(GeneratedRow(tokens_S_N[:length, row].tolist(), logprobs_S_N[:length, row].tolist(), reason))
+            rows.append(SampledSequence(tokens_S_N[:length, row].tolist(), logprobs_S_N[:length, row].tolist(), reason))
         prompt_logprobs = self.prompt_logprobs([r.prompt_tokens for r in requests if r.include_prompt_logprobs])
         results = []
         start = 0
         for request in requests:
             results.append(
                 RequestResult(
-                    rows=rows[start : start + request.num_samples],
+                    sequences=rows[start : start + request.num_samples],
                     prompt_logprobs=prompt_logprobs.pop(0) if request.include_prompt_logprobs else None,
                 )
             )

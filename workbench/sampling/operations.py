@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from workbench.futures import APIFuture
 from workbench.sampling.requests import RequestResult, SampleRequest, prepare_request
 from workbench.sampling.vllm import VLLMSampler
-from workbench.types import ModelInput, SampledSequence, SampleResponse, SamplingParams, to_model_input
+from workbench.types import ModelInput, SampleResponse, SamplingParams, to_model_input
 
 if TYPE_CHECKING:
     from workbench.session import Session
@@ -105,7 +105,7 @@ def run_sample_batch(sess: Session, version: int | None, requests: list[SampleRe
         with sampling_weights(sess, version):
             results = sess._hf_sampler.generate(requests)
     seconds = time.perf_counter() - start
-    generated = sum(len(row.tokens) for result in results for row in result.rows)
+    generated = sum(len(s.tokens) for result in results for s in result.sequences)
     return [sample_response(sess, version, request, result, seconds, generated) for request, result in zip(requests, results, strict=True)]
 
 
@@ -113,7 +113,7 @@ def sample_response(
     sess: Session, version: int | None, request: SampleRequest, result: RequestResult, batch_seconds: float, batch_tokens: int
 ) -> SampleResponse:
     """The response to one request, and its history row."""
-    sequences = [SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason) for row in result.rows]
+    sequences = result.sequences
     tokens = sum(len(s.tokens) for s in sequences)
     metrics = {
         "num_samples:sum": float(request.num_samples),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from workbench.types import ModelInput, SamplingParams, StopReason, to_model_input, to_sampling_params
+from workbench.types import ModelInput, SampledSequence, SamplingParams, to_model_input, to_sampling_params
 
 
 @dataclass(frozen=True)
@@ -37,17 +37,11 @@ class SampleRequest:
 
 
 @dataclass(frozen=True)
-class GeneratedRow:
-    """One sampled sequence: its tokens (the stop token included), their logprobs, and why it ended."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: StopReason
-
-
-@dataclass(frozen=True)
 class RequestResult:
-    rows: list[GeneratedRow]
+    """What an engine returns for one request: its sampled sequences (stop token included) and, when
+    asked for, the prompt's logprobs."""
+
+    sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from workbench.sampling.requests import GeneratedRow, RequestResult, SampleRequest
+from workbench.sampling.requests import RequestResult, SampleRequest
+from workbench.types import SampledSequence
 
 # Fraction of GPU memory vLLM's engine may take (weights, activations, KV cache).
 GPU_MEMORY_UTILIZATION = 0.35
@@ -122,13 +123,13 @@ class VLLMSampler:
         for completion in output.outputs:
             tokens = list(completion.token_ids)
             logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)]
-            rows.append(GeneratedRow(tokens, logprobs, "length" if completion.finish_reason == "length" else "stop"))
+            rows.append(SampledSequence(tokens, logprobs, "length" if completion.finish_reason == "length" else "stop"))
         prompt_logprobs = None
         if request.include_prompt_logprobs:
             prompt_logprobs = [None] + [
                 position[token].logprob for position, token in zip(output.prompt_logprobs[1:], request.prompt_tokens[1:], strict=True)
             ]
-        return RequestResult(rows=rows, prompt_logprobs=prompt_logprobs)
+        return RequestResult(sequences=rows, prompt_logprobs=prompt_logprobs)
 
     def close(self) -> None:
         shutil.rmtree(self._adapters_dir, ignore_errors=True)
