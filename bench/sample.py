@@ -11,6 +11,12 @@ tokens), temperature 1.0, top_p 0.95, in the same process:
 On a GPU with vLLM installed, the same with `sampler="vllm"`, plus the time from `optim_step` to the
 first token sampled from the new weights.
 
+The raw floor runs on the session's worker thread, where workbench samples. On CPU each thread that runs
+parallel torch ops gets its own OpenMP team; once there are more OpenMP threads than cores, libgomp
+stops spinning between parallel regions, and token-by-token generation (many small regions) slows by
+up to 2x on a 2-core machine, whichever thread it runs on. Timing the floor on the main thread would
+create that second team and measure the machine, not workbench.
+
     python bench/sample.py --model tiny
     python bench/sample.py --model smollm2-135m
 """
@@ -42,7 +48,12 @@ def prompts_for(sess: wb.Session) -> list[list[int]]:
 
 
 def raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
-    """The floor: one HF generate call over all rows, sampling with the same settings."""
+    """The floor: one HF generate call over all rows, sampling with the same settings, on the session's
+    worker thread (see the module docstring)."""
+    return sess._worker.submit(lambda: _raw_generate(sess, prompts)).result()
+
+
+def _raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
     rows = [p for p in prompts for _ in range(SAMPLES)]
     longest = max(len(p) for p in rows)
     pad = sess.tokenizer.pad_token_id
