@@ -49,3 +49,7 @@ screenshot: env browser
 bench: env
 	$(BIN)/python bench/train.py --model tiny
 	$(BIN)/python bench/train.py --model smollm2-135m
+	$(BIN)/python bench/sample.py --model tiny
+	$(BIN)/python bench/sample.py --model smollm2-135m
+	$(BIN)/python bench/critic_memory.py --model smollm2-135m
+	$(BIN)/python bench/checkpoint.py --model smollm2-135m
