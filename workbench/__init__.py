@@ -15,15 +15,16 @@ from workbench.advantages import (
 from workbench.archive import UnsafeArchiveError, export_archive, import_archive
 from workbench.chat import chat_datum, chat_prompt
 from workbench.checkpoint_store import CheckpointError, CheckpointInfo, CorruptCheckpointError
-from workbench.clients import ModelInfo, SamplingClient, ServiceClient, TrainingClient
-from workbench.futures import APIFuture
+from workbench.clients import ClientFuture, ModelInfo, SamplingClient, ServiceClient, TrainingClient
+from workbench.engine import Engine, ModelTensors, Restore, Role, RunStatus, SessionConfig
+from workbench.futures import APIFuture, ReentrantWaitError
 from workbench.losses import LOSSES
 from workbench.metrics import MetricsHistory
 from workbench.panel import Panel
 from workbench.probes import AgreementReport, check_logprob_agreement
 from workbench.rollouts import completion_positions, critic_datum, policy_datum, sequence_datum
 from workbench.run import Run, RunActiveError, RunState, train_step
-from workbench.session import Session, SessionConfig
+from workbench.session import Session
 from workbench.token_view import TokenView, render_datum, render_sample, render_tokens
 from workbench.types import (
     AdamParams,
@@ -47,19 +48,26 @@ __all__ = [
     "AgreementReport",
     "CheckpointError",
     "CheckpointInfo",
+    "ClientFuture",
     "CorruptCheckpointError",
     "Datum",
     "EncodedTextChunk",
+    "Engine",
     "ForwardBackwardOutput",
     "LoraConfig",
     "MetricsHistory",
     "ModelInfo",
     "ModelInput",
+    "ModelTensors",
     "OptimStepResponse",
     "Panel",
+    "ReentrantWaitError",
+    "Restore",
+    "Role",
     "Run",
     "RunActiveError",
     "RunState",
+    "RunStatus",
     "SampleResponse",
     "SampledSequence",
     "SamplingClient",

@@ -18,6 +18,7 @@ import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
 
+from workbench.run_folders import checkpoint_folder
 from workbench.checkpoint_store import CheckpointError, check_name, read_verified, require_checkpoint_folder
 
 _MODES = {".tar": "w", ".tar.gz": "w:gz", ".tgz": "w:gz"}
@@ -35,9 +36,9 @@ def _write_mode(tar_path: Path) -> str:
 
 
 def export_archive(path: str | Path, tar_path: str | Path) -> Path:
-    """Write the checkpoint folder `path` (verified first: a corrupt checkpoint is not shipped) to
-    `tar_path`, atomically. Returns `tar_path`."""
-    folder = require_checkpoint_folder(Path(path).expanduser())
+    """Write the checkpoint at `path` (its folder, or its `tinker://` path; verified first: a corrupt
+    checkpoint is not shipped) to `tar_path`, atomically. Returns `tar_path`."""
+    folder = require_checkpoint_folder(checkpoint_folder(path))
     read_verified(folder)
     target = Path(tar_path).expanduser()
     mode = _write_mode(target)

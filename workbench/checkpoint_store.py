@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,11 +56,13 @@ class CheckpointInfo:
     """One complete checkpoint of a run, as `Session.list_checkpoints()` reports it."""
 
     name: str
-    path: Path
+    path: Path  # the folder
     kind: CheckpointKind  # "state": save_state (resumable); "sampler": save_weights_for_sampler (adapter only)
     step: int  # the policy's optimizer step when it was saved
     time: float  # unix seconds
     size_bytes: int
+    expires_at: float | None = None  # unix seconds; None: kept until deleted
+    user_metadata: Mapping[str, str] | None = None
 
 
 def check_name(name: str) -> str:
@@ -229,8 +232,9 @@ def read_verified(folder: Path) -> dict[str, bytes]:
 
 
 def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
-    """The run's complete checkpoints (state and sampler), oldest first. Leftovers are skipped; a
-    complete folder whose info file cannot be read is skipped with a warning naming it."""
+    """The run's complete checkpoints (state and sampler), oldest first. Leftovers and expired
+    checkpoints are skipped; a complete folder whose info file cannot be read is skipped with a warning
+    naming it."""
     infos: list[CheckpointInfo] = []
     for kind in ("state", "sampler"):
         parent = kind_dir(run_dir, kind)
@@ -243,7 +247,22 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
                 info = parse_json(folder, INFO_FILE[kind], (folder / INFO_FILE[kind]).read_bytes())
                 manifest = parse_json(folder, MANIFEST, (folder / MANIFEST).read_bytes())
                 size = (folder / MANIFEST).stat().st_size + sum(int(entry["size"]) for entry in manifest["files"].values())
-                infos.append(CheckpointInfo(folder.name, folder, kind, int(info["step"]), float(info["saved_at"]), size))
+                expires_at = info.get("expires_at")
+                if expires_at is not None and float(expires_at) < time.time():
+                    continue
+                metadata = {str(k): str(v) for k, v in dict(info.get("user_metadata") or {}).items()}
+                infos.append(
+                    CheckpointInfo(
+                        folder.name,
+                        folder,
+                        kind,
+                        int(info["step"]),
+                        float(info["saved_at"]),
+                        size,
+                        None if expires_at is None else float(expires_at),
+                        metadata,
+                    )
+                )
             except (OSError, KeyError, TypeError, ValueError) as error:
                 warnings.warn(f"skipping checkpoint {folder}: {error}", RuntimeWarning, stacklevel=2)
     return sorted(infos, key=lambda info: (info.time, info.name))
@@ -260,10 +279,26 @@ def delete(run_dir: Path, name: str, kind: CheckpointKind) -> None:
     shutil.rmtree(doomed)
 
 
+def _expired(folder: Path, kind: CheckpointKind) -> bool:
+    try:
+        expires_at = parse_json(folder, INFO_FILE[kind], (folder / INFO_FILE[kind]).read_bytes()).get("expires_at")
+    except (OSError, CheckpointError):
+        return False
+    return expires_at is not None and float(expires_at) < time.time()
+
+
 def cleanup(run_dir: Path) -> list[Path]:
-    """Remove the leftovers of interrupted saves and deletions; returns what was removed. An old folder
-    set aside by an interrupted overwrite whose replacement never arrived is moved back instead."""
+    """Remove the leftovers of interrupted saves and deletions, and checkpoints whose time to live has
+    run out; returns what was removed. An old folder set aside by an interrupted overwrite whose
+    replacement never arrived is moved back instead."""
     removed: list[Path] = []
+    for kind in ("state", "sampler"):
+        parent = kind_dir(run_dir, kind)
+        if parent.is_dir():
+            for folder in sorted(parent.iterdir()):
+                if not folder.name.startswith(".") and folder.is_dir() and _expired(folder, kind):
+                    delete(run_dir, folder.name, kind)
+                    removed.append(folder)
     for kind in ("state", "sampler"):
         parent = kind_dir(run_dir, kind)
         if not parent.is_dir():

@@ -11,14 +11,10 @@ The value head starts at zero, so every value starts at 0: a neutral baseline, t
 
 from __future__ import annotations
 
-import peft
 import torch
 from torch import Tensor, nn
 
-from workbench.batching import MicroBatch
 from workbench.types import LoraConfig
-
-CRITIC = "critic"
 
 
 class ValueHead(nn.Module):
@@ -32,18 +28,6 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_B_T_H: Tensor) -> Tensor:
         return self.linear(hidden_B_T_H.float()).squeeze(-1)
-
-
-def critic_values(peft_model: peft.PeftModel, head: ValueHead, micro: MicroBatch) -> Tensor:
-    """V for every position of a micro-batch, (B, T), through the currently active adapter.
-
-    The decoder alone runs (no output embedding): the critic needs hidden states, not logits.
-    """
-    decoder = peft_model.get_base_model().get_decoder()
-    hidden_B_T_H = decoder(
-        input_ids=micro.input_ids_B_T, attention_mask=micro.attention_mask_B_T, use_cache=False
-    ).last_hidden_state
-    return head(hidden_B_T_H)
 
 
 def default_critic_lora(policy: LoraConfig) -> LoraConfig:

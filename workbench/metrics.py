@@ -91,9 +91,13 @@ class MetricsHistory:
         return math.nan
 
     def to_pandas(self) -> Any:
+        """The rows as a DataFrame; `step` stays an integer column."""
         import pandas as pd
 
-        return pd.DataFrame(self.rows)
+        frame = pd.DataFrame(self.rows)
+        if "step" in frame:
+            frame["step"] = frame["step"].astype("Int64")
+        return frame
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -215,8 +219,9 @@ def open_wandb_run(
         config: The session config, logged once as the run config.
         run_id: Resume (or create) the run with this id, so a resumed session continues the same run;
             None for a fresh id.
-        project: The W&B project.
-        directory: Where W&B puts its `wandb/` folder of run files (created if missing).
+        project: The W&B project, unless `WANDB_PROJECT` or `setting` names one.
+        directory: Where W&B puts its `wandb/` folder of run files (created if missing), unless
+            `WANDB_DIR` or `setting` says otherwise.
 
     Returns:
         The sink to add to `MetricsHistory.sinks`, or None.
@@ -233,14 +238,15 @@ def open_wandb_run(
         mode = "online" if wandb.login(prompt=False, verify=False) else "offline"
     if mode == "disabled":
         return None
-    directory.mkdir(parents=True, exist_ok=True)
-    init_kwargs: dict[str, Any] = {
-        "project": project,
-        "dir": directory,
-        "config": dict(config),
-        "mode": mode,
-        "reinit": "create_new",
-    }
+    init_kwargs: dict[str, Any] = {"config": dict(config), "mode": mode, "reinit": "create_new"}
+    # W&B's own environment variables (WANDB_PROJECT, WANDB_DIR, WANDB_ENTITY, WANDB_RUN_GROUP,
+    # WANDB_TAGS, WANDB_NAME) are read by wandb.init for every argument not passed; workbench's defaults
+    # apply only where neither the caller nor the environment says otherwise.
+    if "WANDB_PROJECT" not in os.environ:
+        init_kwargs["project"] = project
+    if "WANDB_DIR" not in os.environ:
+        directory.mkdir(parents=True, exist_ok=True)
+        init_kwargs["dir"] = directory
     if run_id is not None:
         init_kwargs |= {"id": run_id, "resume": "allow"}
     return WandbSink(wandb.init(**(init_kwargs | extra)))

@@ -272,8 +272,7 @@ class Run:
         if not isinstance(metrics, Mapping):
             raise TypeError(f"step_fn must return a dict of metrics or None, got {type(metrics).__name__}")
         if metrics:
-            history = self.session.history
-            self.session._worker.submit(lambda: history.record("run_step", RUN_MODEL, step, metrics)).result()
+            self.session.engine.record("run_step", RUN_MODEL, step, metrics).result()
 
 
 def train_step(data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None) -> StepFn:
@@ -304,7 +303,7 @@ def start_run(session: Session, step_fn: StepFn, steps: int, adam_params: Any, p
     current = session.current_run
     if current is not None and current.active:
         raise RunActiveError(f"a run is still {current.state.value}: stop() it before starting another ({current!r})")
-    session._check_open()
+    session.engine.check_open()
     run = Run(session, step_fn, steps, to_adam_params(adam_params if adam_params is not None else AdamParams()), paused=paused)
     session.current_run = run
     return run.start()

@@ -319,12 +319,20 @@ class SampleResponse:
 
 @dataclass(frozen=True)
 class SaveWeightsResponse:
+    """Where `save_state` put the checkpoint: its `tinker://<run>/weights/<name>` path (what every load
+    accepts) and its local folder."""
+
     path: str
+    folder: str = ""
 
 
 @dataclass(frozen=True)
 class SaveWeightsForSamplerResponse:
+    """Where `save_weights_for_sampler` put the adapter: its `tinker://<run>/sampler_weights/<name>`
+    path and its local folder, a peft adapter folder that `PeftModel.from_pretrained` loads."""
+
     path: str
+    folder: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,22 @@
 """Weight versions that sampling clients are pinned to (Tinker's snapshot semantics).
 
-A sampling client samples the weights it was created from, even after later optimizer steps. Creating
-a client for the current weights costs nothing: the live adapter is used in place. Only when the weights
-are about to change while a live client is pinned to them (`before_change`, called by the session on its
-worker thread right before an optimizer step or a load) are the adapter's tensors copied, once per
-version; the copy is dropped when the last client pinned to that version is released (garbage-collected
-or closed). Sampling an older version swaps its copy into the adapter for the duration of the call and
-restores the live tensors afterwards, bit for bit, whatever happens in between.
+A sampling client samples the weights it was created from, even after later optimizer steps. Pinning
+the current weights costs nothing: the live adapter is used in place. Only when the weights are about
+to change while a client is pinned to them (`before_change`, called right before an optimizer step or
+a load) are the adapter's tensors copied, once per version; the copy is dropped when the last client
+pinned to that version is released. Sampling an older version swaps its copy into the adapter for the
+duration of the call and restores the live tensors afterwards, bit for bit, whatever happens in between.
+
+Every method but `pinned_versions` and `held_bytes` runs on the engine's worker thread, in order with
+the optimizer steps: a pin taken there always sees the version the queued operations before it left,
+and no release can drop weights a later pin was promised. Releases reach the worker through its
+lock-free `post`, so a client collected by the garbage collector at any moment never takes a lock the
+worker may hold.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import Counter
 from collections.abc import Iterator
 
@@ -25,39 +29,33 @@ class WeightSnapshots:
 
     def __init__(self, parameters: dict[str, nn.Parameter]):
         self._parameters = parameters
-        self._lock = threading.Lock()  # pins are released from whatever thread collects the client
         self._pins: Counter[int] = Counter()
         self._copies: dict[int, dict[str, Tensor]] = {}
 
     def pin(self, version: int) -> None:
-        with self._lock:
-            self._pins[version] += 1
+        self._pins[version] += 1
 
     def unpin(self, version: int) -> None:
-        with self._lock:
-            self._pins[version] -= 1
-            if self._pins[version] <= 0:
-                del self._pins[version]
-                self._copies.pop(version, None)
+        self._pins[version] -= 1
+        if self._pins[version] <= 0:
+            del self._pins[version]
+            self._copies.pop(version, None)
 
     def pinned_versions(self) -> list[int]:
-        with self._lock:
-            return sorted(self._pins)
+        """The versions live clients are pinned to (safe to call from any thread)."""
+        return sorted(self._pins.copy())
 
     def held_bytes(self) -> int:
-        """Memory held by copies of past versions."""
-        with self._lock:
-            return sum(t.numel() * t.element_size() for copy in self._copies.values() for t in copy.values())
+        """Memory held by copies of past versions (safe to call from any thread)."""
+        return sum(t.numel() * t.element_size() for copy in list(self._copies.values()) for t in copy.values())
 
     def before_change(self, current_version: int) -> None:
         """Keep a copy of the current weights if a live client is pinned to them."""
-        with self._lock:
-            if self._pins[current_version] > 0 and current_version not in self._copies:
-                self._copies[current_version] = {name: p.detach().clone() for name, p in self._parameters.items()}
+        if self._pins[current_version] > 0 and current_version not in self._copies:
+            self._copies[current_version] = {name: p.detach().clone() for name, p in self._parameters.items()}
 
     def is_available(self, version: int, current_version: int) -> bool:
-        with self._lock:
-            return version == current_version or version in self._copies
+        return version == current_version or version in self._copies
 
     @contextlib.contextmanager
     def weights(self, version: int, current_version: int) -> Iterator[None]:
@@ -65,8 +63,7 @@ class WeightSnapshots:
         if version == current_version:
             yield
             return
-        with self._lock:
-            copy = self._copies.get(version)
+        copy = self._copies.get(version)
         if copy is None:
             raise ValueError(f"the weights of version {version} are no longer held (no live client is pinned to them)")
         live = {name: p.detach().clone() for name, p in self._parameters.items()}

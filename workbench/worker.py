@@ -1,9 +1,17 @@
-"""The session's single worker thread: every operation that touches model state runs here, in order.
+"""The engine's single worker thread: every operation that touches model state runs here, in order.
 
 One thread means no locks around the model, the adapters or the optimizers, and Tinker's ordering
-guarantee for free: `forward_backward` then `optim_step` submitted back to back run in that order.
-Operations that can share a forward pass (sampling requests for the same weights) are submitted with a
-`batch_key`; adjacent queued operations with the same key run together in one call.
+guarantee for free: operations submitted back to back (`forward_backward`, `optim_step`, pinning a
+sampler's weights) take effect in that order. Operations that can share a forward pass (sampling
+requests) are submitted with a `batch_key`; adjacent queued operations with the same key run together
+in one call.
+
+The queue is a `queue.SimpleQueue`, whose `put` is safe to call from a garbage-collector finalizer at
+any point of any thread (a `threading.Lock` is not): `post` uses it for work that has no caller to wait
+for it, such as releasing the weights a collected sampling client had pinned.
+
+Every future resolves: with the operation's result or exception, or with `SessionClosedError` for an
+operation that was still queued when the worker stopped.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ BATCH_LINGER_S = 0.005
 
 @dataclass
 class _Job:
-    future: concurrent.futures.Future[Any]
+    future: concurrent.futures.Future[Any] | None  # None for posted work, which nobody waits for
     run: Callable[[], Any] | None = None
     batch_key: Hashable | None = None
     item: Any = None
@@ -35,22 +43,30 @@ class _Job:
 
 
 class SessionClosedError(RuntimeError):
-    """Raised for operations submitted after `Session.close()`."""
+    """Raised for operations submitted after `close()`, and by those still queued when it stopped them."""
+
+
+_STOP = object()  # the sentinel that ends the loop
 
 
 class Worker:
     """Runs submitted callables one at a time, in submission order, on a daemon thread."""
 
     def __init__(self, name: str = "workbench-worker"):
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: list[_Job] = []  # jobs taken off the queue while looking for batch companions
         self._closed = False
+        self._submitting = threading.Lock()  # orders submissions against close(): none lands after the stop
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     @property
     def thread(self) -> threading.Thread:
         return self._thread
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def submit(self, run: Callable[[], T]) -> APIFuture[T]:
         """Queue `run()`; its return value (or exception) resolves the returned future."""
@@ -60,71 +76,105 @@ class Worker:
         self, batch_key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], Sequence[Any]]
     ) -> APIFuture[Any]:
         """Queue `item`; adjacent items with the same key are passed together to `run_batch`, which
-        returns one result per item, in order."""
+        returns one result (or exception instance) per item, in order."""
         return self._put(_Job(concurrent.futures.Future(), batch_key=batch_key, item=item, run_batch=run_batch))
 
+    def post(self, run: Callable[[], None]) -> None:
+        """Queue `run()` with no future and without taking any lock: safe from finalizers. Dropped
+        silently once the worker has stopped (there is nothing left for it to act on)."""
+        if not self._closed:
+            self._queue.put(_Job(None, run=run))
+
     def _put(self, job: _Job) -> APIFuture[Any]:
-        if self._closed:
-            raise SessionClosedError("this session is closed; create a new Session")
-        self._queue.put(job)
-        return APIFuture(job.future)
+        assert job.future is not None
+        with self._submitting:
+            if self._closed:
+                raise SessionClosedError("this session is closed; create a new Session")
+            self._queue.put(job)
+        return APIFuture(job.future, self._thread)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Finish the queued operations, then stop the thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+    def close(self, wait: bool = True) -> None:
+        """Let the queued operations finish, then stop the thread. Safe to call again, also after an
+        interrupted call (it waits again)."""
+        with self._submitting:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_STOP)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
 
-    def _next(self, block: bool, timeout: float | None = None) -> _Job | None:
+    # ------------------------------------------------------------------------------------------ loop
+
+    def _next(self, timeout: float | None = None) -> Any:
         if self._pending:
             return self._pending.pop(0)
-        return self._queue.get(block=block, timeout=timeout)
+        return self._queue.get(timeout=timeout)
 
     def _loop(self) -> None:
+        job: Any = None
         while True:
-            job = self._next(block=True)
-            if job is None:
-                return
+            job = self._next()
+            if job is _STOP:
+                break
             if job.batch_key is None:
                 self._run_single(job)
+                job = None  # an idle worker holds no job (and nothing the job's closure holds)
                 continue
             batch = [job]
             stop = False
             while True:
                 try:
-                    nxt = self._next(block=True, timeout=BATCH_LINGER_S)
+                    nxt = self._next(timeout=BATCH_LINGER_S)
                 except queue.Empty:
                     break
-                if nxt is not None and nxt.batch_key == job.batch_key:
+                if nxt is not _STOP and nxt.batch_key == job.batch_key:
                     batch.append(nxt)
                     continue
-                if nxt is None:
+                if nxt is _STOP:
                     stop = True
                 else:
                     self._pending.insert(0, nxt)
                 break
             self._run_batch(batch)
+            job = batch = None
             if stop:
-                return
+                break
+        self._fail_leftovers()
+
+    def _fail_leftovers(self) -> None:
+        """Resolve whatever is still queued after the stop: nothing submitted is left hanging."""
+        leftovers = list(self._pending)
+        self._pending.clear()
+        while True:
+            try:
+                leftovers.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for job in leftovers:
+            if job is not _STOP and job.future is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(SessionClosedError("the session was closed before this operation ran"))
 
     @staticmethod
     def _run_single(job: _Job) -> None:
+        assert job.run is not None
+        if job.future is None:
+            try:
+                job.run()
+            except Exception:  # posted work has nobody to report to; it must not stop the worker
+                pass
+            return
         if not job.future.set_running_or_notify_cancel():
             return
-        assert job.run is not None
         try:
             result = job.run()
-        except BaseException as error:  # the caller sees every failure, including KeyboardInterrupt
+        except BaseException as error:  # the caller sees every failure
             job.future.set_exception(error)
         else:
             job.future.set_result(result)
 
     @staticmethod
     def _run_batch(jobs: list[_Job]) -> None:
-        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        live = [job for job in jobs if job.future is not None and job.future.set_running_or_notify_cancel()]
         if not live:
             return
         assert live[0].run_batch is not None
@@ -132,9 +182,11 @@ class Worker:
             results = live[0].run_batch([job.item for job in live])
         except BaseException as error:
             for job in live:
+                assert job.future is not None
                 job.future.set_exception(error)
             return
         for job, result in zip(live, results, strict=True):
+            assert job.future is not None
             if isinstance(result, BaseException):
                 job.future.set_exception(result)
             else:

@@ -32,15 +32,15 @@ def vllm_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def resolve_sampler(choice: str, device: torch.device, lora: LoraConfig) -> Literal["hf", "vllm"]:
-    """The engine for a session. vLLM does not load LoRA weights on the output embedding, so a policy
-    with `train_unembed=True` samples with HF."""
+def resolve_sampler(choice: str, device: torch.device, lora: LoraConfig | None) -> Literal["hf", "vllm"]:
+    """The sampler for an engine. vLLM does not load LoRA weights on the output embedding, so with
+    `"auto"` an engine made for a policy with `train_unembed=True` samples with HF."""
     if choice not in ("auto", "hf", "vllm"):
         raise ValueError(f"sampler must be 'auto', 'hf' or 'vllm', got {choice!r}")
     if choice == "hf":
         return "hf"
     reason = vllm_unavailable_reason(device)
-    if reason is None and lora.train_unembed:
+    if reason is None and lora is not None and lora.train_unembed:
         reason = "vLLM does not load LoRA weights on the output embedding: use LoraConfig(train_unembed=False)"
     if reason is None:
         return "vllm"

@@ -3,13 +3,15 @@
 Notation: P prompt tokens; R = num_samples rows per request.
 
 Validation happens in the caller's thread before anything is queued (`prepare_request`): a bad prompt or
-bad parameters raise a `ValueError` and change nothing. The request's seed is fixed here too: a request
-without a seed draws one from the session's sampling generator, in submission order, so a run's samples
-are reproducible from the session seed.
+bad parameters raise a `ValueError` and change nothing. A request without a seed draws one from the
+engine's sampling generator when it runs (`seeded`), on the worker in submission order, so a run's
+samples are reproducible from the engine seed and the generator's state saved with a checkpoint is the
+one the operations before the save left.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,7 @@ class SampleRequest:
     prompt_tokens: tuple[int, ...]
     num_samples: int
     params: SamplingParams
-    seed: int
+    seed: int | None  # None until `seeded` draws one
     max_tokens: int  # params.max_tokens, or what is left of the context
     stop_token_ids: frozenset[int]
     stop_strings: tuple[str, ...]
@@ -34,6 +36,12 @@ class SampleRequest:
     @property
     def prompt_length(self) -> int:
         return len(self.prompt_tokens)
+
+    def seeded(self, generator: torch.Generator) -> SampleRequest:
+        """The request with its seed fixed: its own, else the next draw from `generator`."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=int(torch.randint(0, 2**62, (1,), generator=generator)))
 
 
 @dataclass(frozen=True)
@@ -73,9 +81,8 @@ def prepare_request(
     vocab_size: int,
     max_length: int,
     max_samples_per_request: int,
-    generator: torch.Generator,
 ) -> SampleRequest:
-    """Validate a sampling call against the model and fix its seed; raises ValueError naming the problem."""
+    """Validate a sampling call against the model; raises ValueError naming the problem."""
     params = to_sampling_params(sampling_params)
     tokens = to_model_input(prompt).to_ints()
     if not tokens:
@@ -101,13 +108,12 @@ def prepare_request(
         bad = [s for s in params.stop if not 0 <= int(s) < vocab_size]
         if bad:
             raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab_size})")
-    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=generator))
     stop_ids, stop_strings = stop_conditions(params, tokenizer)
     return SampleRequest(
         prompt_tokens=tuple(tokens),
         num_samples=num_samples,
         params=params,
-        seed=seed,
+        seed=params.seed,
         max_tokens=max_tokens,
         stop_token_ids=stop_ids,
         stop_strings=stop_strings,

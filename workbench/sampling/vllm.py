@@ -1,10 +1,11 @@
 """Sampling with vLLM on a GPU, with LoRA hot-swap: each policy weight version is a new LoRA adapter.
 
 vLLM runs in-process (`vllm.LLM`) on its own copy of the base model, with LoRA enabled. When a sampling
-request names a weight version vLLM has not seen, the session writes that version's adapter in peft's
-format (the same folder `save_weights_for_sampler` writes) and it is registered as a new LoRA id: no
-reload of the base model and no merge into the training model. The time this takes is the version's
-`sync_ms`, reported with every sample of that version. The base model samples with no LoRA request.
+request names weights vLLM has not seen (a model's weight version, or an adapter loaded from a sampler
+checkpoint), the engine writes that adapter in peft's format (the same folder `save_weights_for_sampler`
+writes) and it is registered as a new LoRA id: no reload of the base model and no merge into the
+training model. The time this takes is those weights' `sync_ms`, reported with every sample of them.
+The base model samples with no LoRA request.
 
 Logprobs are vLLM's raw logprobs of the sampled tokens (before temperature and top-k/top-p), the same
 quantity the HF sampler and `forward` report. When GPU memory is short (less than `SLEEP_BELOW_FREE`
@@ -20,7 +21,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
@@ -33,7 +34,8 @@ GPU_MEMORY_UTILIZATION = 0.35
 # Sleep between calls when less than this fraction of GPU memory is free after sampling.
 SLEEP_BELOW_FREE = 0.2
 
-WriteAdapter = Callable[[int, Path], None]
+WriteAdapter = Callable[[Path], None]
+"""Writes the adapter for a set of weights, in peft's format, into the given folder."""
 
 
 class VLLMSampler:
@@ -56,39 +58,45 @@ class VLLMSampler:
             seed=seed,
         )
         self._adapters_dir = Path(tempfile.mkdtemp(prefix="workbench-vllm-adapters-"))
-        self._loaded: dict[int, object] = {}  # weights version -> LoRARequest
-        self._sync_ms: dict[int, float] = {}
+        self._loaded: dict[Hashable, tuple[int, object]] = {}  # weights key -> (LoRA id, LoRARequest)
+        self._sync_ms: dict[Hashable, float] = {}
+        self._lora_ids_made = 0
         self._asleep = False
 
-    def sync_ms(self, version: int) -> float:
-        return self._sync_ms.get(version, 0.0)
+    def sync_ms(self, key: Hashable) -> float:
+        """Milliseconds it took to write and register the adapter for `key` (0 before it was)."""
+        return self._sync_ms.get(key, 0.0)
 
-    def _lora_request(self, version: int, write_adapter: WriteAdapter) -> object:
-        """The LoRA request for `version`, writing and registering its adapter the first time."""
-        if version not in self._loaded:
+    def _lora_request(self, key: Hashable, write_adapter: WriteAdapter) -> object:
+        """The LoRA request for `key`'s weights, writing and registering its adapter the first time."""
+        if key not in self._loaded:
             from vllm.lora.request import LoRARequest
 
             start = time.perf_counter()
-            folder = self._adapters_dir / f"v{version}"
-            write_adapter(version, folder)
-            request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version + 1, lora_path=str(folder))
+            self._lora_ids_made += 1
+            lora_id = self._lora_ids_made
+            folder = self._adapters_dir / f"lora-{lora_id}"
+            write_adapter(folder)
+            request = LoRARequest(lora_name=f"lora-{lora_id}", lora_int_id=lora_id, lora_path=str(folder))
             self._llm.llm_engine.add_lora(request)
-            self._loaded[version] = request
-            self._sync_ms[version] = (time.perf_counter() - start) * 1000
-        return self._loaded[version]
+            self._loaded[key] = (lora_id, request)
+            self._sync_ms[key] = (time.perf_counter() - start) * 1000
+        return self._loaded[key][1]
 
-    def forget(self, version: int) -> None:
-        """Drop a version no client needs any more (its adapter folder, its LoRA slot)."""
-        request = self._loaded.pop(version, None)
-        if request is not None:
-            self._llm.llm_engine.remove_lora(version + 1)
-            shutil.rmtree(self._adapters_dir / f"v{version}", ignore_errors=True)
+    def forget(self, key: Hashable) -> None:
+        """Drop weights no client needs any more (their adapter folder, their LoRA slot)."""
+        loaded = self._loaded.pop(key, None)
+        if loaded is not None:
+            lora_id, _ = loaded
+            self._llm.llm_engine.remove_lora(lora_id)
+            shutil.rmtree(self._adapters_dir / f"lora-{lora_id}", ignore_errors=True)
 
-    def generate(self, requests: Sequence[SampleRequest], version: int | None, write_adapter: WriteAdapter) -> list[RequestResult]:
+    def generate(self, requests: Sequence[SampleRequest], key: Hashable | None, write_adapter: WriteAdapter) -> list[RequestResult]:
+        """Sample every request with the weights `key` names (None: the base model)."""
         if self._asleep:
             self._llm.wake_up()
             self._asleep = False
-        lora = None if version is None else self._lora_request(version, write_adapter)
+        lora = None if key is None else self._lora_request(key, write_adapter)
         prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_tokens)) for r in requests]
         params = [self._params(r) for r in requests]
         outputs = self._llm.generate(prompts, params, lora_request=lora, use_tqdm=False)

@@ -1,12 +1,12 @@
-"""A session's whole training state as checkpoint files, and back.
+"""A training run's whole state as checkpoint files, and back.
 
 Files of a state checkpoint (relative paths; `workbench.checkpoint_store` adds `manifest.json`):
 
-    config.json                      format version, name, time, step, W&B run id, base model identity,
-                                     the SessionConfig
+    config.json                      format version, name, time, step, run id (also the W&B run id),
+                                     base model identity, the SessionConfig, user metadata, expiry
     state.json                       per adapter: step, weights_version, pending_backward_calls;
                                      python and numpy RNG states
-    rng.safetensors                  torch RNG states (uint8): `torch_cpu`, `sampling` (the session's
+    rng.safetensors                  torch RNG states (uint8): `torch_cpu`, `sampling` (the engine's
                                      sampling generator), `cuda.<i>` when CUDA is available
     policy/adapter_config.json       the policy adapter in peft's format (PeftModel.from_pretrained loads it)
     policy/adapter_model.safetensors
@@ -23,27 +23,31 @@ Pending gradients round-trip: a checkpoint saved between `forward_backward` and 
 accumulated gradient and the count of pending calls, and loading it restores both, so the next
 `optim_step` applies exactly what it would have applied.
 
-Loading is two-phase. `read` verifies the manifest and parses every file without looking at a session;
-`restore` (on the worker thread) checks the parsed state against the session (base model identity,
-critic present or not, each adapter's rank/alpha/targets, tensor names and shapes) and only then changes
-anything. The process-global python, numpy and torch RNGs are restored too, so a training loop that
-draws from them continues as the uninterrupted run would.
+Parameter names are written with the role in place of the adapter's name (`...lora_A.policy.weight`),
+so a checkpoint loads into any run whatever its adapters are called on that engine.
+
+Loading is two-phase. `read` verifies the manifest and parses every file without looking at an engine;
+`restore` (on the worker thread) checks the parsed state against the run (base model identity, critic
+present or not, each adapter's rank/alpha/targets, tensor names and shapes) and only then changes
+anything. How much it restores is the caller's choice (`Restore`): the weights alone (Tinker's
+`load_state`), the weights with the optimizer state and counters (`load_state_with_optimizer`), or
+everything including the process-global python, numpy and torch RNGs and the engine's sampling
+generator, so a training loop that draws from them continues as the uninterrupted run would
+(`Session.from_checkpoint`, `Session.load_state`).
 """
 
 from __future__ import annotations
 
-import copy
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import peft
 import safetensors
 import safetensors.torch
 import torch
-from peft.utils import get_peft_model_state_dict
 from torch import Tensor
 
 from workbench.checkpoint_store import (
@@ -54,78 +58,81 @@ from workbench.checkpoint_store import (
     parse_json,
     read_verified,
 )
-from workbench.critic import CRITIC
+from workbench.engine.adapted_model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from workbench.engine.config import SessionConfig
+from workbench.engine.roles import Role
+from workbench.engine.state import EngineState
+from workbench.engine.training_runs import TrainedModel, TrainingRun
 from workbench.rng_state import RngStates
 from workbench.types import LoraConfig
 
-if TYPE_CHECKING:
-    from workbench.session import Session
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 VALUE_HEAD = "value_head.safetensors"
 
 
-# ---------------------------------------------------------------------------------------------- peft format
+class Restore(enum.Enum):
+    """How much of a state checkpoint a load puts back."""
+
+    WEIGHTS = "weights"  # the adapters' weights (and the critic's value head): Tinker's `load_state`
+    WITH_OPTIMIZER = "with_optimizer"  # + AdamW state, step counters, pending gradients
+    EVERYTHING = "everything"  # + every RNG: an exact resume
 
 
-def adapter_tensors(model: peft.PeftModel, role: str) -> dict[str, Tensor]:
-    """One adapter's tensors under peft's file keys (the adapter name removed), as views of the live
-    parameters: writing into them writes the adapter. The embedding layers stay out (peft would add
-    the base model's full embeddings when the output layer is adapted)."""
-    return get_peft_model_state_dict(model, adapter_name=role, save_embedding_layers=False)
+def session_config(state: EngineState, run: TrainingRun) -> SessionConfig:
+    """What defines `run` on this engine, as its checkpoints record it."""
+    config = state.config
+    return SessionConfig(
+        base_model=config.base_model,
+        lora=run.policy.lora,
+        critic=None if run.critic is None else run.critic.lora,
+        seed=run.seed,
+        device=config.device,
+        dtype=config.dtype,
+        max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+        sampler=config.sampler,
+        max_samples_per_request=config.max_samples_per_request,
+    )
 
 
-def peft_adapter_files(model: peft.PeftModel, role: str, base_model_path: str) -> dict[str, bytes]:
-    """One adapter as peft's two files, loadable on their own by `PeftModel.from_pretrained` and by vLLM.
-
-    The config is peft's own (`LoraConfig.to_dict()`, as `save_pretrained` writes it) with
-    `base_model_name_or_path` set to the folder or HF id the base was loaded from, and set-valued
-    fields sorted so the same adapter always gives the same bytes.
-    """
-    config = copy.deepcopy(model.peft_config[role])
-    config.base_model_name_or_path = base_model_path
-    config.inference_mode = True
-    config_dict = {key: sorted(value) if isinstance(value, set) else value for key, value in config.to_dict().items()}
-    tensors = {key: value.detach().cpu().contiguous() for key, value in adapter_tensors(model, role).items()}
-    return {
-        ADAPTER_CONFIG: json_bytes(config_dict),
-        ADAPTER_WEIGHTS: safetensors.torch.save(tensors, metadata={"format": "pt"}),
-    }
+def canonical_names(model: TrainedModel) -> dict[str, str]:
+    """Live parameter name -> the name checkpoints use (the role in place of the adapter's name)."""
+    marker = f".{model.adapter}."
+    return {name: name.replace(marker, f".{model.role.value}.") for name in model.trainable.parameters}
 
 
 # ---------------------------------------------------------------------------------------------- capture
 
 
-def capture(sess: Session, name: str) -> dict[str, bytes]:
-    """Every file of a state checkpoint of `sess`. Runs on the worker thread, between operations."""
+def capture(state: EngineState, run: TrainingRun, name: str, *, expires_at: float | None, user_metadata: Mapping[str, str]) -> dict[str, bytes]:
+    """Every file of a state checkpoint of `run`. Runs on the worker thread, between operations."""
     files: dict[str, bytes] = {}
     counters: dict[str, dict[str, int]] = {}
-    for role, adapter in sess._adapters.items():
-        files.update({f"{role}/{rel}": data for rel, data in peft_adapter_files(sess._model, role, sess.base_info.path).items()})
-        if role == CRITIC:
-            assert sess._value_head is not None
-            head = {key: value.detach().cpu().contiguous() for key, value in sess._value_head.state_dict().items()}
+    for model in run.models():
+        role = model.role.value
+        files.update({f"{role}/{rel}": data for rel, data in state.model.adapter_files(model.adapter).items()})
+        if model.value_head is not None:
+            head = {key: value.detach().cpu().contiguous() for key, value in model.value_head.state_dict().items()}
             files[f"{role}/{VALUE_HEAD}"] = safetensors.torch.save(head)
-        names = list(adapter.parameters)
-        saved = adapter.optimizer.state_dict()
+        trainable = model.trainable
+        names = list(canonical_names(model).values())
+        saved = trainable.optimizer.state_dict()
         moments = {
             f"{names[index]}/{key}": value.detach().cpu().contiguous()
-            for index, state in saved["state"].items()
-            for key, value in state.items()
+            for index, entry in saved["state"].items()
+            for key, value in entry.items()
         }
         groups = [{**group, "params": [names[index] for index in group["params"]]} for group in saved["param_groups"]]
         files[f"optimizer/{role}.safetensors"] = safetensors.torch.save(moments)
         files[f"optimizer/{role}.json"] = json_bytes({"param_groups": groups})
-        if adapter.pending_backward_calls:
-            grads = {n: p.grad.detach().cpu().contiguous() for n, p in adapter.parameters.items() if p.grad is not None}
+        if trainable.pending_backward_calls:
+            canonical = canonical_names(model)
+            grads = {canonical[n]: p.grad.detach().cpu().contiguous() for n, p in trainable.parameters.items() if p.grad is not None}
             files[f"gradients/{role}.safetensors"] = safetensors.torch.save(grads)
         counters[role] = {
-            "step": adapter.step,
-            "weights_version": adapter.weights_version,
-            "pending_backward_calls": adapter.pending_backward_calls,
+            "step": trainable.step,
+            "weights_version": trainable.weights_version,
+            "pending_backward_calls": trainable.pending_backward_calls,
         }
-    rng = RngStates.capture(sess._sampling_generator)
+    rng = RngStates.capture(state.sampling_generator)
     files["rng.safetensors"] = safetensors.torch.save(rng.tensors())
     files["state.json"] = json_bytes({"adapters": counters, "rng": rng.to_json()})
     files["config.json"] = json_bytes(
@@ -134,10 +141,12 @@ def capture(sess: Session, name: str) -> dict[str, bytes]:
             "kind": "state",
             "name": name,
             "saved_at": time.time(),
-            "step": sess.step,
-            "run_id": sess.run_dir.name,
-            "base_model": sess.base_info.identity(),
-            "session": sess.config.to_dict(),
+            "expires_at": expires_at,
+            "step": run.step,
+            "run_id": run.model_id,
+            "base_model": state.base_info.identity(),
+            "session": session_config(state, run).to_dict(),
+            "user_metadata": dict(user_metadata),
         }
     )
     return files
@@ -148,9 +157,9 @@ def capture(sess: Session, name: str) -> dict[str, bytes]:
 
 @dataclass
 class AdapterState:
-    """One adapter's saved state, parsed (not yet checked against a session)."""
+    """One adapter's saved state, parsed (not yet checked against a run)."""
 
-    role: str
+    role: Role
     adapter_config: dict[str, Any]
     tensors: dict[str, Tensor]  # peft file keys
     value_head: dict[str, Tensor] | None
@@ -167,13 +176,16 @@ class SavedState:
     """A state checkpoint, verified and parsed."""
 
     folder: Path
+    name: str
     run_id: str
     base_identity: dict[str, Any]
-    # The Session arguments that rebuild the saved session; the device and the sampler kind follow the
+    # The Session arguments that rebuild the saved run; the device and the sampler kind follow the
     # machine it is rebuilt on.
     session_arguments: dict[str, Any]
-    adapters: dict[str, AdapterState]
+    adapters: dict[Role, AdapterState]
     rng: RngStates
+    user_metadata: dict[str, str]
+    expires_at: float | None
 
 
 def _tensors(folder: Path, files: Mapping[str, bytes], rel: str) -> dict[str, Tensor]:
@@ -192,7 +204,7 @@ def _json(folder: Path, files: Mapping[str, bytes], rel: str) -> dict[str, Any]:
 
 
 def read(folder: Path) -> SavedState:
-    """Verify a state checkpoint against its manifest and parse it; touches no session.
+    """Verify a state checkpoint against its manifest and parse it; touches no engine.
 
     Raises:
         CheckpointError: not a state checkpoint, or written by a newer workbench.
@@ -211,8 +223,11 @@ def read(folder: Path) -> SavedState:
         raise CheckpointError(f"{folder} has checkpoint format {config.get('format_version')!r}; this workbench reads {FORMAT_VERSION}")
     state = _json(folder, files, "state.json")
     try:
-        adapters = {}
-        for role, counters in state["adapters"].items():
+        adapters: dict[Role, AdapterState] = {}
+        for role_name, counters in state["adapters"].items():
+            role = Role(role_name)
+            if role is Role.REFERENCE:
+                raise ValueError("the reference has no adapter")
             moments: dict[str, dict[str, Tensor]] = {}
             for key, value in _tensors(folder, files, f"optimizer/{role}.safetensors").items():
                 name, _, entry = key.rpartition("/")
@@ -223,7 +238,7 @@ def read(folder: Path) -> SavedState:
                 role=role,
                 adapter_config=_json(folder, files, f"{role}/{ADAPTER_CONFIG}"),
                 tensors=_tensors(folder, files, f"{role}/{ADAPTER_WEIGHTS}"),
-                value_head=_tensors(folder, files, f"{role}/{VALUE_HEAD}") if role == CRITIC else None,
+                value_head=_tensors(folder, files, f"{role}/{VALUE_HEAD}") if role is Role.CRITIC else None,
                 # JSON turns tuples (AdamW's betas) into lists; torch keeps them as tuples
                 param_groups=[{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups],
                 moments=moments,
@@ -247,13 +262,18 @@ def read(folder: Path) -> SavedState:
             "max_tokens_per_microbatch": int(session["max_tokens_per_microbatch"]),
             "max_samples_per_request": int(session["max_samples_per_request"]),
         }
+        metadata = config.get("user_metadata") or {}
+        expires_at = config.get("expires_at")
         return SavedState(
             folder=folder,
+            name=str(config["name"]),
             run_id=str(config["run_id"]),
             base_identity=dict(config["base_model"]),
             session_arguments=arguments,
             adapters=adapters,
             rng=rng,
+            user_metadata={str(k): str(v) for k, v in dict(metadata).items()},
+            expires_at=None if expires_at is None else float(expires_at),
         )
     except CheckpointError:
         raise
@@ -270,48 +290,51 @@ def _describe_lora(config: Mapping[str, Any]) -> str:
     return f"rank {config.get('r')}, alpha {config.get('lora_alpha')}, targets {targets}"
 
 
-def check_compatible(saved: SavedState, sess: Session) -> None:
-    """Everything that must agree before a checkpoint may be loaded into `sess`, checked without
+def check_compatible(saved: SavedState, state: EngineState, run: TrainingRun, restore: Restore) -> None:
+    """Everything that must agree before a checkpoint may be loaded into `run`, checked without
     changing anything: raises CheckpointError naming what differs, with both values."""
-    current = sess.base_info.identity()
+    current = state.base_info.identity()
     if saved.base_identity != current:
         diffs = [f"{key}: checkpoint {saved.base_identity.get(key)!r}, session {current.get(key)!r}"
                  for key in sorted(set(saved.base_identity) | set(current)) if saved.base_identity.get(key) != current.get(key)]
         raise CheckpointError(f"{saved.folder} was saved on a different base model ({'; '.join(diffs)})")
-    if set(saved.adapters) != set(sess._adapters):
-        has = "has a critic" if CRITIC in saved.adapters else "has no critic"
-        session_has = "has one" if CRITIC in sess._adapters else "has none"
+    live_roles = {model.role for model in run.models()}
+    if set(saved.adapters) != live_roles:
+        has = "has a critic" if Role.CRITIC in saved.adapters else "has no critic"
+        session_has = "has one" if Role.CRITIC in live_roles else "has none"
         raise CheckpointError(
             f"{saved.folder} {has} and this session {session_has}: create_critic() or delete_critic() to match, "
             "or open it with Session.from_checkpoint"
         )
-    for role, state in saved.adapters.items():
-        live = sess._model.peft_config[role].to_dict()
-        if (state.adapter_config.get("r"), state.adapter_config.get("lora_alpha"), sorted(state.adapter_config.get("target_modules") or [])) != (
-            live["r"], live["lora_alpha"], sorted(live["target_modules"])
-        ):
+    for role, adapter_state in saved.adapters.items():
+        model = run.model(role)
+        live = state.model.peft_config_dict(model.adapter)
+        saved_lora = (adapter_state.adapter_config.get("r"), adapter_state.adapter_config.get("lora_alpha"), sorted(adapter_state.adapter_config.get("target_modules") or []))
+        if saved_lora != (live["r"], live["lora_alpha"], sorted(live["target_modules"])):  # type: ignore[arg-type]
             raise CheckpointError(
-                f"{saved.folder}: the {role} adapter differs: checkpoint {_describe_lora(state.adapter_config)}; "
+                f"{saved.folder}: the {role} adapter differs: checkpoint {_describe_lora(adapter_state.adapter_config)}; "
                 f"session {_describe_lora(live)}"
             )
-        _check_shapes(saved.folder, role, "adapter weights", state.tensors, adapter_tensors(sess._model, role))
-        params = sess._adapters[role].parameters
-        if state.value_head is not None:
-            assert sess._value_head is not None
-            _check_shapes(saved.folder, role, "value head", state.value_head, sess._value_head.state_dict())
-        grouped = [name for group in state.param_groups for name in group["params"]]
-        if len(state.param_groups) != len(sess._adapters[role].optimizer.param_groups) or grouped != list(params):
+        _check_shapes(saved.folder, role, "adapter weights", adapter_state.tensors, state.model.adapter_tensors(model.adapter))
+        if adapter_state.value_head is not None:
+            assert model.value_head is not None
+            _check_shapes(saved.folder, role, "value head", adapter_state.value_head, model.value_head.state_dict())
+        if restore is Restore.WEIGHTS:
+            continue
+        params = {canonical: model.trainable.parameters[name] for name, canonical in canonical_names(model).items()}
+        grouped = [name for group in adapter_state.param_groups for name in group["params"]]
+        if len(adapter_state.param_groups) != len(model.trainable.optimizer.param_groups) or grouped != list(params):
             raise CorruptCheckpointError(f"{saved.folder}: the {role} optimizer's parameters do not match the adapter's")
-        for name, entries in state.moments.items():
+        for name, entries in adapter_state.moments.items():
             for key, value in entries.items():
                 if name not in params or (key != "step" and value.shape != params[name].shape):
                     raise CorruptCheckpointError(f"{saved.folder}: the {role} optimizer state {name}/{key} matches no parameter")
-        for name, grad in state.gradients.items():
+        for name, grad in adapter_state.gradients.items():
             if name not in params or grad.shape != params[name].shape:
                 raise CorruptCheckpointError(f"{saved.folder}: the {role} gradient {name} matches no parameter")
 
 
-def _check_shapes(folder: Path, role: str, what: str, saved: Mapping[str, Tensor], live: Mapping[str, Tensor]) -> None:
+def _check_shapes(folder: Path, role: Role, what: str, saved: Mapping[str, Tensor], live: Mapping[str, Tensor]) -> None:
     missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
     if missing or extra:
         raise CheckpointError(f"{folder}: the {role} {what} do not fit this session (missing {missing[:3]}, unexpected {extra[:3]})")
@@ -320,39 +343,41 @@ def _check_shapes(folder: Path, role: str, what: str, saved: Mapping[str, Tensor
             raise CheckpointError(f"{folder}: the {role} {what} {key} has shape {tuple(value.shape)}, the session's {tuple(live[key].shape)}")
 
 
-def restore(saved: SavedState, sess: Session, exact_versions: bool) -> None:
-    """Put a checked checkpoint into `sess` (on the worker thread): weights, optimizer state, pending
-    gradients, counters and RNG states.
+def restore(saved: SavedState, state: EngineState, run: TrainingRun, restore: Restore, exact_versions: bool) -> None:
+    """Put a checked checkpoint into `run` (on the worker thread), as much of it as `restore` says.
 
-    Versions: with `exact_versions` (a session built for this checkpoint) each weights_version is the
-    saved one. Loading into a live session sets it to `max(saved, current) + 1` instead, so a version
-    number never names two different sets of weights in one session. Step counters are the saved ones
-    either way.
+    Versions: with `exact_versions` (a run built for this checkpoint) each weights_version is the saved
+    one. Loading into a live run sets it to `max(saved, current) + 1` instead, so a version number never
+    names two different sets of weights in one run.
     """
-    check_compatible(saved, sess)
-    for role in saved.adapters:
-        sess._before_weights_change(role)
+    check_compatible(saved, state, run, restore)
+    for model in run.models():
+        state.before_weights_change(run, model)
     with torch.no_grad():
-        for role, state in saved.adapters.items():
-            adapter = sess._adapters[role]
-            live = adapter_tensors(sess._model, role)
-            for key, value in state.tensors.items():
+        for role, adapter_state in saved.adapters.items():
+            model = run.model(role)
+            trainable = model.trainable
+            live = state.model.adapter_tensors(model.adapter)
+            for key, value in adapter_state.tensors.items():
                 live[key].copy_(value)
-            if state.value_head is not None:
-                assert sess._value_head is not None
-                sess._value_head.load_state_dict(state.value_head)
-            names = list(adapter.parameters)
-            index = {name: i for i, name in enumerate(names)}
-            adapter.optimizer.load_state_dict(
+            if adapter_state.value_head is not None:
+                assert model.value_head is not None
+                model.value_head.load_state_dict(adapter_state.value_head)
+            trainable.weights_version = adapter_state.weights_version if exact_versions else max(adapter_state.weights_version, trainable.weights_version) + 1
+            if restore is Restore.WEIGHTS:
+                continue
+            index = {canonical: i for i, canonical in enumerate(canonical_names(model).values())}
+            trainable.optimizer.load_state_dict(
                 {
-                    "state": {index[name]: dict(entries) for name, entries in state.moments.items()},
-                    "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in state.param_groups],
+                    "state": {index[name]: dict(entries) for name, entries in adapter_state.moments.items()},
+                    "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in adapter_state.param_groups],
                 }
             )
-            for name, param in adapter.parameters.items():
-                grad = state.gradients.get(name)
+            canonical = canonical_names(model)
+            for name, param in trainable.parameters.items():
+                grad = adapter_state.gradients.get(canonical[name])
                 param.grad = None if grad is None else grad.to(device=param.device, dtype=param.dtype)
-            adapter.step = state.step
-            adapter.pending_backward_calls = state.pending_backward_calls
-            adapter.weights_version = state.weights_version if exact_versions else max(state.weights_version, adapter.weights_version) + 1
-    saved.rng.restore(sess._sampling_generator, str(saved.folder))
+            trainable.step = adapter_state.step
+            trainable.pending_backward_calls = adapter_state.pending_backward_calls
+    if restore is Restore.EVERYTHING:
+        saved.rng.restore(state.sampling_generator, str(saved.folder))

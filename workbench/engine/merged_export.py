@@ -17,7 +17,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -25,24 +24,23 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from workbench.checkpoint_store import CheckpointError
+from workbench.engine.state import EngineState
+from workbench.futures import APIFuture
 from workbench.models import load_base_model
 
-if TYPE_CHECKING:
-    from workbench.session import Session
 
-ROLE = "policy"
-
-
-def _export(sess: Session, target: Path) -> Path:
+def _export(state: EngineState, model_id: str, target: Path) -> Path:
+    adapter = state.run(model_id).policy.adapter
+    assert state.model.peft_model is not None
     adapted = [
         (name, module)
-        for name, module in sess._model.get_base_model().named_modules()
-        if isinstance(module, LoraLayer) and ROLE in module.lora_A
+        for name, module in state.model.peft_model.get_base_model().named_modules()
+        if isinstance(module, LoraLayer) and adapter in module.lora_A
     ]
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         with tqdm(total=len(adapted) + 2, desc=f"Exporting merged model to {target.name}", unit="step") as progress:
-            merged, _, _ = load_base_model(sess.config.base_model, torch.device("cpu"), sess.dtype)
+            merged, tokenizer, _ = load_base_model(state.config.base_model, torch.device("cpu"), state.dtype)
             progress.update()
             output = merged.get_output_embeddings()
             tied = output.weight is merged.get_input_embeddings().weight
@@ -52,10 +50,10 @@ def _export(sess: Session, target: Path) -> Path:
             with torch.no_grad():
                 for name, module in adapted:
                     layer = merged.get_submodule(name)
-                    layer.weight += module.get_delta_weight(ROLE).to(device="cpu", dtype=layer.weight.dtype)
+                    layer.weight += module.get_delta_weight(adapter).to(device="cpu", dtype=layer.weight.dtype)
                     progress.update()
             merged.save_pretrained(tmp)
-            sess.tokenizer.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
             progress.update()
         tmp.rename(target)
     finally:
@@ -63,11 +61,12 @@ def _export(sess: Session, target: Path) -> Path:
     return target
 
 
-def export_merged(sess: Session, path: str | Path) -> Path:
-    """Write the merged policy to the new folder `path` and return it (see the module docstring)."""
-    sess._check_open()
+def export_merged(state: EngineState, model_id: str, path: str | Path) -> APIFuture[Path]:
+    """Queue the export of the run's merged policy to the new folder `path` (see the module docstring)."""
+    state.check_open()
+    state.run(model_id)
     target = Path(path).expanduser().absolute()
     if target.exists():
         raise CheckpointError(f"{target} already exists; export_merged writes a new folder")
     target.parent.mkdir(parents=True, exist_ok=True)
-    return sess._worker.submit(lambda: _export(sess, target)).result()
+    return state.submit(lambda: _export(state, model_id, target))

@@ -1,0 +1,65 @@
+"""The settings that define an engine, and those that define one training run on it.
+
+`EngineConfig` is fixed for the engine's life: the base model, where and in what precision it runs, the
+micro-batch budget and the sampler. `SessionConfig` is what a state checkpoint records about the run it
+saves (the engine's settings plus the run's adapters and seed), and what rebuilds that run elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from workbench.types import LoraConfig
+
+DEFAULT_MAX_TOKENS_PER_MICROBATCH = 8192
+DEFAULT_MAX_MODELS = 8
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One base model on one device.
+
+    Attributes:
+        base_model: A built-in alias, a local HF folder or an HF hub id.
+        seed: Seeds the engine's sampling generator (the seeds of requests that give none).
+        device, dtype: Where the base model lives and in what precision (resolved: `cpu`, `float32`).
+        max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
+        sampler: `"hf"` or `"vllm"` (resolved).
+        max_samples_per_request: The largest `num_samples` one sample call may ask for.
+        max_models: How many LoRA models (training runs) may share the base at once.
+    """
+
+    base_model: str
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_tokens_per_microbatch: int = DEFAULT_MAX_TOKENS_PER_MICROBATCH
+    sampler: str = "hf"
+    max_samples_per_request: int = 128
+    max_models: int = DEFAULT_MAX_MODELS
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_per_microbatch", "max_samples_per_request", "max_models"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything that defines a training run on an engine; saved with every state checkpoint and
+    logged to W&B."""
+
+    base_model: str
+    lora: LoraConfig
+    critic: LoraConfig | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_tokens_per_microbatch: int = DEFAULT_MAX_TOKENS_PER_MICROBATCH
+    sampler: str = "hf"
+    max_samples_per_request: int = 128
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
