@@ -64,12 +64,16 @@ class APIFuture(Generic[T]):
     def then(self, convert: Callable[[T], U]) -> APIFuture[U]:
         """A future of `convert(result)`, resolved when this one is (with its exception, if it fails)."""
         out: concurrent.futures.Future[U] = concurrent.futures.Future()
+        # A finished future keeps its callbacks; the callback lets go of `convert` and `out` once it has
+        # run, so a result that holds this future (a client holding its pin) is not kept in a cycle.
+        pending = [(convert, out)]
 
         def done(inner: concurrent.futures.Future[T]) -> None:
+            function, target = pending.pop()
             try:
-                out.set_result(convert(inner.result()))
+                target.set_result(function(inner.result()))
             except BaseException as error:
-                out.set_exception(error)
+                target.set_exception(error)
 
         self._future.add_done_callback(done)
         return APIFuture(out, self._worker)
