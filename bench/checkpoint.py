@@ -1,8 +1,10 @@
 """Checkpoint cost: save and load time and bytes on disk for a LoRA policy with its AdamW state.
 
 After one training step (so AdamW's moments exist), the session's state is saved with `save_state`,
-loaded back into the same session with `load_state`, and into a new one with `Session.from_checkpoint`
-(which also builds the session: the time of a plain `Session(...)` is shown beside it). Each time is the
+loaded back into the same session with `Session.load_state` (everything: weights, optimizer state,
+counters, RNGs) and with Tinker's `TrainingClient.load_state` (the weights only), and into a new one with
+`Session.from_checkpoint` (which also builds the session: the time of a plain `Session(...)` is shown
+beside it). Each time is the
 median of `--repeats` runs. A checkpoint holds adapters only, never base weights, so its size must stay
 within 3.5x the adapter's (weights + two Adam moments + small JSON/RNG files) plus 1 MB:
 ratio = bytes / (3.5 x adapter bytes + 1 MB) <= 1.
@@ -50,8 +52,9 @@ def main() -> None:
     sess.policy.optim_step(wb.AdamParams(learning_rate=1e-4)).result()
 
     save_s = timed(lambda: sess.policy.save_state("bench", overwrite=True).result(), args.repeats)
-    path = run_dir / "checkpoints" / "bench"
-    load_same_s = timed(lambda: sess.policy.load_state(path).result(), args.repeats)
+    path = Path(sess.policy.save_state("bench", overwrite=True).result().folder)
+    load_same_s = timed(lambda: sess.load_state(path), args.repeats)
+    load_weights_s = timed(lambda: sess.policy.load_state(path).result(), args.repeats)
     new_session_s = timed(lambda: wb.Session(args.model, wb.LoraConfig(rank=args.rank), run_dir=run_dir.parent / "plain", wandb=False).close(), args.repeats)
     load_fresh_s = timed(lambda: wb.Session.from_checkpoint(path, wandb=False).close(), args.repeats)
 
@@ -59,13 +62,14 @@ def main() -> None:
     total = sum(files.values())
     adapter = files["policy/adapter_model.safetensors"]
     budget = 3.5 * adapter + 2**20
-    params = sum(p.numel() for p in sess._adapters["policy"].parameters.values())
+    params = sum(p.numel() for p in sess.engine.inspect(sess.model_id, wb.Role.POLICY).parameters.values())
     sess.close()
 
     print(f"model={args.model} rank={args.rank} adapter parameters={params:,} (fp32), median of {args.repeats}")
     print(f"{'measure':38s} {'value':>12s}")
     print(f"{'save_state':38s} {save_s:11.3f}s")
     print(f"{'load_state (same session)':38s} {load_same_s:11.3f}s")
+    print(f"{'  policy.load_state (weights only)':38s} {load_weights_s:11.3f}s")
     print(f"{'Session.from_checkpoint (new session)':38s} {load_fresh_s:11.3f}s")
     print(f"{'  of which Session(...) alone':38s} {new_session_s:11.3f}s")
     print(f"{'adapter bytes':38s} {adapter:12,d}")

@@ -41,6 +41,7 @@ QUESTIONS = [
 ]
 PROMPTS, SAMPLES, TOKENS = 8, 8, 64
 PARAMS = wb.SamplingParams(max_tokens=TOKENS, temperature=1.0, top_p=0.95, stop=[])
+FLOOR_DATUM = wb.Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": [2, 3]})
 
 
 def prompts_for(sess: wb.Session) -> list[list[int]]:
@@ -48,9 +49,18 @@ def prompts_for(sess: wb.Session) -> list[list[int]]:
 
 
 def raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
-    """The floor: one HF generate call over all rows, sampling with the same settings, on the session's
-    worker thread (see the module docstring)."""
-    return sess._worker.submit(lambda: _raw_generate(sess, prompts)).result()
+    """The floor: one HF generate call over all rows, sampling with the same settings, on the engine's
+    worker thread (see the module docstring). A custom loss is what the engine runs there for a caller:
+    it generates, and returns a zero loss, so the accumulated gradient gains nothing but zeros (its
+    forward and backward of a two-token datum cost next to nothing beside the generate call)."""
+    generated: list[int] = []
+
+    def on_the_worker(_data: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        generated.append(_raw_generate(sess, prompts))
+        return logprobs[0].sum() * 0.0, {}
+
+    sess.policy.forward_backward_custom([FLOOR_DATUM], on_the_worker).result()
+    return generated[0]
 
 
 def _raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
@@ -62,7 +72,7 @@ def _raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
     # top_k=0: HF would otherwise apply its default top_k=50, which workbench (top_k=-1) does not
     config = GenerationConfig(max_new_tokens=TOKENS, do_sample=True, temperature=1.0, top_p=0.95, top_k=0, eos_token_id=[], pad_token_id=pad)
     with torch.no_grad():
-        out = sess._model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        out = sess.engine.torch_model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     return (out.shape[1] - longest) * len(rows)
 
 

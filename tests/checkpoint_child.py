@@ -1,6 +1,6 @@
 """What the checkpoint tests run in a fresh process, and the steps both sides of a resume take.
 
-    python checkpoint_child.py resume <checkpoint> <out_dir>   # from_checkpoint, then `continue_run`
+    python checkpoint_child.py resume <checkpoint> <out_dir> <steps>   # from_checkpoint, then `continue_run`
     python checkpoint_child.py killed-save <run_dir>           # save "a", then SIGKILL itself mid-save of "b"
 """
 
@@ -48,7 +48,7 @@ def continue_run(sess: wb.Session, steps: int, out_dir: Path) -> None:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").write_text(json.dumps(result))
-    tensors = {name: p.detach().clone() for name, p in sess._adapters["policy"].parameters.items()}
+    tensors = sess.engine.inspect(sess.model_id, wb.Role.POLICY).parameters
     safetensors.torch.save_file(tensors, out_dir / "adapter.safetensors")
 
 

@@ -45,17 +45,17 @@ def tiny() -> wb.Session:
 @pytest.fixture
 def no_wandb_credentials(tmp_path, monkeypatch: pytest.MonkeyPatch):
     """No W&B key or mode anywhere W&B looks (env, netrc, settings), so runs are offline; every W&B path
-    under `tmp_path`, which the fixture yields."""
+    under `tmp_path`, which the fixture yields. `WANDB_DIR` is unset: it would win over the folder
+    workbench gives W&B (the run folder), which is what the tests check."""
     import wandb
 
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC"):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_DIR", "WANDB_PROJECT", "NETRC"):
         monkeypatch.delenv(name, raising=False)
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(home / ".cache" / "wandb"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(home / ".local" / "share" / "wandb"))
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
     wandb.teardown()  # W&B reads its environment once per process setup; start from this one
     yield tmp_path
     wandb.teardown()

@@ -16,7 +16,7 @@ import workbench as wb
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("archive")
     with wb.Session("tiny", wb.LoraConfig(rank=2), run_dir=root / "run") as sess:
-        return Path(sess.policy.save_state("step-0").result().path)
+        return Path(sess.policy.save_state("step-0").result().folder)
 
 
 @pytest.mark.parametrize("suffix", [".tar", ".tar.gz", ".tgz"])

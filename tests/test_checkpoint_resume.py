@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
 from checkpoint_child import continue_run, train_step
@@ -23,14 +24,17 @@ def _child(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: Path) -> None:
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """N steps, save, K steps (this process) == load in a fresh process, K steps: same losses, same
-    adapter tensors bit for bit, same sampled tokens at temperature 1, same global RNG draws."""
+    adapter tensors bit for bit, same sampled tokens at temperature 1, same global RNG draws. The fresh
+    process finds the checkpoint by its tinker:// path (the run lives under the runs root it shares)."""
     n_steps, k_steps = 3, 3
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=7, run_dir=tmp_path / "run") as sess:
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=7) as sess:
         for _ in range(n_steps):
             train_step(sess)
         path = sess.policy.save_state("mid").result().path
+        assert path == f"tinker://{sess.model_id}/weights/mid" and sess.run_dir == tmp_path / "runs" / sess.model_id
         continue_run(sess, k_steps, tmp_path / "uninterrupted")
     done = _child("resume", path, str(tmp_path / "resumed"), str(k_steps))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -53,7 +57,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) 
     assert len(names) == 2 and names[0].startswith(".b.tmp-") and names[1] == "a"
     with wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir) as sess:
         assert [info.name for info in sess.list_checkpoints()] == ["a"]
-        sess.policy.load_state("a").result()
+        sess.load_state("a")
         assert sess.step == 1
         assert [p.name for p in sess.cleanup_checkpoints()] == [names[0]]
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["a"]

@@ -57,7 +57,12 @@ def _train(sess: wb.Session, steps: int) -> list[float]:
 
 
 def _params(sess: wb.Session, role: str = "policy") -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in sess._adapters[role].parameters.items()}
+    """Copies of a model's trainable tensors (a critic's include its value head)."""
+    return sess.engine.inspect(sess.model_id, wb.Role(role)).parameters
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -76,7 +81,9 @@ def _rewrite(folder: Path, rel: str, data: bytes) -> None:
 
 def test_checkpoint_holds_adapters_optimizer_and_state_and_no_base_weights(sess: wb.Session) -> None:
     _train(sess, 2)
-    path = Path(sess.policy.save_state("step-2").result().path)
+    response = sess.policy.save_state("step-2").result()
+    assert response.path == f"tinker://{sess.model_id}/weights/step-2"
+    path = Path(response.folder)
     assert path == (sess.run_dir / "checkpoints" / "step-2").absolute()
     files = _files(path)
     assert {
@@ -88,9 +95,9 @@ def test_checkpoint_holds_adapters_optimizer_and_state_and_no_base_weights(sess:
     for role in ("policy", "critic"):
         tensors = safetensors.torch.load(files[f"{role}/adapter_model.safetensors"])
         assert tensors and all("lora_" in key for key in tensors)  # adapters only: no base weight, no embedding
-        assert len(tensors) == sum(1 for name in sess._adapters[role].parameters if "lora_" in name)
+        assert len(tensors) == sum(1 for name in _params(sess, role) if "lora_" in name)
     assert not any(name.endswith(("model.safetensors", ".bin", ".pt", ".pkl")) and "adapter" not in name for name in files)
-    base_bytes = sum(p.numel() * p.element_size() for p in sess._model.get_base_model().parameters())
+    base_bytes = sum(p.numel() * p.element_size() for p in sess.engine.torch_model.get_base_model().parameters())
     assert sum(len(data) for data in files.values()) < base_bytes / 2
     config = json.loads(files["config.json"])
     assert config["run_id"] == sess.run_dir.name and config["step"] == 2
@@ -100,7 +107,7 @@ def test_checkpoint_holds_adapters_optimizer_and_state_and_no_base_weights(sess:
     assert set(manifest["files"]) == set(files) - {"manifest.json"}
     assert all(entry["size"] == len(files[rel]) for rel, entry in manifest["files"].items())
     optimizer = json.loads(files["optimizer/policy.json"])
-    assert optimizer["param_groups"][0]["params"] == list(sess._adapters["policy"].parameters)
+    assert optimizer["param_groups"][0]["params"] == list(_params(sess))
     assert optimizer["param_groups"][0]["lr"] == 1e-2
 
 
@@ -138,24 +145,31 @@ def test_no_secrets_in_checkpoints_or_history(tmp_path: Path, monkeypatch: pytes
 def test_from_checkpoint_restores_everything_exactly(sess: wb.Session, tmp_path: Path) -> None:
     _train(sess, 2)
     sess.policy.forward_backward(_data(sess), "cross_entropy").result()  # a pending gradient is saved too
-    path = sess.policy.save_state("mid").result().path
+    path = sess.policy.save_state("mid").result().folder  # a run outside the runs root: named by its folder
     random_draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     with wb.Session.from_checkpoint(path, device="cpu") as resumed:
-        assert resumed.state_digest() == sess.state_digest()  # weights, grads, AdamW state, counters, versions
+        # weights, grads, AdamW state, counters, versions, and the sampling generator's state
+        assert resumed.state_digest() == sess.state_digest()
         assert resumed.config == sess.config
         assert resumed.run_dir.absolute() == sess.run_dir.absolute()  # the same run folder, so the same W&B run
         assert resumed.policy.weights_version == sess.policy.weights_version == 2
         assert resumed.critic is not None and resumed.critic.step == 2
-        assert torch.equal(resumed._value_head.linear.weight, sess._value_head.linear.weight)
-        assert torch.equal(resumed._sampling_generator.get_state(), sess._sampling_generator.get_state())
+        assert _equal(_params(resumed, "critic"), _params(sess, "critic"))
+        assert torch.equal(_params(resumed, "critic")["value_head.linear.weight"], _params(sess, "critic")["value_head.linear.weight"])
         assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == random_draws
+        # the sampling generator continues where it was: unseeded samples draw the same seeds
+        prompt = sess.tokenizer("The quick brown fox").input_ids
+        unseeded = wb.SamplingParams(max_tokens=8, temperature=1.0)
+        ours = sess.sampling_client().sample(prompt, 2, unseeded).result()
+        theirs = resumed.sampling_client().sample(prompt, 2, unseeded).result()
+        assert [s.tokens for s in theirs.sequences] == [s.tokens for s in ours.sequences]
         resumed.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
         sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
         assert resumed.state_digest() == sess.state_digest()
 
 
 def test_from_checkpoint_outside_its_run_folder_continues_the_saved_run_id(sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = Path(sess.policy.save_state("c").result().path)
+    path = Path(sess.policy.save_state("c").result().folder)
     moved = shutil.copytree(path, tmp_path / "elsewhere" / "c")
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     with wb.Session.from_checkpoint(moved) as resumed:
@@ -164,7 +178,7 @@ def test_from_checkpoint_outside_its_run_folder_continues_the_saved_run_id(sess:
         assert resumed.run_dir == tmp_path / "chosen"
 
 
-def test_load_state_into_a_live_session(sess: wb.Session) -> None:
+def test_load_state_with_optimizer_into_a_live_session(sess: wb.Session) -> None:
     _train(sess, 2)
     sess.policy.forward_backward(_data(sess), "cross_entropy").result()
     sess.policy.save_state("mid").result()
@@ -174,34 +188,72 @@ def test_load_state_into_a_live_session(sess: wb.Session) -> None:
     _train(sess, 2)
     assert sess.policy.weights_version == 5
 
-    response = sess.critic.load_state("mid").result()  # either client loads the whole session
-    assert response.path == str((sess.run_dir / "checkpoints" / "mid").absolute())
-    assert all(torch.equal(saved_policy[n], p) for n, p in sess._adapters["policy"].parameters.items())
-    assert all(torch.equal(saved_critic[n], p) for n, p in sess._adapters["critic"].parameters.items())
-    assert sess.policy.step == 2 and sess._adapters["policy"].pending_backward_calls == 1
+    response = sess.critic.load_state_with_optimizer("mid").result()  # either client loads the whole run
+    assert response.path == f"tinker://{sess.model_id}/weights/mid"
+    assert _equal(_params(sess), saved_policy)
+    assert _equal(_params(sess, "critic"), saved_critic)  # the value head included
+    assert sess.policy.step == 2 and sess.critic.step == 2
+    assert sess.engine.inspect(sess.model_id, wb.Role.POLICY).pending_backward_calls == 1
+    assert sess.engine.run_status(sess.model_id).pending_backward_calls == 1
     assert sess.policy.weights_version == 6 and sess.critic.weights_version == 5  # max(saved, current) + 1
-    sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()  # the restored pending gradient
-    assert all(torch.equal(after_step[n], p) for n, p in sess._adapters["policy"].parameters.items())
+    sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()  # the restored pending gradient and AdamW state
+    assert _equal(_params(sess), after_step)
+
+
+def test_load_state_restores_the_weights_and_leaves_the_optimizer_alone(sess: wb.Session) -> None:
+    """Tinker's `load_state`: the weights (the critic's value head included) come back; AdamW state, step
+    counters and the accumulated gradient stay as they were."""
+    _train(sess, 2)
+    sess.policy.save_state("mid").result()
+    saved_policy, saved_critic = _params(sess), _params(sess, "critic")
+    _train(sess, 2)
+    sess.policy.forward_backward(_data(sess), "cross_entropy").result()  # a pending gradient, kept by the load
+    before = _files(Path(sess.policy.save_state("before").result().folder))
+    grads_before = sess.engine.inspect(sess.model_id, wb.Role.POLICY).gradients
+    assert not _equal(_params(sess), saved_policy)
+
+    response = sess.policy.load_state(f"tinker://{sess.model_id}/weights/mid").result()
+    assert response.path == f"tinker://{sess.model_id}/weights/mid"
+    assert _equal(_params(sess), saved_policy)
+    assert _equal(_params(sess, "critic"), saved_critic)
+    assert sess.policy.step == 4 and sess.critic.step == 4
+    assert sess.policy.weights_version == 5 and sess.critic.weights_version == 5  # max(saved, current) + 1
+    policy_now = sess.engine.inspect(sess.model_id, wb.Role.POLICY)
+    assert policy_now.pending_backward_calls == 1
+    assert policy_now.gradients.keys() == grads_before.keys()
+    assert all(torch.equal(policy_now.gradients[n], g) for n, g in grads_before.items() if g is not None)
+    assert all((policy_now.gradients[n] is None) == (g is None) for n, g in grads_before.items())
+    after = _files(Path(sess.policy.save_state("after").result().folder))
+    for rel in before:
+        if rel.startswith(("optimizer/", "gradients/")):
+            assert after[rel] == before[rel], rel  # AdamW moments, hyperparameters and the gradient: untouched
+    counters = {role: {k: v for k, v in c.items() if k != "weights_version"} for role, c in json.loads(before["state.json"])["adapters"].items()}
+    assert {role: {k: v for k, v in c.items() if k != "weights_version"} for role, c in json.loads(after["state.json"])["adapters"].items()} == counters
 
 
 def test_load_state_errors_leave_the_session_unchanged(sess: wb.Session, tmp_path: Path) -> None:
     _train(sess, 1)
     before = sess.state_digest()
-    with pytest.raises(wb.CheckpointError, match="Can't find a valid checkpoint"):
-        sess.policy.load_state(tmp_path / "nowhere")
-    with pytest.raises(wb.CheckpointError, match="Can't find a valid checkpoint"):
-        sess.policy.load_state("no-such-name")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(wb.CheckpointError, match="No valid checkpoint found"):
-        sess.policy.load_state(tmp_path / "empty")
-    sampler = sess.policy.save_weights_for_sampler("w").result().path
-    with pytest.raises(wb.CheckpointError, match="not a state checkpoint"):
-        sess.policy.load_state(sampler)
-    assert sess.state_digest() == before
+    for load in (sess.policy.load_state, sess.policy.load_state_with_optimizer, sess.load_state):
+        with pytest.raises(wb.CheckpointError, match="Can't find a valid checkpoint"):
+            wait(load(tmp_path / "nowhere"))
+        with pytest.raises(wb.CheckpointError, match="Can't find a valid checkpoint"):
+            wait(load("no-such-name"))
+        with pytest.raises(wb.CheckpointError, match="Can't find a valid checkpoint"):
+            wait(load(f"tinker://{sess.model_id}/weights/no-such-name"))
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        with pytest.raises(wb.CheckpointError, match="No valid checkpoint found"):
+            wait(load(tmp_path / "empty"))
+        sampler = sess.policy.save_weights_for_sampler("w", overwrite=True).result()
+        with pytest.raises(wb.CheckpointError, match="not a state checkpoint"):
+            wait(load(sampler.path))
+        with pytest.raises(wb.CheckpointError, match="not a state checkpoint"):
+            wait(load(sampler.folder))
+        assert sess.state_digest() == before
 
 
 def test_mismatched_checkpoints_are_refused_naming_both_values(sess: wb.Session, tmp_path: Path) -> None:
-    path = sess.policy.save_state("c").result().path
+    path = sess.policy.save_state("c").result().folder  # another engine finds a run outside the runs root by its folder
     with wb.Session("tiny", wb.LoraConfig(rank=8), critic=True, run_dir=tmp_path / "r8") as other:
         before = other.state_digest()
         with pytest.raises(wb.CheckpointError, match=r"policy adapter differs: checkpoint rank 4.*session rank 8"):
@@ -224,6 +276,11 @@ def test_mismatched_checkpoints_are_refused_naming_both_values(sess: wb.Session,
         other.policy.load_state(path).result()
 
 
+def wait(result: object) -> object:
+    """The result of a load: a client's future, or `Session.load_state`'s response."""
+    return result.result() if isinstance(result, wb.APIFuture) else result
+
+
 def _tiny_variant(tmp_path: Path, tie: bool = False) -> Path:
     """A model with the tiny model's tokenizer and shapes, built from config (untrained)."""
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
@@ -241,19 +298,29 @@ def _tiny_variant(tmp_path: Path, tie: bool = False) -> Path:
 
 
 def test_rng_states_round_trip_and_a_missing_cuda_state_is_loud(sess: wb.Session) -> None:
-    path = Path(sess.policy.save_state("r").result().path)
-    draws = [random.random(), float(np.random.rand()), float(torch.rand(1)), int(torch.randint(0, 10**9, (1,), generator=sess._sampling_generator))]
-    for _ in range(3):
-        random.random(), np.random.rand(), torch.rand(1)
-    sess.policy.load_state(path).result()
-    assert [random.random(), float(np.random.rand()), float(torch.rand(1)), int(torch.randint(0, 10**9, (1,), generator=sess._sampling_generator))] == draws
+    """`Session.load_state` restores every RNG: python, numpy, torch, and the engine's sampling generator
+    (which seeds unseeded samples)."""
+    path = Path(sess.policy.save_state("r").result().folder)
+    prompt = sess.tokenizer("The quick brown fox").input_ids
+    unseeded = wb.SamplingParams(max_tokens=12, temperature=1.0)
+
+    def draws() -> list[object]:
+        sample = sess.sampling_client().sample(prompt, 2, unseeded).result()
+        return [random.random(), float(np.random.rand()), float(torch.rand(1)), [s.tokens for s in sample.sequences]]
+
+    first = draws()
+    assert draws() != first  # every generator moved on
+    sess.load_state(path)
+    assert draws() == first
+    sess.load_state(f"tinker://{sess.model_id}/weights/r")
+    assert draws() == first
 
     rng = safetensors.torch.load((path / "rng.safetensors").read_bytes())
     rng["cuda.0"] = torch.zeros(16, dtype=torch.uint8)
     _rewrite(path, "rng.safetensors", safetensors.torch.save(rng))
     if not torch.cuda.is_available():
         with pytest.warns(RuntimeWarning, match="CUDA RNG states for 1 device"):
-            sess.policy.load_state(path).result()
+            sess.load_state(path)
 
 
 # ---------------------------------------------------------------------------------------------- atomicity
@@ -297,7 +364,7 @@ def test_a_failed_save_leaves_previous_checkpoints_intact(
     assert [info.name for info in sess.list_checkpoints()] == ["first"]
     assert _files(sess.run_dir / "checkpoints" / "first") == saved
     assert sorted(p.name for p in (sess.run_dir / "checkpoints").iterdir()) == ["first"]  # the temp folder is gone
-    sess.policy.load_state("first").result()
+    sess.load_state("first")
     assert sess.policy.step == 1
 
 
@@ -343,8 +410,11 @@ def test_saves_are_wandb_events_and_a_resumed_session_continues_the_wandb_run(tm
     with wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=tmp_path / "run-w", wandb=offline) as session:
         assert session.wandb_run is not None
         _train(session, 1)
-        path = session.policy.save_state("e").result().path
-        assert dict(session.wandb_run._run.summary["event/checkpoint"]) == {"name": "e", "kind": "state", "path": path, "step": 1}
+        saved = session.policy.save_state("e").result()
+        assert dict(session.wandb_run._run.summary["event/checkpoint"]) == {"name": "e", "kind": "state", "path": saved.path, "step": 1}
+        path = saved.folder
+        sampler = session.policy.save_weights_for_sampler("e").result()
+        assert dict(session.wandb_run._run.summary["event/checkpoint"]) == {"name": "e", "kind": "sampler", "path": sampler.path, "step": 1}
     with wb.Session.from_checkpoint(path, wandb=offline) as resumed:
         assert resumed.wandb_run is not None and resumed.wandb_run.run_id == "run-w"
 
@@ -355,7 +425,7 @@ def test_saves_are_wandb_events_and_a_resumed_session_continues_the_wandb_run(tm
 def test_every_truncated_or_flipped_file_is_named_and_nothing_changes(sess: wb.Session, tmp_path: Path) -> None:
     _train(sess, 1)
     sess.policy.forward_backward(_data(sess), "cross_entropy").result()
-    path = Path(sess.policy.save_state("c").result().path)
+    path = Path(sess.policy.save_state("c").result().folder)
     before = sess.state_digest()
     for rel, data in _files(path).items():
         if rel == "manifest.json":
@@ -366,32 +436,32 @@ def test_every_truncated_or_flipped_file_is_named_and_nothing_changes(sess: wb.S
             shutil.copytree(path, copy)
             (copy / rel).write_bytes(damage)
             with pytest.raises(wb.CorruptCheckpointError, match=re.escape(rel)) as info:
-                sess.policy.load_state(copy)
+                sess.policy.load_state(copy).result()
             assert expected in str(info.value)
     assert sess.state_digest() == before
 
 
 def test_missing_and_extra_files_and_newer_formats_are_refused(sess: wb.Session, tmp_path: Path) -> None:
-    path = Path(sess.policy.save_state("c").result().path)
+    path = Path(sess.policy.save_state("c").result().folder)
     copy = shutil.copytree(path, tmp_path / "x" / "c")
     (copy / "critic" / "value_head.safetensors").unlink()
     with pytest.raises(wb.CorruptCheckpointError, match=re.escape("critic/value_head.safetensors is listed in the manifest but missing")):
-        sess.policy.load_state(copy)
+        sess.policy.load_state(copy).result()
     copy = shutil.copytree(path, tmp_path / "y" / "c")
     (copy / "notes.txt").write_text("hi")
     with pytest.raises(wb.CorruptCheckpointError, match=re.escape("not in its manifest: notes.txt")):
-        sess.policy.load_state(copy)
+        sess.policy.load_state(copy).result()
     copy = shutil.copytree(path, tmp_path / "z" / "c")
     manifest = json.loads((copy / "manifest.json").read_text())
     (copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(wb.CheckpointError, match="format 99"):
-        sess.policy.load_state(copy)
+        sess.policy.load_state(copy).result()
 
 
 def test_forged_files_fail_safely(sess: wb.Session, tmp_path: Path) -> None:
     """A checkpoint whose manifest was re-signed by an attacker: a safetensors file with an absurd header
     fails fast, and a pickle placed in it is never unpickled."""
-    path = Path(sess.policy.save_state("c").result().path)
+    path = Path(sess.policy.save_state("c").result().folder)
     sentinel = tmp_path / "pwned"
 
     class Exploit:
@@ -402,28 +472,38 @@ def test_forged_files_fail_safely(sess: wb.Session, tmp_path: Path) -> None:
     (forged / "optimizer" / "policy.pt").write_bytes(pickle.dumps(Exploit()))
     _rewrite(forged, "optimizer/policy.safetensors", (2**62).to_bytes(8, "little") + b"{}")
     with pytest.raises(wb.CorruptCheckpointError, match=re.escape("optimizer/policy.safetensors is not a readable safetensors file")):
-        sess.policy.load_state(forged)
+        sess.policy.load_state(forged).result()
     assert not sentinel.exists()
     forged = shutil.copytree(path, tmp_path / "forged-rng" / "c")
     state = json.loads((forged / "state.json").read_text())
     state["rng"]["python"][1] = state["rng"]["python"][1][:10]
     _rewrite(forged, "state.json", json.dumps(state).encode())
     with pytest.raises(wb.CorruptCheckpointError, match="unusable RNG state"):
-        sess.policy.load_state(forged)
+        sess.policy.load_state(forged).result()
 
 
 # ---------------------------------------------------------------------------------------------- sampler weights
 
 
 def _policy_logits(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
-    sess._activate("policy")
+    """The policy's logits for every position, from the module the engine runs with the policy's adapter
+    active, checked against the logprobs the policy's own forward reports."""
+    model = sess.engine.torch_model
+    model.set_adapter(sess.engine.run_status(sess.model_id).adapter)
     with torch.no_grad():
-        return sess._model(input_ids=torch.tensor([tokens])).logits[0]
+        logits = model(input_ids=torch.tensor([tokens])).logits[0]
+    datum = wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]})
+    reported = sess.policy.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    expected = torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    torch.testing.assert_close(reported, expected, atol=1e-5, rtol=0)
+    return logits
 
 
 def test_sampler_weights_load_with_peft_alone(sess: wb.Session) -> None:
     _train(sess, 2)
-    path = Path(sess.policy.save_weights_for_sampler("s").result().path)
+    response = sess.policy.save_weights_for_sampler("s").result()
+    assert response.path == f"tinker://{sess.model_id}/sampler_weights/s"
+    path = Path(response.folder)
     assert path == (sess.run_dir / "sampler_weights" / "s").absolute()
     assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "manifest.json", "sampler.json"]
     config = json.loads((path / "adapter_config.json").read_text())
@@ -465,7 +545,7 @@ def test_export_merged_unties_an_adapted_output_layer(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     with wb.Session(str(_tiny_variant(tmp_path, tie=True)), wb.LoraConfig(rank=4), run_dir=tmp_path / "run") as session:
-        base = session._model.get_base_model()
+        base = session.engine.torch_model.get_base_model()
         assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
         _train(session, 2)
         tokens = session.tokenizer("The quick brown fox jumps").input_ids

@@ -10,6 +10,7 @@ import torch
 from datums import ce_datum, random_tokens, rl_datum
 
 import workbench as wb
+from workbench.critic import ValueHead
 
 
 def _critic_datum(tokens: list[int], values: list[float], returns: list[float], weights: list[float] | None = None) -> wb.Datum:
@@ -86,16 +87,23 @@ def test_creating_and_deleting_a_critic_leaves_the_policy_alone() -> None:
         sess.policy.forward_backward([ce_datum(tokens)], "cross_entropy").result()
         before = sess.state_digest("policy")
         logprobs = sess.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        heads_before = {id(o) for o in gc.get_objects() if type(o) is ValueHead}
         critic = sess.create_critic(wb.LoraConfig(rank=2, train_unembed=False))
         critic.forward_backward([_critic_datum(tokens, [0.0] * 19, [2.0] * 19)], "ppo_critic").result()
         critic.optim_step().result()
-        head = weakref.ref(sess._value_head)
-        critic_param = weakref.ref(next(iter(sess._adapters["critic"].parameters.values())))
+        new_heads = [o for o in gc.get_objects() if type(o) is ValueHead and id(o) not in heads_before]
+        assert len(new_heads) == 1  # the critic's value head
+        head = weakref.ref(new_heads.pop())
+        critic_lora = [p for name, p in sess.engine.torch_model.named_parameters() if ".critic." in name]
+        assert critic_lora and len(critic_lora) == sum(1 for name in sess.engine.inspect(sess.model_id, wb.Role.CRITIC).parameters if "lora_" in name)
+        critic_param = weakref.ref(critic_lora[0])
+        del critic_lora
         sess.delete_critic()
         gc.collect()
         assert sess.critic is None and sess.config.critic is None
+        assert sess.engine.run_status(sess.model_id).critic_lora is None
         assert head() is None and critic_param() is None, "the critic's tensors are still referenced"
-        assert not any(".critic." in name for name, _ in sess._model.named_parameters())
+        assert not any(".critic." in name for name, _ in sess.engine.torch_model.named_parameters())
         assert sess.state_digest("policy") == before
         again = sess.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         assert again == logprobs
@@ -103,11 +111,16 @@ def test_creating_and_deleting_a_critic_leaves_the_policy_alone() -> None:
 
 
 def test_critic_shares_the_base_weights(with_critic: wb.Session) -> None:
-    base_params = {id(p) for n, p in with_critic._model.named_parameters() if "lora_" not in n}
-    critic_params = with_critic._adapters["critic"].parameters
-    assert not any(id(p) in base_params for p in critic_params.values())
+    live = dict(with_critic.engine.torch_model.named_parameters())
+    base_params = {id(p) for n, p in live.items() if "lora_" not in n}
+    critic_params = with_critic.engine.inspect(with_critic.model_id, wb.Role.CRITIC).parameters
+    critic_lora = {n: p for n, p in live.items() if ".critic." in n}  # the critic's live adapter tensors
+    assert set(critic_lora) == {n for n in critic_params if "lora_" in n}
+    assert critic_lora and not any(id(p) in base_params for p in critic_lora.values())
+    assert set(critic_params) - set(critic_lora) == {"value_head.linear.weight", "value_head.linear.bias"}
     lora = sum(p.numel() for n, p in critic_params.items() if "lora_" in n)
-    base = sum(p.numel() for n, p in with_critic._model.named_parameters() if "lora_" not in n)
+    base = sum(p.numel() for n, p in live.items() if "lora_" not in n)
+    assert not any(p.requires_grad for n, p in live.items() if "lora_" not in n)  # the shared base stays frozen
     assert lora + with_critic.base_info.hidden_size + 1 == sum(p.numel() for p in critic_params.values())
     assert lora < 0.5 * base
 

@@ -140,6 +140,17 @@ def test_without_credentials_the_run_is_offline(wandb_dir: Path) -> None:
     assert any(sink.directory.glob("*.wandb"))
 
 
+def test_wandb_environment_variables_win_over_workbench_defaults(wandb_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    elsewhere = wandb_dir.parent / "wandb-env-dir"
+    elsewhere.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(elsewhere))
+    sink = open_wandb_run(None, config={}, run_id="wbenv01", project="workbench-tests", directory=wandb_dir)
+    assert sink is not None
+    sink.close()
+    assert sink.directory.parent == elsewhere / "wandb"
+    assert not wandb_dir.exists()
+
+
 def test_a_failing_wandb_sink_never_breaks_recording(wandb_dir: Path) -> None:
     sink = open_wandb_run(
         {"mode": "offline"}, config={}, run_id=None, project="workbench-tests", directory=wandb_dir

@@ -20,7 +20,7 @@ def test_tiny_builds_identically_and_has_about_200k_parameters(tmp_path) -> None
     _build_tiny(tmp_path)
     assert _folder_digest(tmp_path) == _folder_digest(tiny_model_dir())
     with wb.Session("tiny", wb.LoraConfig(rank=1)) as sess:
-        count = sum(p.numel() for n, p in sess._model.get_base_model().named_parameters() if "lora_" not in n)
+        count = sum(p.numel() for n, p in sess.engine.torch_model.get_base_model().named_parameters() if "lora_" not in n)
         assert 150_000 <= count <= 250_000
         assert sess.tokenizer.chat_template is not None
         text = "Hello world, 17 + 25 = 42"
@@ -39,23 +39,23 @@ def test_tiny_builds_identically_and_has_about_200k_parameters(tmp_path) -> None
 def test_lora_targets_follow_the_config(lora: wb.LoraConfig, expected: set[str]) -> None:
     with wb.Session("tiny", lora) as sess:
         assert set(lora_target_modules(sess.base_info.linear_layers, lora)) == expected
-        adapted = {n.split(".lora_")[0].split(".")[-1] for n, _ in sess._model.named_parameters() if "lora_" in n}
+        adapted = {n.split(".lora_")[0].split(".")[-1] for n, _ in sess.engine.torch_model.named_parameters() if "lora_" in n}
         assert adapted == expected
 
 
 def test_rank_alpha_and_seed() -> None:
     with wb.Session("tiny", wb.LoraConfig(rank=3, alpha=6.0, seed=7)) as a, wb.Session("tiny", wb.LoraConfig(rank=3, alpha=6.0, seed=7)) as b:
-        pa = a._adapters["policy"].parameters
-        pb = b._adapters["policy"].parameters
-        assert all(torch.equal(pa[n], pb[n]) for n in pa)
+        pa = a.engine.inspect(a.model_id, wb.Role.POLICY).parameters
+        pb = b.engine.inspect(b.model_id, wb.Role.POLICY).parameters
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa)
         some_a = next(p for n, p in pa.items() if "lora_A" in n)
         assert some_a.shape[0] == 3
-        layer = a._model.get_base_model().model.layers[0].self_attn.q_proj
-        assert layer.scaling["policy"] == pytest.approx(2.0)
+        layer = a.engine.torch_model.get_base_model().model.layers[0].self_attn.q_proj
+        assert layer.scaling[a.engine.run_status(a.model_id).adapter] == pytest.approx(2.0)
         # B starts at zero: the adapted model starts equal to the base
         assert all(float(p.detach().abs().sum()) == 0.0 for n, p in pa.items() if "lora_B" in n)
     with wb.Session("tiny", wb.LoraConfig(rank=3, seed=8)) as c:
-        pc = c._adapters["policy"].parameters
+        pc = c.engine.inspect(c.model_id, wb.Role.POLICY).parameters
         assert any(not torch.equal(pa[n], pc[n]) for n in pa)
 
 
@@ -64,7 +64,7 @@ def test_default_device_and_dtype_on_cpu() -> None:
         if not torch.cuda.is_available():
             assert sess.config.device == "cpu" and sess.config.dtype == "float32"
     with wb.Session("tiny", wb.LoraConfig(rank=1), dtype="bfloat16", device="cpu") as sess:
-        assert next(sess._model.parameters()).dtype == torch.bfloat16
+        assert next(sess.engine.torch_model.parameters()).dtype == torch.bfloat16
 
 
 def test_unknown_model_names_fail_clearly(tmp_path) -> None:

@@ -24,8 +24,15 @@ def _forward_logprobs(sess: wb.Session, prompt: list[int], tokens: list[int]) ->
 
 
 def _logits_after(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
+    """The policy's next-token logits, from the module the engine runs, with the policy's adapter active."""
+    model = sess.engine.torch_model
+    model.set_adapter(sess.engine.run_status(sess.model_id).adapter)
     with torch.no_grad():
-        return sess._model(input_ids=torch.tensor([tokens])).logits[0, -1]
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+def _snapshot_bytes(sess: wb.Session) -> int:
+    return sess.engine.run_status(sess.model_id).snapshot_bytes
 
 
 def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(tiny: wb.Session) -> None:
@@ -166,7 +173,7 @@ def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> 
     params = wb.SamplingParams(max_tokens=8, seed=11)
     v0 = tiny.policy.save_weights_and_get_sampling_client()
     before = v0.sample(prompt, 2, params).result()
-    assert before.weights_version == 0 and tiny._snapshots.held_bytes() == 0  # the current version costs no copy
+    assert before.weights_version == 0 and _snapshot_bytes(tiny) == 0  # the current version costs no copy
     data = [wb.Datum(model_input=prompt + before.sequences[0].tokens[:-1], loss_fn_inputs={"target_tokens": prompt[1:] + before.sequences[0].tokens})]
     for _ in range(3):
         tiny.policy.forward_backward(data, "cross_entropy").result()
@@ -181,16 +188,32 @@ def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> 
     assert newer.weights_version == 3
     assert [s.logprobs for s in newer.sequences] != [s.logprobs for s in before.sequences]
     assert tiny.live_versions() == [0, 3]
-    assert tiny._snapshots.held_bytes() > 0
+    assert _snapshot_bytes(tiny) > 0
     # the live adapter is untouched by sampling the old version
     digest = tiny.state_digest()
     v0.sample(prompt, 1, params).result()
     assert tiny.state_digest() == digest
     del v0
     gc.collect()
-    assert tiny.live_versions() == [3] and tiny._snapshots.held_bytes() == 0
+    tiny.state_digest()  # an operation after the release: the worker has processed it
+    assert tiny.live_versions() == [3] and _snapshot_bytes(tiny) == 0
     with pytest.raises(ValueError, match="weights version 0 is not held"):
-        tiny.sampling_client(version=0)
+        _ = tiny.sampling_client(version=0).weights_version  # the pin fails, in order with the operations before it
+
+
+def test_close_releases_the_pinned_weights_before_it_returns(tiny: wb.Session) -> None:
+    prompt = _ids(tiny, PROMPTS[1])
+    data = [wb.Datum(model_input=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:]})]
+    pinned = tiny.sampling_client()
+    assert pinned.weights_version == 0
+    tiny.policy.forward_backward(data, "cross_entropy").result()
+    tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    assert tiny.live_versions() == [0, 1] and _snapshot_bytes(tiny) > 0
+    pinned.close()
+    assert tiny.live_versions() == [1] and _snapshot_bytes(tiny) == 0  # no barrier needed: close() waited
+    pinned.close()  # a second close does nothing
+    with pytest.raises(ValueError, match="weights version 0 is not held"):
+        _ = tiny.sampling_client(version=0).weights_version
 
 
 def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
@@ -272,14 +295,14 @@ BAD = [
 def test_bad_sampling_input_raises_and_changes_nothing(case, build, message) -> None:
     with wb.Session("tiny", wb.LoraConfig(rank=2), max_samples_per_request=4) as sess:
         sc = sess.sampling_client()
-        digest = sess.state_digest()
-        generator_state = sess._sampling_generator.get_state().clone()
+        digest = sess.state_digest()  # covers the sampling generator's state too
         prompt, num_samples, params = build(sess)
         with pytest.raises(ValueError, match=message):
             sc.sample(prompt, num_samples, params)
-        assert sess.state_digest() == digest
-        assert torch.equal(sess._sampling_generator.get_state(), generator_state)
+        assert sess.state_digest() == digest  # no seed was drawn
         assert len(sess.history) == 0
+        sc.sample([1, 2], 1, {"max_tokens": 1}).result()  # a good unseeded request draws one: the digest sees it
+        assert sess.state_digest() != digest
 
 
 def test_sampler_choice_without_a_gpu() -> None:

@@ -14,7 +14,22 @@ import workbench as wb
 
 
 def _params(sess: wb.Session) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in sess._adapters["policy"].parameters.items()}
+    return sess.engine.inspect(sess.model_id, wb.Role.POLICY).parameters
+
+
+def _grads(sess: wb.Session) -> dict[str, torch.Tensor]:
+    """The policy's accumulated gradient (every parameter has one after a forward_backward)."""
+    gradients = sess.engine.inspect(sess.model_id, wb.Role.POLICY).gradients
+    assert all(g is not None for g in gradients.values())
+    return gradients  # type: ignore[return-value]
+
+
+def _policy_logits(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
+    """The policy's logits, from the module the engine runs, with the policy's adapter active."""
+    model = sess.engine.torch_model
+    model.set_adapter(sess.engine.run_status(sess.model_id).adapter)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0]
 
 
 def _batch(tokenizer) -> list[wb.Datum]:
@@ -49,7 +64,7 @@ def test_logprobs_match_a_plain_transformers_forward(tiny: wb.Session) -> None:
     out = tiny.policy.forward([datum], "cross_entropy").result()
     tokens = torch.tensor([datum.model_input.to_ints()])
     with torch.no_grad():
-        logits = tiny._model.get_base_model()(tokens).logits[0]
+        logits = tiny.engine.torch_model.get_base_model()(tokens).logits[0]
     targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
     expected = torch.log_softmax(logits, -1)[torch.arange(len(targets)), targets]
     assert out.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
@@ -77,18 +92,18 @@ def test_training_lowers_the_loss_and_bumps_versions(tiny: wb.Session) -> None:
 
 
 def test_only_lora_parameters_change(tiny: wb.Session) -> None:
-    base_before = {name: t.clone() for name, t in tiny._model.get_base_model().state_dict().items() if "lora_" not in name}
+    base_before = {name: t.clone() for name, t in tiny.engine.torch_model.get_base_model().state_dict().items() if "lora_" not in name}
     adapter_before = _params(tiny)
     tiny.policy.forward_backward(_batch(tiny.tokenizer), "cross_entropy").result()
     tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-    base_after = {name: t for name, t in tiny._model.get_base_model().state_dict().items() if "lora_" not in name}
+    base_after = {name: t for name, t in tiny.engine.torch_model.get_base_model().state_dict().items() if "lora_" not in name}
     assert base_before.keys() == base_after.keys()
     for name, tensor in base_before.items():
         assert torch.equal(tensor, base_after[name]), f"base weight {name} changed"
     changed = [name for name, t in _params(tiny).items() if not torch.equal(t, adapter_before[name])]
     assert changed, "no adapter parameter changed"
     assert all("lora_" in name for name in changed)
-    trainable = [name for name, p in tiny._model.named_parameters() if p.requires_grad]
+    trainable = [name for name, p in tiny.engine.torch_model.named_parameters() if p.requires_grad]
     assert all("lora_" in name for name in trainable)
 
 
@@ -114,7 +129,7 @@ def test_microbatch_split_equals_one_pass_and_keeps_input_order() -> None:
     for budget in (100_000, 64):
         with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=budget) as sess:
             outputs.append(sess.policy.forward_backward(data, "cross_entropy").result())
-            grads.append({n: p.grad.clone() for n, p in sess._adapters["policy"].parameters.items()})
+            grads.append(_grads(sess))
     whole, split = outputs
     assert whole.metrics["loss:sum"] == pytest.approx(split.metrics["loss:sum"], rel=1e-5)
     for datum, a, b in zip(data, whole.loss_fn_outputs, split.loss_fn_outputs, strict=True):
@@ -157,7 +172,7 @@ def test_optim_step_honours_every_adam_field_on_every_call(tiny: wb.Session) -> 
     grads_per_step = []
     for s in settings:
         tiny.policy.forward_backward(data, "cross_entropy").result()
-        grads_per_step.append({n: p.grad.clone() for n, p in tiny._adapters["policy"].parameters.items()})
+        grads_per_step.append(_grads(tiny))
         metrics = tiny.policy.optim_step(s).result().metrics
         assert metrics["learning_rate"] == s.learning_rate
         expected_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads_per_step[-1].values()))
@@ -225,9 +240,8 @@ def test_rl_losses_run_and_report_diagnostics(tiny: wb.Session) -> None:
     # the first datum's ratio exp(0.3) = 1.35 is outside [0.8, 1.2]; the second's is 1
     assert ppo_metrics["clip_fraction:mean"] == pytest.approx(0.5)
     # entropy:mean is the mean next-token entropy over the positions with an advantage
-    with torch.no_grad():
-        logits = tiny._model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
-        entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    logits = _policy_logits(tiny, tokens[:-1])
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     assert ppo_metrics["entropy:mean"] == pytest.approx(float(entropy[4:].mean()), rel=1e-5)
 
 
@@ -247,7 +261,7 @@ def test_custom_loss_equals_the_builtin_loss() -> None:
             else:
                 out = sess.policy.forward_backward_custom(data, nll).result()
                 assert out.metrics["custom/pieces:sum"] == 6
-            grads.append(({n: p.grad.clone() for n, p in sess._adapters["policy"].parameters.items()}, out))
+            grads.append((_grads(sess), out))
     (builtin_grads, builtin_out) = grads[0]
     for custom_grads, custom_out in grads[1:]:
         assert custom_out.metrics["loss:sum"] == pytest.approx(builtin_out.metrics["loss:sum"], rel=1e-5)
@@ -309,22 +323,23 @@ def test_out_of_memory_mid_batch_restores_gradients_and_recovers() -> None:
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=80) as sess:
         sess.policy.forward_backward(data[:2], "cross_entropy").result()
         before = sess.state_digest()
-        real_logits = sess._logits
         calls = {"n": 0}
 
-        def failing_logits(micro):
+        def failing_forward(module: torch.nn.Module, args: object) -> None:  # the second micro-batch's forward fails
             calls["n"] += 1
             if calls["n"] == 2:
                 raise torch.OutOfMemoryError("simulated: out of memory")
-            return real_logits(micro)
 
-        sess._logits = failing_logits
-        with pytest.raises(torch.OutOfMemoryError):
-            sess.policy.forward_backward(data, "cross_entropy").result()
+        hook = sess.engine.torch_model.register_forward_pre_hook(failing_forward)
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                sess.policy.forward_backward(data, "cross_entropy").result()
+        finally:
+            hook.remove()
         assert calls["n"] == 2
         assert sess.state_digest() == before
-        sess._logits = real_logits
         sess.policy.forward_backward(data[2:3], "cross_entropy").result()
+        assert calls["n"] == 2  # the hook is gone
         assert sess.policy.optim_step().result().applied
 
 
@@ -380,10 +395,11 @@ def test_close_frees_and_a_new_session_works() -> None:
     sess = wb.Session("tiny", wb.LoraConfig(rank=2), critic=True)
     client = sess.sampling_client()
     client.sample([1, 2, 3], 1, wb.SamplingParams(max_tokens=2)).result()
-    model = weakref.ref(sess._model)
+    model = weakref.ref(sess.engine.torch_model)
+    base = weakref.ref(sess.engine.torch_model.get_base_model())
     sess.close()
     gc.collect()
-    assert model() is None, "the model is still referenced after close()"
+    assert model() is None and base() is None, "the model is still referenced after close()"
     sess.close()
     with pytest.raises(wb.SessionClosedError):
         sess.policy.forward([ce_datum([1, 2, 3])], "cross_entropy")
@@ -399,5 +415,5 @@ def test_service_client_entry_point() -> None:
         out = tc.forward_backward([ce_datum(tokens)], "cross_entropy").result()
         assert out.metrics["loss:sum"] > 0
         assert tc.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
-        names = [n for n, _ in tc.session._model.named_parameters() if "lora_" in n]
-        assert not any("lm_head" in n for n in names)
+        names = [n for n, _ in tc.engine.torch_model.named_parameters() if "lora_" in n]
+        assert names and not any("lm_head" in n for n in names)

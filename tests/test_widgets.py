@@ -345,7 +345,7 @@ def test_save_and_overwrite_with_confirmation(panel: wb.Panel, tiny: wb.Session)
 
 def test_load_asks_then_restores_the_saved_state(panel: wb.Panel, tiny: wb.Session) -> None:
     c = panel.checkpoints
-    saved = {name: p.detach().clone() for name, p in tiny._adapters["policy"].parameters.items()}
+    saved = tiny.engine.inspect(tiny.model_id, wb.Role.POLICY).parameters
     tiny.policy.save_state("start").result()  # saved from a cell: the tab lists it on refresh
     tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
     panel.refresh()
@@ -354,7 +354,8 @@ def test_load_asks_then_restores_the_saved_state(panel: wb.Panel, tiny: wb.Sessi
     assert "Load start?" in c.confirm_text.value and tiny.step == 2  # nothing happens before Confirm
     _act(panel, c.confirm_button)
     assert tiny.step == 0
-    assert all(torch.equal(p, saved[name]) for name, p in tiny._adapters["policy"].parameters.items())
+    loaded = tiny.engine.inspect(tiny.model_id, wb.Role.POLICY).parameters
+    assert loaded.keys() == saved.keys() and all(torch.equal(p, saved[name]) for name, p in loaded.items())
     assert "loaded start (step 0)" in c.feedback.text
 
 

@@ -18,8 +18,8 @@ import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from workbench.run_folders import checkpoint_folder
 from workbench.checkpoint_store import CheckpointError, check_name, read_verified, require_checkpoint_folder
+from workbench.run_folders import checkpoint_folder
 
 _MODES = {".tar": "w", ".tar.gz": "w:gz", ".tgz": "w:gz"}
 

@@ -256,8 +256,9 @@ class SamplingClient:
         return self._engine.config.base_model
 
     def close(self) -> None:
-        """Release the pinned weights now rather than at garbage collection."""
-        self._release()
+        """Release the pinned weights now rather than at garbage collection (returns once released)."""
+        if self._release.detach() is not None:
+            self._engine.release_sampler(self._pin, wait=True)
 
 
 class ServiceClient:

@@ -37,9 +37,11 @@ ROW_COLUMNS = ("step", "op", "model", "time")
 
 
 class Sink(Protocol):
-    """Receives every history row (e.g. a JSONL file, a W&B run)."""
+    """Receives every history row and event (e.g. a JSONL file, a W&B run)."""
 
     def write(self, row: Mapping[str, Any]) -> None: ...
+
+    def log_event(self, name: str, payload: Mapping[str, Any]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -64,6 +66,15 @@ class MetricsHistory:
             except Exception as error:  # a broken sink must never break a training step
                 warnings.warn(f"metrics sink {type(sink).__name__} failed: {error!r}", RuntimeWarning, stacklevel=2)
         return row
+
+    def event(self, name: str, payload: Mapping[str, Any]) -> None:
+        """Tell the sinks about a one-off fact of the run (e.g. a saved checkpoint: its name, kind, path,
+        step); a sink that raises is reported with a warning and never breaks the operation."""
+        for sink in list(self.sinks):
+            try:
+                sink.log_event(name, payload)
+            except Exception as error:
+                warnings.warn(f"metrics sink {type(sink).__name__} did not record event {name!r}: {error!r}", RuntimeWarning, stacklevel=2)
 
     def series(self, name: str, op: str | None = None) -> tuple[list[int], list[float]]:
         """Steps and values of one metric, optionally from one kind of op only."""
@@ -124,6 +135,10 @@ class JsonlSink:
     def write(self, row: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(dict(row)) + "\n")
         self._file.flush()
+
+    def log_event(self, name: str, payload: Mapping[str, Any]) -> None:
+        """The file holds metric rows only: events (saved checkpoints) are facts the run folder itself
+        keeps (its checkpoint folders)."""
 
     def close(self) -> None:
         self._file.close()

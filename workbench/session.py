@@ -36,7 +36,7 @@ from workbench.plots import plot_history
 from workbench.run import Run, StepFn, start_run
 from workbench.run_folders import new_run_id, runs_root
 from workbench.sampling import SamplerChoice
-from workbench.types import LoraConfig, LoadWeightsResponse, to_lora_config
+from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
 
 WANDB_PROJECT = "workbench"
 
@@ -165,7 +165,7 @@ class Session:
             engine.close()
             raise
         session = cls.__new__(cls)
-        session._attach(engine, model_id, wandb)
+        cls._attach(session, engine, model_id, wandb)
         return session
 
     # ------------------------------------------------------------------------------------------ state

@@ -17,6 +17,7 @@ operation that was still queued when the worker stopped.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
@@ -158,10 +159,8 @@ class Worker:
     def _run_single(job: _Job) -> None:
         assert job.run is not None
         if job.future is None:
-            try:
+            with contextlib.suppress(Exception):  # posted work has nobody to report to; it must not stop the worker
                 job.run()
-            except Exception:  # posted work has nobody to report to; it must not stop the worker
-                pass
             return
         if not job.future.set_running_or_notify_cancel():
             return

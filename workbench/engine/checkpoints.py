@@ -80,7 +80,9 @@ def save_state(
         files = checkpoint_files.capture(state, training_run, name, expires_at=expires_at, user_metadata=metadata)
         checkpoint_store.write_atomically(target, files, overwrite)
         state.record("save_state", training_run, training_run.policy.adapter, {"checkpoint_bytes": float(sum(map(len, files.values())))})
-        return SaveWeightsResponse(path=address_of(target).tinker_path, folder=str(target))
+        path = address_of(target).tinker_path
+        state.history.event("checkpoint", {"name": name, "kind": "state", "path": path, "step": training_run.step})
+        return SaveWeightsResponse(path=path, folder=str(target))
 
     return state.submit(run)
 
@@ -122,7 +124,9 @@ def save_weights_for_sampler(
         files[SAMPLER_INFO] = checkpoint_store.json_bytes(info)
         checkpoint_store.write_atomically(target, files, overwrite)
         state.record("save_weights_for_sampler", training_run, policy.adapter, {"weights_version": float(policy.weights_version)})
-        return SaveWeightsForSamplerResponse(path=address_of(target).tinker_path, folder=str(target))
+        path = address_of(target).tinker_path
+        state.history.event("checkpoint", {"name": name, "kind": "sampler", "path": path, "step": policy.step})
+        return SaveWeightsForSamplerResponse(path=path, folder=str(target))
 
     return state.submit(run)
 

@@ -15,7 +15,9 @@ re-running a notebook cell that makes a session frees the old one's memory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,10 +30,23 @@ from transformers import PreTrainedTokenizerBase
 from workbench import checkpoint_store
 from workbench.checkpoint_store import CheckpointInfo, CheckpointKind
 from workbench.critic import default_critic_lora
-from workbench.engine import checkpoint_files, checkpoints, forward_backward, merged_export, model_lifecycle, optim_step, sampling
+from workbench.engine import (
+    checkpoint_files,
+    checkpoints,
+    forward_backward,
+    merged_export,
+    model_lifecycle,
+    optim_step,
+    sampling,
+)
 from workbench.engine.adapted_model import AdaptedModel
 from workbench.engine.checkpoint_files import Restore, SavedState, session_config
-from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_MICROBATCH, EngineConfig, SessionConfig
+from workbench.engine.config import (
+    DEFAULT_MAX_MODELS,
+    DEFAULT_MAX_TOKENS_PER_MICROBATCH,
+    EngineConfig,
+    SessionConfig,
+)
 from workbench.engine.forward_backward import CustomLossFn
 from workbench.engine.roles import Role
 from workbench.engine.sampling import SamplerPin
@@ -52,7 +67,7 @@ from workbench.types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
-from workbench.worker import Worker
+from workbench.worker import SessionClosedError, Worker
 
 
 @dataclass(frozen=True)
@@ -90,10 +105,8 @@ def _shutdown(worker: Worker, history: MetricsHistory) -> None:
     """What a dropped engine's finalizer does: stop the worker, close the history's sinks."""
     worker.close(wait=False)
     for sink in list(history.sinks):
-        try:
+        with contextlib.suppress(Exception):  # a finalizer has nobody to report to
             sink.close()
-        except Exception:  # a finalizer has nobody to report to
-            pass
 
 
 class Engine:
@@ -335,10 +348,15 @@ class Engine:
         folder = checkpoints.resolve(self._state, None, path, kind="sampler")
         return sampling.pin_checkpoint(self._state, folder.absolute())
 
-    def release_sampler(self, pin: APIFuture[SamplerPin]) -> None:
-        """Release a pin after everything queued before; takes no lock, so a finalizer may call it."""
+    def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None:
+        """Release a pin after everything queued before; takes no lock, so a finalizer may call it.
+        With `wait` (never from a finalizer), return once it is released; on the worker thread itself it
+        is released right after the running operation."""
         if not self.closed:
             sampling.release(self._state, pin)
+            if wait and threading.current_thread() is not self._state.worker.thread:
+                with contextlib.suppress(SessionClosedError):  # closed meanwhile: every pin went with the runs
+                    self._state.submit(lambda: None).result()
 
     def sample(
         self,
@@ -447,6 +465,8 @@ class Engine:
         an interrupted call."""
         state = self._state
         state.worker.close()
+        if not self._finalizer.alive:  # freed by an earlier call
+            return
         for sink in list(state.history.sinks):
             sink.close()
         state.history.sinks.clear()

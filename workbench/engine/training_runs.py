@@ -22,6 +22,7 @@ from workbench.training import TrainableAdapter
 from workbench.types import LoraConfig
 from workbench.versions import WeightSnapshots
 
+
 def adapter_name(role: Role, run_number: int) -> str:
     """The peft adapter name of `role` in the engine's `run_number`-th run: `policy` and `critic` for the
     first run, `policy_2`, `critic_2`, ... for later ones. Also the history's `model` column."""

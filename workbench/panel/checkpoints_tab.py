@@ -1,6 +1,6 @@
 """The Checkpoints tab: the run's checkpoints in a table, and buttons to save, load, delete and export.
 
-Each button calls what a cell would: `sess.policy.save_state(name)`, `sess.policy.load_state(path)`,
+Each button calls what a cell would: `sess.policy.save_state(name)`, `sess.load_state(path)`,
 `sess.delete_checkpoint(name, kind)`, `sess.export_merged(path)`. The destructive ones (load replaces the
 session's training state, delete removes files, a save under a taken name replaces that checkpoint)
 first ask for confirmation in the tab. Long operations do not block the kernel: saves and loads
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets
 
 from workbench.checkpoint_store import CheckpointInfo
+from workbench.engine import Restore
 from workbench.panel.feedback import Feedback
 from workbench.panel.status import format_bytes
 
@@ -144,7 +145,8 @@ class CheckpointsTab:
             raise ValueError(f"{info.name} holds sampler weights only; load a state checkpoint")
 
         def load() -> None:
-            future = self.session.policy.load_state(str(info.path)).future()
+            # what `sess.load_state` restores (everything, RNGs included), without blocking the kernel
+            future = self.session.engine.load_state(self.session.model_id, str(info.path), Restore.EVERYTHING).future()
             self._track(future, lambda _response: f"loaded {info.name} (step {info.step})")
 
         self._ask(f"Load {info.name}? The policy's weights and optimizer state are replaced by step {info.step}'s.", load)
