@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env demo test test-unit test-notebooks lab bench browser screenshot
+.PHONY: env demo test lint test-unit test-notebooks lab bench browser screenshot
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,13 +30,19 @@ demo: env
 browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
+# Formatting, lint (private members of other classes included: SLF001) and the import layers.
+lint: env
+	$(BIN)/ruff format --check workbench tests bench
+	$(BIN)/ruff check workbench tests bench
+	$(BIN)/lint-imports
+
 test-unit: env
 	$(BIN)/python -m pytest -q
 
 test-notebooks: env
 	$(BIN)/python -m pytest -q --nbval-lax --nbval-current-env notebooks/
 
-test: env browser test-unit test-notebooks
+test: env browser lint test-unit test-notebooks
 
 lab: env
 	$(BIN)/jupyter lab --notebook-dir=notebooks --LabApp.news_url=None

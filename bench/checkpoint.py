@@ -55,7 +55,12 @@ def main() -> None:
     path = Path(sess.policy.save_state("bench", overwrite=True).result().folder)
     load_same_s = timed(lambda: sess.load_state(path), args.repeats)
     load_weights_s = timed(lambda: sess.policy.load_state(path).result(), args.repeats)
-    new_session_s = timed(lambda: wb.Session(args.model, wb.LoraConfig(rank=args.rank), run_dir=run_dir.parent / "plain", wandb=False).close(), args.repeats)
+    new_session_s = timed(
+        lambda: wb.Session(
+            args.model, wb.LoraConfig(rank=args.rank), run_dir=run_dir.parent / "plain", wandb=False
+        ).close(),
+        args.repeats,
+    )
     load_fresh_s = timed(lambda: wb.Session.from_checkpoint(path, wandb=False).close(), args.repeats)
 
     files = {p.relative_to(path).as_posix(): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
@@ -65,7 +70,9 @@ def main() -> None:
     params = sum(p.numel() for p in sess.engine.inspect(sess.model_id, wb.Role.POLICY).parameters.values())
     sess.close()
 
-    print(f"model={args.model} rank={args.rank} adapter parameters={params:,} (fp32), median of {args.repeats}")
+    print(
+        f"model={args.model} rank={args.rank} adapter parameters={params:,} (fp32), median of {args.repeats}"
+    )
     print(f"{'measure':38s} {'value':>12s}")
     print(f"{'save_state':38s} {save_s:11.3f}s")
     print(f"{'load_state (same session)':38s} {load_same_s:11.3f}s")

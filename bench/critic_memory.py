@@ -53,15 +53,21 @@ def measure(model: str, config: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)  # one measurement, in a child process
+    parser.add_argument(
+        "--config", choices=CONFIGS, help=argparse.SUPPRESS
+    )  # one measurement, in a child process
     args = parser.parse_args()
     if args.config:
         print(json.dumps(measure(args.model, args.config)))
         return
     results = {}
     for config in CONFIGS:
-        out = subprocess.run([sys.executable, __file__, "--model", args.model, "--config", config],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--model", args.model, "--config", config],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[config] = json.loads(out.stdout.strip().splitlines()[-1])
     base = results["policy"]
     print(f"model={args.model} rank=16, one training step each, peak memory per fresh process")

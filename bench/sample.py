@@ -36,8 +36,14 @@ from transformers import GenerationConfig
 import workbench as wb
 
 QUESTIONS = [
-    "What is the capital of France?", "Name three colours.", "What is 12 + 30?", "Write a haiku about rain.",
-    "Who wrote Hamlet?", "Say hello in Spanish.", "What is a prime number?", "Describe the sea in one line.",
+    "What is the capital of France?",
+    "Name three colours.",
+    "What is 12 + 30?",
+    "Write a haiku about rain.",
+    "Who wrote Hamlet?",
+    "Say hello in Spanish.",
+    "What is a prime number?",
+    "Describe the sea in one line.",
 ]
 PROMPTS, SAMPLES, TOKENS = 8, 8, 64
 PARAMS = wb.SamplingParams(max_tokens=TOKENS, temperature=1.0, top_p=0.95, stop=[])
@@ -45,7 +51,10 @@ FLOOR_DATUM = wb.Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": [2, 
 
 
 def prompts_for(sess: wb.Session) -> list[list[int]]:
-    return [wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": q}]).to_ints() for q in QUESTIONS[:PROMPTS]]
+    return [
+        wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": q}]).to_ints()
+        for q in QUESTIONS[:PROMPTS]
+    ]
 
 
 def raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
@@ -55,7 +64,9 @@ def raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
     forward and backward of a two-token datum cost next to nothing beside the generate call)."""
     generated: list[int] = []
 
-    def on_the_worker(_data: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def on_the_worker(
+        _data: list[wb.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         generated.append(_raw_generate(sess, prompts))
         return logprobs[0].sum() * 0.0, {}
 
@@ -70,7 +81,15 @@ def _raw_generate(sess: wb.Session, prompts: list[list[int]]) -> int:
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in rows], device=sess.device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in rows], device=sess.device)
     # top_k=0: HF would otherwise apply its default top_k=50, which workbench (top_k=-1) does not
-    config = GenerationConfig(max_new_tokens=TOKENS, do_sample=True, temperature=1.0, top_p=0.95, top_k=0, eos_token_id=[], pad_token_id=pad)
+    config = GenerationConfig(
+        max_new_tokens=TOKENS,
+        do_sample=True,
+        temperature=1.0,
+        top_p=0.95,
+        top_k=0,
+        eos_token_id=[],
+        pad_token_id=pad,
+    )
     with torch.no_grad():
         out = sess.engine.torch_model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     return (out.shape[1] - longest) * len(rows)
@@ -84,7 +103,9 @@ def batched(sess: wb.Session, prompts: list[list[int]]) -> int:
 
 def one_per_sample(sess: wb.Session, prompts: list[list[int]]) -> int:
     client = sess.sampling_client()
-    return sum(len(client.sample(p, 1, PARAMS).result().sequences[0].tokens) for p in prompts for _ in range(SAMPLES))
+    return sum(
+        len(client.sample(p, 1, PARAMS).result().sequences[0].tokens) for p in prompts for _ in range(SAMPLES)
+    )
 
 
 def tokens_per_second(fn, sess: wb.Session, prompts: list[list[int]], repeats: int) -> float:
@@ -110,23 +131,33 @@ def update_to_first_token(sess: wb.Session, prompt: list[int]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--repeats", type=int, default=2, help="timed repeats per configuration (best is reported)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="timed repeats per configuration (best is reported)"
+    )
     args = parser.parse_args()
-    samplers = ["hf"] + (["vllm"] if wb.sampling.vllm_unavailable_reason(torch.device("cuda")) is None else [])
+    samplers = ["hf"] + (
+        ["vllm"] if wb.sampling.vllm_unavailable_reason(torch.device("cuda")) is None else []
+    )
     for sampler in samplers:
         with wb.Session(args.model, wb.LoraConfig(rank=16), sampler=sampler, wandb=False) as sess:
             prompts = prompts_for(sess)
-            print(f"model={args.model} sampler={sampler} device={sess.device} dtype={sess.config.dtype} "
-                  f"{PROMPTS} prompts x {SAMPLES} samples x {TOKENS} tokens, best of {args.repeats}")
+            print(
+                f"model={args.model} sampler={sampler} device={sess.device} dtype={sess.config.dtype} "
+                f"{PROMPTS} prompts x {SAMPLES} samples x {TOKENS} tokens, best of {args.repeats}"
+            )
             rows = []
             if sampler == "hf":
-                rows.append(("raw generate (floor)", tokens_per_second(raw_generate, sess, prompts, args.repeats)))
+                rows.append(
+                    ("raw generate (floor)", tokens_per_second(raw_generate, sess, prompts, args.repeats))
+                )
             rows.append(("workbench batched", tokens_per_second(batched, sess, prompts, args.repeats)))
             rows.append(("one request per sample", tokens_per_second(one_per_sample, sess, prompts, 1)))
             ours = rows[-2][1]
             for name, tps in rows:
                 print(f"  {name:24s} {tps:9.1f} tok/s   workbench / this = {ours / tps:5.2f}")
-            print(f"  optim_step -> first token of the new version: {update_to_first_token(sess, prompts[0]) * 1000:.0f} ms")
+            print(
+                f"  optim_step -> first token of the new version: {update_to_first_token(sess, prompts[0]) * 1000:.0f} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -47,14 +47,25 @@ class RawLoop:
 
     def __init__(self, model_name: str, lora: wb.LoraConfig, linear_layers: dict[str, str]):
         base = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_name), dtype=torch.float32)
-        config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
-                                 target_modules=lora_target_modules(linear_layers, lora), task_type="CAUSAL_LM")
+        config = peft.LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=0.0,
+            target_modules=lora_target_modules(linear_layers, lora),
+            task_type="CAUSAL_LM",
+        )
         torch.manual_seed(0)
         self.model = peft.get_peft_model(base, config)
         self.model.eval()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
-                                           weight_decay=ADAM.weight_decay, foreach=False)
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=ADAM.learning_rate,
+            betas=(ADAM.beta1, ADAM.beta2),
+            eps=ADAM.eps,
+            weight_decay=ADAM.weight_decay,
+            foreach=False,
+        )
 
     def step(self, sequences: list[list[int]]) -> None:
         longest = max(len(s) - 1 for s in sequences)
@@ -81,7 +92,10 @@ def workbench_step(session: wb.Session, data: list[wb.Datum]) -> None:
 
 def to_datums(sequences: list[list[int]]) -> list[wb.Datum]:
     return [
-        wb.Datum(model_input=wb.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)})
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints(s[:-1]),
+            loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)},
+        )
         for s in sequences
     ]
 
@@ -110,7 +124,9 @@ def timed_pair(first, second, steps: int, rounds: int = 5) -> tuple[float, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", choices=sorted(SETTINGS))
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median is reported)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per configuration (median is reported)"
+    )
     args = parser.parse_args()
     settings = SETTINGS[args.model]
     steps = args.steps or settings["steps"]
@@ -126,16 +142,22 @@ def main() -> None:
     rng = random.Random(1)
     ragged = make_batch([rng.randint(16, 256) for _ in range(settings["ragged_count"])], vocab, seed=2)
 
-    print(f"model={args.model} rank={lora.rank} device={session.device} dtype={session.config.dtype} "
-          f"threads={torch.get_num_threads()} timed steps={steps}x5 blocks (median)")
+    print(
+        f"model={args.model} rank={lora.rank} device={session.device} dtype={session.config.dtype} "
+        f"threads={torch.get_num_threads()} timed steps={steps}x5 blocks (median)"
+    )
     rows = []
     for name, sequences in (("(a) equal lengths", equal), ("(b) ragged 16..256", ragged)):
         real_tokens = sum(len(s) - 1 for s in sequences)
         datums = to_datums(sequences)
-        raw_s, ours_s = timed_pair(lambda s=sequences: raw.step(s), lambda d=datums: workbench_step(session, d), steps)
+        raw_s, ours_s = timed_pair(
+            lambda s=sequences: raw.step(s), lambda d=datums: workbench_step(session, d), steps
+        )
         rows.append((name, real_tokens, real_tokens / raw_s, real_tokens / ours_s))
     print(f"{'batch':22s} {'tokens':>7s} {'raw tok/s':>10s} {'workbench tok/s':>16s} {'ratio':>6s}  target")
-    for (name, tokens, raw_tps, ours_tps), target in zip(rows, ("workbench/raw >= 0.95", "workbench/raw-padded >= 1.5"), strict=True):
+    for (name, tokens, raw_tps, ours_tps), target in zip(
+        rows, ("workbench/raw >= 0.95", "workbench/raw-padded >= 1.5"), strict=True
+    ):
         print(f"{name:22s} {tokens:7d} {raw_tps:10.1f} {ours_tps:16.1f} {ours_tps / raw_tps:6.2f}  {target}")
     session.close()
 

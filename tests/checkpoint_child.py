@@ -1,7 +1,7 @@
 """What the checkpoint tests run in a fresh process, and the steps both sides of a resume take.
 
-    python checkpoint_child.py resume <checkpoint> <out_dir> <steps>   # from_checkpoint, then `continue_run`
-    python checkpoint_child.py killed-save <run_dir>           # save "a", then SIGKILL itself mid-save of "b"
+python checkpoint_child.py resume <checkpoint> <out_dir> <steps>   # from_checkpoint, then `continue_run`
+python checkpoint_child.py killed-save <run_dir>           # save "a", then SIGKILL itself mid-save of "b"
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ PROMPT = "The quick brown fox"
 
 def train_step(sess: wb.Session) -> float:
     tokens = sess.tokenizer("The quick brown fox jumps over the lazy dog. Two plus two is four.").input_ids
-    datum = wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]})
+    datum = wb.Datum(
+        model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+    )
     loss = sess.policy.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
     sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
     return loss
@@ -34,11 +36,15 @@ def continue_run(sess: wb.Session, steps: int, out_dir: Path) -> None:
     """K training steps, then a temperature-1 sample and one draw from each global RNG; the losses,
     tokens and draws go to `out_dir/result.json`, the adapter tensors to `out_dir/adapter.safetensors`."""
     losses = [train_step(sess) for _ in range(steps)]
-    sample = sess.sampling_client().sample(
-        prompt=wb.ModelInput.from_ints(sess.tokenizer(PROMPT).input_ids),
-        num_samples=4,
-        sampling_params=wb.SamplingParams(max_tokens=8, temperature=1.0),
-    ).result()
+    sample = (
+        sess.sampling_client()
+        .sample(
+            prompt=wb.ModelInput.from_ints(sess.tokenizer(PROMPT).input_ids),
+            num_samples=4,
+            sampling_params=wb.SamplingParams(max_tokens=8, temperature=1.0),
+        )
+        .result()
+    )
     result = {
         "losses": losses,
         "tokens": [list(sequence.tokens) for sequence in sample.sequences],

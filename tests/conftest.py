@@ -49,7 +49,15 @@ def no_wandb_credentials(tmp_path, monkeypatch: pytest.MonkeyPatch):
     workbench gives W&B (the run folder), which is what the tests check."""
     import wandb
 
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_DIR", "WANDB_PROJECT", "NETRC"):
+    for name in (
+        "WANDB_API_KEY",
+        "WANDB_MODE",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "WANDB_BASE_URL",
+        "WANDB_DIR",
+        "WANDB_PROJECT",
+        "NETRC",
+    ):
         monkeypatch.delenv(name, raising=False)
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))

@@ -27,11 +27,16 @@ def ce_datum(tokens: list[int], weights: list[float] | None = None) -> wb.Datum:
     n = len(tokens) - 1
     return wb.Datum(
         model_input=wb.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights if weights is not None else [1.0] * n},
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "weights": weights if weights is not None else [1.0] * n,
+        },
     )
 
 
-def rl_datum(tokens: list[int], prompt_length: int, sampling_logprobs: list[float], advantage: float) -> wb.Datum:
+def rl_datum(
+    tokens: list[int], prompt_length: int, sampling_logprobs: list[float], advantage: float
+) -> wb.Datum:
     """An RL datum: the completion positions carry the sampler's logprobs and the advantage."""
     n = len(tokens) - 1
     completion = [i >= prompt_length - 1 for i in range(n)]

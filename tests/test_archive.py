@@ -28,7 +28,11 @@ def test_export_then_import_gives_the_same_checkpoint(checkpoint: Path, tmp_path
     assert folder == tmp_path / "dest" / "step-0"
     files = sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*"))
     assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == files
-    assert all((folder / rel).read_bytes() == (checkpoint / rel).read_bytes() for rel in files if (checkpoint / rel).is_file())
+    assert all(
+        (folder / rel).read_bytes() == (checkpoint / rel).read_bytes()
+        for rel in files
+        if (checkpoint / rel).is_file()
+    )
     assert [p.name for p in (tmp_path / "dest").iterdir()] == ["step-0"]  # no temporary folder left
     with pytest.raises(wb.CheckpointError, match="already exists"):
         wb.import_archive(tar_path, tmp_path / "dest")
@@ -93,6 +97,8 @@ def test_an_archive_that_fails_its_manifest_leaves_nothing(checkpoint: Path, tmp
                 tar.addfile(info, io.BytesIO(data))
             else:
                 tar.add(file, arcname, recursive=False)
-    with pytest.raises(wb.CorruptCheckpointError, match=re.escape("policy/adapter_model.safetensors is corrupted")):
+    with pytest.raises(
+        wb.CorruptCheckpointError, match=re.escape("policy/adapter_model.safetensors is corrupted")
+    ):
         wb.import_archive(path, tmp_path / "dest")
     assert list((tmp_path / "dest").iterdir()) == []

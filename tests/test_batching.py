@@ -35,7 +35,10 @@ def test_ragged_batches_waste_little_padding() -> None:
 
 
 def test_equal_lengths_make_one_microbatch_within_budget() -> None:
-    assert plan_microbatches([128] * 16, token_budget=4096) == [list(range(16))] or len(plan_microbatches([128] * 16, token_budget=4096)) == 1
+    assert (
+        plan_microbatches([128] * 16, token_budget=4096) == [list(range(16))]
+        or len(plan_microbatches([128] * 16, token_budget=4096)) == 1
+    )
     assert len(plan_microbatches([128] * 64, token_budget=4096)) == 2
 
 

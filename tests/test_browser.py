@@ -69,7 +69,10 @@ data = [sft("User: Hello!", " Assistant: Hi there."), sft("The quick brown fox",
 ]
 
 if not CHROMIUM.exists():
-    pytest.skip("needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; `make browser`)", allow_module_level=True)
+    pytest.skip(
+        "needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; `make browser`)",
+        allow_module_level=True,
+    )
 
 
 def _free_port() -> int:
@@ -98,7 +101,9 @@ def _write_settings(settings_dir: Path) -> None:
     """User settings that keep JupyterLab's news and update toasts off the screenshot."""
     folder = settings_dir / "@jupyterlab" / "apputils-extension"
     folder.mkdir(parents=True)
-    (folder / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    (folder / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
 
 
 def _write_notebook(path: Path) -> None:

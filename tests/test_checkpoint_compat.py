@@ -26,7 +26,9 @@ def test_there_is_a_fixture() -> None:
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda p: p.name)
 def test_an_old_checkpoint_loads_and_reproduces_its_loss(fixture: Path, tmp_path: Path) -> None:
     expected = json.loads((ASSETS / f"{fixture.name}.json").read_text())
-    copy = shutil.copytree(fixture, tmp_path / "run" / "checkpoints" / "fixture")  # the session may write beside it
+    copy = shutil.copytree(
+        fixture, tmp_path / "run" / "checkpoints" / "fixture"
+    )  # the session may write beside it
     with wb.Session.from_checkpoint(copy, wandb=False) as sess:
         assert sess.policy.step == expected["step"]
         assert sess.policy.weights_version == expected["weights_version"]

@@ -21,7 +21,9 @@ CHILD = Path(__file__).with_name("checkpoint_child.py")
 
 def _child(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,7 +36,10 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: Path, monkeypatch:
         for _ in range(n_steps):
             train_step(sess)
         path = sess.policy.save_state("mid").result().path
-        assert path == f"tinker://{sess.model_id}/weights/mid" and sess.run_dir == tmp_path / "runs" / sess.model_id
+        assert (
+            path == f"tinker://{sess.model_id}/weights/mid"
+            and sess.run_dir == tmp_path / "runs" / sess.model_id
+        )
         continue_run(sess, k_steps, tmp_path / "uninterrupted")
     done = _child("resume", path, str(tmp_path / "resumed"), str(k_steps))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -42,7 +42,12 @@ def _data(sess: wb.Session) -> list[wb.Datum]:
 def _critic_data(sess: wb.Session) -> list[wb.Datum]:
     tokens = sess.tokenizer("The quick brown fox jumps").input_ids
     n = len(tokens) - 1
-    return [wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"values": [0.0] * n, "returns": [1.0] * n})]
+    return [
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"values": [0.0] * n, "returns": [1.0] * n},
+        )
+    ]
 
 
 def _train(sess: wb.Session, steps: int) -> list[float]:
@@ -66,7 +71,9 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def _rewrite(folder: Path, rel: str, data: bytes) -> None:
@@ -87,17 +94,33 @@ def test_checkpoint_holds_adapters_optimizer_and_state_and_no_base_weights(sess:
     assert path == (sess.run_dir / "checkpoints" / "step-2").absolute()
     files = _files(path)
     assert {
-        "config.json", "state.json", "rng.safetensors", "manifest.json",
-        "policy/adapter_config.json", "policy/adapter_model.safetensors",
-        "critic/adapter_config.json", "critic/adapter_model.safetensors", "critic/value_head.safetensors",
-        "optimizer/policy.safetensors", "optimizer/policy.json", "optimizer/critic.safetensors", "optimizer/critic.json",
+        "config.json",
+        "state.json",
+        "rng.safetensors",
+        "manifest.json",
+        "policy/adapter_config.json",
+        "policy/adapter_model.safetensors",
+        "critic/adapter_config.json",
+        "critic/adapter_model.safetensors",
+        "critic/value_head.safetensors",
+        "optimizer/policy.safetensors",
+        "optimizer/policy.json",
+        "optimizer/critic.safetensors",
+        "optimizer/critic.json",
     } == set(files)  # no pending gradient: no gradients/ folder
     for role in ("policy", "critic"):
         tensors = safetensors.torch.load(files[f"{role}/adapter_model.safetensors"])
-        assert tensors and all("lora_" in key for key in tensors)  # adapters only: no base weight, no embedding
+        assert tensors and all(
+            "lora_" in key for key in tensors
+        )  # adapters only: no base weight, no embedding
         assert len(tensors) == sum(1 for name in _params(sess, role) if "lora_" in name)
-    assert not any(name.endswith(("model.safetensors", ".bin", ".pt", ".pkl")) and "adapter" not in name for name in files)
-    base_bytes = sum(p.numel() * p.element_size() for p in sess.engine.torch_model.get_base_model().parameters())
+    assert not any(
+        name.endswith(("model.safetensors", ".bin", ".pt", ".pkl")) and "adapter" not in name
+        for name in files
+    )
+    base_bytes = sum(
+        p.numel() * p.element_size() for p in sess.engine.torch_model.get_base_model().parameters()
+    )
     assert sum(len(data) for data in files.values()) < base_bytes / 2
     config = json.loads(files["config.json"])
     assert config["run_id"] == sess.run_dir.name and config["step"] == 2
@@ -133,7 +156,9 @@ def test_no_secrets_in_checkpoints_or_history(tmp_path: Path, monkeypatch: pytes
         session.policy.save_state("s").result()
         session.policy.save_weights_for_sampler("s").result()
     files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
-    assert any(p.name == "history.jsonl" for p in files) and any(p.name == "adapter_model.safetensors" for p in files)
+    assert any(p.name == "history.jsonl" for p in files) and any(
+        p.name == "adapter_model.safetensors" for p in files
+    )
     for path in files:
         data = path.read_bytes()
         assert b"sentinel-wandb-key-3f9a1c" not in data and b"hf_sentinelTokenB7e2" not in data, path
@@ -151,11 +176,16 @@ def test_from_checkpoint_restores_everything_exactly(sess: wb.Session, tmp_path:
         # weights, grads, AdamW state, counters, versions, and the sampling generator's state
         assert resumed.state_digest() == sess.state_digest()
         assert resumed.config == sess.config
-        assert resumed.run_dir.absolute() == sess.run_dir.absolute()  # the same run folder, so the same W&B run
+        assert (
+            resumed.run_dir.absolute() == sess.run_dir.absolute()
+        )  # the same run folder, so the same W&B run
         assert resumed.policy.weights_version == sess.policy.weights_version == 2
         assert resumed.critic is not None and resumed.critic.step == 2
         assert _equal(_params(resumed, "critic"), _params(sess, "critic"))
-        assert torch.equal(_params(resumed, "critic")["value_head.linear.weight"], _params(sess, "critic")["value_head.linear.weight"])
+        assert torch.equal(
+            _params(resumed, "critic")["value_head.linear.weight"],
+            _params(sess, "critic")["value_head.linear.weight"],
+        )
         assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == random_draws
         # the sampling generator continues where it was: unseeded samples draw the same seeds
         prompt = sess.tokenizer("The quick brown fox").input_ids
@@ -168,7 +198,9 @@ def test_from_checkpoint_restores_everything_exactly(sess: wb.Session, tmp_path:
         assert resumed.state_digest() == sess.state_digest()
 
 
-def test_from_checkpoint_outside_its_run_folder_continues_the_saved_run_id(sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_from_checkpoint_outside_its_run_folder_continues_the_saved_run_id(
+    sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = Path(sess.policy.save_state("c").result().folder)
     moved = shutil.copytree(path, tmp_path / "elsewhere" / "c")
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
@@ -196,7 +228,9 @@ def test_load_state_with_optimizer_into_a_live_session(sess: wb.Session) -> None
     assert sess.engine.inspect(sess.model_id, wb.Role.POLICY).pending_backward_calls == 1
     assert sess.engine.run_status(sess.model_id).pending_backward_calls == 1
     assert sess.policy.weights_version == 6 and sess.critic.weights_version == 5  # max(saved, current) + 1
-    sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()  # the restored pending gradient and AdamW state
+    sess.policy.optim_step(
+        wb.AdamParams(learning_rate=1e-2)
+    ).result()  # the restored pending gradient and AdamW state
     assert _equal(_params(sess), after_step)
 
 
@@ -207,7 +241,9 @@ def test_load_state_restores_the_weights_and_leaves_the_optimizer_alone(sess: wb
     sess.policy.save_state("mid").result()
     saved_policy, saved_critic = _params(sess), _params(sess, "critic")
     _train(sess, 2)
-    sess.policy.forward_backward(_data(sess), "cross_entropy").result()  # a pending gradient, kept by the load
+    sess.policy.forward_backward(
+        _data(sess), "cross_entropy"
+    ).result()  # a pending gradient, kept by the load
     before = _files(Path(sess.policy.save_state("before").result().folder))
     grads_before = sess.engine.inspect(sess.model_id, wb.Role.POLICY).gradients
     assert not _equal(_params(sess), saved_policy)
@@ -226,9 +262,17 @@ def test_load_state_restores_the_weights_and_leaves_the_optimizer_alone(sess: wb
     after = _files(Path(sess.policy.save_state("after").result().folder))
     for rel in before:
         if rel.startswith(("optimizer/", "gradients/")):
-            assert after[rel] == before[rel], rel  # AdamW moments, hyperparameters and the gradient: untouched
-    counters = {role: {k: v for k, v in c.items() if k != "weights_version"} for role, c in json.loads(before["state.json"])["adapters"].items()}
-    assert {role: {k: v for k, v in c.items() if k != "weights_version"} for role, c in json.loads(after["state.json"])["adapters"].items()} == counters
+            assert after[rel] == before[rel], (
+                rel
+            )  # AdamW moments, hyperparameters and the gradient: untouched
+    counters = {
+        role: {k: v for k, v in c.items() if k != "weights_version"}
+        for role, c in json.loads(before["state.json"])["adapters"].items()
+    }
+    assert {
+        role: {k: v for k, v in c.items() if k != "weights_version"}
+        for role, c in json.loads(after["state.json"])["adapters"].items()
+    } == counters
 
 
 def test_load_state_errors_leave_the_session_unchanged(sess: wb.Session, tmp_path: Path) -> None:
@@ -253,14 +297,20 @@ def test_load_state_errors_leave_the_session_unchanged(sess: wb.Session, tmp_pat
 
 
 def test_mismatched_checkpoints_are_refused_naming_both_values(sess: wb.Session, tmp_path: Path) -> None:
-    path = sess.policy.save_state("c").result().folder  # another engine finds a run outside the runs root by its folder
+    path = (
+        sess.policy.save_state("c").result().folder
+    )  # another engine finds a run outside the runs root by its folder
     with wb.Session("tiny", wb.LoraConfig(rank=8), critic=True, run_dir=tmp_path / "r8") as other:
         before = other.state_digest()
-        with pytest.raises(wb.CheckpointError, match=r"policy adapter differs: checkpoint rank 4.*session rank 8"):
+        with pytest.raises(
+            wb.CheckpointError, match=r"policy adapter differs: checkpoint rank 4.*session rank 8"
+        ):
             other.policy.load_state(path).result()
         assert other.state_digest() == before
     with (
-        wb.Session("tiny", wb.LoraConfig(rank=4, train_unembed=False), critic=True, run_dir=tmp_path / "t") as other,
+        wb.Session(
+            "tiny", wb.LoraConfig(rank=4, train_unembed=False), critic=True, run_dir=tmp_path / "t"
+        ) as other,
         pytest.raises(wb.CheckpointError, match="lm_head"),
     ):
         other.policy.load_state(path).result()
@@ -270,7 +320,9 @@ def test_mismatched_checkpoints_are_refused_naming_both_values(sess: wb.Session,
             other.policy.load_state(path).result()
         assert other.state_digest() == before
     with (
-        wb.Session(str(_tiny_variant(tmp_path)), wb.LoraConfig(rank=4), critic=True, run_dir=tmp_path / "v") as other,
+        wb.Session(
+            str(_tiny_variant(tmp_path)), wb.LoraConfig(rank=4), critic=True, run_dir=tmp_path / "v"
+        ) as other,
         pytest.raises(wb.CheckpointError, match=r"different base model \(.*name: checkpoint 'tiny', session"),
     ):
         other.policy.load_state(path).result()
@@ -306,7 +358,12 @@ def test_rng_states_round_trip_and_a_missing_cuda_state_is_loud(sess: wb.Session
 
     def draws() -> list[object]:
         sample = sess.sampling_client().sample(prompt, 2, unseeded).result()
-        return [random.random(), float(np.random.rand()), float(torch.rand(1)), [s.tokens for s in sample.sequences]]
+        return [
+            random.random(),
+            float(np.random.rand()),
+            float(torch.rand(1)),
+            [s.tokens for s in sample.sequences],
+        ]
 
     first = draws()
     assert draws() != first  # every generator moved on
@@ -363,7 +420,9 @@ def test_a_failed_save_leaves_previous_checkpoints_intact(
     monkeypatch.setattr(checkpoint_store, "write_file", real_write)
     assert [info.name for info in sess.list_checkpoints()] == ["first"]
     assert _files(sess.run_dir / "checkpoints" / "first") == saved
-    assert sorted(p.name for p in (sess.run_dir / "checkpoints").iterdir()) == ["first"]  # the temp folder is gone
+    assert sorted(p.name for p in (sess.run_dir / "checkpoints").iterdir()) == [
+        "first"
+    ]  # the temp folder is gone
     sess.load_state("first")
     assert sess.policy.step == 1
 
@@ -390,7 +449,11 @@ def test_list_and_delete(sess: wb.Session) -> None:
     sess.policy.save_weights_for_sampler("one").result()
     sess.policy.save_state("two").result()
     infos = sess.list_checkpoints()
-    assert [(i.name, i.kind, i.step) for i in infos] == [("one", "state", 0), ("one", "sampler", 1), ("two", "state", 1)]
+    assert [(i.name, i.kind, i.step) for i in infos] == [
+        ("one", "state", 0),
+        ("one", "sampler", 1),
+        ("two", "state", 1),
+    ]
     assert infos[0].time <= infos[1].time <= infos[2].time
     assert infos[2].size_bytes == sum(p.stat().st_size for p in infos[2].path.rglob("*") if p.is_file())
     sess.delete_checkpoint("one")
@@ -400,7 +463,9 @@ def test_list_and_delete(sess: wb.Session) -> None:
         sess.delete_checkpoint("one")
 
 
-def test_saves_are_wandb_events_and_a_resumed_session_continues_the_wandb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_saves_are_wandb_events_and_a_resumed_session_continues_the_wandb_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
@@ -411,10 +476,20 @@ def test_saves_are_wandb_events_and_a_resumed_session_continues_the_wandb_run(tm
         assert session.wandb_run is not None
         _train(session, 1)
         saved = session.policy.save_state("e").result()
-        assert dict(session.wandb_run._run.summary["event/checkpoint"]) == {"name": "e", "kind": "state", "path": saved.path, "step": 1}
+        assert dict(session.wandb_run._run.summary["event/checkpoint"]) == {
+            "name": "e",
+            "kind": "state",
+            "path": saved.path,
+            "step": 1,
+        }
         path = saved.folder
         sampler = session.policy.save_weights_for_sampler("e").result()
-        assert dict(session.wandb_run._run.summary["event/checkpoint"]) == {"name": "e", "kind": "sampler", "path": sampler.path, "step": 1}
+        assert dict(session.wandb_run._run.summary["event/checkpoint"]) == {
+            "name": "e",
+            "kind": "sampler",
+            "path": sampler.path,
+            "step": 1,
+        }
     with wb.Session.from_checkpoint(path, wandb=offline) as resumed:
         assert resumed.wandb_run is not None and resumed.wandb_run.run_id == "run-w"
 
@@ -422,7 +497,9 @@ def test_saves_are_wandb_events_and_a_resumed_session_continues_the_wandb_run(tm
 # ---------------------------------------------------------------------------------------------- verification
 
 
-def test_every_truncated_or_flipped_file_is_named_and_nothing_changes(sess: wb.Session, tmp_path: Path) -> None:
+def test_every_truncated_or_flipped_file_is_named_and_nothing_changes(
+    sess: wb.Session, tmp_path: Path
+) -> None:
     _train(sess, 1)
     sess.policy.forward_backward(_data(sess), "cross_entropy").result()
     path = Path(sess.policy.save_state("c").result().folder)
@@ -430,7 +507,10 @@ def test_every_truncated_or_flipped_file_is_named_and_nothing_changes(sess: wb.S
     for rel, data in _files(path).items():
         if rel == "manifest.json":
             continue
-        for damage, expected in ((data[: len(data) // 2], "truncated or altered"), (bytes([data[0] ^ 1]) + data[1:], "sha256")):
+        for damage, expected in (
+            (data[: len(data) // 2], "truncated or altered"),
+            (bytes([data[0] ^ 1]) + data[1:], "sha256"),
+        ):
             copy = tmp_path / "damaged" / "c"
             shutil.rmtree(copy.parent, ignore_errors=True)
             shutil.copytree(path, copy)
@@ -445,7 +525,10 @@ def test_missing_and_extra_files_and_newer_formats_are_refused(sess: wb.Session,
     path = Path(sess.policy.save_state("c").result().folder)
     copy = shutil.copytree(path, tmp_path / "x" / "c")
     (copy / "critic" / "value_head.safetensors").unlink()
-    with pytest.raises(wb.CorruptCheckpointError, match=re.escape("critic/value_head.safetensors is listed in the manifest but missing")):
+    with pytest.raises(
+        wb.CorruptCheckpointError,
+        match=re.escape("critic/value_head.safetensors is listed in the manifest but missing"),
+    ):
         sess.policy.load_state(copy).result()
     copy = shutil.copytree(path, tmp_path / "y" / "c")
     (copy / "notes.txt").write_text("hi")
@@ -471,7 +554,10 @@ def test_forged_files_fail_safely(sess: wb.Session, tmp_path: Path) -> None:
     forged = shutil.copytree(path, tmp_path / "forged" / "c")
     (forged / "optimizer" / "policy.pt").write_bytes(pickle.dumps(Exploit()))
     _rewrite(forged, "optimizer/policy.safetensors", (2**62).to_bytes(8, "little") + b"{}")
-    with pytest.raises(wb.CorruptCheckpointError, match=re.escape("optimizer/policy.safetensors is not a readable safetensors file")):
+    with pytest.raises(
+        wb.CorruptCheckpointError,
+        match=re.escape("optimizer/policy.safetensors is not a readable safetensors file"),
+    ):
         sess.policy.load_state(forged).result()
     assert not sentinel.exists()
     forged = shutil.copytree(path, tmp_path / "forged-rng" / "c")
@@ -492,8 +578,12 @@ def _policy_logits(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
     model.set_adapter(sess.engine.run_status(sess.model_id).adapter)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tokens])).logits[0]
-    datum = wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]})
-    reported = sess.policy.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    datum = wb.Datum(
+        model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+    )
+    reported = (
+        sess.policy.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    )
     expected = torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
     torch.testing.assert_close(reported, expected, atol=1e-5, rtol=0)
     return logits
@@ -505,7 +595,12 @@ def test_sampler_weights_load_with_peft_alone(sess: wb.Session) -> None:
     assert response.path == f"tinker://{sess.model_id}/sampler_weights/s"
     path = Path(response.folder)
     assert path == (sess.run_dir / "sampler_weights" / "s").absolute()
-    assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "manifest.json", "sampler.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "manifest.json",
+        "sampler.json",
+    ]
     config = json.loads((path / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == sess.base_info.path and config["r"] == 4
     tokens = sess.tokenizer("The quick brown fox jumps").input_ids
@@ -525,7 +620,9 @@ def test_sampler_weights_load_with_peft_alone(sess: wb.Session) -> None:
 # ---------------------------------------------------------------------------------------------- merged export
 
 
-def test_export_merged_matches_the_policy_and_leaves_the_session_alone(sess: wb.Session, tmp_path: Path) -> None:
+def test_export_merged_matches_the_policy_and_leaves_the_session_alone(
+    sess: wb.Session, tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     _train(sess, 2)
@@ -534,7 +631,9 @@ def test_export_merged_matches_the_policy_and_leaves_the_session_alone(sess: wb.
     out = sess.export_merged(tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=torch.tensor([tokens])).logits[0], expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            merged(input_ids=torch.tensor([tokens])).logits[0], expected, atol=1e-5, rtol=0
+        )
     assert sess.state_digest() == before and torch.equal(_policy_logits(sess, tokens), expected)
     assert (out / "tokenizer.json").is_file()
     with pytest.raises(wb.CheckpointError, match="already exists"):
@@ -544,19 +643,25 @@ def test_export_merged_matches_the_policy_and_leaves_the_session_alone(sess: wb.
 def test_export_merged_unties_an_adapted_output_layer(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    with wb.Session(str(_tiny_variant(tmp_path, tie=True)), wb.LoraConfig(rank=4), run_dir=tmp_path / "run") as session:
+    with wb.Session(
+        str(_tiny_variant(tmp_path, tie=True)), wb.LoraConfig(rank=4), run_dir=tmp_path / "run"
+    ) as session:
         base = session.engine.torch_model.get_base_model()
         assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
         _train(session, 2)
         tokens = session.tokenizer("The quick brown fox jumps").input_ids
         expected = _policy_logits(session, tokens)
         out = session.export_merged(tmp_path / "merged")
-        assert base.get_output_embeddings().base_layer.weight is base.get_input_embeddings().weight  # session still tied
+        assert (
+            base.get_output_embeddings().base_layer.weight is base.get_input_embeddings().weight
+        )  # session still tied
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert merged.config.tie_word_embeddings is False
     assert not torch.equal(merged.get_output_embeddings().weight, merged.get_input_embeddings().weight)
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=torch.tensor([tokens])).logits[0], expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            merged(input_ids=torch.tensor([tokens])).logits[0], expected, atol=1e-5, rtol=0
+        )
 
 
 def test_a_sampling_client_keeps_its_weights_across_a_load(sess: wb.Session) -> None:

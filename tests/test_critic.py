@@ -13,7 +13,9 @@ import workbench as wb
 from workbench.critic import ValueHead
 
 
-def _critic_datum(tokens: list[int], values: list[float], returns: list[float], weights: list[float] | None = None) -> wb.Datum:
+def _critic_datum(
+    tokens: list[int], values: list[float], returns: list[float], weights: list[float] | None = None
+) -> wb.Datum:
     inputs = {"target_tokens": tokens[1:], "values": values, "returns": returns}
     if weights is not None:
         inputs["weights"] = weights
@@ -45,12 +47,19 @@ def test_critic_training_reduces_value_error(with_critic: wb.Session) -> None:
 
     def value_error() -> float:
         out = with_critic.critic.forward([ce_datum(s) for s in sequences], "ppo_critic").result()
-        return sum((v - t) ** 2 for o, ts in zip(out.loss_fn_outputs, targets, strict=True) for v, t in zip(o["values"].tolist(), ts, strict=True))
+        return sum(
+            (v - t) ** 2
+            for o, ts in zip(out.loss_fn_outputs, targets, strict=True)
+            for v, t in zip(o["values"].tolist(), ts, strict=True)
+        )
 
     before = value_error()
     for _ in range(80):
         values = with_critic.critic.forward([ce_datum(s) for s in sequences], "ppo_critic").result()
-        data = [_critic_datum(s, o["values"].tolist(), t) for s, o, t in zip(sequences, values.loss_fn_outputs, targets, strict=True)]
+        data = [
+            _critic_datum(s, o["values"].tolist(), t)
+            for s, o, t in zip(sequences, values.loss_fn_outputs, targets, strict=True)
+        ]
         out = with_critic.critic.forward_backward(data, "ppo_critic", {"value_clip": 1.0}).result()
         assert {"loss:sum", "value_clip_fraction:mean", "explained_variance:mean"} <= set(out.metrics)
         with_critic.critic.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
@@ -86,7 +95,12 @@ def test_creating_and_deleting_a_critic_leaves_the_policy_alone() -> None:
         sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
         sess.policy.forward_backward([ce_datum(tokens)], "cross_entropy").result()
         before = sess.state_digest("policy")
-        logprobs = sess.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        logprobs = (
+            sess.policy.forward([ce_datum(tokens)], "cross_entropy")
+            .result()
+            .loss_fn_outputs[0]["logprobs"]
+            .tolist()
+        )
         heads_before = {id(o) for o in gc.get_objects() if type(o) is ValueHead}
         critic = sess.create_critic(wb.LoraConfig(rank=2, train_unembed=False))
         critic.forward_backward([_critic_datum(tokens, [0.0] * 19, [2.0] * 19)], "ppo_critic").result()
@@ -95,7 +109,9 @@ def test_creating_and_deleting_a_critic_leaves_the_policy_alone() -> None:
         assert len(new_heads) == 1  # the critic's value head
         head = weakref.ref(new_heads.pop())
         critic_lora = [p for name, p in sess.engine.torch_model.named_parameters() if ".critic." in name]
-        assert critic_lora and len(critic_lora) == sum(1 for name in sess.engine.inspect(sess.model_id, wb.Role.CRITIC).parameters if "lora_" in name)
+        assert critic_lora and len(critic_lora) == sum(
+            1 for name in sess.engine.inspect(sess.model_id, wb.Role.CRITIC).parameters if "lora_" in name
+        )
         critic_param = weakref.ref(critic_lora[0])
         del critic_lora
         sess.delete_critic()
@@ -105,7 +121,12 @@ def test_creating_and_deleting_a_critic_leaves_the_policy_alone() -> None:
         assert head() is None and critic_param() is None, "the critic's tensors are still referenced"
         assert not any(".critic." in name for name, _ in sess.engine.torch_model.named_parameters())
         assert sess.state_digest("policy") == before
-        again = sess.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        again = (
+            sess.policy.forward([ce_datum(tokens)], "cross_entropy")
+            .result()
+            .loss_fn_outputs[0]["logprobs"]
+            .tolist()
+        )
         assert again == logprobs
         assert sess.policy.optim_step().result().applied
 
@@ -120,22 +141,46 @@ def test_critic_shares_the_base_weights(with_critic: wb.Session) -> None:
     assert set(critic_params) - set(critic_lora) == {"value_head.linear.weight", "value_head.linear.bias"}
     lora = sum(p.numel() for n, p in critic_params.items() if "lora_" in n)
     base = sum(p.numel() for n, p in live.items() if "lora_" not in n)
-    assert not any(p.requires_grad for n, p in live.items() if "lora_" not in n)  # the shared base stays frozen
+    assert not any(
+        p.requires_grad for n, p in live.items() if "lora_" not in n
+    )  # the shared base stays frozen
     assert lora + with_critic.base_info.hidden_size + 1 == sum(p.numel() for p in critic_params.values())
     assert lora < 0.5 * base
 
 
 BAD_CRITIC_CASES = [
-    ("policy loss on the critic", lambda t: [ce_datum(t)], "cross_entropy", "'cross_entropy' is a policy loss; the critic trains with 'ppo_critic'"),
+    (
+        "policy loss on the critic",
+        lambda t: [ce_datum(t)],
+        "cross_entropy",
+        "'cross_entropy' is a policy loss; the critic trains with 'ppo_critic'",
+    ),
     ("ppo on the critic", lambda t: [rl_datum(t, 3, [-1.0] * 9, 1.0)], "ppo", "'ppo' is a policy loss"),
-    ("missing returns", lambda t: [wb.Datum(model_input=t[:-1], loss_fn_inputs={"values": [0.0] * 9})], "ppo_critic", r"missing \['returns'\]"),
-    ("missing values", lambda t: [wb.Datum(model_input=t[:-1], loss_fn_inputs={"returns": [0.0] * 9})], "ppo_critic", r"missing \['values'\]"),
-    ("mismatched returns", lambda t: [_critic_datum(t, [0.0] * 9, [1.0] * 8)], "ppo_critic", r"loss_fn_inputs\['returns'\] has shape \[8\], but model_input has 9 tokens"),
+    (
+        "missing returns",
+        lambda t: [wb.Datum(model_input=t[:-1], loss_fn_inputs={"values": [0.0] * 9})],
+        "ppo_critic",
+        r"missing \['returns'\]",
+    ),
+    (
+        "missing values",
+        lambda t: [wb.Datum(model_input=t[:-1], loss_fn_inputs={"returns": [0.0] * 9})],
+        "ppo_critic",
+        r"missing \['values'\]",
+    ),
+    (
+        "mismatched returns",
+        lambda t: [_critic_datum(t, [0.0] * 9, [1.0] * 8)],
+        "ppo_critic",
+        r"loss_fn_inputs\['returns'\] has shape \[8\], but model_input has 9 tokens",
+    ),
     ("NaN return", lambda t: [_critic_datum(t, [0.0] * 9, [float("nan")] * 9)], "ppo_critic", "non-finite"),
 ]
 
 
-@pytest.mark.parametrize(("case", "build", "loss", "message"), BAD_CRITIC_CASES, ids=[c[0] for c in BAD_CRITIC_CASES])
+@pytest.mark.parametrize(
+    ("case", "build", "loss", "message"), BAD_CRITIC_CASES, ids=[c[0] for c in BAD_CRITIC_CASES]
+)
 def test_bad_critic_input_changes_nothing(with_critic: wb.Session, case, build, loss, message) -> None:
     tokens = list(range(100, 110))
     with_critic.critic.forward_backward([_critic_datum(tokens, [0.0] * 9, [1.0] * 9)], "ppo_critic").result()
@@ -148,7 +193,9 @@ def test_bad_critic_input_changes_nothing(with_critic: wb.Session, case, build, 
 def test_forward_values_all_or_none(with_critic: wb.Session) -> None:
     tokens = list(range(100, 110))
     with pytest.raises(ValueError, match="some datums carry"):
-        with_critic.critic.forward([_critic_datum(tokens, [0.0] * 9, [1.0] * 9), ce_datum(tokens)], "ppo_critic")
+        with_critic.critic.forward(
+            [_critic_datum(tokens, [0.0] * 9, [1.0] * 9), ce_datum(tokens)], "ppo_critic"
+        )
 
 
 def test_critic_configuration_errors() -> None:
@@ -169,9 +216,13 @@ def test_reference_logprobs_feed_a_kl_penalty(with_critic: wb.Session) -> None:
         with_critic.policy.forward_backward(data, "cross_entropy").result()
         with_critic.policy.optim_step(wb.AdamParams(learning_rate=3e-2)).result()
     policy_lp = with_critic.policy.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
-    reference_lp = with_critic.reference.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    reference_lp = (
+        with_critic.reference.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    )
     mask = torch.ones(14)
-    advantages, metrics = wb.kl_penalty([torch.zeros(14)], [policy_lp.to_torch()], [reference_lp.to_torch()], [mask], coef=0.1)
+    advantages, metrics = wb.kl_penalty(
+        [torch.zeros(14)], [policy_lp.to_torch()], [reference_lp.to_torch()], [mask], coef=0.1
+    )
     kl = float((policy_lp.to_torch() - reference_lp.to_torch()).mean())
     assert metrics["kl_policy_reference:mean"] == pytest.approx(kl, rel=1e-5)
     assert kl > 0  # trained towards these tokens: the policy gives them more probability than the base

@@ -16,7 +16,9 @@ PROMPTS = ["The quick brown fox", "User: Hello! How are you", "17 + 25 ="]
 
 def _train_one_step(sess: wb.Session) -> None:
     tokens = sess.tokenizer("Red, orange, yellow, green, blue, indigo and violet").input_ids
-    sess.policy.forward_backward([wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy").result()
+    sess.policy.forward_backward(
+        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
+    ).result()
     assert sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result().applied
 
 
@@ -77,8 +79,12 @@ def test_vllm_samples_each_version_as_a_new_adapter() -> None:
 def test_vllm_logprobs_agree_with_the_trainer() -> None:
     with _vllm_session() as sess:
         _train_one_step(sess)
-        prompts = [wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": q}]) for q in ("Hi!", "What is 2+2?")]
-        report = wb.check_logprob_agreement(sess, prompts, num_samples=4, sampling_params=wb.SamplingParams(max_tokens=24))
+        prompts = [
+            wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": q}]) for q in ("Hi!", "What is 2+2?")
+        ]
+        report = wb.check_logprob_agreement(
+            sess, prompts, num_samples=4, sampling_params=wb.SamplingParams(max_tokens=24)
+        )
         # bf16 sampler against a bf16 trainer: agreement to a few hundredths of a nat on average
         assert report.mean_abs_diff <= 0.05
 

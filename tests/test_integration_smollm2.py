@@ -17,12 +17,17 @@ EXAMPLES = [
 
 
 def chat_datum(tokenizer, question: str, answer: str) -> wb.Datum:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     prompt_ids = tokenizer(prompt).input_ids
     answer_ids = tokenizer(answer + "<|im_end|>").input_ids
     tokens = prompt_ids + answer_ids
     weights = [0.0] * len(prompt_ids) + [1.0] * len(answer_ids)
-    return wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
+    return wb.Datum(
+        model_input=wb.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+    )
 
 
 def test_sft_loss_falls_on_smollm2() -> None:
@@ -45,7 +50,10 @@ def test_sampler_and_trainer_logprobs_agree_on_smollm2() -> None:
         sess.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result()  # a non-zero adapter
         prompts = [wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": q}]) for q, _ in EXAMPLES[:3]]
         report = wb.check_logprob_agreement(
-            sess, prompts, num_samples=2, sampling_params=wb.SamplingParams(max_tokens=16, temperature=1.0, seed=0)
+            sess,
+            prompts,
+            num_samples=2,
+            sampling_params=wb.SamplingParams(max_tokens=16, temperature=1.0, seed=0),
         )
         assert report.num_tokens >= 3 * 2 * 2
         assert report.max_abs_diff <= 1e-4, report

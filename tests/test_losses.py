@@ -63,7 +63,9 @@ def test_ppo_clips_on_both_sides() -> None:
     # min(r*A, clip(r)*A): 1.2 (clipped), 0.5, -1.5, -0.8 (clipped), 1.0; loss is its negative
     assert out.elementwise_loss_B_T[0].tolist() == pytest.approx([-1.2, -0.5, 1.5, 0.8, -1.0], rel=1e-6)
     # gradient -A*r where the unclipped term is taken, 0 where the clipped one is
-    assert _grad(out.elementwise_loss_B_T.sum(), logprobs) == pytest.approx([0.0, -0.5, 1.5, 0.0, -1.0], rel=1e-6, abs=1e-7)
+    assert _grad(out.elementwise_loss_B_T.sum(), logprobs) == pytest.approx(
+        [0.0, -0.5, 1.5, 0.0, -1.0], rel=1e-6, abs=1e-7
+    )
     assert out.diagnostics["clip_fraction"][0].tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
 
 
@@ -118,7 +120,11 @@ def test_ppo_critic_weights_scale_the_loss() -> None:
 def test_zero_advantage_gives_zero_gradient(name: str) -> None:
     spec, config = resolve_loss(name, None)
     logprobs = _row(-1.0, -0.3, -2.0, requires_grad=True)
-    inputs = {"logprobs": logprobs.detach().clone(), "advantages": _row(0.0, 0.0, 0.0), "target_tokens": torch.zeros((1, 3))}
+    inputs = {
+        "logprobs": logprobs.detach().clone(),
+        "advantages": _row(0.0, 0.0, 0.0),
+        "target_tokens": torch.zeros((1, 3)),
+    }
     out = spec.fn(logprobs, inputs, _mask(3), config)
     assert _grad(out.elementwise_loss_B_T.sum(), logprobs) == [0.0, 0.0, 0.0]
 
@@ -128,7 +134,11 @@ def test_padding_positions_carry_no_loss_or_gradient(name: str) -> None:
     spec, config = resolve_loss(name, None)
     logprobs = _row(-1.0, -0.5, -3.0, requires_grad=True)
     mask = torch.tensor([[True, True, False]])
-    inputs = {"logprobs": _row(-1.5, -0.1, 0.0), "advantages": _row(1.0, -2.0, 0.0), "weights": _row(1.0, 1.0, 0.0)}
+    inputs = {
+        "logprobs": _row(-1.5, -0.1, 0.0),
+        "advantages": _row(1.0, -2.0, 0.0),
+        "weights": _row(1.0, 1.0, 0.0),
+    }
     out = spec.fn(logprobs, inputs, mask, config)
     assert out.elementwise_loss_B_T[0, 2].item() == 0.0
     assert _grad(out.elementwise_loss_B_T.sum(), logprobs)[2] == 0.0

@@ -140,7 +140,9 @@ def test_without_credentials_the_run_is_offline(wandb_dir: Path) -> None:
     assert any(sink.directory.glob("*.wandb"))
 
 
-def test_wandb_environment_variables_win_over_workbench_defaults(wandb_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_environment_variables_win_over_workbench_defaults(
+    wandb_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     elsewhere = wandb_dir.parent / "wandb-env-dir"
     elsewhere.mkdir()
     monkeypatch.setenv("WANDB_DIR", str(elsewhere))

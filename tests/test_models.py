@@ -13,14 +13,20 @@ from workbench.models import lora_target_modules
 
 
 def _folder_digest(folder) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()
+    }
 
 
 def test_tiny_builds_identically_and_has_about_200k_parameters(tmp_path) -> None:
     _build_tiny(tmp_path)
     assert _folder_digest(tmp_path) == _folder_digest(tiny_model_dir())
     with wb.Session("tiny", wb.LoraConfig(rank=1)) as sess:
-        count = sum(p.numel() for n, p in sess.engine.torch_model.get_base_model().named_parameters() if "lora_" not in n)
+        count = sum(
+            p.numel()
+            for n, p in sess.engine.torch_model.get_base_model().named_parameters()
+            if "lora_" not in n
+        )
         assert 150_000 <= count <= 250_000
         assert sess.tokenizer.chat_template is not None
         text = "Hello world, 17 + 25 = 42"
@@ -30,8 +36,14 @@ def test_tiny_builds_identically_and_has_about_200k_parameters(tmp_path) -> None
 @pytest.mark.parametrize(
     ("lora", "expected"),
     [
-        (wb.LoraConfig(rank=2), {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}),
-        (wb.LoraConfig(rank=2, train_mlp=False, train_unembed=False), {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        (
+            wb.LoraConfig(rank=2),
+            {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"},
+        ),
+        (
+            wb.LoraConfig(rank=2, train_mlp=False, train_unembed=False),
+            {"q_proj", "k_proj", "v_proj", "o_proj"},
+        ),
         (wb.LoraConfig(rank=2, train_attn=False, train_unembed=False), {"gate_proj", "up_proj", "down_proj"}),
         (wb.LoraConfig(rank=2, train_attn=False, train_mlp=False), {"lm_head"}),
     ],
@@ -39,12 +51,19 @@ def test_tiny_builds_identically_and_has_about_200k_parameters(tmp_path) -> None
 def test_lora_targets_follow_the_config(lora: wb.LoraConfig, expected: set[str]) -> None:
     with wb.Session("tiny", lora) as sess:
         assert set(lora_target_modules(sess.base_info.linear_layers, lora)) == expected
-        adapted = {n.split(".lora_")[0].split(".")[-1] for n, _ in sess.engine.torch_model.named_parameters() if "lora_" in n}
+        adapted = {
+            n.split(".lora_")[0].split(".")[-1]
+            for n, _ in sess.engine.torch_model.named_parameters()
+            if "lora_" in n
+        }
         assert adapted == expected
 
 
 def test_rank_alpha_and_seed() -> None:
-    with wb.Session("tiny", wb.LoraConfig(rank=3, alpha=6.0, seed=7)) as a, wb.Session("tiny", wb.LoraConfig(rank=3, alpha=6.0, seed=7)) as b:
+    with (
+        wb.Session("tiny", wb.LoraConfig(rank=3, alpha=6.0, seed=7)) as a,
+        wb.Session("tiny", wb.LoraConfig(rank=3, alpha=6.0, seed=7)) as b,
+    ):
         pa = a.engine.inspect(a.model_id, wb.Role.POLICY).parameters
         pb = b.engine.inspect(b.model_id, wb.Role.POLICY).parameters
         assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa)

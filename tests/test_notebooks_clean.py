@@ -33,4 +33,6 @@ def test_notebook_is_committed_clean(path: Path) -> None:
             continue
         assert cell.outputs == [], f"cell {index} has saved outputs"
         assert cell.execution_count is None, f"cell {index} has an execution count"
-    assert any("assert" in cell.source for cell in notebook.cells if cell.cell_type == "code"), "the lesson's claim is not asserted"
+    assert any("assert" in cell.source for cell in notebook.cells if cell.cell_type == "code"), (
+        "the lesson's claim is not asserted"
+    )

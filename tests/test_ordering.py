@@ -21,7 +21,9 @@ GREEDY = wb.SamplingParams(max_tokens=3, temperature=0.0)
 
 
 def _datum(target: int) -> wb.Datum:
-    return wb.Datum(model_input=wb.ModelInput.from_ints([5, 6, 7, 8]), loss_fn_inputs={"target_tokens": [6, 7, 8, target]})
+    return wb.Datum(
+        model_input=wb.ModelInput.from_ints([5, 6, 7, 8]), loss_fn_inputs={"target_tokens": [6, 7, 8, target]}
+    )
 
 
 def test_pipelined_steps_then_a_sampler_sample_the_weights_after_every_step() -> None:
@@ -38,7 +40,9 @@ def test_pipelined_steps_then_a_sampler_sample_the_weights_after_every_step() ->
             futures.append((i, client, client.sample(PROMPT, 1, GREEDY)))
         for i, client, future in futures:
             response = future.result()
-            assert response.weights_version == i + 1, f"iteration {i} sampled version {response.weights_version}"
+            assert response.weights_version == i + 1, (
+                f"iteration {i} sampled version {response.weights_version}"
+            )
             assert client.result().weights_version == i + 1
         # the last responses' tokens are those of the final weights, sampled afresh
         final = sess.sampling_client().sample(PROMPT, 1, GREEDY).result()
@@ -60,7 +64,9 @@ def test_a_session_sampling_client_made_behind_queued_steps_waits_for_them() -> 
         assert client.sample(PROMPT, 1, GREEDY).result().weights_version == 5
 
 
-def test_a_slow_optimizer_step_never_releases_weights_a_client_was_promised(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slow_optimizer_step_never_releases_weights_a_client_was_promised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Widen the race between pinning and the copy-on-write: every optimizer step sleeps, clients are made
     and dropped from another thread while steps queue up, and garbage collection runs all the while.
     Before pins ran on the worker, about one pipelined run in ten failed here with "no longer held", and
@@ -116,12 +122,17 @@ def test_a_dropped_client_releases_its_weights_once_the_worker_gets_there() -> N
     """Dropping the last reference to a client (or its future) releases its pin: no copy of its weights
     outlives it, whether it came from the session or from save_weights_and_get_sampling_client."""
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        for make in (sess.sampling_client, lambda: sess.policy.save_weights_and_get_sampling_client().result()):
+        for make in (
+            sess.sampling_client,
+            lambda: sess.policy.save_weights_and_get_sampling_client().result(),
+        ):
             client = make()
             version = client.weights_version
             sess.policy.forward_backward([_datum(9)], "cross_entropy")
             sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-            assert version in sess.live_versions() and sess.engine.run_status(sess.model_id).snapshot_bytes > 0
+            assert (
+                version in sess.live_versions() and sess.engine.run_status(sess.model_id).snapshot_bytes > 0
+            )
             del client
             sess.state_digest()  # an operation after the release: the worker has processed it
             assert sess.live_versions() == [version + 1]

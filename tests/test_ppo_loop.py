@@ -18,7 +18,12 @@ def _reward(tokens: list[int], vocab_size: int) -> float:
 
 def test_rollout_datums_line_up_with_the_samples(tiny: wb.Session) -> None:
     prompt = tiny.tokenizer("Hello").input_ids
-    seq = tiny.sampling_client().sample(prompt, 1, wb.SamplingParams(max_tokens=4, seed=0)).result().sequences[0]
+    seq = (
+        tiny.sampling_client()
+        .sample(prompt, 1, wb.SamplingParams(max_tokens=4, seed=0))
+        .result()
+        .sequences[0]
+    )
     datum = wb.policy_datum(prompt, seq, 2.0)
     positions = wb.completion_positions(len(prompt), len(seq.tokens))
     assert datum.loss_fn_inputs["target_tokens"].tolist()[positions] == seq.tokens
@@ -73,12 +78,26 @@ def test_ppo_with_critic_gae_and_kl_penalty_end_to_end() -> None:
                 returns.append(ret_T)
                 values.append(values_T)
             rewards.append(sum(_reward(s.tokens, target) for s in group) / len(group))
-            reference_T = [o["logprobs"].to_torch()[wb.completion_positions(len(prompt), len(s.tokens))] for o, s in zip(reference_out.loss_fn_outputs, group, strict=True)]
-            advantages, kl = wb.kl_penalty(advantages, [torch.tensor(s.logprobs) for s in group], reference_T, [torch.ones(len(s.tokens)) for s in group], coef=0.01)
+            reference_T = [
+                o["logprobs"].to_torch()[wb.completion_positions(len(prompt), len(s.tokens))]
+                for o, s in zip(reference_out.loss_fn_outputs, group, strict=True)
+            ]
+            advantages, kl = wb.kl_penalty(
+                advantages,
+                [torch.tensor(s.logprobs) for s in group],
+                reference_T,
+                [torch.ones(len(s.tokens)) for s in group],
+                coef=0.01,
+            )
             flat = torch.cat(advantages)  # whitened over the batch, as PPO implementations do
             advantages = [(a - flat.mean()) / (flat.std() + 1e-6) for a in advantages]
-            policy_data = [wb.policy_datum(prompt, s, a.tolist()) for s, a in zip(group, advantages, strict=True)]
-            critic_data = [wb.critic_datum(prompt, s, v, r.tolist()) for s, v, r in zip(group, values, returns, strict=True)]
+            policy_data = [
+                wb.policy_datum(prompt, s, a.tolist()) for s, a in zip(group, advantages, strict=True)
+            ]
+            critic_data = [
+                wb.critic_datum(prompt, s, v, r.tolist())
+                for s, v, r in zip(group, values, returns, strict=True)
+            ]
             ppo = sess.policy.forward_backward(policy_data, "ppo").result()
             critic = sess.critic.forward_backward(critic_data, "ppo_critic", {"value_clip": 0.2}).result()
             assert math.isfinite(ppo.metrics["loss:sum"]) and math.isfinite(critic.metrics["loss:sum"])
@@ -89,5 +108,11 @@ def test_ppo_with_critic_gae_and_kl_penalty_end_to_end() -> None:
         assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15, rewards
         assert base.sample(prompt, 1, wb.SamplingParams(max_tokens=2)).result().weights_version is None
         ops = {(row["op"], row["model"]) for row in sess.history}
-        assert {("sample", "policy"), ("forward", "critic"), ("forward", "reference"), ("forward_backward", "policy"),
-                ("forward_backward", "critic"), ("optim_step", "critic")} <= ops
+        assert {
+            ("sample", "policy"),
+            ("forward", "critic"),
+            ("forward", "reference"),
+            ("forward_backward", "policy"),
+            ("forward_backward", "critic"),
+            ("optim_step", "critic"),
+        } <= ops

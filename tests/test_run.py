@@ -44,7 +44,9 @@ class Gate:
         return {"reward:mean": float(i)}
 
 
-def test_run_returns_at_once_and_records_each_step(tiny: wb.Session, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_returns_at_once_and_records_each_step(
+    tiny: wb.Session, capsys: pytest.CaptureFixture[str]
+) -> None:
     gate = Gate()
     run = tiny.run(gate, steps=3)
     assert run.state is RunState.RUNNING and run.i == 0  # returned while step 0 is still blocked
@@ -56,7 +58,11 @@ def test_run_returns_at_once_and_records_each_step(tiny: wb.Session, capsys: pyt
     assert [i for i, _, _ in gate.seen] == [0, 1, 2]
     assert {thread for _, thread, _ in gate.seen} == {"workbench-run"}
     rows = [row for row in tiny.history if row["op"] == "run_step"]
-    assert [(row["model"], row["step"], row["reward:mean"]) for row in rows] == [(RUN_MODEL, 0, 0.0), (RUN_MODEL, 0, 1.0), (RUN_MODEL, 0, 2.0)]
+    assert [(row["model"], row["step"], row["reward:mean"]) for row in rows] == [
+        (RUN_MODEL, 0, 0.0),
+        (RUN_MODEL, 0, 1.0),
+        (RUN_MODEL, 0, 2.0),
+    ]
     assert "3/3" in capsys.readouterr().err  # the tqdm progress bar
 
 
@@ -72,7 +78,11 @@ def test_run_steps_are_recorded_at_the_step_they_started_from(tiny: wb.Session) 
     run = tiny.run(step, steps=3, adam_params={"learning_rate": 1e-2})
     assert run.wait(WAIT_S) is RunState.FINISHED
     assert tiny.step == 3
-    assert [(row["step"], row["reward:mean"]) for row in tiny.history if row["op"] == "run_step"] == [(0, 0.0), (1, -1.0), (2, -2.0)]
+    assert [(row["step"], row["reward:mean"]) for row in tiny.history if row["op"] == "run_step"] == [
+        (0, 0.0),
+        (1, -1.0),
+        (2, -2.0),
+    ]
     assert tiny.history.series("learning_rate")[1] == [1e-2] * 3
     assert [row["op"] for row in tiny.history][:3] == ["forward_backward", "optim_step", "run_step"]
 
@@ -127,10 +137,14 @@ def test_stop_while_paused_ends_at_once(tiny: wb.Session) -> None:
 
 
 def test_set_changes_the_adam_params_of_the_next_step(tiny: wb.Session) -> None:
-    run = tiny.run(train_step(_data(tiny)), steps=4, adam_params=wb.AdamParams(learning_rate=1e-3), paused=True)
+    run = tiny.run(
+        train_step(_data(tiny)), steps=4, adam_params=wb.AdamParams(learning_rate=1e-3), paused=True
+    )
     run.step()
     run.wait(WAIT_S)
-    assert run.set(learning_rate=3e-5, grad_clip_norm=1.0) == wb.AdamParams(learning_rate=3e-5, grad_clip_norm=1.0)
+    assert run.set(learning_rate=3e-5, grad_clip_norm=1.0) == wb.AdamParams(
+        learning_rate=3e-5, grad_clip_norm=1.0
+    )
     assert run.adam_params.learning_rate == 3e-5  # no step executing: applied at once
     run.step()
     run.wait(WAIT_S)
@@ -170,7 +184,11 @@ def test_an_exception_fails_the_run_and_keeps_the_traceback(tiny: wb.Session) ->
     assert run.wait(WAIT_S) is RunState.FAILED
     assert run.i == 2
     assert isinstance(run.error, ZeroDivisionError)
-    assert run.traceback is not None and "reward model divided by zero" in run.traceback and "in step" in run.traceback
+    assert (
+        run.traceback is not None
+        and "reward model divided by zero" in run.traceback
+        and "in step" in run.traceback
+    )
     assert "failed" in repr(run)
     # the session is untouched and takes a new run
     assert tiny.run(step, steps=1).wait(WAIT_S) is RunState.FINISHED

@@ -19,7 +19,9 @@ def _ids(sess: wb.Session, text: str) -> list[int]:
 
 def _forward_logprobs(sess: wb.Session, prompt: list[int], tokens: list[int]) -> list[float]:
     full = prompt + tokens
-    out = sess.policy.forward([wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy").result()
+    out = sess.policy.forward(
+        [wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy"
+    ).result()
     return out.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
 
 
@@ -67,7 +69,9 @@ def test_same_seed_same_tokens_even_when_batched_with_others(tiny: wb.Session) -
     tokens = [s.tokens for s in alone.sequences]
     assert tokens == [s.tokens for s in again.sequences] == [s.tokens for s in batched.result().sequences]
     assert len({tuple(t) for t in tokens}) > 1  # the samples differ from each other
-    different = sc.sample(_ids(tiny, PROMPTS[0]), 4, wb.SamplingParams(max_tokens=10, temperature=1.0, seed=99)).result()
+    different = sc.sample(
+        _ids(tiny, PROMPTS[0]), 4, wb.SamplingParams(max_tokens=10, temperature=1.0, seed=99)
+    ).result()
     assert [s.tokens for s in different.sequences] != tokens
 
 
@@ -76,8 +80,18 @@ def test_unseeded_requests_are_reproducible_from_the_session_seed() -> None:
     for _ in range(2):
         with wb.Session("tiny", wb.LoraConfig(rank=4), seed=5) as sess:
             sc = sess.sampling_client()
-            results.append([s.tokens for s in sc.sample(_ids(sess, "Hello"), 3, wb.SamplingParams(max_tokens=6)).result().sequences])
-            results[-1] += [s.tokens for s in sc.sample(_ids(sess, "Hello"), 3, wb.SamplingParams(max_tokens=6)).result().sequences]
+            results.append(
+                [
+                    s.tokens
+                    for s in sc.sample(_ids(sess, "Hello"), 3, wb.SamplingParams(max_tokens=6))
+                    .result()
+                    .sequences
+                ]
+            )
+            results[-1] += [
+                s.tokens
+                for s in sc.sample(_ids(sess, "Hello"), 3, wb.SamplingParams(max_tokens=6)).result().sequences
+            ]
     assert results[0] == results[1]
     assert results[0][:3] != results[0][3:]  # consecutive unseeded calls draw different seeds
 
@@ -109,7 +123,11 @@ def test_nucleus_filter_keeps_the_smallest_set_reaching_top_p() -> None:
 
 def test_top_p_samples_only_from_the_nucleus(tiny: wb.Session) -> None:
     prompt = _ids(tiny, PROMPTS[0])
-    response = tiny.sampling_client().sample(prompt, 8, wb.SamplingParams(max_tokens=1, temperature=1.0, top_p=0.05, seed=0)).result()
+    response = (
+        tiny.sampling_client()
+        .sample(prompt, 8, wb.SamplingParams(max_tokens=1, temperature=1.0, top_p=0.05, seed=0))
+        .result()
+    )
     probs = torch.softmax(_logits_after(tiny, prompt), -1)
     ranked = probs.argsort(descending=True).tolist()
     nucleus = set()
@@ -128,13 +146,19 @@ def test_stop_token_ids_and_stop_strings(tiny: wb.Session) -> None:
     free = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[])).result().sequences[0]
     stop_token = free.tokens[5]
     first = free.tokens.index(stop_token)
-    stopped = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[stop_token])).result().sequences[0]
+    stopped = (
+        sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[stop_token]))
+        .result()
+        .sequences[0]
+    )
     assert stopped.stop_reason == "stop"
     assert stopped.tokens == free.tokens[: first + 1]  # the stop token is included
     assert stopped.logprobs == free.logprobs[: first + 1]
 
     text = tiny.tokenizer.decode(free.tokens[3:5])
-    by_string = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[text])).result().sequences[0]
+    by_string = (
+        sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[text])).result().sequences[0]
+    )
     assert by_string.stop_reason == "stop"
     assert text in tiny.tokenizer.decode(by_string.tokens)
     assert text not in tiny.tokenizer.decode(by_string.tokens[:-1])
@@ -174,7 +198,12 @@ def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> 
     v0 = tiny.policy.save_weights_and_get_sampling_client()
     before = v0.sample(prompt, 2, params).result()
     assert before.weights_version == 0 and _snapshot_bytes(tiny) == 0  # the current version costs no copy
-    data = [wb.Datum(model_input=prompt + before.sequences[0].tokens[:-1], loss_fn_inputs={"target_tokens": prompt[1:] + before.sequences[0].tokens})]
+    data = [
+        wb.Datum(
+            model_input=prompt + before.sequences[0].tokens[:-1],
+            loss_fn_inputs={"target_tokens": prompt[1:] + before.sequences[0].tokens},
+        )
+    ]
     for _ in range(3):
         tiny.policy.forward_backward(data, "cross_entropy").result()
         tiny.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
@@ -198,7 +227,9 @@ def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> 
     tiny.state_digest()  # an operation after the release: the worker has processed it
     assert tiny.live_versions() == [3] and _snapshot_bytes(tiny) == 0
     with pytest.raises(ValueError, match="weights version 0 is not held"):
-        _ = tiny.sampling_client(version=0).weights_version  # the pin fails, in order with the operations before it
+        _ = tiny.sampling_client(
+            version=0
+        ).weights_version  # the pin fails, in order with the operations before it
 
 
 def test_close_releases_the_pinned_weights_before_it_returns(tiny: wb.Session) -> None:
@@ -226,8 +257,12 @@ def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
     assert response.weights_version is None
     for seq in response.sequences:
         full = prompt + seq.tokens
-        ref = tiny.reference.forward([wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy").result()
-        assert ref.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :] == pytest.approx(seq.logprobs, abs=1e-5)
+        ref = tiny.reference.forward(
+            [wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy"
+        ).result()
+        assert ref.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :] == pytest.approx(
+            seq.logprobs, abs=1e-5
+        )
 
 
 def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypatch) -> None:
@@ -242,7 +277,10 @@ def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypat
     sc = tiny.sampling_client()
     tokens = _ids(tiny, PROMPTS[0])
     # a training op keeps the worker busy while the sample calls queue up behind it
-    tiny.policy.forward_backward([wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64, "cross_entropy")
+    tiny.policy.forward_backward(
+        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64,
+        "cross_entropy",
+    )
     futures = [sc.sample(_ids(tiny, p), 2, wb.SamplingParams(max_tokens=4)) for p in PROMPTS * 3]
     assert all(len(f.result().sequences) == 2 for f in futures)
     assert calls == [9]
@@ -253,24 +291,39 @@ def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypat
 def test_sample_history_reports_versions_and_staleness(tiny: wb.Session) -> None:
     sc = tiny.sampling_client()
     tokens = _ids(tiny, PROMPTS[0])
-    tiny.policy.forward_backward([wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy").result()
+    tiny.policy.forward_backward(
+        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
+    ).result()
     tiny.policy.optim_step().result()
     sc.sample(tokens, 1, wb.SamplingParams(max_tokens=3)).result()
     row = tiny.history.rows[-1]
-    assert row["op"] == "sample" and row["weights_version"] == 0 and row["staleness"] == 1 and row["num_tokens:sum"] == 3
+    assert (
+        row["op"] == "sample"
+        and row["weights_version"] == 0
+        and row["staleness"] == 1
+        and row["num_tokens:sum"] == 3
+    )
 
 
 def test_tinker_sampling_params_are_accepted(tiny: wb.Session) -> None:
     tinker = pytest.importorskip("tinker")
     prompt = tinker.ModelInput.from_ints(_ids(tiny, PROMPTS[0]))
-    response = tiny.sampling_client().sample(prompt, 1, tinker.SamplingParams(max_tokens=4, temperature=0.0)).result()
+    response = (
+        tiny.sampling_client()
+        .sample(prompt, 1, tinker.SamplingParams(max_tokens=4, temperature=0.0))
+        .result()
+    )
     assert len(response.sequences[0].tokens) == 4
 
 
 def test_chat_prompt_renders_the_template(tiny: wb.Session) -> None:
     prompt = wb.chat_prompt(tiny.tokenizer, [{"role": "user", "content": "hi"}])
-    assert tiny.tokenizer.decode(prompt.to_ints()) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    datum = wb.chat_datum(tiny.tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+    assert (
+        tiny.tokenizer.decode(prompt.to_ints()) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    datum = wb.chat_datum(
+        tiny.tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    )
     weights = datum.loss_fn_inputs["weights"].tolist()
     trained = [t for t, w in zip(datum.loss_fn_inputs["target_tokens"].tolist(), weights, strict=True) if w]
     assert tiny.tokenizer.decode(trained) == "hello<|im_end|>"
@@ -278,14 +331,22 @@ def test_chat_prompt_renders_the_template(tiny: wb.Session) -> None:
 
 BAD = [
     ("empty prompt", lambda s: ([], 1, {"max_tokens": 2}), "prompt is empty"),
-    ("token out of range", lambda s: ([1, s.base_info.vocab_size], 1, {"max_tokens": 2}), "outside the vocabulary"),
+    (
+        "token out of range",
+        lambda s: ([1, s.base_info.vocab_size], 1, {"max_tokens": 2}),
+        "outside the vocabulary",
+    ),
     ("max_tokens 0", lambda s: ([1, 2], 1, {"max_tokens": 0}), "max_tokens must be an integer >= 1"),
     ("beyond the context", lambda s: ([1, 2], 1, {"max_tokens": 511}), "exceeds the model's context of 512"),
     ("negative temperature", lambda s: ([1, 2], 1, {"temperature": -1.0}), "temperature"),
     ("top_p zero", lambda s: ([1, 2], 1, {"top_p": 0.0}), "top_p"),
     ("top_p above one", lambda s: ([1, 2], 1, {"top_p": 1.01}), "top_p"),
     ("no samples", lambda s: ([1, 2], 0, {"max_tokens": 2}), r"num_samples must be an integer in \[1, 4\]"),
-    ("too many samples", lambda s: ([1, 2], 5, {"max_tokens": 2}), r"num_samples must be an integer in \[1, 4\]"),
+    (
+        "too many samples",
+        lambda s: ([1, 2], 5, {"max_tokens": 2}),
+        r"num_samples must be an integer in \[1, 4\]",
+    ),
     ("stop id out of range", lambda s: ([1, 2], 1, {"max_tokens": 2, "stop": [100000]}), "stop token ids"),
     ("unknown field", lambda s: ([1, 2], 1, {"max_new_tokens": 2}), "unknown SamplingParams field"),
 ]
@@ -301,7 +362,9 @@ def test_bad_sampling_input_raises_and_changes_nothing(case, build, message) -> 
             sc.sample(prompt, num_samples, params)
         assert sess.state_digest() == digest  # no seed was drawn
         assert len(sess.history) == 0
-        sc.sample([1, 2], 1, {"max_tokens": 1}).result()  # a good unseeded request draws one: the digest sees it
+        sc.sample(
+            [1, 2], 1, {"max_tokens": 1}
+        ).result()  # a good unseeded request draws one: the digest sees it
         assert sess.state_digest() != digest
 
 

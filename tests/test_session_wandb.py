@@ -36,7 +36,9 @@ def test_without_a_key_the_session_run_is_offline_in_its_run_folder(no_wandb_cre
         assert (sink.mode, sink.run_id, sink.url) == ("offline", run_dir.name, None)
         assert sink.directory.parent == run_dir / "wandb"
         assert sink.directory.name.endswith(f"-{run_dir.name}")
-        assert sink._run.config["base_model"] == "tiny" and sink._run.config["lora"]["rank"] == 4  # config, once
+        assert (
+            sink._run.config["base_model"] == "tiny" and sink._run.config["lora"]["rank"] == 4
+        )  # config, once
 
         logged: list[dict[str, Any]] = []
         log = sink._run.log
@@ -46,12 +48,17 @@ def test_without_a_key_the_session_run_is_offline_in_its_run_folder(no_wandb_cre
         sess.sampling_client().sample(prompt, 2, wb.SamplingParams(max_tokens=3, seed=0)).result()
         panel = sess.panel()
         panel.refresh()
-        assert f"offline {run_dir.name}" in panel.status.widget.value and "wandb sync" in panel.status.widget.value
+        assert (
+            f"offline {run_dir.name}" in panel.status.widget.value
+            and "wandb sync" in panel.status.widget.value
+        )
         panel.close()
     finally:
         sess.close()
 
-    keyed = [(sorted(k for k in row if k != STEP_METRIC)[0].rsplit("/", 1)[0], row[STEP_METRIC]) for row in logged]
+    keyed = [
+        (sorted(k for k in row if k != STEP_METRIC)[0].rsplit("/", 1)[0], row[STEP_METRIC]) for row in logged
+    ]
     assert keyed == [
         ("policy/forward_backward", 0),
         ("policy/optim_step", 1),
@@ -61,7 +68,10 @@ def test_without_a_key_the_session_run_is_offline_in_its_run_folder(no_wandb_cre
         ("run/run_step", 1),
         ("policy/sample", 2),
     ]
-    assert [row["run/run_step/reward:mean"] for row in logged if "run/run_step/reward:mean" in row] == [0.5, 1.5]
+    assert [row["run/run_step/reward:mean"] for row in logged if "run/run_step/reward:mean" in row] == [
+        0.5,
+        1.5,
+    ]
     assert any(sink.directory.glob("*.wandb"))
 
 
@@ -126,6 +136,9 @@ def test_the_status_bar_links_an_online_run(tiny: wb.Session) -> None:
     tiny.wandb_run = WandbSink(OnlineRun())  # type: ignore[arg-type]
     panel = tiny.panel()
     try:
-        assert '<a href="https://wandb.ai/team/workbench/runs/abc123" target="_blank" rel="noopener">abc123</a>' in panel.status.widget.value
+        assert (
+            '<a href="https://wandb.ai/team/workbench/runs/abc123" target="_blank" rel="noopener">abc123</a>'
+            in panel.status.widget.value
+        )
     finally:
         panel.close()

@@ -91,7 +91,9 @@ def test_render_sample_colours_the_completion_after_its_prompt(tiny: wb.Session)
     assert len(spans) == prompt.length + len(completion)
     assert all(_background(style) is None for _, style, _ in spans[: prompt.length])
     assert all(_background(style) is not None for _, style, _ in spans[prompt.length :])
-    with_prompt_logprobs = wb.render_sample(tiny.tokenizer, sequence, prompt, [None] + [-2.0] * (prompt.length - 1))
+    with_prompt_logprobs = wb.render_sample(
+        tiny.tokenizer, sequence, prompt, [None] + [-2.0] * (prompt.length - 1)
+    )
     assert _background(_spans(with_prompt_logprobs)[1][1]) is not None
     assert len(_spans(wb.render_sample(tiny.tokenizer, sequence))) == len(completion)
 

@@ -51,11 +51,15 @@ def test_forward_backward_outputs_align_with_targets(tiny: wb.Session) -> None:
         logprobs = output["logprobs"].tolist()
         assert len(logprobs) == n == len(output["elementwise_loss"].tolist())
         weights = datum.loss_fn_inputs["weights"].tolist()
-        assert output["elementwise_loss"].tolist() == pytest.approx([-lp * w for lp, w in zip(logprobs, weights, strict=True)], abs=1e-6)
+        assert output["elementwise_loss"].tolist() == pytest.approx(
+            [-lp * w for lp, w in zip(logprobs, weights, strict=True)], abs=1e-6
+        )
         total += sum(-lp * w for lp, w in zip(logprobs, weights, strict=True))
         assert all(lp <= 0 for lp in logprobs)
     assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
-    assert out.metrics["num_tokens:sum"] == sum(sum(1 for w in d.loss_fn_inputs["weights"].tolist() if w) for d in data)
+    assert out.metrics["num_tokens:sum"] == sum(
+        sum(1 for w in d.loss_fn_inputs["weights"].tolist() if w) for d in data
+    )
     assert "entropy:mean" not in out.metrics  # an RL diagnostic; SFT does not pay for it
 
 
@@ -92,11 +96,19 @@ def test_training_lowers_the_loss_and_bumps_versions(tiny: wb.Session) -> None:
 
 
 def test_only_lora_parameters_change(tiny: wb.Session) -> None:
-    base_before = {name: t.clone() for name, t in tiny.engine.torch_model.get_base_model().state_dict().items() if "lora_" not in name}
+    base_before = {
+        name: t.clone()
+        for name, t in tiny.engine.torch_model.get_base_model().state_dict().items()
+        if "lora_" not in name
+    }
     adapter_before = _params(tiny)
     tiny.policy.forward_backward(_batch(tiny.tokenizer), "cross_entropy").result()
     tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-    base_after = {name: t for name, t in tiny.engine.torch_model.get_base_model().state_dict().items() if "lora_" not in name}
+    base_after = {
+        name: t
+        for name, t in tiny.engine.torch_model.get_base_model().state_dict().items()
+        if "lora_" not in name
+    }
     assert base_before.keys() == base_after.keys()
     for name, tensor in base_before.items():
         assert torch.equal(tensor, base_after[name]), f"base weight {name} changed"
@@ -140,7 +152,9 @@ def test_microbatch_split_equals_one_pass_and_keeps_input_order() -> None:
 
 
 def _reference_adamw(
-    params: dict[str, torch.Tensor], grads_per_step: list[dict[str, torch.Tensor]], settings: list[wb.AdamParams]
+    params: dict[str, torch.Tensor],
+    grads_per_step: list[dict[str, torch.Tensor]],
+    settings: list[wb.AdamParams],
 ) -> dict[str, torch.Tensor]:
     """AdamW written out by hand (Loshchilov & Hutter 2019) with global-norm clipping, per-step settings."""
     p = {n: t.clone().double() for n, t in params.items()}
@@ -164,9 +178,15 @@ def _reference_adamw(
 def test_optim_step_honours_every_adam_field_on_every_call(tiny: wb.Session) -> None:
     data = _batch(tiny.tokenizer)
     settings = [
-        wb.AdamParams(learning_rate=1e-2, beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.1, grad_clip_norm=0.5),
-        wb.AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, grad_clip_norm=0.0),
-        wb.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.5, grad_clip_norm=1e6),
+        wb.AdamParams(
+            learning_rate=1e-2, beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.1, grad_clip_norm=0.5
+        ),
+        wb.AdamParams(
+            learning_rate=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, grad_clip_norm=0.0
+        ),
+        wb.AdamParams(
+            learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.5, grad_clip_norm=1e6
+        ),
     ]
     start = _params(tiny)
     grads_per_step = []
@@ -211,14 +231,20 @@ def test_tinker_sdk_objects_are_accepted_unchanged(tiny: wb.Session) -> None:
     tokens = tiny.tokenizer("The quick brown fox jumps over the lazy dog").input_ids
     n = len(tokens) - 1
     sdk_datum = tinker.Datum(
-        model_input=tinker.ModelInput(chunks=[tinker.EncodedTextChunk(tokens=tokens[:3]), tinker.EncodedTextChunk(tokens=tokens[3:-1])]),
-        loss_fn_inputs={"target_tokens": tinker.TensorData.from_numpy(__import__("numpy").array(tokens[1:])), "weights": [1.0] * n},
+        model_input=tinker.ModelInput(
+            chunks=[tinker.EncodedTextChunk(tokens=tokens[:3]), tinker.EncodedTextChunk(tokens=tokens[3:-1])]
+        ),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_numpy(__import__("numpy").array(tokens[1:])),
+            "weights": [1.0] * n,
+        },
     )
     ours = ce_datum(tokens)
     sdk_out = tiny.policy.forward([sdk_datum], "cross_entropy").result()
     our_out = tiny.policy.forward([ours], "cross_entropy").result()
     dict_out = tiny.policy.forward(
-        [{"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:], "weights": [1.0] * n}}], "cross_entropy"
+        [{"model_input": tokens[:-1], "loss_fn_inputs": {"target_tokens": tokens[1:], "weights": [1.0] * n}}],
+        "cross_entropy",
     ).result()
     assert sdk_out.metrics["loss:sum"] == our_out.metrics["loss:sum"] == dict_out.metrics["loss:sum"]
     tiny.policy.forward_backward([sdk_datum], "cross_entropy").result()
@@ -229,7 +255,12 @@ def test_tinker_sdk_objects_are_accepted_unchanged(tiny: wb.Session) -> None:
 def test_rl_losses_run_and_report_diagnostics(tiny: wb.Session) -> None:
     rng = random.Random(0)
     tokens = random_tokens(rng, 12, 900)
-    reference = tiny.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    reference = (
+        tiny.policy.forward([ce_datum(tokens)], "cross_entropy")
+        .result()
+        .loss_fn_outputs[0]["logprobs"]
+        .tolist()
+    )
     data = [rl_datum(tokens, 5, [lp - 0.3 for lp in reference], 1.0), rl_datum(tokens, 5, reference, -0.5)]
     for loss in ("importance_sampling", "ppo", "cispo", "dro"):
         out = tiny.policy.forward(data, loss).result()
@@ -249,7 +280,10 @@ def test_custom_loss_equals_the_builtin_loss() -> None:
     data = ragged_ce_batch(seed=4, count=6, min_len=4, max_len=50, vocab=900)
 
     def nll(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        loss = sum((-lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(batch, logprobs, strict=True))
+        loss = sum(
+            (-lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum()
+            for d, lp in zip(batch, logprobs, strict=True)
+        )
         return loss, {"custom/pieces:sum": float(len(logprobs))}
 
     grads = []
@@ -274,7 +308,9 @@ def test_custom_loss_equals_the_builtin_loss() -> None:
 def test_custom_loss_may_couple_datums(tiny: wb.Session) -> None:
     data = ragged_ce_batch(seed=5, count=3, min_len=5, max_len=9, vocab=900)
 
-    def mean_of_means(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def mean_of_means(
+        batch: list[wb.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         means = torch.stack([lp.mean() for lp in logprobs])
         return -(means - means.mean().detach()).pow(2).sum() - means.sum(), {}
 
@@ -289,7 +325,9 @@ def test_non_finite_gradient_skips_the_step(tiny: wb.Session) -> None:
     tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
     before = tiny.state_digest()
 
-    def poisoned(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def poisoned(
+        batch: list[wb.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         return (logprobs[0] * float("nan")).sum(), {}
 
     out = tiny.policy.forward_backward_custom(data, poisoned).result()
@@ -325,7 +363,9 @@ def test_out_of_memory_mid_batch_restores_gradients_and_recovers() -> None:
         before = sess.state_digest()
         calls = {"n": 0}
 
-        def failing_forward(module: torch.nn.Module, args: object) -> None:  # the second micro-batch's forward fails
+        def failing_forward(
+            module: torch.nn.Module, args: object
+        ) -> None:  # the second micro-batch's forward fails
             calls["n"] += 1
             if calls["n"] == 2:
                 raise torch.OutOfMemoryError("simulated: out of memory")
@@ -404,7 +444,10 @@ def test_close_frees_and_a_new_session_works() -> None:
     with pytest.raises(wb.SessionClosedError):
         sess.policy.forward([ce_datum([1, 2, 3])], "cross_entropy")
     with wb.Session("tiny", wb.LoraConfig(rank=2)) as again:
-        assert again.policy.forward([ce_datum([1, 2, 3])], "cross_entropy").result().metrics["num_tokens:sum"] == 2
+        assert (
+            again.policy.forward([ce_datum([1, 2, 3])], "cross_entropy").result().metrics["num_tokens:sum"]
+            == 2
+        )
 
 
 def test_service_client_entry_point() -> None:

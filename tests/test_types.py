@@ -35,7 +35,9 @@ def test_datum_coerces_inputs_by_key() -> None:
     assert d.loss_fn_inputs["target_tokens"].dtype == "int64"
     assert d.loss_fn_inputs["weights"].dtype == "float32"
     assert d.loss_fn_inputs["advantages"].dtype == "float32"
-    assert to_datum({"model_input": [1], "loss_fn_inputs": {"target_tokens": [2]}}).model_input.to_ints() == [1]
+    assert to_datum({"model_input": [1], "loss_fn_inputs": {"target_tokens": [2]}}).model_input.to_ints() == [
+        1
+    ]
     with pytest.raises(ValueError, match="keys 'model_input' and 'loss_fn_inputs'"):
         to_datum({"tokens": [1]})
 
@@ -47,10 +49,14 @@ def test_sdk_objects_convert() -> None:
     sd = tinker.Datum(model_input=mi, loss_fn_inputs={"target_tokens": [2, 3], "weights": [0.0, 1.0]})
     ours = to_datum(sd)
     assert ours.loss_fn_inputs["weights"].tolist() == [0.0, 1.0]
-    assert to_adam_params(tinker.AdamParams(learning_rate=3e-4, grad_clip_norm=1.0)) == wb.AdamParams(learning_rate=3e-4, grad_clip_norm=1.0)
+    assert to_adam_params(tinker.AdamParams(learning_rate=3e-4, grad_clip_norm=1.0)) == wb.AdamParams(
+        learning_rate=3e-4, grad_clip_norm=1.0
+    )
     sp = to_sampling_params(tinker.SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"]))
     assert sp.max_tokens == 5 and sp.temperature == 0.0 and sp.stop == ("\n",)
-    assert to_lora_config(tinker.LoraConfig(rank=8, train_unembed=False)) == wb.LoraConfig(rank=8, train_unembed=False)
+    assert to_lora_config(tinker.LoraConfig(rank=8, train_unembed=False)) == wb.LoraConfig(
+        rank=8, train_unembed=False
+    )
 
 
 @pytest.mark.parametrize(

@@ -14,43 +14,161 @@ def _d(tokens=GOOD, **inputs) -> wb.Datum:
     n = len(tokens) - 1
     loss_inputs = {"target_tokens": tokens[1:], "weights": [1.0] * n}
     loss_inputs.update(inputs)
-    return wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={k: v for k, v in loss_inputs.items() if v is not None})
+    return wb.Datum(
+        model_input=wb.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={k: v for k, v in loss_inputs.items() if v is not None},
+    )
 
 
 def _rl(**overrides) -> wb.Datum:
     n = len(GOOD) - 1
     inputs = {"target_tokens": GOOD[1:], "logprobs": [-1.0] * n, "advantages": [0.5] * n}
     inputs.update(overrides)
-    return wb.Datum(model_input=wb.ModelInput.from_ints(GOOD[:-1]), loss_fn_inputs={k: v for k, v in inputs.items() if v is not None})
+    return wb.Datum(
+        model_input=wb.ModelInput.from_ints(GOOD[:-1]),
+        loss_fn_inputs={k: v for k, v in inputs.items() if v is not None},
+    )
 
 
 CASES = [
-    ("token id out of range", lambda v: [ce_datum(GOOD), ce_datum([1, 2, v, 4])], "cross_entropy", None, r"datum 1: model_input: token id \d+ at position 2 is outside the vocabulary"),
-    ("negative token id", lambda v: [ce_datum([1, -3, 2])], "cross_entropy", None, r"datum 0: model_input: token id -3 at position 1"),
-    ("target out of range", lambda v: [_d(target_tokens=[1, 2, 3, v, 5])], "cross_entropy", None, r"datum 0: loss_fn_inputs\['target_tokens'\]: token id \d+ at position 3"),
-    ("non-integer target", lambda v: [_d(target_tokens=[1.0, 2.5, 3.0, 4.0, 5.0])], "cross_entropy", None, r"datum 0: loss_fn_inputs\['target_tokens'\]: token ids must be integers, got 2.5 at position 1"),
-    ("non-integer token", lambda v: [wb.Datum(model_input={"chunks": [{"tokens": [1, 2.5]}]}, loss_fn_inputs={"target_tokens": [1, 2]})], "cross_entropy", None, r"datum 0: model_input: token ids must be integers"),
-    ("misaligned weights", lambda v: [_d(weights=[1.0, 1.0])], "cross_entropy", None, r"datum 0: loss_fn_inputs\['weights'\] has shape \[2\], but model_input has 5 tokens"),
-    ("misaligned targets", lambda v: [ce_datum(GOOD), _d(target_tokens=[1, 2, 3, 4, 5, 6])], "cross_entropy", None, r"datum 1: loss_fn_inputs\['target_tokens'\] has shape \[6\]"),
-    ("missing advantages", lambda v: [_rl(advantages=None)], "ppo", None, r"datum 0: loss_fn_inputs is missing \['advantages'\]; this loss needs \['advantages', 'logprobs', 'target_tokens'\]"),
-    ("missing targets", lambda v: [_d(target_tokens=None)], "cross_entropy", None, r"datum 0: loss_fn_inputs is missing \['target_tokens'\]"),
-    ("unknown input key", lambda v: [_rl(mask=[1.0] * 5)], "ppo", None, r"datum 0: loss_fn_inputs has unknown key\(s\) \['mask'\]"),
+    (
+        "token id out of range",
+        lambda v: [ce_datum(GOOD), ce_datum([1, 2, v, 4])],
+        "cross_entropy",
+        None,
+        r"datum 1: model_input: token id \d+ at position 2 is outside the vocabulary",
+    ),
+    (
+        "negative token id",
+        lambda v: [ce_datum([1, -3, 2])],
+        "cross_entropy",
+        None,
+        r"datum 0: model_input: token id -3 at position 1",
+    ),
+    (
+        "target out of range",
+        lambda v: [_d(target_tokens=[1, 2, 3, v, 5])],
+        "cross_entropy",
+        None,
+        r"datum 0: loss_fn_inputs\['target_tokens'\]: token id \d+ at position 3",
+    ),
+    (
+        "non-integer target",
+        lambda v: [_d(target_tokens=[1.0, 2.5, 3.0, 4.0, 5.0])],
+        "cross_entropy",
+        None,
+        r"datum 0: loss_fn_inputs\['target_tokens'\]: token ids must be integers, got 2.5 at position 1",
+    ),
+    (
+        "non-integer token",
+        lambda v: [
+            wb.Datum(model_input={"chunks": [{"tokens": [1, 2.5]}]}, loss_fn_inputs={"target_tokens": [1, 2]})
+        ],
+        "cross_entropy",
+        None,
+        r"datum 0: model_input: token ids must be integers",
+    ),
+    (
+        "misaligned weights",
+        lambda v: [_d(weights=[1.0, 1.0])],
+        "cross_entropy",
+        None,
+        r"datum 0: loss_fn_inputs\['weights'\] has shape \[2\], but model_input has 5 tokens",
+    ),
+    (
+        "misaligned targets",
+        lambda v: [ce_datum(GOOD), _d(target_tokens=[1, 2, 3, 4, 5, 6])],
+        "cross_entropy",
+        None,
+        r"datum 1: loss_fn_inputs\['target_tokens'\] has shape \[6\]",
+    ),
+    (
+        "missing advantages",
+        lambda v: [_rl(advantages=None)],
+        "ppo",
+        None,
+        r"datum 0: loss_fn_inputs is missing \['advantages'\]; this loss needs \['advantages', 'logprobs', 'target_tokens'\]",
+    ),
+    (
+        "missing targets",
+        lambda v: [_d(target_tokens=None)],
+        "cross_entropy",
+        None,
+        r"datum 0: loss_fn_inputs is missing \['target_tokens'\]",
+    ),
+    (
+        "unknown input key",
+        lambda v: [_rl(mask=[1.0] * 5)],
+        "ppo",
+        None,
+        r"datum 0: loss_fn_inputs has unknown key\(s\) \['mask'\]",
+    ),
     ("unknown loss", lambda v: [ce_datum(GOOD)], "crossentropy", None, r"unknown loss 'crossentropy'"),
-    ("unknown config key", lambda v: [_rl()], "ppo", {"clip": 0.2}, r"unknown loss_fn_config key 'clip' for 'ppo'"),
+    (
+        "unknown config key",
+        lambda v: [_rl()],
+        "ppo",
+        {"clip": 0.2},
+        r"unknown loss_fn_config key 'clip' for 'ppo'",
+    ),
     ("empty batch", lambda v: [], "cross_entropy", None, r"data is empty"),
-    ("empty model input", lambda v: [wb.Datum(model_input=wb.ModelInput.empty(), loss_fn_inputs={})], "cross_entropy", None, r"datum 0: model_input is empty"),
-    ("a single datum instead of a list", lambda v: ce_datum(GOOD), "cross_entropy", None, r"data must be a list of datums"),
-    ("too long", lambda v: [ce_datum(list(range(1, 10)) * 60)], "cross_entropy", None, r"datum 0: model_input has 539 tokens, more than the model's context of 512"),
-    ("NaN advantage", lambda v: [_rl(), _rl(advantages=[0.1, float("nan"), 0.0, 0.0, 0.0])], "ppo", None, r"datum 1: loss_fn_inputs\['advantages'\] has a non-finite value nan at position 1"),
-    ("inf logprob", lambda v: [_rl(logprobs=[-1.0, -1.0, float("-inf"), -1.0, -1.0])], "importance_sampling", None, r"datum 0: loss_fn_inputs\['logprobs'\] has a non-finite value -inf at position 2"),
-    ("critic loss on the policy", lambda v: [ce_datum(GOOD)], "ppo_critic", None, r"'ppo_critic' is the critic's loss"),
-    ("not a datum", lambda v: ["hello"], "cross_entropy", None, r"datum 0: a datum must be a Datum or a dict"),
+    (
+        "empty model input",
+        lambda v: [wb.Datum(model_input=wb.ModelInput.empty(), loss_fn_inputs={})],
+        "cross_entropy",
+        None,
+        r"datum 0: model_input is empty",
+    ),
+    (
+        "a single datum instead of a list",
+        lambda v: ce_datum(GOOD),
+        "cross_entropy",
+        None,
+        r"data must be a list of datums",
+    ),
+    (
+        "too long",
+        lambda v: [ce_datum(list(range(1, 10)) * 60)],
+        "cross_entropy",
+        None,
+        r"datum 0: model_input has 539 tokens, more than the model's context of 512",
+    ),
+    (
+        "NaN advantage",
+        lambda v: [_rl(), _rl(advantages=[0.1, float("nan"), 0.0, 0.0, 0.0])],
+        "ppo",
+        None,
+        r"datum 1: loss_fn_inputs\['advantages'\] has a non-finite value nan at position 1",
+    ),
+    (
+        "inf logprob",
+        lambda v: [_rl(logprobs=[-1.0, -1.0, float("-inf"), -1.0, -1.0])],
+        "importance_sampling",
+        None,
+        r"datum 0: loss_fn_inputs\['logprobs'\] has a non-finite value -inf at position 2",
+    ),
+    (
+        "critic loss on the policy",
+        lambda v: [ce_datum(GOOD)],
+        "ppo_critic",
+        None,
+        r"'ppo_critic' is the critic's loss",
+    ),
+    (
+        "not a datum",
+        lambda v: ["hello"],
+        "cross_entropy",
+        None,
+        r"datum 0: a datum must be a Datum or a dict",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("case", "build", "loss", "config", "message"), CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("method", ["forward_backward", "forward"])
-def test_bad_input_raises_and_changes_nothing(tiny: wb.Session, case, build, loss, config, message, method) -> None:
+def test_bad_input_raises_and_changes_nothing(
+    tiny: wb.Session, case, build, loss, config, message, method
+) -> None:
     tiny.policy.forward_backward([ce_datum(GOOD)], "cross_entropy").result()  # some accumulated gradient
     tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
     tiny.policy.forward_backward([ce_datum(GOOD)], "cross_entropy").result()
@@ -68,7 +186,13 @@ def test_bad_input_raises_and_changes_nothing(tiny: wb.Session, case, build, los
 def test_bad_adam_params_raise_before_queueing(tiny: wb.Session) -> None:
     tiny.policy.forward_backward([ce_datum(GOOD)], "cross_entropy").result()
     before = tiny.state_digest()
-    for bad in ({"learning_rate": -1.0}, {"beta1": 1.0}, {"eps": 0.0}, {"grad_clip_norm": float("nan")}, {"lr": 1e-3}):
+    for bad in (
+        {"learning_rate": -1.0},
+        {"beta1": 1.0},
+        {"eps": 0.0},
+        {"grad_clip_norm": float("nan")},
+        {"lr": 1e-3},
+    ):
         with pytest.raises(ValueError):
             tiny.policy.optim_step(bad)
     assert tiny.state_digest() == before

@@ -41,19 +41,34 @@ def _wait(sess: wb.Session) -> RunState:
 
 def test_the_status_bar_shows_the_session(panel: wb.Panel, tiny: wb.Session) -> None:
     text = panel.status.widget.value
-    for expected in ("tiny", "cpu/float32", '"step"><b>step</b> 0', "v0", '"critic"><b>critic</b> no', "W&amp;B</b> off", "none"):
+    for expected in (
+        "tiny",
+        "cpu/float32",
+        '"step"><b>step</b> 0',
+        "v0",
+        '"critic"><b>critic</b> no',
+        "W&amp;B</b> off",
+        "none",
+    ):
         assert expected in text
-    assert re.search(r'"memory"><b>memory</b> \d+(\.\d+)? (MiB|GiB)<', text), text  # RSS: GiB once larger models ran
+    assert re.search(r'"memory"><b>memory</b> \d+(\.\d+)? (MiB|GiB)<', text), (
+        text
+    )  # RSS: GiB once larger models ran
     tiny.policy.forward_backward(_data(tiny), "cross_entropy")
     tiny.policy.optim_step().result()  # a cell trains; the panel follows on its next refresh
     panel.refresh()
-    assert '"step"><b>step</b> 1' in panel.status.widget.value and '"weights"><b>weights</b> v1' in panel.status.widget.value
+    assert (
+        '"step"><b>step</b> 1' in panel.status.widget.value
+        and '"weights"><b>weights</b> v1' in panel.status.widget.value
+    )
     tiny.create_critic()
     panel.refresh()
     assert '"critic"><b>critic</b> yes' in panel.status.widget.value
 
 
-def test_step_button_without_a_run_trains_one_step_with_the_tab_settings(panel: wb.Panel, tiny: wb.Session) -> None:
+def test_step_button_without_a_run_trains_one_step_with_the_tab_settings(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
     panel.train.adam["learning_rate"].value = 2e-3
     panel.train.adam["grad_clip_norm"].value = 1.0
     panel.train.step_button.click()
@@ -61,7 +76,9 @@ def test_step_button_without_a_run_trains_one_step_with_the_tab_settings(panel: 
     assert tiny.step == 1
     assert [row["op"] for row in tiny.history] == ["forward_backward", "optim_step"]
     assert tiny.history.last("learning_rate") == 2e-3
-    assert tiny.current_run is not None and tiny.current_run.adam_params == wb.AdamParams(learning_rate=2e-3, grad_clip_norm=1.0)
+    assert tiny.current_run is not None and tiny.current_run.adam_params == wb.AdamParams(
+        learning_rate=2e-3, grad_clip_norm=1.0
+    )
     panel.refresh()
     assert "finished · 1/1" in panel.train.progress_text.value
     assert panel.train.progress.value == panel.train.progress.max == 1
@@ -75,7 +92,9 @@ def test_run_button_runs_the_tab_step_count(panel: wb.Panel, tiny: wb.Session) -
     assert tiny.step == 3 and len(tiny.history.series("loss:sum", op="forward_backward")[1]) == 3
 
 
-def test_the_loss_dropdown_picks_the_loss_and_a_failure_shows_its_traceback(panel: wb.Panel, tiny: wb.Session) -> None:
+def test_the_loss_dropdown_picks_the_loss_and_a_failure_shows_its_traceback(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
     panel.train.loss.value = "importance_sampling"  # SFT datums lack its inputs: the run must fail visibly
     panel.train.step_button.click()
     assert _wait(tiny) is RunState.FAILED
@@ -102,7 +121,11 @@ def test_buttons_control_a_run_started_from_a_cell(panel: wb.Panel, tiny: wb.Ses
     run = tiny.run(step, steps=6, paused=True)
     panel.refresh()
     t = panel.train
-    assert (t.run_button.description, t.run_button.disabled, t.pause_button.disabled) == ("Resume", False, True)
+    assert (t.run_button.description, t.run_button.disabled, t.pause_button.disabled) == (
+        "Resume",
+        False,
+        True,
+    )
     assert not t.step_button.disabled and not t.stop_button.disabled and t.loss.disabled
 
     t.step_button.click()
@@ -260,7 +283,9 @@ def test_the_sample_tab_samples_with_its_settings(panel: wb.Panel, tiny: wb.Sess
     assert s.sampling_params() == wb.SamplingParams(max_tokens=4, temperature=0.0, top_p=0.5, seed=None)
     greedy = _sample(panel)
     assert len({tuple(sequence.tokens) for sequence in greedy.sequences}) == 1
-    assert html.escape(tiny.tokenizer.decode(tiny.tokenizer("Hello <there> & you").input_ids)) in s.output.value
+    assert (
+        html.escape(tiny.tokenizer.decode(tiny.tokenizer("Hello <there> & you").input_ids)) in s.output.value
+    )
 
 
 def test_the_version_picker_offers_the_live_snapshots_and_the_base(panel: wb.Panel, tiny: wb.Session) -> None:

@@ -65,15 +65,21 @@ def _check_members(members: list[tarfile.TarInfo]) -> str:
         if ".." in parts or "\\" in name:
             raise UnsafeArchiveError(f"archive member {name!r} leaves its folder ('..' or a backslash)")
         if member.issym() or member.islnk():
-            raise UnsafeArchiveError(f"archive member {name!r} is a link; checkpoints hold only files and folders")
+            raise UnsafeArchiveError(
+                f"archive member {name!r} is a link; checkpoints hold only files and folders"
+            )
         if not (member.isreg() or member.isdir()):
-            raise UnsafeArchiveError(f"archive member {name!r} is not a regular file or folder (device, fifo, ...)")
+            raise UnsafeArchiveError(
+                f"archive member {name!r} is not a regular file or folder (device, fifo, ...)"
+            )
         parts = tuple(part for part in parts if part != ".")
         if not parts:
             raise UnsafeArchiveError(f"archive member {name!r} has an empty path")
         tops.add(parts[0])
     if len(tops) != 1:
-        raise UnsafeArchiveError(f"a checkpoint archive holds one folder; this one has {sorted(tops) or 'none'}")
+        raise UnsafeArchiveError(
+            f"a checkpoint archive holds one folder; this one has {sorted(tops) or 'none'}"
+        )
     return tops.pop()
 
 

@@ -55,7 +55,9 @@ def _check_tokens(where: str, array: np.ndarray, vocab_size: int) -> None:
     if array.dtype.kind == "f":
         if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
             bad = int(np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))[0])
-            raise ValueError(f"{where}: token ids must be integers, got {array[bad].item()!r} at position {bad}")
+            raise ValueError(
+                f"{where}: token ids must be integers, got {array[bad].item()!r} at position {bad}"
+            )
     elif array.dtype.kind not in "iu":
         raise ValueError(f"{where}: token ids must be integers, got dtype {array.dtype}")
     out_of_range = (array < 0) | (array >= vocab_size)
@@ -93,7 +95,9 @@ def prepare_datum(
     if n == 0:
         raise ValueError(f"{where}: model_input is empty")
     if n > max_length:
-        raise ValueError(f"{where}: model_input has {n} tokens, more than the model's context of {max_length}")
+        raise ValueError(
+            f"{where}: model_input has {n} tokens, more than the model's context of {max_length}"
+        )
     tokens = np.asarray(token_list)
     _check_tokens(f"{where}: model_input", tokens, vocab_size)
 
@@ -132,7 +136,9 @@ def prepare_datum(
             finite = np.isfinite(array)
             if not finite.all():
                 bad = int(np.flatnonzero(~finite)[0])
-                raise ValueError(f"{where}: loss_fn_inputs[{key!r}] has a non-finite value {array[bad].item()} at position {bad}")
+                raise ValueError(
+                    f"{where}: loss_fn_inputs[{key!r}] has a non-finite value {array[bad].item()} at position {bad}"
+                )
             inputs[key] = torch.from_numpy(array.astype(np.float32))
     for key, default in optional.items():
         if key not in inputs and default is not None:
@@ -155,8 +161,15 @@ def prepare_batch(
     if len(data) == 0:
         raise ValueError("data is empty: pass at least one datum")
     return [
-        prepare_datum(i, raw, required=required, optional=optional or {}, vocab_size=vocab_size,
-                      max_length=max_length, strict=strict)
+        prepare_datum(
+            i,
+            raw,
+            required=required,
+            optional=optional or {},
+            vocab_size=vocab_size,
+            max_length=max_length,
+            strict=strict,
+        )
         for i, raw in enumerate(data)
     ]
 
@@ -192,7 +205,9 @@ def plan_microbatches(lengths: Sequence[int], token_budget: int) -> list[list[in
     return groups  # built from the longest end backwards: longest group first
 
 
-def collate(batch: Sequence[PreparedDatum], indices: list[int], pad_token_id: int, device: torch.device) -> MicroBatch:
+def collate(
+    batch: Sequence[PreparedDatum], indices: list[int], pad_token_id: int, device: torch.device
+) -> MicroBatch:
     """Right-pad the datums at `indices` into (B, T) tensors on `device`."""
     items = [batch[i] for i in indices]
     lengths = [item.length for item in items]
@@ -201,10 +216,7 @@ def collate(batch: Sequence[PreparedDatum], indices: list[int], pad_token_id: in
     input_ids = torch.full((count, longest), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((count, longest), dtype=torch.long)
     keys = items[0].inputs.keys()
-    inputs = {
-        key: torch.zeros((count, longest), dtype=items[0].inputs[key].dtype)
-        for key in keys
-    }
+    inputs = {key: torch.zeros((count, longest), dtype=items[0].inputs[key].dtype) for key in keys}
     for row, item in enumerate(items):
         n = item.length
         input_ids[row, :n] = item.tokens_N

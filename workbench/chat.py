@@ -16,10 +16,14 @@ from workbench.types import Datum, ModelInput
 Message = Mapping[str, str]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], add_generation_prompt: bool
+) -> list[int]:
     if tokenizer.chat_template is None:
         raise ValueError("this tokenizer has no chat template; build the prompt tokens yourself")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

@@ -57,7 +57,9 @@ class CheckpointInfo:
 
     name: str
     path: Path  # the folder
-    kind: CheckpointKind  # "state": save_state (resumable); "sampler": save_weights_for_sampler (adapter only)
+    kind: (
+        CheckpointKind  # "state": save_state (resumable); "sampler": save_weights_for_sampler (adapter only)
+    )
     step: int  # the policy's optimizer step when it was saved
     time: float  # unix seconds
     size_bytes: int
@@ -82,7 +84,9 @@ def is_name(text: str) -> bool:
 def check_free(target: Path, overwrite: bool) -> None:
     """Refuse to replace an existing checkpoint unless asked to."""
     if target.exists() and not overwrite:
-        raise CheckpointError(f"a checkpoint named {target.name!r} already exists at {target}: pass overwrite=True to replace it")
+        raise CheckpointError(
+            f"a checkpoint named {target.name!r} already exists at {target}: pass overwrite=True to replace it"
+        )
 
 
 def kind_dir(run_dir: Path, kind: CheckpointKind) -> Path:
@@ -116,7 +120,8 @@ def json_bytes(value: Any) -> bytes:
 def manifest_for(files: Mapping[str, bytes]) -> bytes:
     """The manifest of a set of files: format version, and each file's size and sha256."""
     entries = {
-        rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in sorted(files.items())
+        rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for rel, data in sorted(files.items())
     }
     return json_bytes({"format_version": FORMAT_VERSION, "files": entries})
 
@@ -185,7 +190,9 @@ def _files_on_disk(folder: Path) -> list[str]:
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
         if path.is_symlink() or not (path.is_file() or path.is_dir()):
-            raise CorruptCheckpointError(f"{path} is not a regular file or folder; checkpoints hold only those")
+            raise CorruptCheckpointError(
+                f"{path} is not a regular file or folder; checkpoints hold only those"
+            )
         if path.is_file() and rel != MANIFEST:
             found.append(rel)
     return found
@@ -212,7 +219,9 @@ def read_verified(folder: Path) -> dict[str, bytes]:
     missing = sorted(set(entries) - set(on_disk))
     extra = sorted(set(on_disk) - set(entries))
     if missing:
-        raise CorruptCheckpointError(f"{folder} is incomplete: {missing[0]} is listed in the manifest but missing")
+        raise CorruptCheckpointError(
+            f"{folder} is incomplete: {missing[0]} is listed in the manifest but missing"
+        )
     if extra:
         raise CorruptCheckpointError(f"{folder} has a file that is not in its manifest: {extra[0]}")
     contents: dict[str, bytes] = {}
@@ -221,9 +230,13 @@ def read_verified(folder: Path) -> dict[str, bytes]:
         data = (folder / rel).read_bytes()
         if not isinstance(entry, dict) or len(data) != entry.get("size"):
             size = entry.get("size") if isinstance(entry, dict) else entry
-            raise CorruptCheckpointError(f"{folder / rel} is truncated or altered: {len(data)} bytes, the manifest says {size}")
+            raise CorruptCheckpointError(
+                f"{folder / rel} is truncated or altered: {len(data)} bytes, the manifest says {size}"
+            )
         if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-            raise CorruptCheckpointError(f"{folder / rel} is corrupted: its sha256 does not match the manifest")
+            raise CorruptCheckpointError(
+                f"{folder / rel} is corrupted: its sha256 does not match the manifest"
+            )
         contents[rel] = data
     return contents
 
@@ -246,7 +259,9 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
             try:
                 info = parse_json(folder, INFO_FILE[kind], (folder / INFO_FILE[kind]).read_bytes())
                 manifest = parse_json(folder, MANIFEST, (folder / MANIFEST).read_bytes())
-                size = (folder / MANIFEST).stat().st_size + sum(int(entry["size"]) for entry in manifest["files"].values())
+                size = (folder / MANIFEST).stat().st_size + sum(
+                    int(entry["size"]) for entry in manifest["files"].values()
+                )
                 expires_at = info.get("expires_at")
                 if expires_at is not None and float(expires_at) < time.time():
                     continue
@@ -281,7 +296,9 @@ def delete(run_dir: Path, name: str, kind: CheckpointKind) -> None:
 
 def _expired(folder: Path, kind: CheckpointKind) -> bool:
     try:
-        expires_at = parse_json(folder, INFO_FILE[kind], (folder / INFO_FILE[kind]).read_bytes()).get("expires_at")
+        expires_at = parse_json(folder, INFO_FILE[kind], (folder / INFO_FILE[kind]).read_bytes()).get(
+            "expires_at"
+        )
     except (OSError, CheckpointError):
         return False
     return expires_at is not None and float(expires_at) < time.time()

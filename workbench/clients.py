@@ -122,7 +122,9 @@ class TrainingClient:
         """Like `forward_backward`, without touching gradients."""
         return self._engine.forward(self._model_id, self._role, data, loss_fn, loss_fn_config)
 
-    def forward_backward_custom(self, data: Sequence[Any], loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+    def forward_backward_custom(
+        self, data: Sequence[Any], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Train on any differentiable function of the per-datum logprobs.
 
         `loss_fn(data, logprobs_list) -> (loss, metrics)` gets one logprob tensor per datum (length of
@@ -158,7 +160,9 @@ class TrainingClient:
         """Like `load_state`, and the optimizer state, step counters and pending gradients too."""
         return self._engine.load_state(self._model_id, path, Restore.WITH_OPTIMIZER)
 
-    def save_weights_for_sampler(self, name: str, overwrite: bool = False) -> APIFuture[SaveWeightsForSamplerResponse]:
+    def save_weights_for_sampler(
+        self, name: str, overwrite: bool = False
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Save the policy's adapter as a peft folder, `<run_dir>/sampler_weights/<name>` (`.folder`;
         `.path` is `tinker://<run>/sampler_weights/<name>`), that `peft.AutoPeftModelForCausalLM` and
         vLLM's `LoRARequest` load on their own."""
@@ -181,7 +185,9 @@ class TrainingClient:
         return self._engine.tokenizer
 
     def get_info(self) -> ModelInfo:
-        lora: LoraConfig | None = self._engine.run_status(self._model_id).lora if self._role is Role.POLICY else None
+        lora: LoraConfig | None = (
+            self._engine.run_status(self._model_id).lora if self._role is Role.POLICY else None
+        )
         return ModelInfo(
             model_id=self._model_id,
             model_name=self._engine.config.base_model,
@@ -288,7 +294,9 @@ class ServiceClient:
         train_unembed: bool = True,
         user_metadata: Mapping[str, str] | None = None,
     ) -> ClientFuture[TrainingClient]:
-        lora = LoraConfig(rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
+        lora = LoraConfig(
+            rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
+        )
         engine = self.engine(base_model)
         model_id = engine.create_model(lora, seed=0 if seed is None else seed, user_metadata=user_metadata)
         return _client_future(model_id.then(lambda created: TrainingClient(engine, created)))

@@ -33,4 +33,6 @@ class ValueHead(nn.Module):
 def default_critic_lora(policy: LoraConfig) -> LoraConfig:
     """The critic's adapter when none is given: the policy's rank and alpha on attention and MLP layers
     (the output embedding is not part of the value computation)."""
-    return LoraConfig(rank=policy.rank, alpha=policy.alpha, train_attn=True, train_mlp=True, train_unembed=False)
+    return LoraConfig(
+        rank=policy.rank, alpha=policy.alpha, train_attn=True, train_mlp=True, train_unembed=False
+    )

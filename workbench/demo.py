@@ -40,17 +40,23 @@ def main() -> None:
             answer = sess.sampling_client().sample(probe, 1, greedy).result().sequences[0]
             return loss, tokenizer.decode(answer.tokens, skip_special_tokens=True).strip()
 
-        print(f"workbench demo: {args.model}, LoRA rank 16, {len(train)} training conversations, run folder {sess.run_dir}")
+        print(
+            f"workbench demo: {args.model}, LoRA rank 16, {len(train)} training conversations, run folder {sess.run_dir}"
+        )
         loss_before, answer_before = evaluate()
         start = time.perf_counter()
         for step in range(args.steps):
             batch = train_data[(step * 8) % len(train_data) :][:8]
             out = sess.policy.forward_backward(batch, "cross_entropy").result()
             sess.policy.optim_step(wb.AdamParams(learning_rate=args.learning_rate)).result()
-            print(f"  step {step + 1:2d}/{args.steps}  train loss/token {out.metrics['loss:sum'] / out.metrics['num_tokens:sum']:.3f}")
+            print(
+                f"  step {step + 1:2d}/{args.steps}  train loss/token {out.metrics['loss:sum'] / out.metrics['num_tokens:sum']:.3f}"
+            )
         seconds = time.perf_counter() - start
         loss_after, answer_after = evaluate()
-        print(f"\nheld-out loss per token: before {loss_before:.3f}  after {loss_after:.3f}   ({args.steps} steps in {seconds:.0f} s)")
+        print(
+            f"\nheld-out loss per token: before {loss_before:.3f}  after {loss_after:.3f}   ({args.steps} steps in {seconds:.0f} s)"
+        )
         print(f"Q: {PROBE}")
         print(f"  before: {answer_before}")
         print(f"  after:  {answer_after}")

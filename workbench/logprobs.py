@@ -10,7 +10,9 @@ import torch
 from torch import Tensor
 
 
-def target_logprobs(logits_B_T_V: Tensor, targets_B_T: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+def target_logprobs(
+    logits_B_T_V: Tensor, targets_B_T: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """log p(target_t | prefix) for every position and, when asked, the entropy of each next-token
     distribution, H_t = −Σ_v p_v log p_v.
 

@@ -66,7 +66,9 @@ class LossSpec:
     reports_entropy: bool = False
 
 
-def cross_entropy(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+def cross_entropy(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
     """Supervised learning: weighted negative log-likelihood of the targets.
 
     loss = Σ_t −w_t · log p_θ(x_t). Weights are usually 0 on the prompt and 1 on the completion; any
@@ -79,14 +81,18 @@ def cross_entropy(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: 
     )
 
 
-def _ratio(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _ratio(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """r_t = p_θ(x_t) / q(x_t), the advantages, and the positions with a non-zero advantage."""
     advantages_B_T = inputs["advantages"] * mask_B_T
     ratio_B_T = torch.exp(logprobs_B_T - inputs["logprobs"]) * mask_B_T
     return ratio_B_T, advantages_B_T, (advantages_B_T != 0) & mask_B_T
 
 
-def importance_sampling(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+def importance_sampling(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
     """REINFORCE with an importance-sampling correction for sampler/learner mismatch.
 
     loss = −Σ_t r_t · A_t with r_t = p_θ(x_t)/q(x_t); gradient −A_t · r_t · ∇log p_θ(x_t).
@@ -104,7 +110,9 @@ def _clip_fraction(ratio_B_T: Tensor, low: float, high: float) -> Tensor:
     return ((ratio_B_T < low) | (ratio_B_T > high)).float()
 
 
-def ppo(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+def ppo(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
     """Clipped surrogate objective (Schulman et al. 2017, https://arxiv.org/abs/1707.06347).
 
     loss = −Σ_t min(r_t·A_t, clip(r_t, low, high)·A_t), thresholds given as absolute ratio bounds
@@ -117,11 +125,16 @@ def ppo(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, co
     return LossOutput(
         elementwise_loss_B_T=-objective_B_T * mask_B_T,
         active_B_T=active_B_T,
-        diagnostics={"ratio": ratio_B_T.detach(), "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high)},
+        diagnostics={
+            "ratio": ratio_B_T.detach(),
+            "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high),
+        },
     )
 
 
-def cispo(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+def cispo(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
     """Clipped IS-weight policy optimisation (MiniMax-M1, https://arxiv.org/abs/2506.13585).
 
     loss = −Σ_t sg(clip(r_t, low, high)) · A_t · log p_θ(x_t): the IS weight is clipped and detached,
@@ -133,11 +146,16 @@ def cispo(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, 
     return LossOutput(
         elementwise_loss_B_T=-weight_B_T * advantages_B_T * logprobs_B_T * mask_B_T,
         active_B_T=active_B_T,
-        diagnostics={"ratio": ratio_B_T.detach(), "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high)},
+        diagnostics={
+            "ratio": ratio_B_T.detach(),
+            "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high),
+        },
     )
 
 
-def dro(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+def dro(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
     """Direct Reward Optimisation (Richemond et al. 2024, https://arxiv.org/abs/2405.19107).
 
     loss = −Σ_t (log p_θ(x_t)·A_t − ½·β·(log p_θ(x_t) − log q(x_t))²): a policy-gradient term plus a
@@ -155,7 +173,9 @@ def dro(logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, co
     )
 
 
-def ppo_critic(values_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]) -> LossOutput:
+def ppo_critic(
+    values_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
     """Clipped value loss for the critic (as in PPO's reference implementation, and SkyRL's `ppo_critic`).
 
     loss = Σ_t w_t · ½ · max((V_t − R_t)², (clip(V_t, V_old,t − c, V_old,t + c) − R_t)²), with V_old the
@@ -193,13 +213,23 @@ def _explained_variance(means: dict[str, float]) -> dict[str, float]:
 _POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, "logprobs", ("target_tokens",), optional_inputs={"weights": 1.0}),
+    "cross_entropy": LossSpec(
+        cross_entropy, "logprobs", ("target_tokens",), optional_inputs={"weights": 1.0}
+    ),
     "importance_sampling": LossSpec(importance_sampling, "logprobs", _POLICY_INPUTS, reports_entropy=True),
     "ppo": LossSpec(
-        ppo, "logprobs", _POLICY_INPUTS, config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, reports_entropy=True
+        ppo,
+        "logprobs",
+        _POLICY_INPUTS,
+        config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        reports_entropy=True,
     ),
     "cispo": LossSpec(
-        cispo, "logprobs", _POLICY_INPUTS, config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, reports_entropy=True
+        cispo,
+        "logprobs",
+        _POLICY_INPUTS,
+        config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+        reports_entropy=True,
     ),
     "dro": LossSpec(dro, "logprobs", _POLICY_INPUTS, config_defaults={"beta": 0.05}, reports_entropy=True),
     "ppo_critic": LossSpec(
@@ -220,7 +250,9 @@ def resolve_loss(name: str, config: Mapping[str, float] | None) -> tuple[LossSpe
     Raises ValueError for an unknown loss, an unknown config key, or a value out of range.
     """
     if not isinstance(name, str) or name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)} or use forward_backward_custom")
+        raise ValueError(
+            f"unknown loss {name!r}; choose one of {sorted(LOSSES)} or use forward_backward_custom"
+        )
     spec = LOSSES[name]
     resolved = dict(spec.config_defaults)
     for key, value in dict(config or {}).items():

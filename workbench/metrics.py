@@ -64,7 +64,9 @@ class MetricsHistory:
             try:
                 sink.write(row)
             except Exception as error:  # a broken sink must never break a training step
-                warnings.warn(f"metrics sink {type(sink).__name__} failed: {error!r}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"metrics sink {type(sink).__name__} failed: {error!r}", RuntimeWarning, stacklevel=2
+                )
         return row
 
     def event(self, name: str, payload: Mapping[str, Any]) -> None:
@@ -74,7 +76,11 @@ class MetricsHistory:
             try:
                 sink.log_event(name, payload)
             except Exception as error:
-                warnings.warn(f"metrics sink {type(sink).__name__} did not record event {name!r}: {error!r}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"metrics sink {type(sink).__name__} did not record event {name!r}: {error!r}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def series(self, name: str, op: str | None = None) -> tuple[list[int], list[float]]:
         """Steps and values of one metric, optionally from one kind of op only."""

@@ -42,7 +42,9 @@ class BaseModelInfo:
     hidden_size: int
     num_layers: int
     max_length: int  # the longest sequence the model accepts (max_position_embeddings)
-    linear_layers: Mapping[str, str] = field(default_factory=dict, repr=False)  # name -> attn | mlp | unembed | other
+    linear_layers: Mapping[str, str] = field(
+        default_factory=dict, repr=False
+    )  # name -> attn | mlp | unembed | other
 
     def identity(self) -> dict[str, object]:
         return {
@@ -54,14 +56,26 @@ class BaseModelInfo:
         }
 
 
-def resolve_device_and_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+def resolve_device_and_dtype(
+    device: str | torch.device | None, dtype: str | torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
     """Auto: CUDA in bf16 when available, else CPU in fp32 (where sampler and trainer logprobs agree)."""
-    resolved_device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved_device = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if dtype is None:
         return resolved_device, torch.bfloat16 if resolved_device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
-        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                 "float16": torch.float16, "fp16": torch.float16}
+        names = {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }
         if dtype not in names:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
         return resolved_device, names[dtype]
@@ -160,7 +174,12 @@ def lora_target_modules(linear_layers: Mapping[str, str], lora: LoraConfig) -> l
     Leaf names (`q_proj`, ...) are used when they pick out exactly the chosen layers, which keeps the
     adapter config short and readable by vLLM; otherwise the full module paths are used.
     """
-    wanted_kinds = {"attn": lora.train_attn, "mlp": lora.train_mlp, "unembed": lora.train_unembed, "other": False}
+    wanted_kinds = {
+        "attn": lora.train_attn,
+        "mlp": lora.train_mlp,
+        "unembed": lora.train_unembed,
+        "other": False,
+    }
     chosen = [name for name, kind in linear_layers.items() if wanted_kinds[kind]]
     others = [name for name, kind in linear_layers.items() if not wanted_kinds[kind]]
     if not chosen:
@@ -182,17 +201,23 @@ def _lora_peft_config(linear_layers: Mapping[str, str], lora: LoraConfig) -> pef
     )
 
 
-def attach_lora(model: PreTrainedModel, info: BaseModelInfo, lora: LoraConfig, adapter_name: str, seed: int) -> peft.PeftModel:
+def attach_lora(
+    model: PreTrainedModel, info: BaseModelInfo, lora: LoraConfig, adapter_name: str, seed: int
+) -> peft.PeftModel:
     """Wrap the base model in peft with one adapter. A-matrices are drawn from a generator seeded with
     `seed`; B-matrices start at zero, so the adapted model starts equal to the base."""
     with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(seed)
-        peft_model = peft.get_peft_model(model, _lora_peft_config(info.linear_layers, lora), adapter_name=adapter_name)
+        peft_model = peft.get_peft_model(
+            model, _lora_peft_config(info.linear_layers, lora), adapter_name=adapter_name
+        )
     peft_model.eval()
     return peft_model
 
 
-def add_lora_adapter(peft_model: peft.PeftModel, info: BaseModelInfo, lora: LoraConfig, adapter_name: str, seed: int) -> None:
+def add_lora_adapter(
+    peft_model: peft.PeftModel, info: BaseModelInfo, lora: LoraConfig, adapter_name: str, seed: int
+) -> None:
     """Add another adapter on the same frozen base weights."""
     with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(seed)
@@ -204,9 +229,7 @@ def adapter_parameters(peft_model: peft.PeftModel, adapter_name: str) -> dict[st
     """The trainable tensors of one adapter, by qualified name, in a stable order."""
     marker = f".{adapter_name}."
     params = {
-        name: param
-        for name, param in peft_model.named_parameters()
-        if "lora_" in name and marker in name
+        name: param for name, param in peft_model.named_parameters() if "lora_" in name and marker in name
     }
     if not params:
         raise ValueError(f"no LoRA parameters found for adapter {adapter_name!r}")

@@ -46,7 +46,9 @@ def check_logprob_agreement(
     """
     client = sampling_client or session.sampling_client()
     if client.weights_version != session.policy.weights_version:
-        raise ValueError("the sampling client must be for the policy's current weights, which forward scores with")
+        raise ValueError(
+            "the sampling client must be for the policy's current weights, which forward scores with"
+        )
     params = sampling_params or SamplingParams(max_tokens=32, temperature=1.0)
     futures = [client.sample(prompt, num_samples, params) for prompt in prompts]
     data: list[Datum] = []
@@ -58,7 +60,9 @@ def check_logprob_agreement(
             if not sequence.tokens:
                 continue
             full = prompt_tokens + sequence.tokens
-            data.append(Datum(model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]}))
+            data.append(
+                Datum(model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]})
+            )
             sampled.append(sequence.logprobs)
             prompt_lengths.append(len(prompt_tokens))
     trainer = session.policy.forward(data, "cross_entropy").result()
@@ -66,6 +70,8 @@ def check_logprob_agreement(
     for output, logprobs, prompt_length in zip(trainer.loss_fn_outputs, sampled, prompt_lengths, strict=True):
         scored = output["logprobs"].tolist()[prompt_length - 1 :]
         diffs.extend(abs(a - b) for a, b in zip(scored, logprobs, strict=True))
-    report = AgreementReport(num_tokens=len(diffs), mean_abs_diff=sum(diffs) / len(diffs), max_abs_diff=max(diffs))
+    report = AgreementReport(
+        num_tokens=len(diffs), mean_abs_diff=sum(diffs) / len(diffs), max_abs_diff=max(diffs)
+    )
     print(report)
     return report

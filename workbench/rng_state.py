@@ -40,12 +40,21 @@ class RngStates:
         algorithm, keys, pos, has_gauss, cached_gaussian = self.numpy
         return {
             "python": [version, list(internal), gauss],
-            "numpy": {"algorithm": algorithm, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached_gaussian)},
+            "numpy": {
+                "algorithm": algorithm,
+                "keys": keys.tolist(),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached_gaussian),
+            },
         }
 
     def tensors(self) -> dict[str, Tensor]:
-        return {"torch_cpu": self.torch_cpu, "sampling": self.sampling, **{f"cuda.{i}": s for i, s in enumerate(self.cuda)}}
+        return {
+            "torch_cpu": self.torch_cpu,
+            "sampling": self.sampling,
+            **{f"cuda.{i}": s for i, s in enumerate(self.cuda)},
+        }
 
     @classmethod
     def parse(cls, states: Mapping[str, Any], tensors: Mapping[str, Tensor]) -> RngStates:
@@ -54,7 +63,13 @@ class RngStates:
         python_state = (version, tuple(internal), gauss)
         random.Random().setstate(python_state)
         saved = states["numpy"]
-        numpy_state = (saved["algorithm"], np.asarray(saved["keys"], dtype=np.uint32), saved["pos"], saved["has_gauss"], saved["cached_gaussian"])
+        numpy_state = (
+            saved["algorithm"],
+            np.asarray(saved["keys"], dtype=np.uint32),
+            saved["pos"],
+            saved["has_gauss"],
+            saved["cached_gaussian"],
+        )
         np.random.RandomState().set_state(numpy_state)
         for key in ("torch_cpu", "sampling"):
             torch.Generator().set_state(tensors[key])

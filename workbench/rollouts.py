@@ -38,7 +38,9 @@ def _on_completion(values: list[float], prompt_length: int) -> list[float]:
     return [0.0] * (prompt_length - 1) + values
 
 
-def policy_datum(prompt: ModelInput | Sequence[int], sequence: SampledSequence, advantages: float | Sequence[float]) -> Datum:
+def policy_datum(
+    prompt: ModelInput | Sequence[int], sequence: SampledSequence, advantages: float | Sequence[float]
+) -> Datum:
     """A datum for `importance_sampling`, `ppo`, `cispo` or `dro`: the sampler's logprobs and the
     advantages (one number for the whole sample, or one per sampled token) on the sampled tokens."""
     tokens, p, n = _layout(prompt, sequence)
@@ -53,7 +55,10 @@ def policy_datum(prompt: ModelInput | Sequence[int], sequence: SampledSequence, 
 
 
 def critic_datum(
-    prompt: ModelInput | Sequence[int], sequence: SampledSequence, values: Sequence[float], returns: Sequence[float]
+    prompt: ModelInput | Sequence[int],
+    sequence: SampledSequence,
+    values: Sequence[float],
+    returns: Sequence[float],
 ) -> Datum:
     """A datum for `ppo_critic`: the values the critic gave when the data was collected and the returns,
     one per sampled token; weight 1 on the sampled tokens, 0 on the prompt."""

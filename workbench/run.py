@@ -211,7 +211,12 @@ class Run:
             return True
         if self.session.closed:
             return False  # the loop ends the run at its next look (within PAUSED_POLL_S)
-        return self._state is RunState.PAUSED and not self._busy and self._single_steps == 0 and not self._stop_requested
+        return (
+            self._state is RunState.PAUSED
+            and not self._busy
+            and self._single_steps == 0
+            and not self._stop_requested
+        )
 
     # ------------------------------------------------------------------------------------------ loop
 
@@ -275,7 +280,9 @@ class Run:
             self.session.engine.record("run_step", RUN_MODEL, step, metrics).result()
 
 
-def train_step(data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None) -> StepFn:
+def train_step(
+    data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None
+) -> StepFn:
     """The step function for training on fixed data: `forward_backward(data, loss_fn)`, then
     `optim_step` with the run's live `AdamParams`. What the panel's Train tab runs.
 
@@ -289,7 +296,9 @@ def train_step(data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_conf
     def step(sess: Session, i: int) -> None:
         run = sess.current_run
         if run is None:
-            raise RuntimeError("train_step reads its AdamParams from sess.current_run: start it with sess.run(...)")
+            raise RuntimeError(
+                "train_step reads its AdamParams from sess.current_run: start it with sess.run(...)"
+            )
         backward = sess.policy.forward_backward(batch, loss_fn, loss_fn_config)
         update = sess.policy.optim_step(run.adam_params)
         backward.result()  # a failure on the worker fails the run, rather than an empty step passing
@@ -302,8 +311,16 @@ def start_run(session: Session, step_fn: StepFn, steps: int, adam_params: Any, p
     """Create and start a run of `session` (what `Session.run` does), refusing while another is active."""
     current = session.current_run
     if current is not None and current.active:
-        raise RunActiveError(f"a run is still {current.state.value}: stop() it before starting another ({current!r})")
+        raise RunActiveError(
+            f"a run is still {current.state.value}: stop() it before starting another ({current!r})"
+        )
     session.engine.check_open()
-    run = Run(session, step_fn, steps, to_adam_params(adam_params if adam_params is not None else AdamParams()), paused=paused)
+    run = Run(
+        session,
+        step_fn,
+        steps,
+        to_adam_params(adam_params if adam_params is not None else AdamParams()),
+        paused=paused,
+    )
     session.current_run = run
     return run.start()

@@ -106,7 +106,9 @@ def checkpoint_folder(path: str | Path) -> Path:
     return Path(path).expanduser()
 
 
-def resolve_checkpoint(path_or_name: str | Path, kind: CheckpointKind, own_run_dir: Path | None, known_runs: Mapping[str, Path]) -> Path:
+def resolve_checkpoint(
+    path_or_name: str | Path, kind: CheckpointKind, own_run_dir: Path | None, known_runs: Mapping[str, Path]
+) -> Path:
     """The folder a user means: a `tinker://` path, a checkpoint name of their own run, or a folder.
 
     Raises:
@@ -115,7 +117,11 @@ def resolve_checkpoint(path_or_name: str | Path, kind: CheckpointKind, own_run_d
     if isinstance(path_or_name, str) and path_or_name.startswith(TINKER_SCHEME):
         address = CheckpointAddress.parse(path_or_name)
         if address.kind != kind:
-            wanted = "a state checkpoint (tinker://<run>/weights/<name>)" if kind == "state" else "sampler weights (tinker://<run>/sampler_weights/<name>)"
+            wanted = (
+                "a state checkpoint (tinker://<run>/weights/<name>)"
+                if kind == "state"
+                else "sampler weights (tinker://<run>/sampler_weights/<name>)"
+            )
             raise CheckpointError(f"{path_or_name} is not {wanted}")
         folder = address.folder(known_runs)
         if not folder.is_dir():

@@ -96,7 +96,9 @@ class Session:
         )
         folder = (Path(run_dir) if run_dir is not None else runs_root() / new_run_id(base_model)).absolute()
         try:
-            model_id = engine.create_model(lora_config, seed=seed, model_id=folder.name, run_dir=folder).result()
+            model_id = engine.create_model(
+                lora_config, seed=seed, model_id=folder.name, run_dir=folder
+            ).result()
             if critic is not False:
                 engine.create_critic(model_id, critic_config).result()
         except BaseException:
@@ -122,7 +124,11 @@ class Session:
         """Start the session's W&B run; a W&B failure leaves W&B off with a warning, never the session."""
         try:
             sink = open_wandb_run(
-                setting, config=self.config.to_dict(), run_id=self.model_id, project=WANDB_PROJECT, directory=self.run_dir
+                setting,
+                config=self.config.to_dict(),
+                run_id=self.model_id,
+                project=WANDB_PROJECT,
+                directory=self.run_dir,
             )
         except Exception as error:
             warnings.warn(f"W&B is off for this session: {error!r}", RuntimeWarning, stacklevel=3)
@@ -133,7 +139,12 @@ class Session:
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, *, device: str | None = None, run_dir: str | Path | None = None, wandb: WandbSetting = None
+        cls,
+        path: str | Path,
+        *,
+        device: str | None = None,
+        run_dir: str | Path | None = None,
+        wandb: WandbSetting = None,
     ) -> Session:
         """A new session that continues the run saved by `save_state` at `path` (a `tinker://` path or the
         checkpoint's folder), exactly: same config (base model, adapters, critic, seed, dtype), weights,
@@ -149,7 +160,11 @@ class Session:
         arguments = saved.session_arguments
         if run_dir is None:
             own = probe.absolute().parent.parent
-            run_dir = own if probe.absolute().parent.name == STATE_DIR and own.name == saved.run_id else runs_root() / saved.run_id
+            run_dir = (
+                own
+                if probe.absolute().parent.name == STATE_DIR and own.name == saved.run_id
+                else runs_root() / saved.run_id
+            )
         engine = Engine(
             arguments["base_model"],
             seed=arguments["seed"],
@@ -160,7 +175,9 @@ class Session:
             lora_hint=arguments["lora"],
         )
         try:
-            model_id = engine.create_model_from_state(probe, restore=Restore.EVERYTHING, model_id=saved.run_id, run_dir=run_dir).result()
+            model_id = engine.create_model_from_state(
+                probe, restore=Restore.EVERYTHING, model_id=saved.run_id, run_dir=run_dir
+            ).result()
         except BaseException:
             engine.close()
             raise
@@ -228,7 +245,9 @@ class Session:
         Default adapter: the policy's rank and alpha on attention and MLP layers. Interrupted while it
         waits behind queued work, the call is withdrawn (or, once started, completes): never half-done.
         """
-        wait_or_withdraw(self.engine.create_critic(self.model_id, None if lora is None else to_lora_config(lora)))
+        wait_or_withdraw(
+            self.engine.create_critic(self.model_id, None if lora is None else to_lora_config(lora))
+        )
         return self._critic
 
     def delete_critic(self) -> None:
@@ -303,7 +322,9 @@ class Session:
         named); the panel's Metrics tab shows the same plot, updated live."""
         return plot_history(self.history, *names)
 
-    def panel(self, train_data: Sequence[Any] | None = None, *, metrics: Sequence[str] = ("loss:sum",)) -> Panel:
+    def panel(
+        self, train_data: Sequence[Any] | None = None, *, metrics: Sequence[str] = ("loss:sum",)
+    ) -> Panel:
         """The notebook panel over this session: status bar, Train, Sample, Checkpoints and Metrics tabs.
 
         The Train tab's buttons act on `current_run` while it is active (Step single-steps a paused run,

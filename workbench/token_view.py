@@ -68,7 +68,9 @@ def _scale(kind: ValueKind, values: Sequence[float]) -> _Scale:
         return _Scale(colormaps["RdYlGn"], 0.0, 1.0, "probability exp(logprob): red 0 · yellow 0.5 · green 1")
     if kind == "advantage":
         bound = max((abs(v) for v in values), default=0.0) or 1.0
-        return _Scale(colormaps["RdBu"], -bound, bound, f"advantage: red {-bound:.3g} · white 0 · blue {bound:.3g}")
+        return _Scale(
+            colormaps["RdBu"], -bound, bound, f"advantage: red {-bound:.3g} · white 0 · blue {bound:.3g}"
+        )
     if kind == "weight":
         top = max(values, default=0.0) or 1.0
         return _Scale(colormaps["Greens"], 0.0, top, f"loss weight: white 0 · green {top:.3g}")
@@ -97,7 +99,9 @@ def render_tokens(
         kind: What the values are: `"logprob"`, `"advantage"` or `"weight"`.
     """
     if len(tokens) != len(values):
-        raise ValueError(f"render_tokens needs one value per token: {len(tokens)} tokens, {len(values)} values")
+        raise ValueError(
+            f"render_tokens needs one value per token: {len(tokens)} tokens, {len(values)} values"
+        )
     finite = [_shown(kind, v) for v in values if v is not None and math.isfinite(v)]
     scale = _scale(kind, finite)
     spans = []
@@ -110,7 +114,10 @@ def render_tokens(
         else:
             shown = _shown(kind, value)
             detail = f"{kind} {value:.4g}" + (f" (p={shown:.3g})" if kind == "logprob" else "")
-            title, style = f"token {int(token)}, {detail}", f"background:{scale.colour(shown)}{round(ALPHA * 255):02x}"
+            title, style = (
+                f"token {int(token)}, {detail}",
+                f"background:{scale.colour(shown)}{round(ALPHA * 255):02x}",
+            )
         spans.append(f'<span title="{html.escape(title)}" style="{style};border-radius:2px">{text}</span>')
     body = "".join(spans)
     fragment = (
@@ -150,7 +157,9 @@ def render_datum(
         values = datum.loss_fn_inputs[key]
     per_target = _floats(values)
     if len(per_target) != len(targets):
-        raise ValueError(f"render_datum needs one value per target token: {len(targets)} targets, {len(per_target)} values")
+        raise ValueError(
+            f"render_datum needs one value per target token: {len(targets)} targets, {len(per_target)} values"
+        )
     return render_tokens(tokenizer, inputs[:1] + targets, [None, *per_target], kind=kind)
 
 
@@ -167,4 +176,9 @@ def render_sample(
         prompt_values: list[float | None] = [None] * len(prompt_tokens)
     else:
         prompt_values = list(prompt_logprobs)
-    return render_tokens(tokenizer, prompt_tokens + list(sequence.tokens), prompt_values + list(sequence.logprobs), kind="logprob")
+    return render_tokens(
+        tokenizer,
+        prompt_tokens + list(sequence.tokens),
+        prompt_values + list(sequence.logprobs),
+        kind="logprob",
+    )

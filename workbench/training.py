@@ -70,7 +70,9 @@ class TrainableAdapter:
     def update_digest(self, digest: hashlib._Hash) -> None:
         """Feed every bit of this adapter's trainable state into `digest`: weights, accumulated
         gradients, optimizer moments and step counts, and the counters."""
-        digest.update(f"{self.name}:{self.step}:{self.weights_version}:{self.pending_backward_calls}".encode())
+        digest.update(
+            f"{self.name}:{self.step}:{self.weights_version}:{self.pending_backward_calls}".encode()
+        )
         for index, (name, param) in enumerate(self.parameters.items()):
             digest.update(name.encode())
             digest.update(param.detach().cpu().contiguous().numpy().tobytes())

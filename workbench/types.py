@@ -228,7 +228,9 @@ class LoraConfig:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoraConfig.rank must be a positive integer, got {self.rank!r}")
         if not (self.train_unembed or self.train_mlp or self.train_attn):
-            raise ValueError("LoraConfig trains nothing: set at least one of train_attn, train_mlp, train_unembed")
+            raise ValueError(
+                "LoraConfig trains nothing: set at least one of train_attn, train_mlp, train_unembed"
+            )
         if not self.alpha > 0:
             raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha!r}")
 
@@ -254,11 +256,20 @@ class SamplingParams:
             isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
+        if (
+            not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature))
+            or self.temperature < 0
+        ):
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or (self.top_k < 1 and self.top_k != -1)
+        ):
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
@@ -267,8 +278,13 @@ class SamplingParams:
             stop = (stop,)
         if stop is not None:
             stop = tuple(stop)
-            if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)):
-                raise ValueError(f"SamplingParams.stop must be strings or token ids, not a mix: {self.stop!r}")
+            if not (
+                all(isinstance(s, str) for s in stop)
+                or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)
+            ):
+                raise ValueError(
+                    f"SamplingParams.stop must be strings or token ids, not a mix: {self.stop!r}"
+                )
             if any(isinstance(s, str) and not s for s in stop):
                 raise ValueError("SamplingParams.stop strings must not be empty")
         object.__setattr__(self, "stop", stop)
@@ -362,7 +378,9 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
         if dtype == "int64" and array.dtype.kind == "f":
             return TensorData(array, "float32")  # kept float so validation can name the bad value
         return TensorData(array, dtype)
-    raise TypeError(f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}")
+    raise TypeError(
+        f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
+    )
 
 
 def to_model_input(value: Any) -> ModelInput:

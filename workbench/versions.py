@@ -47,7 +47,9 @@ class WeightSnapshots:
 
     def held_bytes(self) -> int:
         """Memory held by copies of past versions (safe to call from any thread)."""
-        return sum(t.numel() * t.element_size() for copy in list(self._copies.values()) for t in copy.values())
+        return sum(
+            t.numel() * t.element_size() for copy in list(self._copies.values()) for t in copy.values()
+        )
 
     def before_change(self, current_version: int) -> None:
         """Keep a copy of the current weights if a live client is pinned to them."""
@@ -65,7 +67,9 @@ class WeightSnapshots:
             return
         copy = self._copies.get(version)
         if copy is None:
-            raise ValueError(f"the weights of version {version} are no longer held (no live client is pinned to them)")
+            raise ValueError(
+                f"the weights of version {version} are no longer held (no live client is pinned to them)"
+            )
         live = {name: p.detach().clone() for name, p in self._parameters.items()}
         try:
             with torch.no_grad():

@@ -78,7 +78,9 @@ class Worker:
     ) -> APIFuture[Any]:
         """Queue `item`; adjacent items with the same key are passed together to `run_batch`, which
         returns one result (or exception instance) per item, in order."""
-        return self._put(_Job(concurrent.futures.Future(), batch_key=batch_key, item=item, run_batch=run_batch))
+        return self._put(
+            _Job(concurrent.futures.Future(), batch_key=batch_key, item=item, run_batch=run_batch)
+        )
 
     def post(self, run: Callable[[], None]) -> None:
         """Queue `run()` with no future and without taking any lock: safe from finalizers. Dropped
@@ -153,13 +155,17 @@ class Worker:
                 break
         for job in leftovers:
             if job is not _STOP and job.future is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_exception(SessionClosedError("the session was closed before this operation ran"))
+                job.future.set_exception(
+                    SessionClosedError("the session was closed before this operation ran")
+                )
 
     @staticmethod
     def _run_single(job: _Job) -> None:
         assert job.run is not None
         if job.future is None:
-            with contextlib.suppress(Exception):  # posted work has nobody to report to; it must not stop the worker
+            with contextlib.suppress(
+                Exception
+            ):  # posted work has nobody to report to; it must not stop the worker
                 job.run()
             return
         if not job.future.set_running_or_notify_cancel():

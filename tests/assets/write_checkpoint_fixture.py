@@ -22,13 +22,21 @@ TEXT = "The quick brown fox jumps over the lazy dog. Two plus two is four."
 def fixed_batch(tokenizer) -> list[wb.Datum]:
     """The batch every fixture records its loss on."""
     tokens = tokenizer(TEXT).input_ids
-    return [wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]})]
+    return [
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+        )
+    ]
 
 
 def write(version: str) -> Path:
     target = Path(__file__).parent / f"checkpoint-{version}"
-    with tempfile.TemporaryDirectory() as tmp, wb.Session("tiny", wb.LoraConfig(rank=2), critic=True, seed=3,
-                                                           run_dir=Path(tmp) / "run", wandb=False) as sess:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        wb.Session(
+            "tiny", wb.LoraConfig(rank=2), critic=True, seed=3, run_dir=Path(tmp) / "run", wandb=False
+        ) as sess,
+    ):
         batch = fixed_batch(sess.tokenizer)
         for _ in range(3):
             sess.policy.forward_backward(batch, "cross_entropy").result()

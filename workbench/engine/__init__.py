@@ -12,4 +12,14 @@ from workbench.engine.forward_backward import CustomLossFn
 from workbench.engine.roles import Role
 from workbench.engine.sampling import SamplerPin
 
-__all__ = ["CustomLossFn", "Engine", "EngineConfig", "ModelTensors", "Restore", "Role", "RunStatus", "SamplerPin", "SessionConfig"]
+__all__ = [
+    "CustomLossFn",
+    "Engine",
+    "EngineConfig",
+    "ModelTensors",
+    "Restore",
+    "Role",
+    "RunStatus",
+    "SamplerPin",
+    "SessionConfig",
+]

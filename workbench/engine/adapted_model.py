@@ -39,7 +39,13 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 class AdaptedModel:
     """The base model, its adapters, and the forward passes every operation uses."""
 
-    def __init__(self, base: PreTrainedModel, info: BaseModelInfo, tokenizer: PreTrainedTokenizerBase, device: torch.device):
+    def __init__(
+        self,
+        base: PreTrainedModel,
+        info: BaseModelInfo,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+    ):
         self.base = base
         self.info = info
         self.device = device
@@ -69,7 +75,9 @@ class AdaptedModel:
     def load_adapter(self, name: str, folder: Path) -> None:
         """Load a saved peft adapter folder as an inference-only adapter."""
         if self.peft_model is None:
-            self.peft_model = peft.PeftModel.from_pretrained(self.base, str(folder), adapter_name=name, is_trainable=False)
+            self.peft_model = peft.PeftModel.from_pretrained(
+                self.base, str(folder), adapter_name=name, is_trainable=False
+            )
             self.peft_model.eval()
             self.hf_sampler.model = self.peft_model
         else:
@@ -109,8 +117,12 @@ class AdaptedModel:
         config = copy.deepcopy(self.peft_model.peft_config[name])
         config.base_model_name_or_path = self.info.path
         config.inference_mode = True
-        config_dict = {key: sorted(value) if isinstance(value, set) else value for key, value in config.to_dict().items()}
-        tensors = {key: value.detach().cpu().contiguous() for key, value in self.adapter_tensors(name).items()}
+        config_dict = {
+            key: sorted(value) if isinstance(value, set) else value for key, value in config.to_dict().items()
+        }
+        tensors = {
+            key: value.detach().cpu().contiguous() for key, value in self.adapter_tensors(name).items()
+        }
         return {
             ADAPTER_CONFIG: json_bytes(config_dict),
             ADAPTER_WEIGHTS: safetensors.torch.save(tensors, metadata={"format": "pt"}),
@@ -140,9 +152,13 @@ class AdaptedModel:
 
     def logits(self, adapter: str | None, micro: MicroBatch) -> Tensor:
         with self.using(adapter) as module:
-            return module(input_ids=micro.input_ids_B_T, attention_mask=micro.attention_mask_B_T, use_cache=False).logits
+            return module(
+                input_ids=micro.input_ids_B_T, attention_mask=micro.attention_mask_B_T, use_cache=False
+            ).logits
 
-    def target_logprobs(self, adapter: str | None, micro: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def target_logprobs(
+        self, adapter: str | None, micro: MicroBatch, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """log p(target_t | prefix) for every position (with autograd when enabled), and the detached
         next-token entropy when asked."""
         logits_B_T_V = self.logits(adapter, micro)

@@ -102,15 +102,26 @@ def canonical_names(model: TrainedModel) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- capture
 
 
-def capture(state: EngineState, run: TrainingRun, name: str, *, expires_at: float | None, user_metadata: Mapping[str, str]) -> dict[str, bytes]:
+def capture(
+    state: EngineState,
+    run: TrainingRun,
+    name: str,
+    *,
+    expires_at: float | None,
+    user_metadata: Mapping[str, str],
+) -> dict[str, bytes]:
     """Every file of a state checkpoint of `run`. Runs on the worker thread, between operations."""
     files: dict[str, bytes] = {}
     counters: dict[str, dict[str, int]] = {}
     for model in run.models():
         role = model.role.value
-        files.update({f"{role}/{rel}": data for rel, data in state.model.adapter_files(model.adapter).items()})
+        files.update(
+            {f"{role}/{rel}": data for rel, data in state.model.adapter_files(model.adapter).items()}
+        )
         if model.value_head is not None:
-            head = {key: value.detach().cpu().contiguous() for key, value in model.value_head.state_dict().items()}
+            head = {
+                key: value.detach().cpu().contiguous() for key, value in model.value_head.state_dict().items()
+            }
             files[f"{role}/{VALUE_HEAD}"] = safetensors.torch.save(head)
         trainable = model.trainable
         names = list(canonical_names(model).values())
@@ -120,12 +131,19 @@ def capture(state: EngineState, run: TrainingRun, name: str, *, expires_at: floa
             for index, entry in saved["state"].items()
             for key, value in entry.items()
         }
-        groups = [{**group, "params": [names[index] for index in group["params"]]} for group in saved["param_groups"]]
+        groups = [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in saved["param_groups"]
+        ]
         files[f"optimizer/{role}.safetensors"] = safetensors.torch.save(moments)
         files[f"optimizer/{role}.json"] = json_bytes({"param_groups": groups})
         if trainable.pending_backward_calls:
             canonical = canonical_names(model)
-            grads = {canonical[n]: p.grad.detach().cpu().contiguous() for n, p in trainable.parameters.items() if p.grad is not None}
+            grads = {
+                canonical[n]: p.grad.detach().cpu().contiguous()
+                for n, p in trainable.parameters.items()
+                if p.grad is not None
+            }
             files[f"gradients/{role}.safetensors"] = safetensors.torch.save(grads)
         counters[role] = {
             "step": trainable.step,
@@ -220,7 +238,9 @@ def read(folder: Path) -> SavedState:
     if config.get("kind") != "state":
         raise CorruptCheckpointError(f"{folder / 'config.json'} does not describe a state checkpoint")
     if not isinstance(config.get("format_version"), int) or config["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(f"{folder} has checkpoint format {config.get('format_version')!r}; this workbench reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{folder} has checkpoint format {config.get('format_version')!r}; this workbench reads {FORMAT_VERSION}"
+        )
     state = _json(folder, files, "state.json")
     try:
         adapters: dict[Role, AdapterState] = {}
@@ -240,7 +260,10 @@ def read(folder: Path) -> SavedState:
                 tensors=_tensors(folder, files, f"{role}/{ADAPTER_WEIGHTS}"),
                 value_head=_tensors(folder, files, f"{role}/{VALUE_HEAD}") if role is Role.CRITIC else None,
                 # JSON turns tuples (AdamW's betas) into lists; torch keeps them as tuples
-                param_groups=[{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups],
+                param_groups=[
+                    {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+                    for g in groups
+                ],
                 moments=moments,
                 gradients=_tensors(folder, files, grads_rel) if grads_rel in files else {},
                 step=int(counters["step"]),
@@ -251,7 +274,9 @@ def read(folder: Path) -> SavedState:
         try:
             rng = RngStates.parse(state["rng"], rng_tensors)
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
-            raise CorruptCheckpointError(f"{folder}: unusable RNG state ({type(error).__name__}: {error})") from None
+            raise CorruptCheckpointError(
+                f"{folder}: unusable RNG state ({type(error).__name__}: {error})"
+            ) from None
         session = config["session"]
         arguments = {
             "base_model": str(session["base_model"]),
@@ -295,8 +320,11 @@ def check_compatible(saved: SavedState, state: EngineState, run: TrainingRun, re
     changing anything: raises CheckpointError naming what differs, with both values."""
     current = state.base_info.identity()
     if saved.base_identity != current:
-        diffs = [f"{key}: checkpoint {saved.base_identity.get(key)!r}, session {current.get(key)!r}"
-                 for key in sorted(set(saved.base_identity) | set(current)) if saved.base_identity.get(key) != current.get(key)]
+        diffs = [
+            f"{key}: checkpoint {saved.base_identity.get(key)!r}, session {current.get(key)!r}"
+            for key in sorted(set(saved.base_identity) | set(current))
+            if saved.base_identity.get(key) != current.get(key)
+        ]
         raise CheckpointError(f"{saved.folder} was saved on a different base model ({'; '.join(diffs)})")
     live_roles = {model.role for model in run.models()}
     if set(saved.adapters) != live_roles:
@@ -309,41 +337,71 @@ def check_compatible(saved: SavedState, state: EngineState, run: TrainingRun, re
     for role, adapter_state in saved.adapters.items():
         model = run.model(role)
         live = state.model.peft_config_dict(model.adapter)
-        saved_lora = (adapter_state.adapter_config.get("r"), adapter_state.adapter_config.get("lora_alpha"), sorted(adapter_state.adapter_config.get("target_modules") or []))
+        saved_lora = (
+            adapter_state.adapter_config.get("r"),
+            adapter_state.adapter_config.get("lora_alpha"),
+            sorted(adapter_state.adapter_config.get("target_modules") or []),
+        )
         if saved_lora != (live["r"], live["lora_alpha"], sorted(live["target_modules"])):  # type: ignore[arg-type]
             raise CheckpointError(
                 f"{saved.folder}: the {role} adapter differs: checkpoint {_describe_lora(adapter_state.adapter_config)}; "
                 f"session {_describe_lora(live)}"
             )
-        _check_shapes(saved.folder, role, "adapter weights", adapter_state.tensors, state.model.adapter_tensors(model.adapter))
+        _check_shapes(
+            saved.folder,
+            role,
+            "adapter weights",
+            adapter_state.tensors,
+            state.model.adapter_tensors(model.adapter),
+        )
         if adapter_state.value_head is not None:
             assert model.value_head is not None
-            _check_shapes(saved.folder, role, "value head", adapter_state.value_head, model.value_head.state_dict())
+            _check_shapes(
+                saved.folder, role, "value head", adapter_state.value_head, model.value_head.state_dict()
+            )
         if restore is Restore.WEIGHTS:
             continue
-        params = {canonical: model.trainable.parameters[name] for name, canonical in canonical_names(model).items()}
+        params = {
+            canonical: model.trainable.parameters[name] for name, canonical in canonical_names(model).items()
+        }
         grouped = [name for group in adapter_state.param_groups for name in group["params"]]
-        if len(adapter_state.param_groups) != len(model.trainable.optimizer.param_groups) or grouped != list(params):
-            raise CorruptCheckpointError(f"{saved.folder}: the {role} optimizer's parameters do not match the adapter's")
+        if len(adapter_state.param_groups) != len(model.trainable.optimizer.param_groups) or grouped != list(
+            params
+        ):
+            raise CorruptCheckpointError(
+                f"{saved.folder}: the {role} optimizer's parameters do not match the adapter's"
+            )
         for name, entries in adapter_state.moments.items():
             for key, value in entries.items():
                 if name not in params or (key != "step" and value.shape != params[name].shape):
-                    raise CorruptCheckpointError(f"{saved.folder}: the {role} optimizer state {name}/{key} matches no parameter")
+                    raise CorruptCheckpointError(
+                        f"{saved.folder}: the {role} optimizer state {name}/{key} matches no parameter"
+                    )
         for name, grad in adapter_state.gradients.items():
             if name not in params or grad.shape != params[name].shape:
-                raise CorruptCheckpointError(f"{saved.folder}: the {role} gradient {name} matches no parameter")
+                raise CorruptCheckpointError(
+                    f"{saved.folder}: the {role} gradient {name} matches no parameter"
+                )
 
 
-def _check_shapes(folder: Path, role: Role, what: str, saved: Mapping[str, Tensor], live: Mapping[str, Tensor]) -> None:
+def _check_shapes(
+    folder: Path, role: Role, what: str, saved: Mapping[str, Tensor], live: Mapping[str, Tensor]
+) -> None:
     missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
     if missing or extra:
-        raise CheckpointError(f"{folder}: the {role} {what} do not fit this session (missing {missing[:3]}, unexpected {extra[:3]})")
+        raise CheckpointError(
+            f"{folder}: the {role} {what} do not fit this session (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     for key, value in saved.items():
         if value.shape != live[key].shape:
-            raise CheckpointError(f"{folder}: the {role} {what} {key} has shape {tuple(value.shape)}, the session's {tuple(live[key].shape)}")
+            raise CheckpointError(
+                f"{folder}: the {role} {what} {key} has shape {tuple(value.shape)}, the session's {tuple(live[key].shape)}"
+            )
 
 
-def restore(saved: SavedState, state: EngineState, run: TrainingRun, restore: Restore, exact_versions: bool) -> None:
+def restore(
+    saved: SavedState, state: EngineState, run: TrainingRun, restore: Restore, exact_versions: bool
+) -> None:
     """Put a checked checkpoint into `run` (on the worker thread), as much of it as `restore` says.
 
     Versions: with `exact_versions` (a run built for this checkpoint) each weights_version is the saved
@@ -363,14 +421,21 @@ def restore(saved: SavedState, state: EngineState, run: TrainingRun, restore: Re
             if adapter_state.value_head is not None:
                 assert model.value_head is not None
                 model.value_head.load_state_dict(adapter_state.value_head)
-            trainable.weights_version = adapter_state.weights_version if exact_versions else max(adapter_state.weights_version, trainable.weights_version) + 1
+            trainable.weights_version = (
+                adapter_state.weights_version
+                if exact_versions
+                else max(adapter_state.weights_version, trainable.weights_version) + 1
+            )
             if restore is Restore.WEIGHTS:
                 continue
             index = {canonical: i for i, canonical in enumerate(canonical_names(model).values())}
             trainable.optimizer.load_state_dict(
                 {
                     "state": {index[name]: dict(entries) for name, entries in adapter_state.moments.items()},
-                    "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in adapter_state.param_groups],
+                    "param_groups": [
+                        {**group, "params": [index[n] for n in group["params"]]}
+                        for group in adapter_state.param_groups
+                    ],
                 }
             )
             canonical = canonical_names(model)

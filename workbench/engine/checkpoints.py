@@ -50,7 +50,9 @@ def _expires_at(ttl_seconds: int | None) -> float | None:
     if ttl_seconds is None:
         return None
     if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds < 1:
-        raise ValueError(f"ttl_seconds must be a positive integer (or None: kept until deleted), got {ttl_seconds!r}")
+        raise ValueError(
+            f"ttl_seconds must be a positive integer (or None: kept until deleted), got {ttl_seconds!r}"
+        )
     return time.time() + ttl_seconds
 
 
@@ -77,11 +79,20 @@ def save_state(
 
     def run() -> SaveWeightsResponse:
         training_run = state.run(model_id)
-        files = checkpoint_files.capture(state, training_run, name, expires_at=expires_at, user_metadata=metadata)
+        files = checkpoint_files.capture(
+            state, training_run, name, expires_at=expires_at, user_metadata=metadata
+        )
         checkpoint_store.write_atomically(target, files, overwrite)
-        state.record("save_state", training_run, training_run.policy.adapter, {"checkpoint_bytes": float(sum(map(len, files.values())))})
+        state.record(
+            "save_state",
+            training_run,
+            training_run.policy.adapter,
+            {"checkpoint_bytes": float(sum(map(len, files.values())))},
+        )
         path = address_of(target).tinker_path
-        state.history.event("checkpoint", {"name": name, "kind": "state", "path": path, "step": training_run.step})
+        state.history.event(
+            "checkpoint", {"name": name, "kind": "state", "path": path, "step": training_run.step}
+        )
         return SaveWeightsResponse(path=path, folder=str(target))
 
     return state.submit(run)
@@ -123,9 +134,16 @@ def save_weights_for_sampler(
         files = state.model.adapter_files(policy.adapter)
         files[SAMPLER_INFO] = checkpoint_store.json_bytes(info)
         checkpoint_store.write_atomically(target, files, overwrite)
-        state.record("save_weights_for_sampler", training_run, policy.adapter, {"weights_version": float(policy.weights_version)})
+        state.record(
+            "save_weights_for_sampler",
+            training_run,
+            policy.adapter,
+            {"weights_version": float(policy.weights_version)},
+        )
         path = address_of(target).tinker_path
-        state.history.event("checkpoint", {"name": name, "kind": "sampler", "path": path, "step": policy.step})
+        state.history.event(
+            "checkpoint", {"name": name, "kind": "sampler", "path": path, "step": policy.step}
+        )
         return SaveWeightsForSamplerResponse(path=path, folder=str(target))
 
     return state.submit(run)
@@ -139,7 +157,9 @@ def describe(folder: Path) -> str:
         return str(folder.absolute())
 
 
-def resolve(state: EngineState, model_id: str | None, path_or_name: str | Path, kind: CheckpointKind = "state") -> Path:
+def resolve(
+    state: EngineState, model_id: str | None, path_or_name: str | Path, kind: CheckpointKind = "state"
+) -> Path:
     """The checkpoint folder a user means (a `tinker://` path, a name of the run's own, or a folder)."""
     own = state.run(model_id).run_dir if model_id is not None else None
     folder = resolve_checkpoint(path_or_name, kind, own, known_runs(state))
@@ -154,7 +174,9 @@ def read_state(folder: Path) -> SavedState:
     return saved
 
 
-def load_state(state: EngineState, model_id: str, path_or_name: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
+def load_state(
+    state: EngineState, model_id: str, path_or_name: str | Path, restore: Restore
+) -> APIFuture[LoadWeightsResponse]:
     """Queue a load of a state checkpoint into the run: found, read and verified on the worker after the
     operations before it, then checked against the run, and only then restored (see
     `checkpoint_files.restore` for what each `Restore` level puts back and how versions are set)."""
@@ -166,12 +188,21 @@ def load_state(state: EngineState, model_id: str, path_or_name: str | Path, rest
         saved = read_state(folder)
         training_run = state.run(model_id)
         checkpoint_files.restore(saved, state, training_run, restore, exact_versions=False)
-        state.record("load_state", training_run, training_run.policy.adapter, {"weights_version": float(training_run.policy.weights_version)})
+        state.record(
+            "load_state",
+            training_run,
+            training_run.policy.adapter,
+            {"weights_version": float(training_run.policy.weights_version)},
+        )
         return LoadWeightsResponse(path=describe(folder))
 
     return state.submit(run)
 
 
-def restore_new_run(state: EngineState, training_run: TrainingRun, saved: SavedState, restore: Restore) -> APIFuture[None]:
+def restore_new_run(
+    state: EngineState, training_run: TrainingRun, saved: SavedState, restore: Restore
+) -> APIFuture[None]:
     """Restore a checkpoint into a run created for it (exact weight versions)."""
-    return state.submit(lambda: checkpoint_files.restore(saved, state, training_run, restore, exact_versions=True))
+    return state.submit(
+        lambda: checkpoint_files.restore(saved, state, training_run, restore, exact_versions=True)
+    )

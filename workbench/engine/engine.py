@@ -149,7 +149,13 @@ class Engine:
             max_models=max_models,
         )
         base, tokenizer, info = load_base_model(base_model, resolved_device, resolved_dtype)
-        self._state = EngineState(config, AdaptedModel(base, info, tokenizer, resolved_device), tokenizer, resolved_device, resolved_dtype)
+        self._state = EngineState(
+            config,
+            AdaptedModel(base, info, tokenizer, resolved_device),
+            tokenizer,
+            resolved_device,
+            resolved_dtype,
+        )
         self._finalizer = weakref.finalize(self, _shutdown, self._state.worker, self._state.history)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -203,7 +209,9 @@ class Engine:
         model_id = model_id or new_run_id(self.config.base_model)
         folder = (Path(run_dir) if run_dir is not None else runs_root() / model_id).absolute()
         self._check_lora(lora)
-        future = model_lifecycle.create_run(self._state, lora, seed=seed, model_id=model_id, run_dir=folder, user_metadata=user_metadata)
+        future = model_lifecycle.create_run(
+            self._state, lora, seed=seed, model_id=model_id, run_dir=folder, user_metadata=user_metadata
+        )
         return future.then(lambda run: run.model_id)
 
     def create_model_from_state(
@@ -227,13 +235,24 @@ class Engine:
             new_id = model_id or new_run_id(self.config.base_model)
             folder_for_run = Path(run_dir).absolute() if run_dir is not None else runs_root() / new_id
             arguments = saved.session_arguments
-            metadata = dict(saved.user_metadata) if user_metadata is None else model_lifecycle.check_metadata(user_metadata)
+            metadata = (
+                dict(saved.user_metadata)
+                if user_metadata is None
+                else model_lifecycle.check_metadata(user_metadata)
+            )
             training_run = model_lifecycle.add_run(
-                state, arguments["lora"], seed=arguments["seed"], model_id=new_id, run_dir=folder_for_run, user_metadata=metadata
+                state,
+                arguments["lora"],
+                seed=arguments["seed"],
+                model_id=new_id,
+                run_dir=folder_for_run,
+                user_metadata=metadata,
             )
             try:
                 if arguments["critic"] is not False:
-                    model_lifecycle.add_critic(state, training_run, arguments["critic"], arguments["seed"] + 1)
+                    model_lifecycle.add_critic(
+                        state, training_run, arguments["critic"], arguments["seed"] + 1
+                    )
                 checkpoint_files.restore(saved, state, training_run, restore, exact_versions=True)
             except BaseException:
                 model_lifecycle.remove_run(state, new_id)
@@ -299,7 +318,10 @@ class Engine:
             trainable = state.run(model_id).model(role).trainable
             return ModelTensors(
                 parameters={name: p.detach().clone() for name, p in trainable.parameters.items()},
-                gradients={name: None if p.grad is None else p.grad.detach().clone() for name, p in trainable.parameters.items()},
+                gradients={
+                    name: None if p.grad is None else p.grad.detach().clone()
+                    for name, p in trainable.parameters.items()
+                },
                 pending_backward_calls=trainable.pending_backward_calls,
             )
 
@@ -311,23 +333,41 @@ class Engine:
 
     def _check_lora(self, lora: LoraConfig) -> None:
         if self.config.sampler == "vllm" and lora.train_unembed:
-            raise ValueError("vLLM does not load LoRA weights on the output embedding: use LoraConfig(train_unembed=False), or sampler='hf'")
+            raise ValueError(
+                "vLLM does not load LoRA weights on the output embedding: use LoraConfig(train_unembed=False), or sampler='hf'"
+            )
 
     # ------------------------------------------------------------------------------------------ training
 
     def forward(
-        self, model_id: str, role: Role, data: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+        self,
+        model_id: str,
+        role: Role,
+        data: Sequence[Any],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """The loss and per-datum outputs, without touching gradients."""
-        return forward_backward.submit(self._state, model_id, role, data, loss_fn, loss_fn_config, backward=False)
+        return forward_backward.submit(
+            self._state, model_id, role, data, loss_fn, loss_fn_config, backward=False
+        )
 
     def forward_backward(
-        self, model_id: str, role: Role, data: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+        self,
+        model_id: str,
+        role: Role,
+        data: Sequence[Any],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """The loss and outputs; its gradient is added to the accumulated one (applied by `optim_step`)."""
-        return forward_backward.submit(self._state, model_id, role, data, loss_fn, loss_fn_config, backward=True)
+        return forward_backward.submit(
+            self._state, model_id, role, data, loss_fn, loss_fn_config, backward=True
+        )
 
-    def forward_backward_custom(self, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+    def forward_backward_custom(
+        self, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Train on any differentiable function of the per-datum logprobs."""
         return forward_backward.submit_custom(self._state, model_id, role, data, loss_fn)
 
@@ -355,7 +395,9 @@ class Engine:
         if not self.closed:
             sampling.release(self._state, pin)
             if wait and threading.current_thread() is not self._state.worker.thread:
-                with contextlib.suppress(SessionClosedError):  # closed meanwhile: every pin went with the runs
+                with contextlib.suppress(
+                    SessionClosedError
+                ):  # closed meanwhile: every pin went with the runs
                     self._state.submit(lambda: None).result()
 
     def sample(
@@ -367,30 +409,60 @@ class Engine:
         include_prompt_logprobs: bool = False,
     ) -> APIFuture[SampleResponse]:
         """Sample `num_samples` continuations of `prompt` from the pinned weights, with logprobs."""
-        return sampling.submit_sample(self._state, pin, prompt, num_samples, sampling_params, include_prompt_logprobs)
+        return sampling.submit_sample(
+            self._state, pin, prompt, num_samples, sampling_params, include_prompt_logprobs
+        )
 
-    def compute_logprobs(self, pin: APIFuture[SamplerPin], prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
+    def compute_logprobs(
+        self, pin: APIFuture[SamplerPin], prompt: ModelInput | Sequence[int]
+    ) -> APIFuture[list[float | None]]:
         """The logprob of every token of `prompt` given the ones before it (first entry None)."""
         return sampling.submit_compute_logprobs(self._state, pin, prompt)
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def save_state(
-        self, model_id: str, name: str, *, overwrite: bool = False, ttl_seconds: int | None = None, user_metadata: Mapping[str, str] | None = None
+        self,
+        model_id: str,
+        name: str,
+        *,
+        overwrite: bool = False,
+        ttl_seconds: int | None = None,
+        user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
-        return checkpoints.save_state(self._state, model_id, name, overwrite=overwrite, ttl_seconds=ttl_seconds, user_metadata=user_metadata)
+        return checkpoints.save_state(
+            self._state,
+            model_id,
+            name,
+            overwrite=overwrite,
+            ttl_seconds=ttl_seconds,
+            user_metadata=user_metadata,
+        )
 
     def save_weights_for_sampler(
-        self, model_id: str, name: str, *, overwrite: bool = False, ttl_seconds: int | None = None, user_metadata: Mapping[str, str] | None = None
+        self,
+        model_id: str,
+        name: str,
+        *,
+        overwrite: bool = False,
+        ttl_seconds: int | None = None,
+        user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
         return checkpoints.save_weights_for_sampler(
-            self._state, model_id, name, overwrite=overwrite, ttl_seconds=ttl_seconds, user_metadata=user_metadata
+            self._state,
+            model_id,
+            name,
+            overwrite=overwrite,
+            ttl_seconds=ttl_seconds,
+            user_metadata=user_metadata,
         )
 
     def load_state(self, model_id: str, path: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
         return checkpoints.load_state(self._state, model_id, path, restore)
 
-    def checkpoint_folder(self, path: str | Path, kind: CheckpointKind = "state", model_id: str | None = None) -> Path:
+    def checkpoint_folder(
+        self, path: str | Path, kind: CheckpointKind = "state", model_id: str | None = None
+    ) -> Path:
         """The folder of a checkpoint named by a `tinker://` path, a folder, or a name of `model_id`'s run."""
         return checkpoints.resolve(self._state, model_id, path, kind)
 
@@ -450,7 +522,11 @@ class Engine:
 
         def digest() -> str:
             hasher = hashlib.sha256()
-            runs = [state.run(model_id)] if model_id is not None else [state.runs[key] for key in sorted(state.runs)]
+            runs = (
+                [state.run(model_id)]
+                if model_id is not None
+                else [state.runs[key] for key in sorted(state.runs)]
+            )
             for run in runs:
                 for model in [run.model(role)] if role is not None else run.models():
                     model.trainable.update_digest(hasher)

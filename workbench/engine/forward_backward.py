@@ -40,7 +40,9 @@ class MetricTotals:
     active_tokens: float = 0.0
     diagnostic_sums: dict[str, float] = field(default_factory=dict)
 
-    def add(self, elementwise_loss_B_T: Tensor, active_B_T: Tensor, diagnostics: Mapping[str, Tensor]) -> None:
+    def add(
+        self, elementwise_loss_B_T: Tensor, active_B_T: Tensor, diagnostics: Mapping[str, Tensor]
+    ) -> None:
         self.loss += float(elementwise_loss_B_T.detach().sum())
         active = active_B_T.float()
         self.active_tokens += float(active.sum())
@@ -56,17 +58,32 @@ class MetricTotals:
             means = {name: total / self.active_tokens for name, total in self.diagnostic_sums.items()}
             if spec is not None and spec.summarize is not None and with_loss:
                 means = spec.summarize(means)
-            metrics.update({f"{name}:mean": value for name, value in means.items() if not name.startswith("_")})
+            metrics.update(
+                {f"{name}:mean": value for name, value in means.items() if not name.startswith("_")}
+            )
         return metrics
 
 
 # ---------------------------------------------------------------------------------------------- submission
 
 
-def prepare(state: EngineState, data: Sequence[Any], required: Sequence[str], optional: Mapping[str, float | None], strict: bool = True) -> list[PreparedDatum]:
+def prepare(
+    state: EngineState,
+    data: Sequence[Any],
+    required: Sequence[str],
+    optional: Mapping[str, float | None],
+    strict: bool = True,
+) -> list[PreparedDatum]:
     """Validate a batch against the engine's vocabulary and context (caller's thread)."""
     info = state.base_info
-    return prepare_batch(data, required=required, optional=optional, vocab_size=info.vocab_size, max_length=info.max_length, strict=strict)
+    return prepare_batch(
+        data,
+        required=required,
+        optional=optional,
+        vocab_size=info.vocab_size,
+        max_length=info.max_length,
+        strict=strict,
+    )
 
 
 def _check_target(state: EngineState, model_id: str, role: Role, training: bool) -> None:
@@ -110,17 +127,23 @@ def submit(
             "(to compute the loss) or to none (values only)"
         )
     op = "forward_backward" if backward else "forward"
-    return state.submit(lambda: run_loss(state, state.run(model_id), role, op, batch, spec, config, with_loss))
+    return state.submit(
+        lambda: run_loss(state, state.run(model_id), role, op, batch, spec, config, with_loss)
+    )
 
 
-def submit_custom(state: EngineState, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+def submit_custom(
+    state: EngineState, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
+) -> APIFuture[ForwardBackwardOutput]:
     """Validate a `forward_backward_custom` call, then queue it."""
     state.check_open()
     _check_target(state, model_id, role, True)
     if role is Role.CRITIC:
         raise ValueError("forward_backward_custom trains on logprobs; the critic trains with 'ppo_critic'")
     if not callable(loss_fn):
-        raise ValueError(f"forward_backward_custom needs a function fn(data, logprobs_list) -> (loss, metrics), got {loss_fn!r}")
+        raise ValueError(
+            f"forward_backward_custom needs a function fn(data, logprobs_list) -> (loss, metrics), got {loss_fn!r}"
+        )
     batch = prepare(state, data, ("target_tokens",), {}, strict=False)
     user_data = list(data)
     return state.submit(lambda: run_custom(state, state.run(model_id), role, batch, loss_fn, user_data))
@@ -129,7 +152,9 @@ def submit_custom(state: EngineState, model_id: str, role: Role, data: Sequence[
 # ---------------------------------------------------------------------------------------------- worker
 
 
-def predict(state: EngineState, run: TrainingRun, role: Role, micro: MicroBatch, with_entropy: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+def predict(
+    state: EngineState, run: TrainingRun, role: Role, micro: MicroBatch, with_entropy: bool = False
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The model's prediction for a micro-batch: the critic's values, or the targets' logprobs for the
     policy and the reference (and, when asked, the detached entropy of each next-token distribution)."""
     if role is Role.CRITIC:
@@ -142,7 +167,14 @@ def predict(state: EngineState, run: TrainingRun, role: Role, micro: MicroBatch,
 
 
 def run_loss(
-    state: EngineState, run: TrainingRun, role: Role, op: str, batch: list[PreparedDatum], spec: LossSpec, config: Mapping[str, float], with_loss: bool
+    state: EngineState,
+    run: TrainingRun,
+    role: Role,
+    op: str,
+    batch: list[PreparedDatum],
+    spec: LossSpec,
+    config: Mapping[str, float],
+    with_loss: bool,
 ) -> ForwardBackwardOutput:
     """`forward` (op "forward") or `forward_backward` (op "forward_backward") with a built-in loss.
 
@@ -154,7 +186,9 @@ def run_loss(
     pad = state.tokenizer.pad_token_id
 
     def run_microbatches() -> None:
-        for indices in plan_microbatches([item.length for item in batch], state.config.max_tokens_per_microbatch):
+        for indices in plan_microbatches(
+            [item.length for item in batch], state.config.max_tokens_per_microbatch
+        ):
             micro = collate(batch, indices, pad, state.device)
             mask_B_T = micro.attention_mask_B_T.bool()
             with torch.set_grad_enabled(backward):
@@ -163,8 +197,13 @@ def run_loss(
                     result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
                     if backward:
                         result.elementwise_loss_B_T.sum().backward()
-                    totals.add(result.elementwise_loss_B_T, result.active_B_T, {**extra, **result.diagnostics})
-                    per_position = {spec.head: prediction_B_T, "elementwise_loss": result.elementwise_loss_B_T}
+                    totals.add(
+                        result.elementwise_loss_B_T, result.active_B_T, {**extra, **result.diagnostics}
+                    )
+                    per_position = {
+                        spec.head: prediction_B_T,
+                        "elementwise_loss": result.elementwise_loss_B_T,
+                    }
                 else:
                     totals.add(torch.zeros_like(prediction_B_T), mask_B_T, extra)
                     per_position = {spec.head: prediction_B_T}
@@ -178,10 +217,19 @@ def run_loss(
             run_microbatches()
     metrics = totals.metrics(spec, with_loss)
     state.record(op, run, state.adapter_label(run, role), metrics)
-    return ForwardBackwardOutput(loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics)
+    return ForwardBackwardOutput(
+        loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
+    )
 
 
-def run_custom(state: EngineState, run: TrainingRun, role: Role, batch: list[PreparedDatum], loss_fn: CustomLossFn, user_data: list[Any]) -> ForwardBackwardOutput:
+def run_custom(
+    state: EngineState,
+    run: TrainingRun,
+    role: Role,
+    batch: list[PreparedDatum],
+    loss_fn: CustomLossFn,
+    user_data: list[Any],
+) -> ForwardBackwardOutput:
     """`forward_backward_custom`: the user's loss over per-datum logprob tensors.
 
     When the batch fits in one micro-batch, the tensors given to `loss_fn` are slices of the live graph
@@ -206,7 +254,9 @@ def run_custom(state: EngineState, run: TrainingRun, role: Role, batch: list[Pre
                     micro = collate(batch, indices, pad, state.device)
                     logprobs_B_T, _ = predict(state, run, role, micro)
                     for row, index in enumerate(micro.indices):
-                        logprobs_list[index] = logprobs_B_T[row, : micro.lengths[row]].clone().requires_grad_(True)
+                        logprobs_list[index] = (
+                            logprobs_B_T[row, : micro.lengths[row]].clone().requires_grad_(True)
+                        )
             loss, user_metrics = call_custom_loss(loss_fn, user_data, logprobs_list)
             loss.backward()
             for indices in plan:
@@ -220,10 +270,14 @@ def run_custom(state: EngineState, run: TrainingRun, role: Role, batch: list[Pre
     outputs = [{"logprobs": TensorData.from_torch(logprobs_N.detach())} for logprobs_N in logprobs_list]
     metrics = {**user_metrics, "loss:sum": float(loss.detach())}
     state.record("forward_backward_custom", run, state.adapter_label(run, role), metrics)
-    return ForwardBackwardOutput(loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics)
+    return ForwardBackwardOutput(
+        loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
+    )
 
 
-def scatter_outputs(outputs: list[dict[str, TensorData]], micro: MicroBatch, per_position: Mapping[str, Tensor]) -> None:
+def scatter_outputs(
+    outputs: list[dict[str, TensorData]], micro: MicroBatch, per_position: Mapping[str, Tensor]
+) -> None:
     """Cut each (B, T) tensor back into one length-N_d `TensorData` per datum, in input order."""
     arrays = {name: tensor_B_T.detach().float().cpu().numpy() for name, tensor_B_T in per_position.items()}
     for row, index in enumerate(micro.indices):
@@ -232,7 +286,9 @@ def scatter_outputs(outputs: list[dict[str, TensorData]], micro: MicroBatch, per
             outputs[index][name] = TensorData(np.ascontiguousarray(array_B_T[row, :n]), "float32")
 
 
-def call_custom_loss(loss_fn: CustomLossFn, data: list[Any], logprobs_list: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
+def call_custom_loss(
+    loss_fn: CustomLossFn, data: list[Any], logprobs_list: list[Tensor]
+) -> tuple[Tensor, dict[str, float]]:
     """Run the user's loss and check what it returns: a differentiable scalar and a dict of floats."""
     result = loss_fn(data, logprobs_list)
     if not (isinstance(result, tuple) and len(result) == 2):
@@ -241,5 +297,7 @@ def call_custom_loss(loss_fn: CustomLossFn, data: list[Any], logprobs_list: list
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise ValueError(f"a custom loss must return a scalar tensor as its loss, got {type(loss).__name__}")
     if not loss.requires_grad:
-        raise ValueError("the custom loss does not depend on the logprobs it was given: nothing to differentiate")
+        raise ValueError(
+            "the custom loss does not depend on the logprobs it was given: nothing to differentiate"
+        )
     return loss.reshape(()), {str(key): float(value) for key, value in dict(metrics).items()}

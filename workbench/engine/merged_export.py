@@ -39,7 +39,9 @@ def _export(state: EngineState, model_id: str, target: Path) -> Path:
     ]
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        with tqdm(total=len(adapted) + 2, desc=f"Exporting merged model to {target.name}", unit="step") as progress:
+        with tqdm(
+            total=len(adapted) + 2, desc=f"Exporting merged model to {target.name}", unit="step"
+        ) as progress:
             merged, tokenizer, _ = load_base_model(state.config.base_model, torch.device("cpu"), state.dtype)
             progress.update()
             output = merged.get_output_embeddings()
@@ -50,7 +52,9 @@ def _export(state: EngineState, model_id: str, target: Path) -> Path:
             with torch.no_grad():
                 for name, module in adapted:
                     layer = merged.get_submodule(name)
-                    layer.weight += module.get_delta_weight(adapter).to(device="cpu", dtype=layer.weight.dtype)
+                    layer.weight += module.get_delta_weight(adapter).to(
+                        device="cpu", dtype=layer.weight.dtype
+                    )
                     progress.update()
             merged.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

@@ -25,7 +25,9 @@ def check_metadata(user_metadata: Mapping[str, str] | None) -> dict[str, str]:
     """Tinker's `user_metadata`: a flat dict of strings."""
     if user_metadata is None:
         return {}
-    if not isinstance(user_metadata, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in user_metadata.items()):
+    if not isinstance(user_metadata, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in user_metadata.items()
+    ):
         raise ValueError(f"user_metadata must be a dict of strings to strings, got {user_metadata!r}")
     return dict(user_metadata)
 
@@ -39,7 +41,13 @@ def _check_capacity(state: EngineState) -> None:
 
 
 def add_run(
-    state: EngineState, lora: LoraConfig, *, seed: int, model_id: str, run_dir: Path, user_metadata: Mapping[str, str]
+    state: EngineState,
+    lora: LoraConfig,
+    *,
+    seed: int,
+    model_id: str,
+    run_dir: Path,
+    user_metadata: Mapping[str, str],
 ) -> TrainingRun:
     """Add a training run now (worker thread): a new LoRA policy on the shared base, whose files go to
     `run_dir`. Its adapter's A matrices are drawn from `lora.seed`, else `seed`; B starts at zero, so the
@@ -82,7 +90,9 @@ def create_run(
     if model_id in state.runs:
         raise ValueError(f"a model named {model_id!r} already exists on this engine")
     _check_capacity(state)
-    return state.submit(lambda: add_run(state, lora, seed=seed, model_id=model_id, run_dir=run_dir, user_metadata=metadata))
+    return state.submit(
+        lambda: add_run(state, lora, seed=seed, model_id=model_id, run_dir=run_dir, user_metadata=metadata)
+    )
 
 
 def remove_run(state: EngineState, model_id: str) -> None:
@@ -105,7 +115,9 @@ def create_critic(state: EngineState, model_id: str, lora: LoraConfig, seed: int
     base weights (one copy of the base in memory), with its own AdamW."""
     state.check_open()
     if lora.train_unembed:
-        raise ValueError("the critic reads hidden states, not logits: use train_unembed=False for its adapter")
+        raise ValueError(
+            "the critic reads hidden states, not logits: use train_unembed=False for its adapter"
+        )
 
     return state.submit(lambda: add_critic(state, state.run(model_id), lora, seed))
 

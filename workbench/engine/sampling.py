@@ -96,8 +96,12 @@ def pin_checkpoint(state: EngineState, folder: Path) -> APIFuture[SamplerPin]:
         loaded = state.loaded_adapters.get(folder)
         if loaded is None:
             if not (folder / "adapter_config.json").is_file():
-                raise ValueError(f"{folder} holds no peft adapter (adapter_config.json); give a sampler checkpoint")
-            info = json.loads((folder / SAMPLER_INFO).read_text()) if (folder / SAMPLER_INFO).is_file() else {}
+                raise ValueError(
+                    f"{folder} holds no peft adapter (adapter_config.json); give a sampler checkpoint"
+                )
+            info = (
+                json.loads((folder / SAMPLER_INFO).read_text()) if (folder / SAMPLER_INFO).is_file() else {}
+            )
             state.sampler_adapters_made += 1
             name = f"sampler_{state.sampler_adapters_made}"
             state.model.load_adapter(name, folder)
@@ -116,7 +120,11 @@ def release(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
 
 
 def _unpin(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
-    if not pin_future.done() or pin_future.future().cancelled() or pin_future.future().exception() is not None:
+    if (
+        not pin_future.done()
+        or pin_future.future().cancelled()
+        or pin_future.future().exception() is not None
+    ):
         return
     held = pin_future.result()
     if held.model_id is not None:
@@ -144,7 +152,10 @@ def pinned_weights(state: EngineState, held: SamplerPin) -> Iterator[None]:
     if held.model_id is not None:
         training_run = state.run(held.model_id)
         assert held.version is not None
-        with state.model.using(training_run.policy.adapter), training_run.snapshots.weights(held.version, training_run.policy.weights_version):
+        with (
+            state.model.using(training_run.policy.adapter),
+            training_run.snapshots.weights(held.version, training_run.policy.weights_version),
+        ):
             yield
     else:
         with state.model.using(held.adapter):
@@ -173,15 +184,24 @@ def submit_sample(
         max_length=state.base_info.max_length,
         max_samples_per_request=state.config.max_samples_per_request,
     )
-    return state.submit_batchable("sample", (pin_future, request), lambda items: run_sample_batch(state, items))
+    return state.submit_batchable(
+        "sample", (pin_future, request), lambda items: run_sample_batch(state, items)
+    )
 
 
-def submit_compute_logprobs(state: EngineState, pin_future: APIFuture[SamplerPin], prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
+def submit_compute_logprobs(
+    state: EngineState, pin_future: APIFuture[SamplerPin], prompt: ModelInput | Sequence[int]
+) -> APIFuture[list[float | None]]:
     state.check_open()
     tokens = tuple(to_model_input(prompt).to_ints())
     info = state.base_info
     # the checks a training datum's tokens get (ids in the vocabulary, length within the context)
-    prepare_batch([{"model_input": list(tokens), "loss_fn_inputs": {}}], required=(), vocab_size=info.vocab_size, max_length=info.max_length)
+    prepare_batch(
+        [{"model_input": list(tokens), "loss_fn_inputs": {}}],
+        required=(),
+        vocab_size=info.vocab_size,
+        max_length=info.max_length,
+    )
 
     def run() -> list[float | None]:
         with pinned_weights(state, pin_future.result()):
@@ -195,7 +215,9 @@ def vllm_engine(state: EngineState) -> VLLMSampler:
     if state.vllm is None:
         info = state.base_info
         ranks = [run.policy.lora.rank for run in state.runs.values()] or [8]
-        state.vllm = VLLMSampler(info.path, info.path, state.dtype, max(ranks), info.max_length, state.config.seed)
+        state.vllm = VLLMSampler(
+            info.path, info.path, state.dtype, max(ranks), info.max_length, state.config.seed
+        )
     return state.vllm
 
 
@@ -205,7 +227,9 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
 
         def write_adapter(folder: Path) -> None:
             with pinned_weights(state, held):
-                files = state.model.adapter_files(held.adapter or state.run(held.model_id or "").policy.adapter)
+                files = state.model.adapter_files(
+                    held.adapter or state.run(held.model_id or "").policy.adapter
+                )
             folder.mkdir(parents=True, exist_ok=True)
             for name, data in files.items():
                 (folder / name).write_bytes(data)
@@ -215,7 +239,9 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
         return state.model.hf_sampler.generate(requests)
 
 
-def run_sample_batch(state: EngineState, items: Sequence[tuple[APIFuture[SamplerPin], SampleRequest]]) -> list[SampleResponse | BaseException]:
+def run_sample_batch(
+    state: EngineState, items: Sequence[tuple[APIFuture[SamplerPin], SampleRequest]]
+) -> list[SampleResponse | BaseException]:
     """The queued requests, one engine call per set of weights (worker thread)."""
     results: list[SampleResponse | BaseException | None] = [None] * len(items)
     groups: dict[tuple[str | None, int | None, str | None], tuple[SamplerPin, list[int]]] = {}
@@ -236,7 +262,9 @@ def run_sample_batch(state: EngineState, items: Sequence[tuple[APIFuture[Sampler
     return results  # type: ignore[return-value]
 
 
-def _sample_group(state: EngineState, held: SamplerPin, requests: list[SampleRequest]) -> list[SampleResponse | BaseException]:
+def _sample_group(
+    state: EngineState, held: SamplerPin, requests: list[SampleRequest]
+) -> list[SampleResponse | BaseException]:
     """One engine call for requests on the same weights; if it fails, each request again on its own."""
     start = time.perf_counter()
     try:
@@ -247,11 +275,19 @@ def _sample_group(state: EngineState, held: SamplerPin, requests: list[SampleReq
         return [outcome for request in requests for outcome in _sample_group(state, held, [request])]
     seconds = time.perf_counter() - start
     generated = sum(len(s.tokens) for result in results for s in result.sequences)
-    return [sample_response(state, held, request, result, seconds, generated) for request, result in zip(requests, results, strict=True)]
+    return [
+        sample_response(state, held, request, result, seconds, generated)
+        for request, result in zip(requests, results, strict=True)
+    ]
 
 
 def sample_response(
-    state: EngineState, held: SamplerPin, request: SampleRequest, result: RequestResult, batch_seconds: float, batch_tokens: int
+    state: EngineState,
+    held: SamplerPin,
+    request: SampleRequest,
+    result: RequestResult,
+    batch_seconds: float,
+    batch_tokens: int,
 ) -> SampleResponse:
     """The response to one request, and its history row."""
     sequences = result.sequences
@@ -277,4 +313,9 @@ def sample_response(
         sync_ms = state.vllm.sync_ms(held.weights_key)
         metrics["sync_ms"] = sync_ms
     state.record("sample", training_run, label, metrics)
-    return SampleResponse(sequences=sequences, weights_version=held.version, prompt_logprobs=result.prompt_logprobs, sync_ms=sync_ms)
+    return SampleResponse(
+        sequences=sequences,
+        weights_version=held.version,
+        prompt_logprobs=result.prompt_logprobs,
+        sync_ms=sync_ms,
+    )

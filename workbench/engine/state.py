@@ -85,7 +85,9 @@ class EngineState:
         """Queue work for the worker thread (raises SessionClosedError once closed)."""
         return self.worker.submit(run)
 
-    def submit_batchable(self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], Sequence[Any]]) -> APIFuture[Any]:
+    def submit_batchable(
+        self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], Sequence[Any]]
+    ) -> APIFuture[Any]:
         return self.worker.submit_batchable(key, item, run_batch)
 
     def run(self, model_id: str) -> TrainingRun:

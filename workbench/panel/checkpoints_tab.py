@@ -36,11 +36,21 @@ def checkpoints_table(infos: list[CheckpointInfo]) -> str:
     if not infos:
         return "<i>no checkpoints yet</i>"
     cells = [
-        (html.escape(info.name), info.kind, str(info.step), datetime.datetime.fromtimestamp(info.time).strftime("%Y-%m-%d %H:%M:%S"), format_bytes(info.size_bytes))
+        (
+            html.escape(info.name),
+            info.kind,
+            str(info.step),
+            datetime.datetime.fromtimestamp(info.time).strftime("%Y-%m-%d %H:%M:%S"),
+            format_bytes(info.size_bytes),
+        )
         for info in infos
     ]
     rows = "".join("<tr>" + "".join(f"<td {CELL}>{cell}</td>" for cell in row) + "</tr>" for row in cells)
-    head = "<tr>" + "".join(f"<th {CELL}>{name}</th>" for name in ("name", "kind", "step", "saved", "size")) + "</tr>"
+    head = (
+        "<tr>"
+        + "".join(f"<th {CELL}>{name}</th>" for name in ("name", "kind", "step", "saved", "size"))
+        + "</tr>"
+    )
     return f'<table class="wb-checkpoints" style="border-collapse:collapse">{head}{rows}</table>'
 
 
@@ -61,7 +71,9 @@ class CheckpointsTab:
         self.confirm_text = ipywidgets.HTML()
         self.confirm_button = ipywidgets.Button(description="Confirm", button_style="danger")
         self.cancel_button = ipywidgets.Button(description="Cancel")
-        self.confirm_row = ipywidgets.HBox([self.confirm_text, self.confirm_button, self.cancel_button], layout=HIDDEN)
+        self.confirm_row = ipywidgets.HBox(
+            [self.confirm_text, self.confirm_button, self.cancel_button], layout=HIDDEN
+        )
         self.pending: Callable[[], None] | None = None
         """The destructive action waiting for Confirm."""
         self.last_action: concurrent.futures.Future[Any] | None = None
@@ -146,10 +158,15 @@ class CheckpointsTab:
 
         def load() -> None:
             # what `sess.load_state` restores (everything, RNGs included), without blocking the kernel
-            future = self.session.engine.load_state(self.session.model_id, str(info.path), Restore.EVERYTHING).future()
+            future = self.session.engine.load_state(
+                self.session.model_id, str(info.path), Restore.EVERYTHING
+            ).future()
             self._track(future, lambda _response: f"loaded {info.name} (step {info.step})")
 
-        self._ask(f"Load {info.name}? The policy's weights and optimizer state are replaced by step {info.step}'s.", load)
+        self._ask(
+            f"Load {info.name}? The policy's weights and optimizer state are replaced by step {info.step}'s.",
+            load,
+        )
 
     def _on_delete(self, _button: ipywidgets.Button) -> None:
         info = self._selected()
@@ -159,7 +176,9 @@ class CheckpointsTab:
             self.feedback.info(f"deleted {info.name}")
             self.refresh()
 
-        self._ask(f"Delete checkpoint {info.name} ({format_bytes(info.size_bytes)})? Its files are removed.", delete)
+        self._ask(
+            f"Delete checkpoint {info.name} ({format_bytes(info.size_bytes)})? Its files are removed.", delete
+        )
 
     def _on_export(self, _button: ipywidgets.Button) -> None:
         path = self.export_path.value.strip()
@@ -185,7 +204,11 @@ class CheckpointsTab:
             return
         self._listed = infos
         self.table.value = checkpoints_table(infos)
-        options = [(f"{info.name} ({info.kind}, step {info.step})", str(info.path)) for info in reversed(infos)]
+        options = [
+            (f"{info.name} ({info.kind}, step {info.step})", str(info.path)) for info in reversed(infos)
+        ]
         chosen = self.choice.value
         self.choice.options = options
-        self.choice.value = chosen if chosen in {value for _, value in options} else (options[0][1] if options else None)
+        self.choice.value = (
+            chosen if chosen in {value for _, value in options} else (options[0][1] if options else None)
+        )

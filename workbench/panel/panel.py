@@ -42,7 +42,13 @@ class Panel(ipywidgets.VBox):
     does it every `REFRESH_S` until the panel is closed or the session is.
     """
 
-    def __init__(self, session: Session, *, train_data: Sequence[Any] | None = None, metrics: Sequence[str] = ("loss:sum",)) -> None:
+    def __init__(
+        self,
+        session: Session,
+        *,
+        train_data: Sequence[Any] | None = None,
+        metrics: Sequence[str] = ("loss:sum",),
+    ) -> None:
         self.session = session
         self.feedback = Feedback()
         self.status = StatusBar(session)

@@ -38,7 +38,9 @@ class SampleTab:
         self.session = session
         self.feedback = Feedback()
         has_template = session.tokenizer.chat_template is not None
-        self.prompt = ipywidgets.Textarea(placeholder="prompt", layout=ipywidgets.Layout(width="100%", height="5em"))
+        self.prompt = ipywidgets.Textarea(
+            placeholder="prompt", layout=ipywidgets.Layout(width="100%", height="5em")
+        )
         self.chat = ipywidgets.Checkbox(
             value=has_template,
             disabled=not has_template,
@@ -46,7 +48,12 @@ class SampleTab:
             tooltip="render the prompt as a user message with the tokenizer's chat template",
         )
         self.temperature = ipywidgets.FloatSlider(
-            value=1.0, min=0.0, max=2.0, step=0.05, description="temperature", style={"description_width": "initial"}
+            value=1.0,
+            min=0.0,
+            max=2.0,
+            step=0.05,
+            description="temperature",
+            style={"description_width": "initial"},
         )
         self.top_p = ipywidgets.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, description="top_p")
         self.max_tokens = ipywidgets.BoundedIntText(value=64, min=1, max=32768, description="max_tokens")
@@ -143,7 +150,9 @@ class SampleTab:
     def refresh(self) -> None:
         current = self.session.policy.weights_version
         options = [(f"current (v{current})", CURRENT)]
-        options += [(f"v{version}", str(version)) for version in self.session.live_versions() if version != current]
+        options += [
+            (f"v{version}", str(version)) for version in self.session.live_versions() if version != current
+        ]
         options.append(("base model", BASE))
         if list(self.version.options) != options:
             chosen = self.version.value

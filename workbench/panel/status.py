@@ -42,7 +42,9 @@ def wandb_field(session: Session) -> str:
     if sink is None:
         return "off"
     if sink.url is not None:
-        return f'<a href="{html.escape(sink.url)}" target="_blank" rel="noopener">{html.escape(sink.run_id)}</a>'
+        return (
+            f'<a href="{html.escape(sink.url)}" target="_blank" rel="noopener">{html.escape(sink.run_id)}</a>'
+        )
     folder = html.escape(str(sink.directory))
     return f'<span title="upload with: wandb sync {folder}">offline {html.escape(sink.run_id)}</span>'
 
@@ -80,4 +82,6 @@ class StatusBar:
             _field("run", "run", run_text),
             _field("wandb", "W&B", wandb_field(sess)),
         ]
-        self.widget.value = '<div style="display:flex;flex-wrap:wrap;gap:0 1.2em">' + "".join(fields) + "</div>"
+        self.widget.value = (
+            '<div style="display:flex;flex-wrap:wrap;gap:0 1.2em">' + "".join(fields) + "</div>"
+        )

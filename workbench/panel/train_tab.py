@@ -45,15 +45,30 @@ class TrainTab:
         defaults = dataclasses.asdict(AdamParams())
         self.loss = ipywidgets.Dropdown(options=POLICY_LOSSES, value="cross_entropy", description="loss")
         self.adam: dict[str, ipywidgets.FloatText] = {
-            name: ipywidgets.FloatText(value=defaults[name], description=name, style={"description_width": "initial"})
+            name: ipywidgets.FloatText(
+                value=defaults[name], description=name, style={"description_width": "initial"}
+            )
             for name in ADAM_FIELDS
         }
         self.steps = ipywidgets.BoundedIntText(value=DEFAULT_STEPS, min=1, max=1_000_000, description="steps")
-        self.run_button = ipywidgets.Button(description="Run", icon="play", tooltip="start a run (or resume a paused one)")
-        self.pause_button = ipywidgets.Button(description="Pause", icon="pause", tooltip="pause after the current step")
-        self.step_button = ipywidgets.Button(description="Step", icon="step-forward", tooltip="run exactly one step")
-        self.stop_button = ipywidgets.Button(description="Stop", icon="stop", tooltip="stop after the current step")
-        for button, name in ((self.run_button, "run"), (self.pause_button, "pause"), (self.step_button, "step"), (self.stop_button, "stop")):
+        self.run_button = ipywidgets.Button(
+            description="Run", icon="play", tooltip="start a run (or resume a paused one)"
+        )
+        self.pause_button = ipywidgets.Button(
+            description="Pause", icon="pause", tooltip="pause after the current step"
+        )
+        self.step_button = ipywidgets.Button(
+            description="Step", icon="step-forward", tooltip="run exactly one step"
+        )
+        self.stop_button = ipywidgets.Button(
+            description="Stop", icon="stop", tooltip="stop after the current step"
+        )
+        for button, name in (
+            (self.run_button, "run"),
+            (self.pause_button, "pause"),
+            (self.step_button, "step"),
+            (self.stop_button, "stop"),
+        ):
             button.add_class(f"wb-train-{name}")
         self.progress = ipywidgets.IntProgress(value=0, min=0, max=1, description="progress")
         self.progress_text = ipywidgets.HTML()
@@ -65,7 +80,10 @@ class TrainTab:
         self.stop_button.on_click(self.feedback.guard(self._on_stop))
         self._lock = threading.RLock()  # the panel's timer thread syncs the fields that callbacks edit
         for name, box in self.adam.items():
-            box.observe(self.feedback.guard(lambda change, name=name: self._on_adam_edit(name, change["new"])), names="value")
+            box.observe(
+                self.feedback.guard(lambda change, name=name: self._on_adam_edit(name, change["new"])),
+                names="value",
+            )
 
         no_data = ipywidgets.HTML(
             "<i>No training data: the buttons control runs started from cells. "
@@ -74,7 +92,10 @@ class TrainTab:
         self.widget = ipywidgets.VBox(
             [
                 ipywidgets.HBox([self.loss, self.steps]),
-                ipywidgets.GridBox(list(self.adam.values()), layout=ipywidgets.Layout(grid_template_columns="repeat(3, auto)")),
+                ipywidgets.GridBox(
+                    list(self.adam.values()),
+                    layout=ipywidgets.Layout(grid_template_columns="repeat(3, auto)"),
+                ),
                 ipywidgets.HBox([self.run_button, self.pause_button, self.step_button, self.stop_button]),
                 ipywidgets.HBox([self.progress, self.progress_text]),
                 *([no_data] if self.train_data is None else []),
@@ -108,7 +129,9 @@ class TrainTab:
     def _start(self, steps: int) -> Run:
         if self.train_data is None:
             raise RuntimeError("this panel has no training data: create it with sess.panel(train_data=...)")
-        return self.session.run(train_step(self.train_data, self.loss.value), steps, adam_params=self.adam_params())
+        return self.session.run(
+            train_step(self.train_data, self.loss.value), steps, adam_params=self.adam_params()
+        )
 
     def _on_run(self, _button: ipywidgets.Button) -> None:
         run = self._active_run()
@@ -166,10 +189,14 @@ class TrainTab:
         self.progress.max = run.steps
         self.progress.value = run.i
         busy = " (step in progress)" if run.busy else ""
-        self.progress_text.value = f'<span data-field="run-progress">{run.state.value} · {run.i}/{run.steps}{busy}</span>'
+        self.progress_text.value = (
+            f'<span data-field="run-progress">{run.state.value} · {run.i}/{run.steps}{busy}</span>'
+        )
         self.progress.bar_style = {RunState.FAILED: "danger", RunState.FINISHED: "success"}.get(run.state, "")
         self.error.value = (
-            f'<pre style="color:#b00020;white-space:pre-wrap">{html.escape(run.traceback)}</pre>' if run.traceback else ""
+            f'<pre style="color:#b00020;white-space:pre-wrap">{html.escape(run.traceback)}</pre>'
+            if run.traceback
+            else ""
         )
         if active:
             for name, value in dataclasses.asdict(run.adam_params).items():

@@ -41,7 +41,9 @@ def resolve_sampler(choice: str, device: torch.device, lora: LoraConfig | None) 
         return "hf"
     reason = vllm_unavailable_reason(device)
     if reason is None and lora is not None and lora.train_unembed:
-        reason = "vLLM does not load LoRA weights on the output embedding: use LoraConfig(train_unembed=False)"
+        reason = (
+            "vLLM does not load LoRA weights on the output embedding: use LoraConfig(train_unembed=False)"
+        )
     if reason is None:
         return "vllm"
     if choice == "vllm":

@@ -61,7 +61,9 @@ def _outside_nucleus(sorted_R_V: Tensor, top_p: float) -> Tensor:
     return probs_R_V.cumsum(dim=-1) - probs_R_V >= top_p
 
 
-def draw_tokens(scores_R_V: Tensor, params: SamplingParams, requests: list[tuple[slice, torch.Generator]]) -> Tensor:
+def draw_tokens(
+    scores_R_V: Tensor, params: SamplingParams, requests: list[tuple[slice, torch.Generator]]
+) -> Tensor:
     """One token per row: temperature, top-k and nucleus filtering, then a draw from each request's own
     generator. With top_p < 1 the draw happens in sorted order, which is the same distribution without
     scattering the filtered scores back (one pass over the (R, V) scores fewer)."""
@@ -122,7 +124,9 @@ class _ChooseTokens(LogitsProcessor):
         return scores.fill_(-math.inf).scatter_(1, tokens_N[:, None], 0.0)  # `scores` is generate's own copy
 
     @staticmethod
-    def _choose(logits_G_V: Tensor, params: SamplingParams, requests: list[tuple[slice, torch.Generator]]) -> Tensor:
+    def _choose(
+        logits_G_V: Tensor, params: SamplingParams, requests: list[tuple[slice, torch.Generator]]
+    ) -> Tensor:
         if params.temperature == 0:
             return logits_G_V.argmax(dim=-1)
         return draw_tokens(logits_G_V, params, requests)
@@ -131,7 +135,9 @@ class _ChooseTokens(LogitsProcessor):
 class _RowStops(StoppingCriteria):
     """Ends each row at its request's stop token, stop string or max_tokens; remembers where and why."""
 
-    def __init__(self, row_requests: list[SampleRequest], chooser: _ChooseTokens, tokenizer: PreTrainedTokenizerBase):
+    def __init__(
+        self, row_requests: list[SampleRequest], chooser: _ChooseTokens, tokenizer: PreTrainedTokenizerBase
+    ):
         self.row_requests = row_requests
         self.chooser = chooser
         self.tokenizer = tokenizer
@@ -143,7 +149,9 @@ class _RowStops(StoppingCriteria):
         for row, request in enumerate(self.row_requests):
             if self.ended[row] is not None:
                 continue
-            if newest[row] in request.stop_token_ids or (request.stop_strings and self._stop_string_seen(row, request, step)):
+            if newest[row] in request.stop_token_ids or (
+                request.stop_strings and self._stop_string_seen(row, request, step)
+            ):
                 self.ended[row] = (step, "stop")
             elif step >= request.max_tokens:
                 self.ended[row] = (step, "length")
@@ -216,8 +224,14 @@ class HFSampler:
         for row in range(len(row_requests)):
             end = stops.ended[row] or (tokens_S_N.shape[0], "length")
             length, reason = end
-            rows.append(SampledSequence(tokens_S_N[:length, row].tolist(), logprobs_S_N[:length, row].tolist(), reason))
-        prompt_logprobs = self.prompt_logprobs([r.prompt_tokens for r in requests if r.include_prompt_logprobs])
+            rows.append(
+                SampledSequence(
+                    tokens_S_N[:length, row].tolist(), logprobs_S_N[:length, row].tolist(), reason
+                )
+            )
+        prompt_logprobs = self.prompt_logprobs(
+            [r.prompt_tokens for r in requests if r.include_prompt_logprobs]
+        )
         results = []
         start = 0
         for request in requests:
@@ -236,7 +250,10 @@ class HFSampler:
         if not prompts:
             return []
         batch = [
-            PreparedDatum(torch.tensor(p[:-1], dtype=torch.long), {"target_tokens": torch.tensor(p[1:], dtype=torch.long)})
+            PreparedDatum(
+                torch.tensor(p[:-1], dtype=torch.long),
+                {"target_tokens": torch.tensor(p[1:], dtype=torch.long)},
+            )
             for p in prompts
             if len(p) > 1
         ]

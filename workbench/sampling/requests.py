@@ -53,7 +53,9 @@ class RequestResult:
     prompt_logprobs: list[float | None] | None
 
 
-def stop_conditions(params: SamplingParams, tokenizer: PreTrainedTokenizerBase) -> tuple[frozenset[int], tuple[str, ...]]:
+def stop_conditions(
+    params: SamplingParams, tokenizer: PreTrainedTokenizerBase
+) -> tuple[frozenset[int], tuple[str, ...]]:
     """The token ids and strings that end a sample.
 
     `stop=None`: the tokenizer's end-of-sequence token. `stop=[]`: nothing (samples run to max_tokens).
@@ -89,15 +91,23 @@ def prepare_request(
         raise ValueError("prompt is empty: sampling needs at least one prompt token")
     for position, token in enumerate(tokens):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise ValueError(f"prompt token {token!r} at position {position} is outside the vocabulary [0, {vocab_size})")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= max_samples_per_request:
+            raise ValueError(
+                f"prompt token {token!r} at position {position} is outside the vocabulary [0, {vocab_size})"
+            )
+    if (
+        isinstance(num_samples, bool)
+        or not isinstance(num_samples, int)
+        or not 1 <= num_samples <= max_samples_per_request
+    ):
         raise ValueError(
             f"num_samples must be an integer in [1, {max_samples_per_request}] "
             f"(the session's max_samples_per_request), got {num_samples!r}"
         )
     room = max_length - len(tokens)
     if room < 1:
-        raise ValueError(f"prompt has {len(tokens)} tokens: no room left in the model's context of {max_length}")
+        raise ValueError(
+            f"prompt has {len(tokens)} tokens: no room left in the model's context of {max_length}"
+        )
     max_tokens = room if params.max_tokens is None else params.max_tokens
     if max_tokens > room:
         raise ValueError(

@@ -41,7 +41,15 @@ WriteAdapter = Callable[[Path], None]
 class VLLMSampler:
     """A vLLM engine that samples the base model or any policy weight version, as LoRA adapters."""
 
-    def __init__(self, model_path: str, tokenizer_path: str, dtype: torch.dtype, max_lora_rank: int, max_length: int, seed: int):
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str,
+        dtype: torch.dtype,
+        max_lora_rank: int,
+        max_length: int,
+        seed: int,
+    ):
         import vllm
 
         self._vllm = vllm
@@ -91,7 +99,9 @@ class VLLMSampler:
             self._llm.llm_engine.remove_lora(lora_id)
             shutil.rmtree(self._adapters_dir / f"lora-{lora_id}", ignore_errors=True)
 
-    def generate(self, requests: Sequence[SampleRequest], key: Hashable | None, write_adapter: WriteAdapter) -> list[RequestResult]:
+    def generate(
+        self, requests: Sequence[SampleRequest], key: Hashable | None, write_adapter: WriteAdapter
+    ) -> list[RequestResult]:
         """Sample every request with the weights `key` names (None: the base model)."""
         if self._asleep:
             self._llm.wake_up()
@@ -130,12 +140,19 @@ class VLLMSampler:
         rows = []
         for completion in output.outputs:
             tokens = list(completion.token_ids)
-            logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)]
-            rows.append(SampledSequence(tokens, logprobs, "length" if completion.finish_reason == "length" else "stop"))
+            logprobs = [
+                position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)
+            ]
+            rows.append(
+                SampledSequence(
+                    tokens, logprobs, "length" if completion.finish_reason == "length" else "stop"
+                )
+            )
         prompt_logprobs = None
         if request.include_prompt_logprobs:
             prompt_logprobs = [None] + [
-                position[token].logprob for position, token in zip(output.prompt_logprobs[1:], request.prompt_tokens[1:], strict=True)
+                position[token].logprob
+                for position, token in zip(output.prompt_logprobs[1:], request.prompt_tokens[1:], strict=True)
             ]
         return RequestResult(sequences=rows, prompt_logprobs=prompt_logprobs)
 
