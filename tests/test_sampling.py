@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.sampling.hf import HFSampler, filter_top_k_top_p
+from workbench.sampling.hf import HFSampler, draw_tokens
 
 PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
 
@@ -109,16 +109,22 @@ def test_temperature_zero_and_top_k_one_are_greedy(tiny: wb.Session) -> None:
         context.append(token)
 
 
+def _drawn(logits_1_V: torch.Tensor, **params: float) -> set[int]:
+    """The tokens `draw_tokens` picks in 2,000 rows of the same distribution."""
+    rows = logits_1_V.expand(2000, -1)
+    generator = torch.Generator().manual_seed(0)
+    picked = draw_tokens(rows, wb.SamplingParams(**params), [(slice(0, 2000), generator)])
+    return set(picked.tolist())
+
+
 def test_nucleus_filter_keeps_the_smallest_set_reaching_top_p() -> None:
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    logits = probs.log()
-    kept = torch.isfinite(filter_top_k_top_p(logits, -1, 0.8))[0].tolist()
-    assert kept == [True, True, False, False]
-    kept = torch.isfinite(filter_top_k_top_p(logits, -1, 0.81))[0].tolist()
-    assert kept == [True, True, True, False]
-    kept = torch.isfinite(filter_top_k_top_p(logits, 1, 1.0))[0].tolist()
-    assert kept == [True, False, False, False]
-    assert torch.isfinite(filter_top_k_top_p(logits, -1, 1e-6))[0].tolist() == [True, False, False, False]
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert _drawn(logits, top_p=0.8) == {0, 1}
+    assert _drawn(logits, top_p=0.81) == {0, 1, 2}
+    assert _drawn(logits, top_k=1) == {0}
+    assert _drawn(logits, top_k=3) == {0, 1, 2}
+    assert _drawn(logits, top_p=1e-6) == {0}
+    assert _drawn(logits) == {0, 1, 2, 3}
 
 
 def test_top_p_samples_only_from_the_nucleus(tiny: wb.Session) -> None:

@@ -57,9 +57,6 @@ class AdaptedModel:
         """What the forward pass runs: the peft model, or the bare base before any adapter exists."""
         return self.base if self.peft_model is None else self.peft_model
 
-    def adapter_names(self) -> list[str]:
-        return [] if self.peft_model is None else list(self.peft_model.peft_config)
-
     # ------------------------------------------------------------------------------------------ adapters
 
     def add_adapter(self, name: str, lora: LoraConfig, seed: int) -> dict[str, nn.Parameter]:

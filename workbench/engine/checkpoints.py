@@ -33,7 +33,6 @@ from workbench.engine import checkpoint_files
 from workbench.engine.checkpoint_files import Restore, SavedState
 from workbench.engine.model_lifecycle import check_metadata
 from workbench.engine.state import EngineState
-from workbench.engine.training_runs import TrainingRun
 from workbench.futures import APIFuture
 from workbench.run_folders import address_of, resolve_checkpoint
 from workbench.types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
@@ -197,12 +196,3 @@ def load_state(
         return LoadWeightsResponse(path=describe(folder))
 
     return state.submit(run)
-
-
-def restore_new_run(
-    state: EngineState, training_run: TrainingRun, saved: SavedState, restore: Restore
-) -> APIFuture[None]:
-    """Restore a checkpoint into a run created for it (exact weight versions)."""
-    return state.submit(
-        lambda: checkpoint_files.restore(saved, state, training_run, restore, exact_versions=True)
-    )
