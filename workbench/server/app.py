@@ -128,7 +128,7 @@ def create_app(service: TinkerService) -> FastAPI:
     @guarded
     async def finish_session(request: Request, session_id: str) -> Response:
         body = schemas.parse_body(schemas.FinishSessionRequest, await body_of(request))
-        service.finish_session(session_id, body)
+        await service.finish_session(session_id, body)
         return _json({})
 
     @app.post("/api/v1/telemetry")

@@ -18,6 +18,7 @@ keeps its `EPHEMERAL_SAMPLERS_KEPT` newest ephemeral samplers and releases older
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -155,10 +156,11 @@ class TinkerService:
         self.sessions.heartbeat(request.session_id)
         return {"type": "session_heartbeat"}
 
-    def end_session(self, session: ClientSession, why: str) -> None:
-        """Free what a session created: its samplers' pins, its critics, then its runs."""
+    def end_session(self, session: ClientSession, why: str) -> list[APIFuture[None]]:
+        """Free what a session created: its samplers' pins, its critics, then its runs. Returns the
+        engine's removals (they run after the operations already queued)."""
         if session.ended is not None:
-            return
+            return []
         session.ended = why
         for sampler_id in session.samplers:
             self._release_sampler(sampler_id)
@@ -166,21 +168,23 @@ class TinkerService:
         for model in served:
             for start in self.sequencer.forget(model.model_id):
                 start()
-        for model in sorted(served, key=lambda m: m.role is not Role.CRITIC):
-            try:
-                if model.role is Role.CRITIC:
-                    if model.run_id not in {m.run_id for m in served if m.role is Role.POLICY}:
-                        self.engine.delete_critic(model.run_id)
-                else:
-                    self.engine.delete_model(model.run_id)
-            except ValueError as error:  # already gone with its run
-                log.debug("freeing %s: %s", model.model_id, error)
-        log.info("session %s ended (%s): freed %d model(s)", session.session_id, why, len(served))
+        policy_runs = {m.run_id for m in served if m.role is Role.POLICY}
+        removals = [
+            self.engine.delete_critic(m.run_id)
+            for m in served
+            if m.role is Role.CRITIC and m.run_id not in policy_runs
+        ]
+        removals += [self.engine.delete_model(m.run_id) for m in served if m.role is Role.POLICY]
+        log.info("session %s ended (%s): freeing %d model(s)", session.session_id, why, len(served))
+        return removals
 
-    def finish_session(self, session_id: str, request: schemas.FinishSessionRequest) -> None:
+    async def finish_session(self, session_id: str, request: schemas.FinishSessionRequest) -> None:
+        """The SDK's `ServiceClient.close()`: the session ends; returns once its models are freed."""
         session = self.sessions.get(session_id)
         reason = (request.reason or {}).get("type", "finished")
-        self.end_session(session, f"finished: {reason}")
+        for removal in self.end_session(session, f"finished: {reason}"):
+            with contextlib.suppress(ValueError):  # gone already (a critic with its run)
+                await asyncio.wrap_future(removal.future())
 
     def expire_silent_sessions(self) -> None:
         for session in self.sessions.silent_for(self.config.session_timeout_s):
