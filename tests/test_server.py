@@ -9,7 +9,6 @@ with the same seed and saved adapters must agree exactly.
 from __future__ import annotations
 
 import json
-import tarfile
 import threading
 import time
 from collections.abc import Iterator

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from workbench import checkpoint_store
 from workbench.checkpoint_store import CheckpointError, CheckpointInfo
 from workbench.engine import Engine, Restore, Role
 from workbench.futures import APIFuture
@@ -55,6 +56,18 @@ class SampleResult:
 
     response: SampleResponse
     sequence_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """A run as the training-run endpoints describe it (kept for runs whose session ended)."""
+
+    run_dir: Path
+    owner: str  # the client session that made it ("workbench": the serving session's own)
+    lora_rank: int
+    last_request: float
+    created_at: float
+    user_metadata: dict[str, str]
 
 
 def _iso(seconds: float | None) -> str | None:
@@ -108,6 +121,7 @@ class TinkerService:
         self.models: dict[str, ServedModel] = {}
         self.samplers: dict[str, ServedSampler] = {}
         self.released_samplers: set[str] = set()
+        self.ended_runs: dict[str, RunRecord] = {}  # runs of ended sessions: their checkpoints stay listed
         self._creations: dict[str, tuple[str, PendingResult]] = {}  # model id -> (request digest, entry)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -169,6 +183,9 @@ class TinkerService:
             for start in self.sequencer.forget(model.model_id):
                 start()
         policy_runs = {m.run_id for m in served if m.role is Role.POLICY}
+        for run_id in policy_runs:
+            with contextlib.suppress(ValueError):  # its creation failed: there is no run to remember
+                self.ended_runs[run_id] = self._run_record(run_id)
         removals = [
             self.engine.delete_critic(m.run_id)
             for m in served
@@ -307,8 +324,11 @@ class TinkerService:
 
     def forward_backward(self, call: ForwardBackwardCall, payload: bytes) -> dict[str, Any]:
         def submit(model: ServedModel) -> tuple[APIFuture[ForwardBackwardOutput], Callable[[Any], Any]]:
+            if call.loss_fn == "stable_reinforce" and call.has_provenance():
+                raise ValueError("stable_reinforce is not available on this server")
+            # Provenance spans name where a datum's tokens were sampled; only stable_reinforce reads them.
             run = self.engine.forward if call.forward_only else self.engine.forward_backward
-            return run(model.run_id, model.role, call.data, call.loss_fn, call.loss_fn_config), _same
+            return run(model.run_id, model.role, call.data(), call.loss_fn, call.loss_fn_config()), _same
 
         op = "forward" if call.forward_only else "forward_backward"
         return self._ordered(op, call.model_id, call.seq_id, payload, submit)
@@ -527,20 +547,25 @@ class TinkerService:
 
     # ------------------------------------------------------------------------------------------ runs and checkpoints
 
-    def _run_id(self, training_run_id: str) -> str:
+    def _live_run(self, training_run_id: str) -> str | None:
+        """The engine run a training run id (or a served model id) names, if it is on the engine."""
         model = self.models.get(training_run_id)
         run_id = model.run_id if model is not None else training_run_id
-        if run_id not in self.engine.model_ids():
-            raise RequestError(f"no training run {training_run_id!r} on this server", 404)
-        return run_id
+        return run_id if run_id in self.engine.model_ids() else None
 
-    def _owner(self, run_id: str) -> str:
-        model = self.models.get(run_id)
-        return model.session_id if model is not None else "workbench"
+    def _known_run(self, training_run_id: str) -> str:
+        """A run on the engine, or one whose session ended (its files stay); 404 otherwise."""
+        run_id = self._live_run(training_run_id)
+        if run_id is not None:
+            return run_id
+        if training_run_id in self.ended_runs:
+            return training_run_id
+        raise RequestError(f"no training run {training_run_id!r} on this server", 404)
 
-    def _last_request(self, run_id: str, created_at: float) -> float:
-        times = [m.last_request for m in self.models.values() if m.run_id == run_id]
-        return max(times, default=created_at)
+    def _run_checkpoints(self, run_id: str) -> list[CheckpointInfo]:
+        if run_id in self.engine.model_ids():
+            return self.engine.list_checkpoints(run_id)
+        return checkpoint_store.list_checkpoints(self.ended_runs[run_id].run_dir)
 
     def checkpoint_json(self, run_id: str, info: CheckpointInfo) -> dict[str, Any]:
         address = CheckpointAddress(run_id, info.kind, info.name)
@@ -555,46 +580,59 @@ class TinkerService:
             "expires_at": _iso(info.expires_at),
         }
 
-    def training_run(self, training_run_id: str) -> dict[str, Any]:
-        run_id = self._run_id(training_run_id)
+    def _run_record(self, run_id: str) -> RunRecord:
+        """What a run on the engine is, as the training-run endpoints describe it."""
         status = self.engine.run_status(run_id)
-        checkpoints = self.engine.list_checkpoints(run_id)
+        model = self.models.get(run_id)
+        times = [m.last_request for m in self.models.values() if m.run_id == run_id]
+        return RunRecord(
+            run_dir=status.run_dir,
+            owner=model.session_id if model is not None else "workbench",
+            lora_rank=status.lora.rank,
+            last_request=max(times, default=status.created_at),
+            created_at=status.created_at,
+            user_metadata=status.user_metadata,
+        )
+
+    def training_run(self, training_run_id: str) -> dict[str, Any]:
+        run_id = self._known_run(training_run_id)
+        record = self._run_record(run_id) if run_id in self.engine.model_ids() else self.ended_runs[run_id]
+        checkpoints = self._run_checkpoints(run_id)
         last = {kind: [c for c in checkpoints if c.kind == kind] for kind in ("state", "sampler")}
         return {
             "training_run_id": run_id,
             "base_model": self.base_model,
-            "model_owner": self._owner(run_id),
+            "model_owner": record.owner,
             "is_lora": True,
             "corrupted": False,
-            "lora_rank": status.lora.rank,
-            "last_request_time": _iso(self._last_request(run_id, status.created_at)),
+            "lora_rank": record.lora_rank,
+            "last_request_time": _iso(record.last_request),
             "last_checkpoint": self.checkpoint_json(run_id, last["state"][-1]) if last["state"] else None,
-            "last_sampler_checkpoint": self.checkpoint_json(run_id, last["sampler"][-1])
-            if last["sampler"]
-            else None,
-            "user_metadata": status.user_metadata,
+            "last_sampler_checkpoint": (
+                self.checkpoint_json(run_id, last["sampler"][-1]) if last["sampler"] else None
+            ),
+            "user_metadata": dict(record.user_metadata),
         }
 
+    def _all_runs(self) -> list[str]:
+        """Every run the server knows, newest first."""
+        created = {run_id: self.engine.run_status(run_id).created_at for run_id in self.engine.model_ids()}
+        created.update({run_id: run.created_at for run_id, run in self.ended_runs.items()})
+        return sorted(created, key=created.__getitem__, reverse=True)
+
     def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
-        run_ids = sorted(
-            self.engine.model_ids(), key=lambda r: self.engine.run_status(r).created_at, reverse=True
-        )
-        page = run_ids[offset : offset + limit]
+        run_ids = self._all_runs()
         return {
-            "training_runs": [self.training_run(run_id) for run_id in page],
+            "training_runs": [self.training_run(run_id) for run_id in run_ids[offset : offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(run_ids)},
         }
 
     def checkpoints(self, training_run_id: str) -> dict[str, Any]:
-        run_id = self._run_id(training_run_id)
-        return {
-            "checkpoints": [self.checkpoint_json(run_id, c) for c in self.engine.list_checkpoints(run_id)]
-        }
+        run_id = self._known_run(training_run_id)
+        return {"checkpoints": [self.checkpoint_json(run_id, c) for c in self._run_checkpoints(run_id)]}
 
     def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
-        every = [
-            (run_id, c) for run_id in self.engine.model_ids() for c in self.engine.list_checkpoints(run_id)
-        ]
+        every = [(run_id, c) for run_id in self._all_runs() for c in self._run_checkpoints(run_id)]
         every.sort(key=lambda item: item[1].time, reverse=True)
         return {
             "checkpoints": [self.checkpoint_json(run_id, c) for run_id, c in every[offset : offset + limit]],
@@ -602,16 +640,21 @@ class TinkerService:
         }
 
     def checkpoint_address(self, training_run_id: str, checkpoint_id: str) -> CheckpointAddress:
-        """The checkpoint `<weights|sampler_weights>/<name>` of a live run, checked (names that could
-        leave the run's folder are refused)."""
-        run_id = self._run_id(training_run_id)
+        """The checkpoint `<weights|sampler_weights>/<name>` of a known run, checked (a name that could
+        leave the run's folder is refused)."""
+        run_id = self._known_run(training_run_id)
         try:
             return CheckpointAddress.parse(f"tinker://{run_id}/{checkpoint_id}")
         except CheckpointError as error:
             raise RequestError(str(error)) from None
 
     def checkpoint_folder(self, address: CheckpointAddress) -> Path:
+        known = self.ended_runs.get(address.run_id)
         try:
+            if known is not None:
+                return checkpoint_store.require_checkpoint_folder(
+                    checkpoint_store.kind_dir(known.run_dir, address.kind) / address.name
+                )
             return self.engine.checkpoint_folder(address.tinker_path, address.kind)
         except CheckpointError as error:
             raise RequestError(str(error), 404) from None
@@ -619,9 +662,12 @@ class TinkerService:
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
         address = self.checkpoint_address(training_run_id, checkpoint_id)
         self.checkpoint_folder(address)
-        await asyncio.wrap_future(
-            self.engine.delete_checkpoint(address.run_id, address.name, address.kind).future()
-        )
+        ended = self.ended_runs.get(address.run_id)
+        if ended is not None:  # no operation of the run is left to race
+            checkpoint_store.delete(ended.run_dir, address.name, address.kind)
+            return
+        removal = self.engine.delete_checkpoint(address.run_id, address.name, address.kind)
+        await asyncio.wrap_future(removal.future())
 
     async def weights_info(self, request: schemas.WeightsInfoRequest) -> dict[str, Any]:
         try:

@@ -45,14 +45,23 @@ _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 @dataclass(frozen=True)
 class ForwardBackwardCall:
-    """A decoded forward_backward request."""
+    """A forward_backward request: its envelope read, its data read on demand (`data()`), so that bad
+    data fails the operation that holds its seq_id rather than the HTTP request."""
 
     model_id: str
     seq_id: int
     loss_fn: str
-    loss_fn_config: dict[str, float]
     forward_only: bool
-    data: list[Datum]
+    message: pb.ForwardBackwardRequest
+
+    def data(self) -> list[Datum]:
+        return [_datum(datum, index) for index, datum in enumerate(self.message.data)]
+
+    def loss_fn_config(self) -> dict[str, float]:
+        return _loss_fn_config(self.message)
+
+    def has_provenance(self) -> bool:
+        return any(len(d.model_input_spans) or len(d.loss_fn_input_spans) for d in self.message.data)
 
 
 def decompress(body: bytes, max_bytes: int) -> bytes:
@@ -105,11 +114,6 @@ def _tensor(message: pb.Tensor, where: str) -> TensorData:
 
 
 def _datum(message: pb.Datum, index: int) -> Datum:
-    if len(message.model_input_spans) or len(message.loss_fn_input_spans):
-        raise RequestError(
-            f"data[{index}]: provenance spans (model_input_spans / loss_fn_input_spans) are not supported "
-            "by this server"
-        )
     tokens: list[np.ndarray] = []
     for position, chunk in enumerate(message.model_input):
         kind = chunk.WhichOneof("chunk")
@@ -153,9 +157,8 @@ def parse_forward_backward(body: bytes) -> ForwardBackwardCall:
         model_id=message.model_id,
         seq_id=int(message.seq_id),
         loss_fn=message.loss_fn,
-        loss_fn_config=_loss_fn_config(message),
         forward_only=message.forward_only,
-        data=[_datum(datum, index) for index, datum in enumerate(message.data)],
+        message=message,
     )
 
 
