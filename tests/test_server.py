@@ -494,3 +494,26 @@ def test_a_sampling_session_ids_come_with_the_future(srv: TinkerServer, client: 
     response = retrieve(srv, first["request_id"]).json()
     assert len(response["sequences"]) == 2 and response["sequences"][0]["stop_reason"] == "length"
     assert holder.get_session_id()
+
+
+def test_the_panel_shows_remote_models_and_their_operations_live(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient
+) -> None:
+    panel = sess.panel(metrics=("loss:sum",))
+    panel.refresh()
+    status = panel.status.widget.value
+    assert '"models"><b>models</b> policy</span>' in status and srv.url in status
+    remote = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    remote.forward_backward([sdk_datum(TOKENS[0])], "cross_entropy")
+    remote.optim_step(types.AdamParams(**ADAM)).result()
+    panel.refresh()
+    status = panel.status.widget.value
+    assert "policy (this session) + policy_2 (step 1)" in status and remote.model_id in status
+    figure = sess.plot("loss:sum")
+    assert "policy_2/forward_backward" in [line.get_label() for line in figure.axes[0].get_lines()]
+    client.close("success").result()
+    panel.refresh()
+    assert '"models"><b>models</b> policy</span>' in panel.status.widget.value
+    srv.stop()
+    panel.refresh()
+    assert '"server"><b>serving</b> off' in panel.status.widget.value
