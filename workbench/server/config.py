@@ -40,7 +40,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     session_timeout_s: float = 120.0
-    long_poll_s: float = 20.0
+    long_poll_s: float = 30.0
     compress_requests: bool = False
 
     def __post_init__(self) -> None:
