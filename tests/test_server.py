@@ -48,7 +48,8 @@ def srv(sess: wb.Session) -> TinkerServer:
 def client(srv: TinkerServer) -> Iterator[tinker.ServiceClient]:
     service_client = tinker.ServiceClient(base_url=srv.url)
     yield service_client
-    service_client.close("success").result()
+    if srv.running:
+        service_client.close("success").result()
 
 
 def sdk_datum(tokens: list[int]) -> types.Datum:
@@ -517,3 +518,15 @@ def test_the_panel_shows_remote_models_and_their_operations_live(
     srv.stop()
     panel.refresh()
     assert '"server"><b>serving</b> off' in panel.status.widget.value
+
+
+def test_stopping_the_server_frees_the_clients_models(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient
+) -> None:
+    client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    assert len(sess.engine.model_ids()) == 2
+    start = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - start < 10 and not srv.running
+    sess.engine.state_digest()  # after everything queued: the removal has run
+    assert sess.engine.model_ids() == [sess.model_id]

@@ -47,6 +47,7 @@ class TinkerServer:
             access_log=False,
             lifespan="off",
             timeout_keep_alive=75,
+            timeout_graceful_shutdown=1,  # a long-poll in progress does not hold up stop()
         )
         self._server = uvicorn.Server(uvicorn_config)
         self._started = threading.Event()
@@ -93,6 +94,8 @@ class TinkerServer:
             housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await housekeeping
+            for session in self.service.sessions.live():  # no client can reach their models any more
+                self.service.end_session(session, "the server stopped")
 
     async def _housekeeping(self) -> None:
         interval = min(5.0, self.config.session_timeout_s / 4)
@@ -102,7 +105,8 @@ class TinkerServer:
             self.service.futures.sweep()
 
     def stop(self) -> None:
-        """Stop serving (the engine and its models stay). Safe to call again."""
+        """Stop serving; the models clients made are freed (their files stay), the engine and the
+        session's own model stay. Safe to call again."""
         self._server.should_exit = True
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=START_TIMEOUT_S)

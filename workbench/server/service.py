@@ -38,7 +38,7 @@ from workbench.server import schemas
 from workbench.server.config import ServerConfig
 from workbench.server.errors import RequestError, message_of
 from workbench.server.future_table import FutureTable, PendingResult
-from workbench.server.ordering import Sequencer
+from workbench.server.ordering import Sequencer, digest_of
 from workbench.server.sessions import ClientSession, ServedModel, ServedSampler, SessionTable
 from workbench.server.wire import ForwardBackwardCall
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
@@ -221,7 +221,7 @@ class TinkerService:
         model_id = f"{session.session_id}:train:{request.model_seq_id}"
         earlier = self._creations.get(model_id)
         if earlier is not None:
-            if earlier[0] != payload.hex():
+            if earlier[0] != digest_of(payload):
                 raise RequestError(
                     f"model_seq_id {request.model_seq_id} was already used by another request", 409
                 )
@@ -231,7 +231,7 @@ class TinkerService:
         metadata = _string_metadata(request.user_metadata, "create_model")
         body = request.lora_config or schemas.LoraConfigBody()
         entry = self.futures.add("create_model", model_id)
-        self._creations[model_id] = (payload.hex(), entry)
+        self._creations[model_id] = (digest_of(payload), entry)
         try:
             if request.model_role == "critic":
                 run_id = self._critic_run(session)
@@ -418,7 +418,7 @@ class TinkerService:
         model_id = f"{session.session_id}:train:{request.model_seq_id}"
         earlier = self._creations.get(model_id)
         if earlier is not None:
-            if earlier[0] != payload.hex():
+            if earlier[0] != digest_of(payload):
                 raise RequestError(
                     f"model_seq_id {request.model_seq_id} was already used by another request", 409
                 )
@@ -428,7 +428,7 @@ class TinkerService:
         _check_optimizer(request.optimizer_config, "load_weights")
         metadata = _string_metadata(request.user_metadata, "load_weights")
         entry = self.futures.add("load_weights", model_id)
-        self._creations[model_id] = (payload.hex(), entry)
+        self._creations[model_id] = (digest_of(payload), entry)
         try:
             future = self.engine.create_model_from_state(
                 request.path, restore=restore, model_id=model_id, user_metadata=metadata
@@ -709,8 +709,8 @@ class TinkerService:
         elif isinstance(result, SampleResult):
             tokens = sum(len(s.tokens) for s in result.response.sequences)
             detail = f"{len(result.response.sequences)} sequence(s), {tokens} tokens"
-        elif isinstance(result, dict) and result.get("path"):
-            detail = str(result["path"])
+        elif isinstance(result, dict):
+            detail = str(result.get("path") or result.get("sampling_session_id") or "")
         log.info("%-24s %-40s %.2fs %s", entry.op, entry.model_id, seconds, detail)
 
 
