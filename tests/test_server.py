@@ -436,6 +436,10 @@ def test_sessions_that_stop_heartbeating_expire_and_free_their_models(sess: wb.S
         assert sess.engine.model_ids() == [sess.model_id]
         gone = post(server, "session_heartbeat", {"session_id": session_id})
         assert gone.status_code == 410 and "expired" in gone.json()["error"]
+        # the client's close() at the end still succeeds: there is nothing left to free
+        assert (
+            post(server, f"sessions/{session_id}/finish", {"reason": {"type": "success"}}).status_code == 200
+        )
     finally:
         server.stop()
 
@@ -530,3 +534,24 @@ def test_stopping_the_server_frees_the_clients_models(
     assert time.monotonic() - start < 10 and not srv.running
     sess.engine.state_digest()  # after everything queued: the removal has run
     assert sess.engine.model_ids() == [sess.model_id]
+
+
+def test_long_polls_answer_try_again_and_the_sdk_polls_on(
+    sess: wb.Session, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = TinkerServer(sess.engine, ServerConfig(long_poll_s=0.01))
+    try:
+        assert httpx.get(f"{server.url}/api/v1/healthz").json() == {"status": "ok"}
+        service_client = tinker.ServiceClient(base_url=server.url)
+        remote = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        local = twin(sess)
+        batch = [TOKENS[i % 3] * 30 for i in range(96)]  # long enough to outlast a 10 ms poll
+        with caplog.at_level("WARNING", logger="tinker"):
+            theirs = remote.forward([sdk_datum(t) for t in batch], "cross_entropy").result()
+        assert any("try_again" in record.getMessage() for record in caplog.records)
+        assert (
+            theirs.metrics == local.forward([our_datum(t) for t in batch], "cross_entropy").result().metrics
+        )
+        service_client.close("success").result()
+    finally:
+        server.stop()

@@ -196,8 +196,9 @@ class TinkerService:
         return removals
 
     async def finish_session(self, session_id: str, request: schemas.FinishSessionRequest) -> None:
-        """The SDK's `ServiceClient.close()`: the session ends; returns once its models are freed."""
-        session = self.sessions.get(session_id)
+        """The SDK's `ServiceClient.close()`: the session ends; returns once its models are freed. A
+        session that already ended (it expired) has nothing left to free."""
+        session = self.sessions.find(session_id)
         reason = (request.reason or {}).get("type", "finished")
         for removal in self.end_session(session, f"finished: {reason}"):
             with contextlib.suppress(ValueError):  # gone already (a critic with its run)

@@ -66,11 +66,16 @@ class SessionTable:
         self._sessions[session.session_id] = session
         return session
 
-    def get(self, session_id: str) -> ClientSession:
-        """The live session; 404 for an id never seen, 410 for one that has ended."""
+    def find(self, session_id: str) -> ClientSession:
+        """The session, live or ended; 404 for an id never seen."""
         session = self._sessions.get(session_id)
         if session is None:
             raise RequestError(f"no session {session_id!r} on this server", 404)
+        return session
+
+    def get(self, session_id: str) -> ClientSession:
+        """The live session; 404 for an id never seen, 410 for one that has ended."""
+        session = self.find(session_id)
         if session.ended is not None:
             raise RequestError(f"session {session_id!r} has ended ({session.ended})", 410)
         return session
