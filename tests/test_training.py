@@ -276,6 +276,40 @@ def test_rl_losses_run_and_report_diagnostics(tiny: wb.Session) -> None:
     assert ppo_metrics["entropy:mean"] == pytest.approx(float(entropy[4:].mean()), rel=1e-5)
 
 
+def test_gspo_and_dppo_run_on_the_engine(tiny: wb.Session) -> None:
+    rng = random.Random(1)
+    tokens = random_tokens(rng, 12, 900)
+    reference = (
+        tiny.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    )
+    datum = rl_datum(tokens, 5, [lp - 0.3 for lp in reference.tolist()], 1.0)
+    completion = [float(a != 0) for a in datum.loss_fn_inputs["advantages"].tolist()]
+    with_mask = wb.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={**datum.loss_fn_inputs, "sequence_ratio_mask": completion},
+    )
+    gspo = tiny.policy.forward([with_mask], "gspo").result().metrics
+    # every completion token's sampler logprob is 0.3 below the learner's: sequence ratio e^0.3 = 1.35,
+    # outside [0.8, 1.2] with a positive advantage, so every token is clipped
+    assert gspo["sequence_ratio:mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
+    assert gspo["clip_fraction:mean"] == 1.0
+    # the tiny model's probabilities are ~1/900: the probability gap is far inside delta 0.2
+    dppo = tiny.policy.forward([datum], "dppo").result().metrics
+    assert dppo["ratio:mean"] == pytest.approx(math.exp(0.3), rel=1e-4) and dppo["clip_fraction:mean"] == 0.0
+    before = tiny.state_digest()
+    with pytest.raises(ValueError, match=r"datum 0: loss_fn_inputs is missing \['sequence_ratio_mask'\]"):
+        tiny.policy.forward_backward([datum], "gspo")
+    no_tokens = wb.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={**datum.loss_fn_inputs, "sequence_ratio_mask": [0.0] * len(completion)},
+    )
+    with pytest.raises(
+        ValueError, match="datum 0: loss_fn_inputs\\['sequence_ratio_mask'\\] marks no position"
+    ):
+        tiny.policy.forward_backward([no_tokens], "gspo")
+    assert tiny.state_digest() == before
+
+
 def test_custom_loss_equals_the_builtin_loss() -> None:
     data = ragged_ce_batch(seed=4, count=6, min_len=4, max_len=50, vocab=900)
 

@@ -446,16 +446,17 @@ class SamplingClient:
         Concurrent calls are generated together. The top-k, target and alternative-token logprobs of
         the SDK are not computed locally: asking for them raises a `ValueError`.
         """
-        for name, value, off in (
-            ("topk_prompt_logprobs", topk_prompt_logprobs, 0),
-            ("topk_sample_logprobs", topk_sample_logprobs, 0),
-            ("target_prompt_logprobs", target_prompt_logprobs, None),
-            ("prompt_alt_tokens_k", prompt_alt_tokens_k, 0),
-        ):
-            if value != off:
+        asked = {
+            "topk_prompt_logprobs": topk_prompt_logprobs != 0,
+            "topk_sample_logprobs": topk_sample_logprobs != 0,
+            "target_prompt_logprobs": target_prompt_logprobs is not None,
+            "prompt_alt_tokens_k": prompt_alt_tokens_k != 0,
+        }
+        for name, is_asked in asked.items():
+            if is_asked:
                 raise ValueError(
                     f"{name} is not available locally (the sampler returns the logprobs of the chosen tokens "
-                    f"and, on request, of the prompt); leave it at {off!r}"
+                    "and, on request, of the prompt); leave it at its default"
                 )
         return self._engine.sample(
             self._pin,

@@ -52,8 +52,9 @@ def add_run(
     user_metadata: Mapping[str, str],
 ) -> TrainingRun:
     """Add a training run now (worker thread): a new LoRA policy on the shared base, whose files go to
-    `run_dir`. Its adapter's A matrices are drawn from `lora.seed`, else `seed`; B starts at zero, so the
-    new model starts equal to the base."""
+    `run_dir`, where `run.json` says what the run is (base model, adapter, seed, user metadata). Its
+    adapter's A matrices are drawn from `lora.seed`, else `seed`; B starts at zero, so the new model
+    starts equal to the base."""
     _check_capacity(state)
     if model_id in state.runs:
         raise ValueError(f"a model named {model_id!r} already exists on this engine")
