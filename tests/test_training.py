@@ -194,7 +194,7 @@ def test_optim_step_honours_every_adam_field_on_every_call(tiny: wb.Session) -> 
         tiny.policy.forward_backward(data, "cross_entropy").result()
         grads_per_step.append(_grads(tiny))
         metrics = tiny.policy.optim_step(s).result().metrics
-        assert metrics["learning_rate"] == s.learning_rate
+        assert tiny.history.rows[-1]["learning_rate"] == s.learning_rate
         expected_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads_per_step[-1].values()))
         assert metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
     expected = _reference_adamw(start, grads_per_step, settings)
@@ -249,7 +249,7 @@ def test_tinker_sdk_objects_are_accepted_unchanged(tiny: wb.Session) -> None:
     assert sdk_out.metrics["loss:sum"] == our_out.metrics["loss:sum"] == dict_out.metrics["loss:sum"]
     tiny.policy.forward_backward([sdk_datum], "cross_entropy").result()
     response = tiny.policy.optim_step(tinker.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
-    assert response.applied and response.metrics["learning_rate"] == 1e-3
+    assert response.applied and tiny.history.rows[-1]["learning_rate"] == 1e-3
 
 
 def test_rl_losses_run_and_report_diagnostics(tiny: wb.Session) -> None:
@@ -274,6 +274,40 @@ def test_rl_losses_run_and_report_diagnostics(tiny: wb.Session) -> None:
     logits = _policy_logits(tiny, tokens[:-1])
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     assert ppo_metrics["entropy:mean"] == pytest.approx(float(entropy[4:].mean()), rel=1e-5)
+
+
+def test_gspo_and_dppo_run_on_the_engine(tiny: wb.Session) -> None:
+    rng = random.Random(1)
+    tokens = random_tokens(rng, 12, 900)
+    reference = (
+        tiny.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    )
+    datum = rl_datum(tokens, 5, [lp - 0.3 for lp in reference.tolist()], 1.0)
+    completion = [float(a != 0) for a in datum.loss_fn_inputs["advantages"].tolist()]
+    with_mask = wb.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={**datum.loss_fn_inputs, "sequence_ratio_mask": completion},
+    )
+    gspo = tiny.policy.forward([with_mask], "gspo").result().metrics
+    # every completion token's sampler logprob is 0.3 below the learner's: sequence ratio e^0.3 = 1.35,
+    # outside [0.8, 1.2] with a positive advantage, so every token is clipped
+    assert gspo["sequence_ratio:mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
+    assert gspo["clip_fraction:mean"] == 1.0
+    # the tiny model's probabilities are ~1/900: the probability gap is far inside delta 0.2
+    dppo = tiny.policy.forward([datum], "dppo").result().metrics
+    assert dppo["ratio:mean"] == pytest.approx(math.exp(0.3), rel=1e-4) and dppo["clip_fraction:mean"] == 0.0
+    before = tiny.state_digest()
+    with pytest.raises(ValueError, match=r"datum 0: loss_fn_inputs is missing \['sequence_ratio_mask'\]"):
+        tiny.policy.forward_backward([datum], "gspo")
+    no_tokens = wb.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={**datum.loss_fn_inputs, "sequence_ratio_mask": [0.0] * len(completion)},
+    )
+    with pytest.raises(
+        ValueError, match="datum 0: loss_fn_inputs\\['sequence_ratio_mask'\\] marks no position"
+    ):
+        tiny.policy.forward_backward([no_tokens], "gspo")
+    assert tiny.state_digest() == before
 
 
 def test_custom_loss_equals_the_builtin_loss() -> None:

@@ -38,7 +38,7 @@ def test_datum_coerces_inputs_by_key() -> None:
     assert to_datum({"model_input": [1], "loss_fn_inputs": {"target_tokens": [2]}}).model_input.to_ints() == [
         1
     ]
-    with pytest.raises(ValueError, match="keys 'model_input' and 'loss_fn_inputs'"):
+    with pytest.raises(ValueError, match="a datum dict has keys"):
         to_datum({"tokens": [1]})
 
 

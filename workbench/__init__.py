@@ -15,15 +15,17 @@ from workbench.advantages import (
 from workbench.archive import UnsafeArchiveError, export_archive, import_archive
 from workbench.chat import chat_datum, chat_prompt
 from workbench.checkpoint_store import CheckpointError, CheckpointInfo, CorruptCheckpointError
-from workbench.clients import ClientFuture, ModelInfo, SamplingClient, ServiceClient, TrainingClient
+from workbench.clients import ClientFuture, SamplingClient, TrainingClient
 from workbench.engine import Engine, ModelTensors, Restore, Role, RunStatus, SessionConfig
 from workbench.futures import APIFuture, ReentrantWaitError
 from workbench.losses import LOSSES
 from workbench.metrics import MetricsHistory
 from workbench.panel import Panel
 from workbench.probes import AgreementReport, check_logprob_agreement
+from workbench.rest_client import RestClient
 from workbench.rollouts import completion_positions, critic_datum, policy_datum, sequence_datum
 from workbench.run import Run, RunActiveError, RunState, train_step
+from workbench.service_client import ServiceClient
 from workbench.session import Session
 from workbench.token_view import TokenView, render_datum, render_sample, render_tokens
 from workbench.types import (
@@ -31,9 +33,13 @@ from workbench.types import (
     Datum,
     EncodedTextChunk,
     ForwardBackwardOutput,
+    GetInfoResponse,
     LoraConfig,
+    ModelData,
     ModelInput,
     OptimStepResponse,
+    PromptProvenanceSpan,
+    SampledProvenanceSpan,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -54,14 +60,17 @@ __all__ = [
     "EncodedTextChunk",
     "Engine",
     "ForwardBackwardOutput",
+    "GetInfoResponse",
     "LoraConfig",
     "MetricsHistory",
-    "ModelInfo",
+    "ModelData",
     "ModelInput",
     "ModelTensors",
     "OptimStepResponse",
     "Panel",
+    "PromptProvenanceSpan",
     "ReentrantWaitError",
+    "RestClient",
     "Restore",
     "Role",
     "Run",
@@ -69,6 +78,7 @@ __all__ = [
     "RunState",
     "RunStatus",
     "SampleResponse",
+    "SampledProvenanceSpan",
     "SampledSequence",
     "SamplingClient",
     "SamplingParams",

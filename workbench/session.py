@@ -37,6 +37,7 @@ from workbench.run import Run, StepFn, start_run
 from workbench.run_folders import new_run_id, runs_root
 from workbench.sampling import SamplerChoice
 from workbench.server import ServerConfig, TinkerServer
+from workbench.service_client import ServiceClient
 from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
 
 WANDB_PROJECT = "workbench"
@@ -267,6 +268,14 @@ class Session:
         if base and version is not None:
             raise ValueError("a base-model client has no version: pass base=True or a version, not both")
         return SamplingClient(self.engine, self.engine.pin_sampler(None if base else self.model_id, version))
+
+    def service_client(self, *sdk_arguments: Any, **sdk_keywords: Any) -> ServiceClient:
+        """A Tinker `ServiceClient` whose clients for this session's base model live on this session's
+        engine: code written for the `tinker` SDK (a tinker-cookbook training loop) trains new runs
+        next to this one, in this session's history and panel. Takes `tinker.ServiceClient`'s
+        arguments, so it can stand in for it: `tinker.ServiceClient = sess.service_client`. Closing the
+        client leaves the session open."""
+        return ServiceClient(*sdk_arguments, engine=self.engine, **sdk_keywords)
 
     def live_versions(self) -> list[int]:
         """The policy weight versions a sampling client can use now: the current one and those that live

@@ -87,10 +87,11 @@ class TrainableAdapter:
     # ------------------------------------------------------------------------------------------ step
 
     def optim_step(self, params: AdamParams) -> OptimStepResponse:
-        base_metrics = {"learning_rate": params.learning_rate, "step": float(self.step)}
+        """Apply the accumulated gradient. The response's metrics hold the gradient norm (before
+        clipping) when there was a gradient; `applied` and `skipped_reason` say whether the step ran."""
         if self.pending_backward_calls == 0:
             return OptimStepResponse(
-                metrics={**base_metrics, "applied": 0.0},
+                metrics={},
                 applied=False,
                 skipped_reason="no gradient accumulated: call forward_backward before optim_step",
             )
@@ -99,7 +100,7 @@ class TrainableAdapter:
         if not math.isfinite(grad_norm):
             self.clear_gradients()
             return OptimStepResponse(
-                metrics={**base_metrics, "grad_norm": grad_norm, "applied": 0.0},
+                metrics={"grad_norm": grad_norm},
                 applied=False,
                 skipped_reason=f"non-finite gradient norm ({grad_norm}); step skipped, weights and optimizer state unchanged",
             )
@@ -116,11 +117,4 @@ class TrainableAdapter:
         self.clear_gradients()
         self.step += 1
         self.weights_version += 1
-        return OptimStepResponse(
-            metrics={
-                "learning_rate": params.learning_rate,
-                "step": float(self.step),
-                "grad_norm": grad_norm,
-                "applied": 1.0,
-            }
-        )
+        return OptimStepResponse(metrics={"grad_norm": grad_norm})

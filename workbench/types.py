@@ -32,6 +32,9 @@ INPUT_DTYPES: dict[str, TensorDtype] = {
     "logprobs": "float32",
     "values": "float32",
     "returns": "float32",
+    "clip_low_threshold": "float32",
+    "clip_high_threshold": "float32",
+    "sequence_ratio_mask": "float32",
 }
 
 
@@ -155,6 +158,45 @@ class TensorData:
         return f"TensorData(dtype={self.dtype!r}, shape={self.shape}, data={self.array.tolist()!r})"
 
 
+@dataclass(frozen=True, kw_only=True)
+class PromptProvenanceSpan:
+    """A run of a datum's positions that were part of a sampling request's prompt: positions
+    `[offset, offset + length)` of the prompt of the request that sampled sequence `sequence_id`."""
+
+    sequence_id: str
+    offset: int = 0
+    length: int
+
+    def __post_init__(self) -> None:
+        _check_span(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampledProvenanceSpan:
+    """A run of a datum's positions that reproduce sampled tokens: positions `[offset, offset + length)`
+    of the tokens of sequence `sequence_id` (`SampledSequence.sequence_id`)."""
+
+    sequence_id: str
+    offset: int = 0
+    length: int
+
+    def __post_init__(self) -> None:
+        _check_span(self)
+
+
+ProvenanceSpan = PromptProvenanceSpan | SampledProvenanceSpan
+
+
+def _check_span(span: PromptProvenanceSpan | SampledProvenanceSpan) -> None:
+    name = type(span).__name__
+    if not isinstance(span.sequence_id, str) or not span.sequence_id:
+        raise ValueError(f"{name}.sequence_id must be a non-empty string, got {span.sequence_id!r}")
+    for field_name in ("offset", "length"):
+        value = getattr(span, field_name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}.{field_name} must be an integer >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Datum:
     """One training example: the tokens read (`model_input`) and per-position loss inputs.
@@ -162,15 +204,48 @@ class Datum:
     `loss_fn_inputs[k]` has one entry per position of `model_input`: position i predicts
     `target_tokens[i]`. Values may be `TensorData`, lists, numpy arrays or torch tensors; they are
     converted to `TensorData` with the dtype of `INPUT_DTYPES` (float32 for keys not listed there).
+
+    Provenance (Tinker's `Datum.with_provenance`): `model_input_spans` tile `model_input` and
+    `loss_fn_input_spans` tile `target_tokens` with runs naming the sampled sequences the tokens came
+    from; `stable_reinforce` trains on what the engine recorded for them. Both or neither.
     """
 
     model_input: ModelInput
     loss_fn_inputs: Mapping[str, TensorData] = field(default_factory=dict)
+    model_input_spans: tuple[ProvenanceSpan, ...] | None = None
+    loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_input", to_model_input(self.model_input))
         converted = {key: to_tensor_data(key, value) for key, value in dict(self.loss_fn_inputs).items()}
         object.__setattr__(self, "loss_fn_inputs", converted)
+        if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
+            raise ValueError(
+                "provenance comes as a pair: set both model_input_spans and loss_fn_input_spans, or neither"
+            )
+        for name in ("model_input_spans", "loss_fn_input_spans"):
+            spans = getattr(self, name)
+            if spans is not None:
+                object.__setattr__(self, name, tuple(to_provenance_span(span) for span in spans))
+
+    def with_provenance(
+        self, model_input: Sequence[ProvenanceSpan], loss_fn_inputs: Sequence[ProvenanceSpan]
+    ) -> Datum:
+        """A copy naming where each token came from: `model_input` runs tile the input tokens,
+        `loss_fn_inputs` runs tile `target_tokens` (checked here)."""
+        for what, spans, expected in (
+            ("model_input", model_input, self.model_input.length),
+            ("loss_fn_inputs", loss_fn_inputs, len(self.loss_fn_inputs.get("target_tokens", ()))),
+        ):
+            covered = sum(to_provenance_span(span).length for span in spans)
+            if covered != expected:
+                raise ValueError(
+                    f"with_provenance {what} spans cover {covered} positions but the field has {expected}; "
+                    "the runs must tile it exactly"
+                )
+        return dataclasses.replace(
+            self, model_input_spans=tuple(model_input), loss_fn_input_spans=tuple(loss_fn_inputs)
+        )
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -316,21 +391,27 @@ class OptimStepResponse:
 
 @dataclass(frozen=True)
 class SampledSequence:
+    """One sampled continuation: its tokens (the stop token included), the logprob of each, why it
+    ended, and `sequence_id`, unique within the engine, which training data names in its provenance."""
+
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    sequence_id: str = ""
 
 
 @dataclass(frozen=True)
 class SampleResponse:
     """Sampled sequences, the prompt's logprobs when asked for (first entry None), the policy weight
     version that produced them (None: the base model), and the milliseconds it took to push that
-    version to the sampler engine (0 when the engine samples the live weights in place)."""
+    version to the sampler engine (0 when the engine samples the live weights in place).
+    `prompt_cache_hit_tokens` is always 0: nothing is billed, and no prompt is served from a cache."""
 
     sequences: list[SampledSequence]
     weights_version: int | None
     prompt_logprobs: list[float | None] | None = None
     sync_ms: float = 0.0
+    prompt_cache_hit_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -354,6 +435,36 @@ class SaveWeightsForSamplerResponse:
 @dataclass(frozen=True)
 class LoadWeightsResponse:
     path: str
+
+
+@dataclass(frozen=True)
+class ModelData:
+    """The base model a training client's model is built on (Tinker's `ModelData`): its architecture,
+    its name as the engine was created with it, and the local folder (or HF id) of its tokenizer."""
+
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+@dataclass(frozen=True)
+class AdamOptimizerConfig:
+    """The optimizer family of a model (Tinker's `AdamOptimizerConfig`): AdamW, the only one here."""
+
+    type: Literal["adamw"] = "adamw"
+
+
+@dataclass(frozen=True)
+class GetInfoResponse:
+    """What `TrainingClient.get_info()` reports, in the shape of Tinker's `GetInfoResponse`."""
+
+    model_data: ModelData
+    model_id: str
+    optimizer_config: AdamOptimizerConfig = field(default_factory=AdamOptimizerConfig)
+    is_lora: bool | None = None
+    lora_rank: int | None = None
+    model_name: str | None = None
+    type: Literal["get_info"] = "get_info"
 
 
 # ---------------------------------------------------------------------------------------------- conversion
@@ -404,19 +515,48 @@ def to_model_input(value: Any) -> ModelInput:
     raise TypeError(f"model_input must be a ModelInput or a list of token ids, got {type(value).__name__}")
 
 
+_DATUM_KEYS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
+
+
 def to_datum(value: Any) -> Datum:
-    """Turn a `Datum` (ours or the SDK's) or a dict with `model_input` and `loss_fn_inputs` into ours."""
+    """Turn a `Datum` (ours or the SDK's, provenance spans included) or a dict with `model_input`,
+    `loss_fn_inputs` and optionally the two span lists into ours."""
     if isinstance(value, Datum):
         return value
     tinker_datum = _tinker_class("Datum")
     if tinker_datum is not None and isinstance(value, tinker_datum):
-        return Datum(model_input=value.model_input, loss_fn_inputs=dict(value.loss_fn_inputs))
+        return Datum(
+            model_input=value.model_input,
+            loss_fn_inputs=dict(value.loss_fn_inputs),
+            model_input_spans=value.model_input_spans,
+            loss_fn_input_spans=value.loss_fn_input_spans,
+        )
     if isinstance(value, Mapping):
-        unknown = set(value) - {"model_input", "loss_fn_inputs"}
+        unknown = set(value) - set(_DATUM_KEYS)
         if unknown or "model_input" not in value:
-            raise ValueError(f"a datum dict has keys 'model_input' and 'loss_fn_inputs', got {sorted(value)}")
-        return Datum(model_input=value["model_input"], loss_fn_inputs=value.get("loss_fn_inputs", {}))
+            raise ValueError(
+                f"a datum dict has keys {list(_DATUM_KEYS)} (spans optional), got {sorted(value)}"
+            )
+        return Datum(
+            model_input=value["model_input"],
+            loss_fn_inputs=value.get("loss_fn_inputs", {}),
+            model_input_spans=value.get("model_input_spans"),
+            loss_fn_input_spans=value.get("loss_fn_input_spans"),
+        )
     raise TypeError(f"a datum must be a Datum or a dict, got {type(value).__name__}")
+
+
+def to_provenance_span(value: Any) -> ProvenanceSpan:
+    """Turn a provenance span (ours or the SDK's `PromptProvenanceSpan` / `SampledProvenanceSpan`) into ours."""
+    if isinstance(value, (PromptProvenanceSpan, SampledProvenanceSpan)):
+        return value
+    for ours in (PromptProvenanceSpan, SampledProvenanceSpan):
+        sdk_class = _tinker_class(ours.__name__)
+        if sdk_class is not None and isinstance(value, sdk_class):
+            return ours(sequence_id=value.sequence_id, offset=value.offset, length=value.length)
+    raise TypeError(
+        f"a provenance span must be a PromptProvenanceSpan or a SampledProvenanceSpan, got {type(value).__name__}"
+    )
 
 
 def _dataclass_from(cls: type, value: Any, sdk_name: str) -> Any:

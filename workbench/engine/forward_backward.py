@@ -21,12 +21,13 @@ import torch
 from torch import Tensor
 
 from workbench.batching import MicroBatch, PreparedDatum, collate, plan_microbatches, prepare_batch
+from workbench.engine.provenance import attach_sampling_records
 from workbench.engine.roles import Role
 from workbench.engine.state import EngineState
 from workbench.engine.training_runs import TrainingRun
 from workbench.futures import APIFuture
 from workbench.losses import LossSpec, resolve_loss
-from workbench.types import ForwardBackwardOutput, TensorData
+from workbench.types import ForwardBackwardOutput, TensorData, to_datum
 
 CustomLossFn = Callable[[list[Any], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
 """`fn(data, logprobs_list) -> (loss, metrics)`: a scalar loss of per-datum logprob tensors."""
@@ -120,6 +121,13 @@ def submit(
     if not backward:
         optional.update(dict.fromkeys(spec.training_inputs))
     batch = prepare(state, data, required, optional)
+    if spec.check_datum is not None:
+        for index, item in enumerate(batch):
+            problem = spec.check_datum(item.inputs)
+            if problem is not None:
+                raise ValueError(f"datum {index}: {problem}")
+    if spec.uses_sampling_records:
+        batch = attach_sampling_records(state.stability_records, [to_datum(d) for d in data], batch)
     with_loss = backward or all(key in item.inputs for item in batch for key in spec.training_inputs)
     if not with_loss and any(key in item.inputs for item in batch for key in spec.training_inputs):
         raise ValueError(

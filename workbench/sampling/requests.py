@@ -32,6 +32,8 @@ class SampleRequest:
     stop_token_ids: frozenset[int]
     stop_strings: tuple[str, ...]
     include_prompt_logprobs: bool
+    prompt_logprobs_last_n: int | None = None  # score only the prompt's last N tokens (others None)
+    record_stability_info: bool = False  # keep the sampled sequences for stable_reinforce
 
     @property
     def prompt_length(self) -> int:
@@ -83,6 +85,8 @@ def prepare_request(
     vocab_size: int,
     max_length: int,
     max_samples_per_request: int,
+    prompt_logprobs_last_n: int | None = None,
+    record_stability_info: bool = False,
 ) -> SampleRequest:
     """Validate a sampling call against the model; raises ValueError naming the problem."""
     params = to_sampling_params(sampling_params)
@@ -118,6 +122,7 @@ def prepare_request(
         bad = [s for s in params.stop if not 0 <= int(s) < vocab_size]
         if bad:
             raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    check_prompt_logprobs_last_n(prompt_logprobs_last_n, include_prompt_logprobs, len(tokens))
     stop_ids, stop_strings = stop_conditions(params, tokenizer)
     return SampleRequest(
         prompt_tokens=tuple(tokens),
@@ -128,4 +133,27 @@ def prepare_request(
         stop_token_ids=stop_ids,
         stop_strings=stop_strings,
         include_prompt_logprobs=bool(include_prompt_logprobs),
+        prompt_logprobs_last_n=prompt_logprobs_last_n,
+        record_stability_info=bool(record_stability_info),
     )
+
+
+def check_prompt_logprobs_last_n(
+    last_n: int | None, include_prompt_logprobs: bool, prompt_length: int
+) -> None:
+    """`prompt_logprobs_last_n` asks for prompt logprobs, and at most every prompt token but the first."""
+    if last_n is None:
+        return
+    if not include_prompt_logprobs:
+        raise ValueError("prompt_logprobs_last_n needs include_prompt_logprobs=True")
+    if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n <= prompt_length - 1:
+        raise ValueError(
+            f"prompt_logprobs_last_n must be an integer in [1, {prompt_length - 1}] (len(prompt) - 1), got {last_n!r}"
+        )
+
+
+def keep_last_logprobs(logprobs: list[float | None], last_n: int | None) -> list[float | None]:
+    """Prompt logprobs with every entry before the last `last_n` set to None (all of them when None)."""
+    if last_n is None:
+        return logprobs
+    return [None] * (len(logprobs) - last_n) + logprobs[len(logprobs) - last_n :]
