@@ -243,7 +243,9 @@ def test_checkpoints_through_the_server(sess: wb.Session, client: tinker.Service
     ]
     assert original[0].result().metrics == again[0].result().metrics == fresh[0].result().metrics
     assert original[1].result().metrics == again[1].result().metrics
-    assert fresh[1].result().metrics["step"] == 1.0  # a fresh optimizer
+    fresh[1].result()
+    assert sess.engine.run_status(weights_only.model_id).step == 1  # a fresh optimizer
+    assert sess.engine.run_status(resumed.model_id).step == sess.engine.run_status(remote.model_id).step == 2
     check = [sdk_datum(TOKENS[0])]
     assert (
         remote.forward(check, "cross_entropy").result().metrics
@@ -328,7 +330,8 @@ def test_requests_run_in_seq_order_and_retries_get_the_same_future(
     assert sess.engine.run_status(remote.model_id).step == 0
     early = post(srv, "forward_backward", fwdbwd(1), **{"content-type": "application/x-protobuf"}).json()
     step = retrieve(srv, late["request_id"]).json()
-    assert step["metrics"]["applied"] == 1.0 and step["metrics"]["grad_norm"] > 0  # the gradient was there
+    assert step["metrics"]["grad_norm"] > 0  # the gradient of seq 1 was there
+    assert sess.engine.run_status(remote.model_id).step == 1
     assert (
         retrieve(srv, early["request_id"], "application/x-protobuf").headers["content-type"]
         == "application/x-protobuf"
@@ -555,3 +558,20 @@ def test_long_polls_answer_try_again_and_the_sdk_polls_on(
         service_client.close("success").result()
     finally:
         server.stop()
+
+
+def test_the_engine_samples_under_the_ids_its_caller_names(sess: wb.Session) -> None:
+    """The server promises a sample's sequence ids with the request, before the sequences exist; the
+    engine gives its sequences (and its stability records) exactly those ids."""
+    pin = sess.engine.pin_sampler(sess.model_id)
+    params = {"max_tokens": 3, "seed": 1}
+    named = sess.engine.sample(pin, TOKENS[0], 2, params, sequence_ids=["r:0", "r:1"]).result()
+    assert [s.sequence_id for s in named.sequences] == ["r:0", "r:1"]
+    unnamed = sess.engine.sample(pin, TOKENS[0], 2, params).result()
+    assert len({s.sequence_id for s in unnamed.sequences} | {"r:0", "r:1"}) == 4
+    digest = sess.engine.state_digest()
+    for bad in (["r:2"], ["r:2", "r:2"], ["r:2", ""]):
+        with pytest.raises(ValueError, match="sequence_ids must be 2 distinct non-empty strings"):
+            sess.engine.sample(pin, TOKENS[0], 2, params, sequence_ids=bad)
+    assert sess.engine.state_digest() == digest
+    sess.engine.release_sampler(pin)

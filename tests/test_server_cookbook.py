@@ -73,13 +73,14 @@ def test_the_cookbook_supervised_loop_trains_through_the_server(
         )
 
     asyncio.run(sl_train.main(config(3)))
-    assert len([row for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row]) == 3
+    assert [row["step"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row] == [0, 1, 2]
     # The run is cut short after its step-2 checkpoint (its final save never happened): the cookbook
     # resumes from that state with its optimizer (create_training_client_from_state_with_optimizer).
     checkpoints = tmp_path / "sl" / "checkpoints.jsonl"
     records = [json.loads(line) for line in checkpoints.read_text().splitlines()]
     checkpoints.write_text("".join(json.dumps(r) + "\n" for r in records if r["name"] != "final"))
     asyncio.run(sl_train.main(config(4)))
+    assert [row["step"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row] == [0, 1, 2, 3]
     steps = [row for row in session.history if row["op"] == "optim_step" and row["model"] != "policy"]
     first, resumed = steps[:3], steps[3:]
     assert [row["model"] for row in first] == ["policy_2"] * 3
@@ -95,9 +96,12 @@ def test_the_cookbook_supervised_loop_trains_through_the_server(
     assert run.user_metadata["renderer_name"] == "qwen3_instruct"  # what the cookbook checks on resume
 
 
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "stable_reinforce"])
 def test_the_cookbook_rl_loop_trains_through_the_server(
-    served: tuple[wb.Session, str], tmp_path: Path
+    served: tuple[wb.Session, str], tmp_path: Path, loss_fn: str
 ) -> None:
+    """The synchronous RL loop with its default loss, and with `stable_reinforce` (samples recorded by
+    the engine under the ids the server promised, named again by the training data's provenance)."""
     from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
 
     session, url = served
@@ -119,6 +123,7 @@ def test_the_cookbook_rl_loop_trains_through_the_server(
         base_url=url,
         kl_penalty_coef=0.1,
         kl_reference_config=rl_train.KLReferenceConfig(base_model=model),
+        loss_fn=loss_fn,
         save_every=0,
         eval_every=0,
     )
@@ -127,3 +132,6 @@ def test_the_cookbook_rl_loop_trains_through_the_server(
     assert len(rows) == 2
     ops = {row["op"] for row in session.history if row["model"] != "policy"}
     assert {"sample", "forward_backward", "optim_step"} <= ops
+    trained = [row for row in session.history if row["op"] == "forward_backward" and row["model"] != "policy"]
+    # stable_reinforce reports how many tokens its ratio cap truncated: it ran on the recorded samples
+    assert all(("truncated_fraction:mean" in row) == (loss_fn == "stable_reinforce") for row in trained)

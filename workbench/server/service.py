@@ -97,7 +97,6 @@ def _unsupported(request: schemas.SampleRequest) -> list[str]:
         "topk_sample_logprobs": request.topk_sample_logprobs != 0,
         "target_prompt_logprobs": request.target_prompt_logprobs is not None,
         "prompt_alt_tokens_k": request.prompt_alt_tokens_k != 0,
-        "record_stability_info": bool(request.record_stability_info),
     }
     return [name for name, set_ in options.items() if set_]
 
@@ -325,9 +324,6 @@ class TinkerService:
 
     def forward_backward(self, call: ForwardBackwardCall, payload: bytes) -> dict[str, Any]:
         def submit(model: ServedModel) -> tuple[APIFuture[ForwardBackwardOutput], Callable[[Any], Any]]:
-            if call.loss_fn == "stable_reinforce" and call.has_provenance():
-                raise ValueError("stable_reinforce is not available on this server")
-            # Provenance spans name where a datum's tokens were sampled; only stable_reinforce reads them.
             run = self.engine.forward if call.forward_only else self.engine.forward_backward
             return run(model.run_id, model.role, call.data(), call.loss_fn, call.loss_fn_config()), _same
 
@@ -517,21 +513,21 @@ class TinkerService:
                     )
                 sampler = self.sampler(request.sampling_session_id or "")
                 params = SamplingParams(**request.sampling_params.model_dump())
+                ids = _sequence_ids(entry, request.num_samples)
                 future = self.engine.sample(
                     sampler.pin,
                     request.prompt.text_tokens(),
                     request.num_samples,
                     params,
                     bool(request.prompt_logprobs),
+                    prompt_logprobs_last_n=request.prompt_logprobs_last_n,
+                    record_stability_info=bool(request.record_stability_info),
+                    sequence_ids=ids,
                 )
             except BaseException as error:
                 self.futures.fail(entry, error)
                 return
-            ids = _sequence_ids(entry, request.num_samples)
-            last_n = request.prompt_logprobs_last_n
-            self.futures.resolve_with(
-                entry, future.future(), lambda response: SampleResult(_last_n(response, last_n), ids)
-            )
+            self.futures.resolve_with(entry, future.future(), lambda response: SampleResult(response, ids))
 
         entry = self.sequencer.take(
             request.sampling_session_id,
@@ -722,14 +718,3 @@ def _sequence_ids(entry: PendingResult, num_samples: int) -> list[str]:
 
 def _same(result: Any) -> Any:
     return result
-
-
-def _last_n(response: SampleResponse, last_n: int | None) -> SampleResponse:
-    """Keep the prompt logprobs of the last `last_n` tokens only (`prompt_logprobs_last_n`)."""
-    if last_n is None or response.prompt_logprobs is None:
-        return response
-    length = len(response.prompt_logprobs)
-    if not 1 <= last_n < length:
-        raise ValueError(f"prompt_logprobs_last_n must be in [1, {length - 1}] for this prompt, got {last_n}")
-    kept = [None] * (length - last_n) + list(response.prompt_logprobs[length - last_n :])
-    return dataclasses.replace(response, prompt_logprobs=kept)

@@ -8,6 +8,7 @@ write and read them:
 
 * a text chunk's tokens are int32 little-endian bytes; a `Tensor` is dense bytes of its dtype
   (float32 or int64) with a shape, or sparse CSR (values, int64 row and column indices);
+* a datum's provenance spans (`stable_reinforce` reads them) name a sampled sequence or a request's prompt;
 * a result's per-datum outputs are one `ArrayRecord`: for each output name a `BatchedTensor` with every
   datum's array concatenated and `offsets`, the n+1 byte offsets of the datums' slices;
 * sampled tokens are int32 bytes, logprobs float32 bytes, the prompt's logprobs float32 with NaN where
@@ -31,7 +32,16 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from workbench.server.errors import RequestError
-from workbench.types import Datum, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
+from workbench.types import (
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    PromptProvenanceSpan,
+    ProvenanceSpan,
+    SampledProvenanceSpan,
+    SampleResponse,
+    TensorData,
+)
 
 PROTOBUF = "application/x-protobuf"
 
@@ -59,9 +69,6 @@ class ForwardBackwardCall:
 
     def loss_fn_config(self) -> dict[str, float]:
         return _loss_fn_config(self.message)
-
-    def has_provenance(self) -> bool:
-        return any(len(d.model_input_spans) or len(d.loss_fn_input_spans) for d in self.message.data)
 
 
 def decompress(body: bytes, max_bytes: int) -> bytes:
@@ -113,6 +120,22 @@ def _tensor(message: pb.Tensor, where: str) -> TensorData:
     return TensorData(values.reshape(shape) if shape else values, name)
 
 
+def _spans(spans: Any, where: str) -> tuple[ProvenanceSpan, ...]:
+    """Provenance spans (which sampled sequence, or which request's prompt, a run of positions is from)."""
+    out: list[ProvenanceSpan] = []
+    for position, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        arm = span.sampled_tokens if kind == "sampled_tokens" else span.prompt_tokens
+        make = SampledProvenanceSpan if kind == "sampled_tokens" else PromptProvenanceSpan
+        if kind is None:
+            raise RequestError(f"{where}[{position}] is an empty provenance span")
+        try:
+            out.append(make(sequence_id=arm.sequence_id, offset=int(arm.offset), length=int(arm.length)))
+        except ValueError as error:
+            raise RequestError(f"{where}[{position}]: {error}") from None
+    return tuple(out)
+
+
 def _datum(message: pb.Datum, index: int) -> Datum:
     tokens: list[np.ndarray] = []
     for position, chunk in enumerate(message.model_input):
@@ -127,7 +150,22 @@ def _datum(message: pb.Datum, index: int) -> Datum:
         name: _tensor(tensor, f"data[{index}].loss_fn_inputs[{name!r}]")
         for name, tensor in message.loss_fn_inputs.items()
     }
-    return Datum(model_input=ModelInput.from_ints(ids.tolist()), loss_fn_inputs=inputs)
+    has_spans = bool(len(message.model_input_spans) or len(message.loss_fn_input_spans))
+    try:
+        return Datum(
+            model_input=ModelInput.from_ints(ids.tolist()),
+            loss_fn_inputs=inputs,
+            model_input_spans=_spans(message.model_input_spans, f"data[{index}].model_input_spans")
+            if has_spans
+            else None,
+            loss_fn_input_spans=(
+                _spans(message.loss_fn_input_spans, f"data[{index}].loss_fn_input_spans")
+                if has_spans
+                else None
+            ),
+        )
+    except ValueError as error:
+        raise RequestError(f"data[{index}]: {error}") from None
 
 
 def _loss_fn_config(message: pb.ForwardBackwardRequest) -> dict[str, float]:
