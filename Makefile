@@ -66,3 +66,4 @@ bench: env
 	$(BIN)/python bench/sample.py --model smollm2-135m
 	$(BIN)/python bench/critic_memory.py --model smollm2-135m
 	$(BIN)/python bench/checkpoint.py --model smollm2-135m
+	$(BIN)/python bench/server.py --model smollm2-135m

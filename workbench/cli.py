@@ -80,6 +80,10 @@ def serve(args: argparse.Namespace) -> int:
             f"up to {config.max_models} models; history in {session.run_dir}",
             flush=True,
         )
+        wandb = session.wandb_run
+        if wandb is not None:
+            where = wandb.url or f"offline in {wandb.directory} (upload with: wandb sync {wandb.directory})"
+            print(f"workbench: W&B run {wandb.run_id}: {where}", flush=True)
         key_hint = "the server's key" if api_key else "tml-local"
         print(
             f"workbench: clients: TINKER_API_KEY={key_hint} tinker.ServiceClient(base_url={server.url!r})",
