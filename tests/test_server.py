@@ -575,3 +575,27 @@ def test_the_engine_samples_under_the_ids_its_caller_names(sess: wb.Session) -> 
             sess.engine.sample(pin, TOKENS[0], 2, params, sequence_ids=bad)
     assert sess.engine.state_digest() == digest
     sess.engine.release_sampler(pin)
+
+
+def test_results_are_dropped_once_fetched_or_stale() -> None:
+    """A long run does not pile up results: a fetched one goes after a minute (time for a client that
+    lost the response to fetch it again), an unfetched one after an hour."""
+    import asyncio
+
+    from workbench.server.future_table import KEEP_FINISHED_S, KEEP_RETRIEVED_S, FutureTable
+
+    async def scenario() -> None:
+        table = FutureTable(asyncio.get_running_loop())
+        fetched, unfetched, pending = (table.add("forward_backward", "m") for _ in range(3))
+        for entry in (fetched, unfetched):
+            entry.finish(result={"ok": True})
+        fetched.retrieved_at = fetched.finished_at
+        start = fetched.finished_at
+        table.sweep(now=start + KEEP_RETRIEVED_S / 2)
+        assert len(table) == 3
+        table.sweep(now=start + KEEP_RETRIEVED_S + 1)
+        assert table.get(fetched.request_id) is None and table.get(unfetched.request_id) is unfetched
+        table.sweep(now=start + KEEP_FINISHED_S + 1)
+        assert table.get(unfetched.request_id) is None and table.get(pending.request_id) is pending
+
+    asyncio.run(scenario())

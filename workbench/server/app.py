@@ -180,6 +180,7 @@ def create_app(service: TinkerService) -> FastAPI:
             )
         if not await service.futures.wait(entry, config.long_poll_s):
             return _json({"type": "try_again", "request_id": entry.request_id, "queue_state": "active"})
+        entry.retrieved_at = time.monotonic()
         if entry.error is not None:
             return _json(error_body(entry.error))
         proto = wire.PROTOBUF in request.headers.get("accept", "")

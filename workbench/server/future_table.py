@@ -4,8 +4,9 @@ is fetched later with `retrieve_future`, as Tinker's protocol works.
 A `PendingResult` is created on the server's event loop when the request is taken, and resolved there
 (`call_soon_threadsafe`) when the engine's future completes on the worker thread, with the result or
 the exception. `retrieve_future` long-polls: it waits on the entry's event up to the poll window, then
-answers `try_again` and the SDK polls again at once. A finished entry is kept for a while after it
-completes, so a client that lost a response can fetch it again, and then dropped.
+answers `try_again` and the SDK polls again at once. A finished entry is kept for a while after it is
+fetched (a client that lost the response fetches it again) and then dropped, so results do not pile up
+over a long run.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# How long a finished result stays retrievable.
+# How long a finished result stays retrievable: an hour for one nobody has fetched yet, a minute once
+# fetched (a client whose response was lost on the way polls again at once).
 KEEP_FINISHED_S = 3600.0
+KEEP_RETRIEVED_S = 60.0
 
 
 @dataclass
@@ -35,6 +38,7 @@ class PendingResult:
     error: BaseException | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
+    retrieved_at: float | None = None  # when a client last fetched the finished result
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         """Resolve the entry (event loop thread); a second call changes nothing."""
@@ -98,10 +102,12 @@ class FutureTable:
         return entry.done.is_set()
 
     def sweep(self, now: float | None = None) -> None:
-        """Drop results that finished more than `KEEP_FINISHED_S` ago."""
+        """Drop results fetched more than `KEEP_RETRIEVED_S` ago, and unfetched ones that finished more
+        than `KEEP_FINISHED_S` ago."""
         now = time.monotonic() if now is None else now
         for request_id, entry in list(self._entries.items()):
-            if entry.finished_at is not None and now - entry.finished_at > KEEP_FINISHED_S:
+            fetched = entry.retrieved_at is not None and now - entry.retrieved_at > KEEP_RETRIEVED_S
+            if fetched or (entry.finished_at is not None and now - entry.finished_at > KEEP_FINISHED_S):
                 del self._entries[request_id]
 
     def __len__(self) -> int:

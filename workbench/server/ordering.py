@@ -34,7 +34,7 @@ def digest_of(payload: bytes) -> str:
 @dataclass
 class _Taken:
     digest: str
-    entry: PendingResult
+    request_id: str
 
 
 @dataclass
@@ -60,10 +60,10 @@ class Sequencer:
         new_entry: Callable[[], PendingResult],
         start: Callable[[PendingResult], None],
         ordered: bool = True,
-    ) -> PendingResult:
-        """The entry for request `seq_id` of `stream`: a retry's earlier entry, or a new one whose
-        `start` runs once every lower seq_id has started (at once when not `ordered`). `start` must not
-        raise: it resolves the entry with any failure."""
+    ) -> str:
+        """The request id for request `seq_id` of `stream`: a retry's earlier one, or that of a new entry
+        whose `start` runs once every lower seq_id has started (at once when not `ordered`). `start` must
+        not raise: it resolves the entry with any failure."""
         lowest = 1 if ordered else 0  # a TrainingClient counts from 1, a SamplingClient from 0
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < lowest:
             raise RequestError(f"seq_id must be an integer >= {lowest}, got {seq_id!r}")
@@ -77,21 +77,21 @@ class Sequencer:
                     "a retry must repeat the same request",
                     409,
                 )
-            return earlier.entry
+            return earlier.request_id
         if ordered and seq_id < state.next_seq:
             raise RequestError(f"seq_id {seq_id} of {stream!r} is older than the requests kept for retries")
         entry = new_entry()
-        state.taken[seq_id] = _Taken(digest, entry)
+        state.taken[seq_id] = _Taken(digest, entry.request_id)
         for old in [s for s in state.taken if s < seq_id - RETRY_WINDOW]:
             del state.taken[old]
         if not ordered:
             start(entry)
-            return entry
+            return entry.request_id
         state.waiting[seq_id] = lambda: start(entry)
         while state.next_seq in state.waiting:
             state.waiting.pop(state.next_seq)()
             state.next_seq += 1
-        return entry
+        return entry.request_id
 
     def waiting_for(self, stream: str) -> list[int]:
         """The seq_ids of `stream` that arrived before a lower one, still held back."""
@@ -99,7 +99,7 @@ class Sequencer:
         return sorted(state.waiting) if state is not None else []
 
     def forget(self, stream: str) -> list[Callable[[], None]]:
-        """Drop a stream (its model is gone); returns the starts still waiting, for the caller to run
-        (they fail, the model being gone)."""
+        """Drop a stream (its model or sampler is gone); returns the starts still waiting, for the caller
+        to run (they fail, the model being gone)."""
         state = self._streams.pop(stream, None)
         return list(state.waiting.values()) if state is not None else []

@@ -181,6 +181,8 @@ class TinkerService:
         for model in served:
             for start in self.sequencer.forget(model.model_id):
                 start()
+        for model_id in [m for m in self._creations if m.startswith(f"{session.session_id}:")]:
+            del self._creations[model_id]
         policy_runs = {m.run_id for m in served if m.role is Role.POLICY}
         for run_id in policy_runs:
             with contextlib.suppress(ValueError):  # its creation failed: there is no run to remember
@@ -247,7 +249,7 @@ class TinkerService:
             else:
                 lora = LoraConfig(**body.model_dump())
                 future = self.engine.create_model(
-                    lora, seed=body.seed or 0, model_id=model_id, user_metadata=metadata
+                    lora, seed=self.engine.config.seed, model_id=model_id, user_metadata=metadata
                 )
                 run_id, role = model_id, Role.POLICY
         except (ValueError, TypeError) as error:
@@ -319,8 +321,10 @@ class TinkerService:
                 return
             self.futures.resolve_with(entry, future.future(), convert)
 
-        entry = self.sequencer.take(model_id, seq_id, payload, lambda: self.futures.add(op, model_id), start)
-        return {"request_id": entry.request_id, "model_id": model_id}
+        request_id = self.sequencer.take(
+            model_id, seq_id, payload, lambda: self.futures.add(op, model_id), start
+        )
+        return {"request_id": request_id, "model_id": model_id}
 
     def forward_backward(self, call: ForwardBackwardCall, payload: bytes) -> dict[str, Any]:
         def submit(model: ServedModel) -> tuple[APIFuture[ForwardBackwardOutput], Callable[[Any], Any]]:
@@ -458,6 +462,7 @@ class TinkerService:
 
     def _release_sampler(self, sampler_id: str) -> None:
         sampler = self.samplers.pop(sampler_id, None)
+        self.sequencer.forget(sampler_id)
         if sampler is not None:
             self.released_samplers.add(sampler_id)
             self.engine.release_sampler(sampler.pin)
@@ -513,7 +518,7 @@ class TinkerService:
                     )
                 sampler = self.sampler(request.sampling_session_id or "")
                 params = SamplingParams(**request.sampling_params.model_dump())
-                ids = _sequence_ids(entry, request.num_samples)
+                ids = _sequence_ids(entry.request_id, request.num_samples)
                 future = self.engine.sample(
                     sampler.pin,
                     request.prompt.text_tokens(),
@@ -529,7 +534,7 @@ class TinkerService:
                 return
             self.futures.resolve_with(entry, future.future(), lambda response: SampleResult(response, ids))
 
-        entry = self.sequencer.take(
+        request_id = self.sequencer.take(
             request.sampling_session_id,
             request.seq_id,
             payload,
@@ -538,8 +543,8 @@ class TinkerService:
             ordered=False,
         )
         return {
-            "request_id": entry.request_id,
-            "sample_sequence_ids": _sequence_ids(entry, request.num_samples),
+            "request_id": request_id,
+            "sample_sequence_ids": _sequence_ids(request_id, request.num_samples),
         }
 
     # ------------------------------------------------------------------------------------------ runs and checkpoints
@@ -711,9 +716,10 @@ class TinkerService:
         log.info("%-24s %-40s %.2fs %s", entry.op, entry.model_id, seconds, detail)
 
 
-def _sequence_ids(entry: PendingResult, num_samples: int) -> list[str]:
-    """The ids of a sample request's sequences, known when it is taken (the SDK needs them then)."""
-    return [f"{entry.request_id}:{i}" for i in range(max(num_samples, 0))]
+def _sequence_ids(request_id: str, num_samples: int) -> list[str]:
+    """The ids of a sample request's sequences, known when it is taken (the SDK needs them then), unique
+    in the engine (request ids are 96 random bits)."""
+    return [f"{request_id}:{i}" for i in range(max(num_samples, 0))]
 
 
 def _same(result: Any) -> Any:
