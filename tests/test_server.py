@@ -229,6 +229,9 @@ def test_checkpoints_through_the_server(sess: wb.Session, client: tinker.Service
         .result()
     )
     assert [s.tokens for s in sample.sequences] == [s.tokens for s in in_process.sequences]
+    from_state = client.create_sampling_client(model_path=state.path).result()  # a state checkpoint's policy
+    again = from_state.sample(types.ModelInput.from_ints(TOKENS[1]), 2, params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in in_process.sequences]
 
     # resumed models continue as the original does: with the optimizer, and weights only
     resumed = client.create_training_client_from_state_with_optimizer(state.path).result()

@@ -68,18 +68,18 @@ def check(got: dict, want: dict) -> None:
 
 
 def test_workbench_serve_in_a_subprocess(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORKBENCH_RUNS": str(tmp_path / "runs")}
-    command = [
-        sys.executable,
-        "-m",
-        "workbench.cli",
-        "serve",
-        "--base-model",
-        "tiny",
-        "--port",
-        "0",
-        "--no-wandb",
-    ]
+    """The command serves, prints where and the model, one line per operation, and logs every operation
+    (its clients' included) to the session's history and its W&B run, as a notebook session does."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "WORKBENCH_RUNS": str(tmp_path / "runs"),
+        "WANDB_MODE": "offline",
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+    }
+    run_dir = tmp_path / "server-session"
+    serve = ["serve", "--base-model", "tiny", "--port", "0", "--run-dir", str(run_dir)]
+    command = [sys.executable, "-m", "workbench.cli", *serve]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -102,6 +102,12 @@ def test_workbench_serve_in_a_subprocess(tmp_path: Path) -> None:
     for op in ("create_model", "forward_backward", "optim_step", "sample", "save_weights", "load_weights"):
         assert f"{op} " in printed, op
     assert "workbench: stopping" in printed
+    assert f"W&B run {run_dir.name}: offline in" in printed
+    assert any((run_dir / "wandb").glob("offline-run-*"))
+    rows = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert {"forward_backward", "optim_step", "sample"} <= {
+        row["op"] for row in rows if row["model"] == "policy_2"
+    }
 
 
 @pytest.mark.skipif(
