@@ -602,3 +602,14 @@ def test_results_are_dropped_once_fetched_or_stale() -> None:
         assert table.get(unfetched.request_id) is None and table.get(pending.request_id) is pending
 
     asyncio.run(scenario())
+
+
+def test_non_finite_metrics_reach_the_sdk_as_floats() -> None:
+    """A step skipped for a non-finite gradient reports a NaN gradient norm; JSON has no NaN, but the
+    SDK's parser (Python's json) reads the `NaN` token, so the server writes it rather than failing."""
+    from workbench.server.app import TinkerJSONResponse
+
+    body = TinkerJSONResponse({"metrics": {"grad_norm": float("nan"), "x": float("inf")}}).body
+    parsed = json.loads(body)
+    assert np.isnan(parsed["metrics"]["grad_norm"]) and parsed["metrics"]["x"] == float("inf")
+    assert types.OptimStepResponse.model_validate(parsed).metrics["x"] == float("inf")

@@ -19,6 +19,7 @@ import asyncio
 import functools
 import hashlib
 import hmac
+import json
 import secrets
 import shutil
 import tempfile
@@ -43,8 +44,16 @@ ARCHIVE_URL_LIFETIME_S = 900
 Route = Callable[..., Awaitable[Response]]
 
 
+class TinkerJSONResponse(JSONResponse):
+    """JSON as the SDK reads it (Python's `json`): a non-finite metric, such as the gradient norm of a
+    step skipped for a non-finite gradient, goes out as `NaN` / `Infinity` rather than failing."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def _json(body: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(body, status_code=status)
+    return TinkerJSONResponse(body, status_code=status)
 
 
 def _refusal(error: BaseException) -> JSONResponse:

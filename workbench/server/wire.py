@@ -279,8 +279,3 @@ def sample_response_json(response: SampleResponse) -> dict[str, Any]:
         ],
         "prompt_logprobs": response.prompt_logprobs,
     }
-
-
-def metrics_json(metrics: Mapping[str, float]) -> dict[str, float]:
-    """Metrics as JSON numbers (a non-finite value becomes null: JSON has no NaN)."""
-    return {key: float(value) if math.isfinite(value) else None for key, value in metrics.items()}  # type: ignore[misc]
