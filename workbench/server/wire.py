@@ -22,7 +22,6 @@ Clients that ask for JSON (SDKs before 0.25 did) get the JSON shapes instead.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
