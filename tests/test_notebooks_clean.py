@@ -21,6 +21,7 @@ def test_the_tutorials_are_there() -> None:
         "06_checkpoints_and_resume.ipynb",
         "07_custom_losses.ipynb",
         "08_tinker_cookbook.ipynb",
+        "09_serving_tinker.ipynb",
     ]
 
 

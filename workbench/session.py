@@ -36,6 +36,7 @@ from workbench.plots import plot_history
 from workbench.run import Run, StepFn, start_run
 from workbench.run_folders import new_run_id, runs_root
 from workbench.sampling import SamplerChoice
+from workbench.server import ServerConfig, TinkerServer
 from workbench.service_client import ServiceClient
 from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
 
@@ -118,6 +119,8 @@ class Session:
         """The latest run started by `run()` (active or ended; its state, error and traceback stay
         readable), None before the first. Step functions read their live settings from it:
         `sess.current_run.adam_params`."""
+        self.servers: list[TinkerServer] = []
+        """The servers `serve()` started (stopped ones included), newest last."""
         engine.history.sinks.append(JsonlSink(self.run_dir / "history.jsonl"))
         self.wandb_run = self._open_wandb(wandb)
 
@@ -348,11 +351,36 @@ class Session:
         """
         return Panel(self, train_data=train_data, metrics=metrics)
 
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None) -> TinkerServer:
+        """Serve the Tinker REST protocol for this session's engine, on a background thread.
+
+        The unmodified `tinker` SDK and tinker-cookbook scripts then train on this machine's model:
+        `tinker.ServiceClient(base_url=srv.url)` (their key, `TINKER_API_KEY`, must start with `tml-`).
+        Each client's `create_lora_training_client` adds a LoRA model on the same base (up to
+        `max_models`, this session's run included); every operation runs on the engine's worker in
+        order with this session's own, and lands in the history (its `model` column names the
+        adapter, `policy_2`, ...) and the panel. See `workbench.server`.
+
+        Args:
+            host: The address to bind; the default reaches this machine only. Any other address
+                requires `api_key`.
+            port: The port; 0 picks a free one (`srv.url` tells which).
+            api_key: A key clients must send (their `TINKER_API_KEY`), starting with `tml-`.
+
+        Returns:
+            The running server: `srv.url`, `srv.stop()`. `close()` stops it too.
+        """
+        server = TinkerServer(self.engine, ServerConfig(host=host, port=port, api_key=api_key))
+        self.servers.append(server)
+        return server
+
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Stop the run loop after its current step, finish queued work, then free the model and
-        optimizer memory. Safe to call twice, and again after an interrupted call."""
+        """Stop the servers and the run loop (after its current step), finish queued work, then free the
+        model and optimizer memory. Safe to call twice, and again after an interrupted call."""
+        for server in self.servers:
+            server.stop()
         if self.current_run is not None and self.current_run.active:
             self.current_run.stop()  # the step in progress finishes; none starts after it
             self.current_run.wait()

@@ -90,6 +90,8 @@ class AdaptedModel:
             self.peft_model = None
             self.hf_sampler.model = self.base
             return
+        if self.peft_model.active_adapter == name:  # another becomes active quietly (peft would warn)
+            self.peft_model.set_adapter(next(other for other in self.peft_model.peft_config if other != name))
         self.peft_model.delete_adapter(name)
 
     def adapter_tensors(self, name: str) -> dict[str, Tensor]:

@@ -414,10 +414,13 @@ class Engine:
         *,
         prompt_logprobs_last_n: int | None = None,
         record_stability_info: bool = False,
+        sequence_ids: Sequence[str] | None = None,
     ) -> APIFuture[SampleResponse]:
         """Sample `num_samples` continuations of `prompt` from the pinned weights, with logprobs.
 
-        Every sequence gets a `sequence_id` unique in this engine. With `prompt_logprobs_last_n`, only
+        Every sequence gets a `sequence_id` unique in this engine; a caller that must know the ids before
+        the sequences exist (the REST server promises them with the request) names them, one per sample,
+        in `sequence_ids`, and keeps them unique. With `prompt_logprobs_last_n`, only
         the prompt's last N tokens are scored (earlier entries None). With `record_stability_info`, the
         engine keeps each sequence (prompt, tokens, the sampler's logprobs, the weights) for a day, for
         `stable_reinforce` training data that names it.
@@ -431,6 +434,7 @@ class Engine:
             include_prompt_logprobs,
             prompt_logprobs_last_n,
             record_stability_info,
+            sequence_ids,
         )
 
     def compute_logprobs(

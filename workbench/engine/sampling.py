@@ -197,6 +197,7 @@ def submit_sample(
     include_prompt_logprobs: bool,
     prompt_logprobs_last_n: int | None = None,
     record_stability_info: bool = False,
+    sequence_ids: Sequence[str] | None = None,
 ) -> APIFuture[SampleResponse]:
     state.check_open()
     request = prepare_request(
@@ -210,6 +211,7 @@ def submit_sample(
         max_samples_per_request=state.config.max_samples_per_request,
         prompt_logprobs_last_n=prompt_logprobs_last_n,
         record_stability_info=record_stability_info,
+        sequence_ids=sequence_ids,
     )
     return state.submit_batchable(
         "sample", (pin_future, request), lambda items: run_sample_batch(state, items)
@@ -323,8 +325,10 @@ def sample_response(
 ) -> SampleResponse:
     """The response to one request (each sequence given its id, and recorded when the request asks),
     and its history row."""
+    ids = request.sequence_ids or [state.next_sequence_id() for _ in result.sequences]
     sequences = [
-        dataclasses.replace(sequence, sequence_id=state.next_sequence_id()) for sequence in result.sequences
+        dataclasses.replace(sequence, sequence_id=sequence_id)
+        for sequence, sequence_id in zip(result.sequences, ids, strict=True)
     ]
     if request.record_stability_info:
         for sequence in sequences:

@@ -12,6 +12,7 @@ one the operations before the save left.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class SampleRequest:
     include_prompt_logprobs: bool
     prompt_logprobs_last_n: int | None = None  # score only the prompt's last N tokens (others None)
     record_stability_info: bool = False  # keep the sampled sequences for stable_reinforce
+    sequence_ids: tuple[str, ...] | None = None  # the ids the caller named for the sequences, in order
 
     @property
     def prompt_length(self) -> int:
@@ -87,6 +89,7 @@ def prepare_request(
     max_samples_per_request: int,
     prompt_logprobs_last_n: int | None = None,
     record_stability_info: bool = False,
+    sequence_ids: Sequence[str] | None = None,
 ) -> SampleRequest:
     """Validate a sampling call against the model; raises ValueError naming the problem."""
     params = to_sampling_params(sampling_params)
@@ -123,6 +126,16 @@ def prepare_request(
         if bad:
             raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab_size})")
     check_prompt_logprobs_last_n(prompt_logprobs_last_n, include_prompt_logprobs, len(tokens))
+    if sequence_ids is not None:
+        sequence_ids = tuple(sequence_ids)
+        if (
+            len(sequence_ids) != num_samples
+            or not all(isinstance(i, str) and i for i in sequence_ids)
+            or len(set(sequence_ids)) != num_samples
+        ):
+            raise ValueError(
+                f"sequence_ids must be {num_samples} distinct non-empty strings (one per sample), got {sequence_ids!r}"
+            )
     stop_ids, stop_strings = stop_conditions(params, tokenizer)
     return SampleRequest(
         prompt_tokens=tuple(tokens),
@@ -135,6 +148,7 @@ def prepare_request(
         include_prompt_logprobs=bool(include_prompt_logprobs),
         prompt_logprobs_last_n=prompt_logprobs_last_n,
         record_stability_info=bool(record_stability_info),
+        sequence_ids=sequence_ids,
     )
 
 
