@@ -26,6 +26,7 @@ from workbench.rollouts import completion_positions, critic_datum, policy_datum,
 from workbench.run import Run, RunActiveError, RunState, train_step
 from workbench.session import Session
 from workbench.token_view import TokenView, render_datum, render_sample, render_tokens
+from workbench.training import NonFiniteGradientError
 from workbench.types import (
     AdamParams,
     Datum,
@@ -59,6 +60,7 @@ __all__ = [
     "ModelInfo",
     "ModelInput",
     "ModelTensors",
+    "NonFiniteGradientError",
     "OptimStepResponse",
     "Panel",
     "ReentrantWaitError",

@@ -47,7 +47,7 @@ class ClientFuture(APIFuture[C], Generic[C]):
 
 
 def _client_future(future: APIFuture[C]) -> ClientFuture[C]:
-    return ClientFuture(future.future(), None)
+    return ClientFuture(future.future(), future.worker)
 
 
 @dataclass(frozen=True)
