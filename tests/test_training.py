@@ -353,27 +353,106 @@ def test_custom_loss_may_couple_datums(tiny: wb.Session) -> None:
     assert tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
 
 
-def test_non_finite_gradient_skips_the_step(tiny: wb.Session) -> None:
+def _poisoned(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    return (logprobs[0] * float("nan")).sum(), {}
+
+
+def _huge_advantage_datum(tokenizer) -> wb.Datum:
+    """Finite inputs whose gradient is finite too, but so large its float32 norm overflows."""
+    datum = _batch(tokenizer)[0]
+    n = len(datum.model_input.to_ints())
+    inputs = {
+        "target_tokens": datum.loss_fn_inputs["target_tokens"],
+        "logprobs": [-1.0] * n,
+        "advantages": [3e38] * n,
+    }
+    return wb.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)
+
+
+def test_a_non_finite_gradient_fails_its_call_and_keeps_the_accumulated_one() -> None:
+    """The call that produced a NaN (or inf) gradient fails, naming itself; the gradient accumulated
+    before it stays, and the next optim_step applies exactly that one."""
+    with (
+        wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess,
+        wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as clean,
+    ):
+        data = _batch(sess.tokenizer)
+        for session in (sess, clean):
+            session.policy.forward_backward(data, "cross_entropy").result()
+            session.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+            session.policy.forward_backward(data[:2], "cross_entropy").result()  # the good gradient
+        before = sess.state_digest()
+        with pytest.raises(
+            wb.NonFiniteGradientError,
+            match="forward_backward_custom on policy produced a non-finite gradient",
+        ):
+            sess.policy.forward_backward_custom(data, _poisoned).result()
+        overflowing = [
+            ce_datum([*d.model_input.to_ints(), 5], [3e38] * len(d.model_input.to_ints())) for d in data
+        ]
+        with pytest.raises(
+            wb.NonFiniteGradientError,
+            match="forward_backward with 'cross_entropy' on policy produced a non-finite",
+        ):
+            sess.policy.forward_backward(overflowing, "cross_entropy").result()
+        assert sess.state_digest() == before
+        response = sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        assert response.applied
+        clean.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        assert sess.state_digest() == clean.state_digest()
+        # a NaN gradient with nothing accumulated before it leaves nothing to step on
+        with pytest.raises(wb.NonFiniteGradientError):
+            sess.policy.forward_backward_custom(data, _poisoned).result()
+        skipped = sess.policy.optim_step().result()
+        assert not skipped.applied and "no gradient accumulated" in skipped.skipped_reason
+
+
+def test_finite_gradients_whose_float32_norm_overflows_are_kept_and_clipped(tiny: wb.Session) -> None:
+    """Advantages of 3e38 give finite gradients whose float32 norm overflows: they were taken for
+    non-finite and dropped, with the good gradient accumulated before them. The norm is now computed
+    safely; the gradient stays; a step whose Adam moments would overflow is undone with its reason, and
+    a clipped step applies."""
     data = _batch(tiny.tokenizer)
     tiny.policy.forward_backward(data, "cross_entropy").result()
-    tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    tiny.policy.forward_backward([_huge_advantage_datum(tiny.tokenizer)], "importance_sampling").result()
+    status = tiny.engine.run_status(tiny.model_id)
+    assert status.pending_backward_calls == 2
+    gradients = [g for g in _grads(tiny).values()]
+    assert all(bool(torch.isfinite(g).all()) for g in gradients)
+    assert not math.isfinite(float(torch.nn.utils.get_total_norm(gradients)))  # float32 overflows
+    expected_norm = float(
+        torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in gradients])
+        )
+    )
     before = tiny.state_digest()
 
-    def poisoned(
-        batch: list[wb.Datum], logprobs: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        return (logprobs[0] * float("nan")).sum(), {}
+    unclipped = tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result()
+    assert not unclipped.applied
+    assert "non-finite weights or optimizer moments" in unclipped.skipped_reason
+    assert unclipped.metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-6)
+    assert tiny.state_digest() == before  # undone whole: weights, Adam state, the gradient, counters
 
-    out = tiny.policy.forward_backward_custom(data, poisoned).result()
-    assert math.isnan(out.metrics["loss:sum"])  # the logged loss is honest
-    response = tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-    assert not response.applied
-    assert "non-finite" in response.skipped_reason
-    assert tiny.state_digest() == before
-    assert tiny.policy.step == 1
-    # the session trains on afterwards
+    clipped = tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
+    assert clipped.applied and clipped.metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-6)
+    assert all(bool(torch.isfinite(p).all()) for p in _params(tiny).values())
+    assert math.isfinite(tiny.policy.forward(data, "cross_entropy").result().metrics["loss:sum"])
+
+
+def test_a_step_that_would_leave_nan_weights_is_undone(tiny: wb.Session) -> None:
+    """The last line of defence behind AdamParams' validation: an eps that rounds to 0 in float32 makes
+    Adam divide 0 by 0 for weights whose gradient is 0 (every LoRA A matrix at the first step, B being
+    zero). Such a step was reported applied with NaN weights; it is now undone and says why."""
+    data = _batch(tiny.tokenizer)
     tiny.policy.forward_backward(data, "cross_entropy").result()
-    assert tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result().applied
+    before = tiny.state_digest()
+    slipped_past_validation = wb.AdamParams(learning_rate=1e-3)
+    object.__setattr__(slipped_past_validation, "eps", 1e-46)
+    response = tiny.policy.optim_step(slipped_past_validation).result()
+    assert not response.applied and "non-finite weights or optimizer moments" in response.skipped_reason
+    assert tiny.state_digest() == before and tiny.policy.step == 0
+    assert tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
+    assert all(bool(torch.isfinite(p).all()) for p in _params(tiny).values())
 
 
 def test_failure_inside_an_operation_leaves_the_accumulated_gradient(tiny: wb.Session) -> None:

@@ -28,6 +28,7 @@ from workbench.run import Run, RunActiveError, RunState, train_step
 from workbench.service_client import ServiceClient
 from workbench.session import Session
 from workbench.token_view import TokenView, render_datum, render_sample, render_tokens
+from workbench.training import NonFiniteGradientError
 from workbench.types import (
     AdamParams,
     Datum,
@@ -66,6 +67,7 @@ __all__ = [
     "ModelData",
     "ModelInput",
     "ModelTensors",
+    "NonFiniteGradientError",
     "OptimStepResponse",
     "Panel",
     "PromptProvenanceSpan",

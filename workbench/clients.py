@@ -57,7 +57,7 @@ class ClientFuture(APIFuture[C], Generic[C]):
 
 def client_future(future: APIFuture[C]) -> ClientFuture[C]:
     """The client `future` resolves to, as a `ClientFuture`."""
-    return ClientFuture(future.future(), None)
+    return ClientFuture(future.future(), future.worker)
 
 
 def check_sampling_kind(kind: str) -> None:

@@ -62,6 +62,11 @@ class APIFuture(Generic[T]):
     def done(self) -> bool:
         return self._future.done()
 
+    @property
+    def worker(self) -> threading.Thread | None:
+        """The thread that resolves this future (None when no single thread does)."""
+        return self._worker
+
     def then(self, convert: Callable[[T], U]) -> APIFuture[U]:
         """A future of `convert(result)`, resolved when this one is (with its exception, if it fails)."""
         out: concurrent.futures.Future[U] = concurrent.futures.Future()

@@ -51,6 +51,9 @@ class LossOutput:
     diagnostics: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, T) per-position values
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest loss_fn_config value: the losses compute in float32, where a larger one is infinite."""
+
 LossFn = Callable[[Tensor, Mapping[str, Tensor], Tensor, Mapping[str, float]], LossOutput]
 
 
@@ -392,13 +395,23 @@ def resolve_loss(name: str, config: Mapping[str, float] | None) -> tuple[LossSpe
             f"unknown loss {name!r}; choose one of {sorted(LOSSES)} or use forward_backward_custom"
         )
     spec = LOSSES[name]
+    if config is not None and not isinstance(config, Mapping):
+        raise ValueError(f"loss_fn_config must be a dict of {{name: number}} or None, got {config!r}")
     resolved = dict(spec.config_defaults)
     for key, value in dict(config or {}).items():
         if key not in spec.config_defaults:
             known = sorted(spec.config_defaults) or "none"
             raise ValueError(f"unknown loss_fn_config key {key!r} for {name!r}; it takes: {known}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or abs(value) > FLOAT32_MAX
+        ):
+            raise ValueError(
+                f"loss_fn_config[{key!r}] must be a finite number that fits in float32 (|x| <= {FLOAT32_MAX:.3g}: "
+                f"the losses compute in float32), got {value!r}"
+            )
         resolved[key] = float(value)
     if "clip_low_threshold" in resolved:
         low, high = resolved["clip_low_threshold"], resolved["clip_high_threshold"]

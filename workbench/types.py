@@ -38,6 +38,18 @@ INPUT_DTYPES: dict[str, TensorDtype] = {
 }
 
 
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+"""The smallest positive normal float32: a smaller optimizer `eps` rounds to zero in float32 weights."""
+
+MIN_TEMPERATURE = 1e-6
+"""The smallest positive sampling temperature: a smaller one samples as greedily as 0 does, and far
+smaller ones (1e-40) overflow float32 logits / temperature."""
+
+MAX_LEARNING_RATE = 1.0
+"""The largest learning rate: an AdamW step moves each weight by up to about the learning rate, and
+beyond 1 that dwarfs the weights themselves (1e30 turns the model's outputs to NaN in one step)."""
+
+
 def _tinker_class(name: str) -> type | None:
     """The `tinker` SDK's class of that name if the SDK is loaded, else None."""
     module = sys.modules.get("tinker")
@@ -45,6 +57,24 @@ def _tinker_class(name: str) -> type | None:
 
 
 # ---------------------------------------------------------------------------------------------- inputs
+
+
+def to_token_ids(values: Any) -> tuple[int, ...]:
+    """Token ids as Python ints, from a sequence of integers (Python's or numpy's).
+
+    A bool or a float is not a token id, not even `True` or `6.0`: raises ValueError naming the first
+    one and its position.
+    """
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        values = values.tolist()
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        raise ValueError(f"token ids must be a list of integers, got {type(values).__name__} {values!r}")
+    if all(type(token) is int for token in values):  # the common case, checked fast
+        return tuple(values)
+    for position, token in enumerate(values):
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise ValueError(f"token ids must be integers, got {token!r} at position {position}")
+    return tuple(int(token) for token in values)
 
 
 @dataclass(frozen=True)
@@ -55,7 +85,7 @@ class EncodedTextChunk:
     type: Literal["encoded_text"] = "encoded_text"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "tokens", to_token_ids(self.tokens))
 
     @property
     def length(self) -> int:
@@ -73,7 +103,7 @@ class ModelInput:
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
-        return cls(chunks=(EncodedTextChunk(tokens=tuple(tokens)),))
+        return cls(chunks=(EncodedTextChunk(tokens=to_token_ids(tokens)),))
 
     @classmethod
     def empty(cls) -> ModelInput:
@@ -216,7 +246,11 @@ class Datum:
     loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model_input", to_model_input(self.model_input))
+        try:
+            model_input = to_model_input(self.model_input)
+        except ValueError as error:
+            raise ValueError(f"model_input: {error}") from None
+        object.__setattr__(self, "model_input", model_input)
         converted = {key: to_tensor_data(key, value) for key, value in dict(self.loss_fn_inputs).items()}
         object.__setattr__(self, "loss_fn_inputs", converted)
         if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
@@ -273,13 +307,28 @@ class AdamParams:
             object.__setattr__(self, name, float(value))
         if self.learning_rate < 0:
             raise ValueError(f"AdamParams.learning_rate must be >= 0, got {self.learning_rate}")
+        if self.learning_rate > MAX_LEARNING_RATE:
+            raise ValueError(
+                f"AdamParams.learning_rate must be <= {MAX_LEARNING_RATE:g} (an AdamW step moves each weight by "
+                f"up to about the learning rate), got {self.learning_rate}"
+            )
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"AdamParams.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.eps <= 0:
             raise ValueError(f"AdamParams.eps must be > 0, got {self.eps}")
+        if self.eps < FLOAT32_TINY:
+            raise ValueError(
+                f"AdamParams.eps must be at least {FLOAT32_TINY:.3g} (smaller rounds to 0 in float32, and "
+                f"0/0 turns untouched weights to NaN), got {self.eps}"
+            )
         if self.weight_decay < 0:
             raise ValueError(f"AdamParams.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.learning_rate * self.weight_decay > 1:
+            raise ValueError(
+                "AdamParams.learning_rate × weight_decay must be <= 1 (AdamW multiplies every weight by "
+                f"1 − lr·weight_decay each step), got {self.learning_rate} × {self.weight_decay}"
+            )
         if self.grad_clip_norm < 0:
             raise ValueError(f"AdamParams.grad_clip_norm must be >= 0 (0 = off), got {self.grad_clip_norm}")
 
@@ -306,8 +355,13 @@ class LoraConfig:
             raise ValueError(
                 "LoraConfig trains nothing: set at least one of train_attn, train_mlp, train_unembed"
             )
-        if not self.alpha > 0:
-            raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha!r}")
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not math.isfinite(self.alpha)
+            or self.alpha <= 0
+        ):
+            raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {self.alpha!r}")
 
 
 @dataclass(frozen=True)
@@ -331,14 +385,20 @@ class SamplingParams:
             isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        temperature = self.temperature
         if (
-            not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature))
-            or self.temperature < 0
+            isinstance(temperature, bool)
+            or not (isinstance(temperature, (int, float)) and math.isfinite(temperature))
+            or temperature < 0
+            or 0 < temperature < MIN_TEMPERATURE
         ):
             raise ValueError(
-                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}"
+                f"SamplingParams.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} "
+                f"(a smaller one samples as greedily as 0, and can overflow float32 logits), got {temperature!r}"
             )
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not (
+            isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0
+        ):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if (
             isinstance(self.top_k, bool)
@@ -346,13 +406,26 @@ class SamplingParams:
             or (self.top_k < 1 and self.top_k != -1)
         ):
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None:
+            if (
+                isinstance(self.seed, (bool, np.bool_))
+                or not isinstance(self.seed, (int, np.integer))
+                or not -(2**63) <= self.seed < 2**64
+            ):
+                raise ValueError(
+                    "SamplingParams.seed must be None or an integer that fits in 64 bits "
+                    f"(-2**63 <= seed < 2**64, what torch.Generator takes), got {self.seed!r}"
+                )
+            object.__setattr__(self, "seed", int(self.seed))
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
         if stop is not None:
-            stop = tuple(stop)
+            if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, (Sequence, np.ndarray)):
+                raise ValueError(
+                    f"SamplingParams.stop must be a string, a list of strings or a list of token ids, got {self.stop!r}"
+                )
+            stop = tuple(int(s) if isinstance(s, np.integer) else s for s in stop)
             if not (
                 all(isinstance(s, str) for s in stop)
                 or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)
@@ -471,7 +544,12 @@ class GetInfoResponse:
 
 
 def to_tensor_data(key: str, value: Any) -> TensorData:
-    """Turn a `loss_fn_inputs` value (ours, the SDK's, torch, numpy or a list) into `TensorData`."""
+    """Turn a `loss_fn_inputs` value (ours, the SDK's, torch, numpy or a list) into `TensorData`.
+
+    Token ids (`target_tokens`) must be integers: a bool or a float raises ValueError naming the input.
+    """
+    if INPUT_DTYPES.get(key) == "int64":
+        return _token_tensor_data(key, value)
     if isinstance(value, TensorData):
         return value
     tinker_tensor_data = _tinker_class("TensorData")
@@ -485,33 +563,71 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
         array = np.asarray(value)
         if array.dtype == object or array.dtype.kind not in "iubf":
             raise ValueError(f"loss_fn_inputs[{key!r}] must be a rectangular list of numbers")
-        dtype = INPUT_DTYPES.get(key, "float32")
-        if dtype == "int64" and array.dtype.kind == "f":
-            return TensorData(array, "float32")  # kept float so validation can name the bad value
-        return TensorData(array, dtype)
+        return TensorData(array, INPUT_DTYPES.get(key, "float32"))
     raise TypeError(
         f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
     )
 
 
+def _token_tensor_data(key: str, value: Any) -> TensorData:
+    """Token ids as int64 `TensorData`, from any form `to_tensor_data` takes; never from bools or floats."""
+    tinker_tensor_data = _tinker_class("TensorData")
+    if isinstance(value, TensorData) or (
+        tinker_tensor_data is not None and isinstance(value, tinker_tensor_data)
+    ):
+        array = value.to_numpy()
+    elif isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy()
+    elif isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple)):
+        try:
+            return TensorData(np.asarray(to_token_ids(value), dtype=np.int64), "int64")
+        except ValueError as error:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
+    else:
+        raise TypeError(
+            f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
+        )
+    if array.dtype.kind not in "iu":
+        try:
+            to_token_ids(array.tolist())  # names the first value that is not an integer
+        except ValueError as error:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
+        raise ValueError(f"loss_fn_inputs[{key!r}]: token ids must be integers, got {array.dtype} values")
+    return TensorData(array, "int64")
+
+
 def to_model_input(value: Any) -> ModelInput:
-    """Turn a `ModelInput` (ours or the SDK's), a list of token ids, or a dict with `chunks` into ours."""
+    """Turn a `ModelInput` (ours or the SDK's), a list of token ids, or a dict with `chunks` into ours.
+
+    Malformed input raises ValueError saying what is wrong (the caller names the field).
+    """
     if isinstance(value, ModelInput):
         return value
     tinker_model_input = _tinker_class("ModelInput")
     if tinker_model_input is not None and isinstance(value, tinker_model_input):
         return ModelInput.from_ints(value.to_ints())
     if isinstance(value, Mapping):
+        given = value.get("chunks", ())
+        if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
+            raise ValueError(f"'chunks' must be a list of chunks, got {given!r}")
         chunks = []
-        for chunk in value.get("chunks", ()):
+        for index, chunk in enumerate(given):
+            if not isinstance(chunk, Mapping) or "tokens" not in chunk:
+                raise ValueError(
+                    f"chunk {index} must be a dict with 'tokens' (a list of token ids), got {chunk!r}"
+                )
             kind = chunk.get("type", "encoded_text")
             if kind != "encoded_text":
                 raise ValueError(f"only text chunks are supported, got a {kind!r} chunk")
-            chunks.append(EncodedTextChunk(tokens=tuple(chunk["tokens"])))
+            try:
+                chunks.append(EncodedTextChunk(tokens=chunk["tokens"]))
+            except ValueError as error:
+                raise ValueError(f"chunk {index}: {error}") from None
         return ModelInput(chunks=tuple(chunks))
     if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
-        tokens = value.tolist() if isinstance(value, (np.ndarray, torch.Tensor)) else list(value)
-        return ModelInput.from_ints(tokens)
+        return ModelInput.from_ints(value)
     raise TypeError(f"model_input must be a ModelInput or a list of token ids, got {type(value).__name__}")
 
 

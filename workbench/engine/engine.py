@@ -52,7 +52,7 @@ from workbench.engine.roles import Role
 from workbench.engine.sampling import SamplerPin
 from workbench.engine.state import EngineState
 from workbench.futures import APIFuture
-from workbench.metrics import MetricsHistory
+from workbench.metrics import MetricsHistory, metric_values
 from workbench.models import BaseModelInfo, load_base_model, resolve_device_and_dtype
 from workbench.run_folders import new_run_id, read_run_info, resolve_checkpoint, runs_root
 from workbench.sampling import SamplerChoice, resolve_sampler
@@ -101,12 +101,18 @@ class RunStatus:
     snapshot_bytes: int  # memory held by copies of past policy versions that sampling clients pin
 
 
-def _shutdown(worker: Worker, history: MetricsHistory) -> None:
-    """What a dropped engine's finalizer does: stop the worker, close the history's sinks."""
-    worker.close(wait=False)
+def _close_sinks(history: MetricsHistory) -> None:
     for sink in list(history.sinks):
         with contextlib.suppress(Exception):  # a finalizer has nobody to report to
             sink.close()
+
+
+def _shutdown(worker: Worker, history: MetricsHistory) -> None:
+    """What a dropped engine's finalizer does: stop the worker once the operations queued before are
+    done, and close the history's sinks after their rows, on the worker."""
+    if not worker.post(lambda: _close_sinks(history)):  # the worker was already stopping
+        _close_sinks(history)
+    worker.close(wait=False)
 
 
 class Engine:
@@ -540,12 +546,15 @@ class Engine:
     # ------------------------------------------------------------------------------------------ misc
 
     def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
-        """Append a row to the history after everything queued before it (e.g. a run step's metrics)."""
+        """Append a row to the history after everything queued before it (e.g. a run step's metrics).
+        Metrics named like the history's own columns (`step`, `op`, `model`, `time`) or not numbers
+        raise ValueError here, before anything is queued."""
         self.check_open()
         history = self._state.history
+        values = metric_values(metrics)
 
         def append() -> None:
-            history.record(op, label, step, metrics)
+            history.record(op, label, step, values)
 
         return self._state.submit(append)
 

@@ -4,7 +4,8 @@ The parameters are validated in the caller's thread (`to_adam_params`); the step
 submission order, so it applies exactly the gradient of the `forward_backward` calls submitted before it.
 Right before the weights change, sampling clients pinned to the policy's current version keep a copy of
 it (`WeightSnapshots.before_change`). The step's arithmetic and its refusals (nothing accumulated, a
-non-finite gradient) are `TrainableAdapter.optim_step`'s.
+non-finite gradient, a step that would leave non-finite weights or optimizer moments, undone) are
+`TrainableAdapter.optim_step`'s.
 
 The response's `metrics` carry only what the step measured (`grad_norm`), never keys a caller keeps
 for itself (`step`, `learning_rate`): training loops merge them into their own metrics. The history

@@ -84,6 +84,9 @@ class StatusBar:
         self.widget = ipywidgets.HTML()
         self.widget.add_class("wb-status")
 
+    def show_freed(self) -> None:
+        self.widget.value = _field("session", "session", "freed")
+
     def refresh(self) -> None:
         sess = self.session
         if sess.closed:

@@ -41,9 +41,11 @@ _STOP_STRING_TAIL_TOKENS = 8
 
 def _outside_nucleus(sorted_R_V: Tensor, top_p: float) -> Tensor:
     """For scores sorted in descending order: True where the probability mass before a token already
-    reaches top_p."""
+    reaches top_p. Never the first, most likely token, whatever top_p rounds to in float32."""
     probs_R_V = torch.softmax(sorted_R_V, dim=-1)
-    return probs_R_V.cumsum(dim=-1) - probs_R_V >= top_p
+    outside_R_V = probs_R_V.cumsum(dim=-1) - probs_R_V >= top_p
+    outside_R_V[:, 0] = False
+    return outside_R_V
 
 
 def draw_tokens(

@@ -93,13 +93,16 @@ def prepare_request(
 ) -> SampleRequest:
     """Validate a sampling call against the model; raises ValueError naming the problem."""
     params = to_sampling_params(sampling_params)
-    tokens = to_model_input(prompt).to_ints()
+    try:
+        tokens = to_model_input(prompt).to_ints()
+    except ValueError as error:
+        raise ValueError(f"prompt: {error}") from None
     if not tokens:
         raise ValueError("prompt is empty: sampling needs at least one prompt token")
     for position, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+        if not 0 <= token < vocab_size:
             raise ValueError(
-                f"prompt token {token!r} at position {position} is outside the vocabulary [0, {vocab_size})"
+                f"prompt token {token} at position {position} is outside the vocabulary [0, {vocab_size})"
             )
     if (
         isinstance(num_samples, bool)
