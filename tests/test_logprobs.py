@@ -115,7 +115,9 @@ def test_a_soft_capped_model_trains_on_its_real_logits(tmp_path) -> None:
         got = sess.policy.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
         with torch.no_grad():
             logits_T_V = model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
-            uncapped_T_V = model.lm_head(model.get_decoder()(torch.tensor([tokens[:-1]])).last_hidden_state)[0]
+            uncapped_T_V = model.lm_head(model.get_decoder()(torch.tensor([tokens[:-1]])).last_hidden_state)[
+                0
+            ]
         want = torch.log_softmax(logits_T_V, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
         uncapped = torch.log_softmax(uncapped_T_V, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
         assert (want - uncapped).abs().max() > 0.1  # the cap matters for these tokens

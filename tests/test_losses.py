@@ -11,11 +11,14 @@ from workbench.losses import (
     LOSSES,
     cispo,
     cross_entropy,
+    dppo,
     dro,
+    gspo,
     importance_sampling,
     ppo,
     ppo_critic,
     resolve_loss,
+    stable_reinforce,
 )
 
 
@@ -150,7 +153,20 @@ def test_tinker_default_configs() -> None:
     assert resolve_loss("cispo", None)[1] == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert resolve_loss("ppo", {"clip_high_threshold": 1.3})[1]["clip_high_threshold"] == 1.3
     assert resolve_loss("cross_entropy", {})[1] == {}
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "ppo_critic"}
+    assert resolve_loss("gspo", None)[1] == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert resolve_loss("dppo", None)[1] == {"delta_low": 0.2, "delta_high": 0.2}
+    assert resolve_loss("stable_reinforce", None)[1] == {"clip_high_threshold": 2.0}
+    assert set(LOSSES) == {
+        "cross_entropy",
+        "importance_sampling",
+        "ppo",
+        "cispo",
+        "dro",
+        "gspo",
+        "dppo",
+        "stable_reinforce",
+        "ppo_critic",
+    }
 
 
 @pytest.mark.parametrize(
@@ -163,8 +179,86 @@ def test_tinker_default_configs() -> None:
         ("ppo", {"clip_high_threshold": float("nan")}, "finite number"),
         ("dro", {"beta": -1.0}, "beta must be >= 0"),
         ("ppo_critic", {"value_clip": 0.0}, "value_clip must be > 0"),
+        ("dppo", {"delta_low": 0.0}, "delta_low is a probability difference in (0, 1]"),
+        ("dppo", {"clip_low_threshold": 0.8}, "unknown loss_fn_config key 'clip_low_threshold'"),
+        ("stable_reinforce", {"clip_high_threshold": 0.5}, "clip_high_threshold >= 1"),
+        ("gspo", {"clip_low_threshold": 1.1}, "clip_low_threshold <= 1"),
     ],
 )
 def test_bad_loss_names_and_configs_raise(name: str, config: dict | None, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve_loss(name, config)
+
+
+def test_gspo_uses_one_sequence_ratio_per_datum_with_each_tokens_own_gradient() -> None:
+    # learner -1, -1, -1, -1; sampler -1.3, -0.9, -1.0, -2.0; the mask leaves out the last position.
+    # sequence log-ratio = mean(0.3, -0.1, 0.0) = 0.2/3, so s = exp(0.0667) ~ 1.069 on every position.
+    logprobs = _row(-1.0, -1.0, -1.0, -1.0, requires_grad=True)
+    inputs = {
+        "logprobs": _row(-1.3, -0.9, -1.0, -2.0),
+        "advantages": _row(1.0, -1.0, 2.0, 0.0),
+        "sequence_ratio_mask": _row(1.0, 1.0, 1.0, 0.0),
+    }
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    out = gspo(logprobs, inputs, _mask(4), config)
+    s = math.exp(0.2 / 3)
+    # min(s*A, clip(s)*A) = s*A for s inside [0.8, 1.2]; the loss is its negative
+    assert out.elementwise_loss_B_T[0].tolist() == pytest.approx([-s, s, -2 * s, 0.0], rel=1e-6)
+    # value s, gradient of the token's own logprob: d(s_t)/d(lp_t) = s_t  ->  d loss/d lp_t = -A_t * s
+    assert _grad(out.elementwise_loss_B_T.sum(), logprobs) == pytest.approx([-s, s, -2 * s, 0.0], rel=1e-6)
+    assert out.active_B_T[0].tolist() == [True, True, True, False]
+
+
+def test_gspo_clips_the_whole_sequence() -> None:
+    # sequence log-ratio 0.5 on both positions: s = 1.6487 > 1.2, so positive advantages are clipped
+    # (zero gradient) and negative ones are not (the unclipped term is the minimum).
+    logprobs = _row(-1.0, -1.0, requires_grad=True)
+    inputs = {
+        "logprobs": _row(-1.5, -1.5),
+        "advantages": _row(1.0, -1.0),
+        "sequence_ratio_mask": _row(1.0, 1.0),
+    }
+    out = gspo(logprobs, inputs, _mask(2), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    s = math.exp(0.5)
+    assert out.elementwise_loss_B_T[0].tolist() == pytest.approx([-1.2, s], rel=1e-6)
+    assert _grad(out.elementwise_loss_B_T.sum(), logprobs) == pytest.approx([0.0, s], rel=1e-6)
+
+
+def test_dppo_masks_by_probability_difference_not_ratio() -> None:
+    # sampler probability q = 0.5 everywhere; learner p = 0.8, 0.6, 0.2, 0.45 (delta 0.2 each side).
+    # pos 0: A>0, p-q = 0.3 > 0.2 -> masked.  pos 1: A>0, 0.1 -> kept.
+    # pos 2: A<0, q-p = 0.3 > 0.2 -> masked.  pos 3: A<0, 0.05 -> kept.
+    p = [0.8, 0.6, 0.2, 0.45]
+    logprobs = torch.log(torch.tensor([p])).requires_grad_(True)
+    inputs = {"logprobs": torch.log(torch.full((1, 4), 0.5)), "advantages": _row(1.0, 2.0, -1.0, -1.0)}
+    out = dppo(logprobs, inputs, _mask(4), {"delta_low": 0.2, "delta_high": 0.2})
+    ratios = [x / 0.5 for x in p]
+    assert out.elementwise_loss_B_T[0].tolist() == pytest.approx(
+        [0.0, -2 * ratios[1], 0.0, ratios[3]], rel=1e-6
+    )
+    # d(-r*A)/d lp = -r*A where kept, 0 where masked
+    assert _grad(out.elementwise_loss_B_T.sum(), logprobs) == pytest.approx(
+        [0.0, -2 * ratios[1], 0.0, ratios[3]], rel=1e-6
+    )
+    assert out.diagnostics["clip_fraction"][0].tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_stable_reinforce_is_reinforce_with_a_capped_detached_weight() -> None:
+    # learner -1 everywhere; recorded sampler logprobs -1 (ratio 1), -2 (ratio e, capped at 2),
+    # -0.5 (ratio e^-0.5); the last position is a prompt token (not sampled): no loss there.
+    logprobs = _row(-1.0, -1.0, -1.0, -1.0, requires_grad=True)
+    inputs = {
+        "recorded_logprobs": _row(-1.0, -2.0, -0.5, 0.0),
+        "sampled": _row(1.0, 1.0, 1.0, 0.0),
+        "advantages": _row(1.0, 1.0, -2.0, 0.0),
+    }
+    out = stable_reinforce(logprobs, inputs, _mask(4), {"clip_high_threshold": 2.0})
+    w = [1.0, 2.0, math.exp(-0.5), 0.0]
+    # loss_t = -w_t * A_t * lp_t with lp = -1
+    assert out.elementwise_loss_B_T[0].tolist() == pytest.approx([w[0], w[1], -2 * w[2], 0.0], rel=1e-6)
+    # the weight is detached: d loss/d lp_t = -w_t * A_t
+    assert _grad(out.elementwise_loss_B_T.sum(), logprobs) == pytest.approx(
+        [-w[0], -w[1], 2 * w[2], 0.0], rel=1e-6
+    )
+    assert out.diagnostics["truncated_fraction"][0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert out.active_B_T[0].tolist() == [True, True, True, False]

@@ -20,6 +20,8 @@ def test_the_tutorials_are_there() -> None:
         "05_ppo_with_critic.ipynb",
         "06_checkpoints_and_resume.ipynb",
         "07_custom_losses.ipynb",
+        "08_tinker_cookbook.ipynb",
+        "09_serving_tinker.ipynb",
     ]
 
 

@@ -117,6 +117,56 @@ def test_pause_takes_effect_after_the_current_step(tiny: wb.Session) -> None:
     assert run.wait(WAIT_S) is RunState.FINISHED and run.i == 5
 
 
+def test_step_then_resume_then_pause_runs_no_extra_step(tiny: wb.Session) -> None:
+    """Step and Run clicked quickly while a step executes, then Pause: the granted single step is part of
+    the running, so after the step in progress ends the run is paused, with no extra step owed."""
+    gate = Gate()
+    run = tiny.run(gate, steps=5)
+    gate.wait_entered(0)
+    run.pause()
+    run.step()  # Step: one more step after the current one
+    run.resume()  # Run, before the loop got to the granted step
+    run.pause()  # Pause: after the step in progress
+    gate.open(*range(5))
+    assert run.wait(WAIT_S) is RunState.PAUSED
+    assert run.i == 1 and [i for i, _, _ in gate.seen] == [0]
+    run.step()  # a step granted now is still honoured, once
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 2
+
+
+def test_the_panel_step_then_run_then_pause_runs_no_extra_step(tiny: wb.Session) -> None:
+    """The same through the panel's buttons, on a run that a cell started paused."""
+    gate = Gate()
+    run = tiny.run(gate, steps=5, paused=True)
+    panel = tiny.panel()
+    try:
+        panel.train.step_button.click()
+        gate.wait_entered(0)
+        panel.train.step_button.click()
+        panel.train.run_button.click()
+        panel.train.pause_button.click()
+        gate.open(*range(5))
+        assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 1
+    finally:
+        panel.close()
+        run.stop()
+
+
+def test_metrics_named_like_history_columns_are_refused(tiny: wb.Session) -> None:
+    """A step returning {"step": ...} (or op, model, time) overwrote the history's own column, in the
+    JSONL file and the plots. It now fails the run with an error naming the metric, and no row is
+    written."""
+    for reserved in ("step", "op", "model", "time"):
+        run = tiny.run(lambda sess, i, name=reserved: {name: 7.0, "reward:mean": 1.0}, steps=2)
+        assert run.wait(WAIT_S) is RunState.FAILED
+        assert isinstance(run.error, ValueError)
+        assert f"metric {reserved!r} would overwrite the history's own {reserved!r} column" in str(run.error)
+    assert not [row for row in tiny.history if row["op"] == "run_step"]
+    with pytest.raises(ValueError, match="metric 'reward' must be a number"):
+        tiny.engine.record("run_step", RUN_MODEL, 0, {"reward": "high"})
+    assert len(tiny.history) == 0
+
+
 def test_stop_finishes_the_current_step_then_ends(tiny: wb.Session) -> None:
     gate = Gate()
     run = tiny.run(gate, steps=5)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 
 import workbench as wb
-from workbench.sampling.hf import HFSampler, filter_top_k_top_p
+from workbench.sampling.hf import HFSampler, draw_tokens
 
 PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
 
@@ -109,16 +110,22 @@ def test_temperature_zero_and_top_k_one_are_greedy(tiny: wb.Session) -> None:
         context.append(token)
 
 
+def _drawn(logits_1_V: torch.Tensor, **params: float) -> set[int]:
+    """The tokens `draw_tokens` picks in 2,000 rows of the same distribution."""
+    rows = logits_1_V.expand(2000, -1)
+    generator = torch.Generator().manual_seed(0)
+    picked = draw_tokens(rows, wb.SamplingParams(**params), [(slice(0, 2000), generator)])
+    return set(picked.tolist())
+
+
 def test_nucleus_filter_keeps_the_smallest_set_reaching_top_p() -> None:
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    logits = probs.log()
-    kept = torch.isfinite(filter_top_k_top_p(logits, -1, 0.8))[0].tolist()
-    assert kept == [True, True, False, False]
-    kept = torch.isfinite(filter_top_k_top_p(logits, -1, 0.81))[0].tolist()
-    assert kept == [True, True, True, False]
-    kept = torch.isfinite(filter_top_k_top_p(logits, 1, 1.0))[0].tolist()
-    assert kept == [True, False, False, False]
-    assert torch.isfinite(filter_top_k_top_p(logits, -1, 1e-6))[0].tolist() == [True, False, False, False]
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert _drawn(logits, top_p=0.8) == {0, 1}
+    assert _drawn(logits, top_p=0.81) == {0, 1, 2}
+    assert _drawn(logits, top_k=1) == {0}
+    assert _drawn(logits, top_k=3) == {0, 1, 2}
+    assert _drawn(logits, top_p=1e-6) == {0}
+    assert _drawn(logits) == {0, 1, 2, 3}
 
 
 def test_top_p_samples_only_from_the_nucleus(tiny: wb.Session) -> None:
@@ -329,6 +336,77 @@ def test_chat_prompt_renders_the_template(tiny: wb.Session) -> None:
     assert tiny.tokenizer.decode(trained) == "hello<|im_end|>"
 
 
+def test_prompts_take_the_token_types_datums_take(tiny: wb.Session) -> None:
+    """Numpy integers are token ids in a sampling prompt as in a datum (they used to be refused as
+    "outside the vocabulary"); the same tokens sample the same greedy continuation whatever their type."""
+    tokens = _ids(tiny, PROMPTS[1])
+    greedy = wb.SamplingParams(max_tokens=4, temperature=0.0)
+    client = tiny.sampling_client()
+    expected = client.sample(tokens, 1, greedy).result().sequences[0].tokens
+    for prompt in (np.array(tokens), [np.int64(t) for t in tokens], torch.tensor(tokens)):
+        assert client.sample(prompt, 1, greedy).result().sequences[0].tokens == expected
+    datum = wb.Datum(
+        model_input=np.array(tokens[:-1]), loss_fn_inputs={"target_tokens": np.array(tokens[1:])}
+    )
+    tiny.policy.forward([datum], "cross_entropy").result()
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(tiny: wb.Session) -> None:
+    tokens = _ids(tiny, PROMPTS[2])
+    client = tiny.sampling_client()
+    greedy = client.sample(tokens, 1, wb.SamplingParams(max_tokens=4, temperature=0.0)).result()
+    tiny_nucleus = client.sample(tokens, 2, wb.SamplingParams(max_tokens=4, top_p=1e-300)).result()
+    assert all(seq.tokens == greedy.sequences[0].tokens for seq in tiny_nucleus.sequences)
+
+
+def _sequences_drawn(future: wb.APIFuture[wb.SampleResponse]) -> list[tuple[list[int], list[float], str]]:
+    """What a sample response drew (every sequence has its own id, so ids are left out)."""
+    return [(seq.tokens, seq.logprobs, seq.stop_reason) for seq in future.result().sequences]
+
+
+def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, monkeypatch) -> None:
+    """Requests queued together run as one generate call; when that call fails, each request runs again
+    on its own, so only the one that fails by itself reports the failure. The failure is injected where
+    a real one would arise, in the model's forward pass (a prompt holding the POISON token fails)."""
+    poison = 777
+    client = tiny.sampling_client()
+    params = wb.SamplingParams(max_tokens=3, seed=11)
+    prompts = [_ids(tiny, p) for p in PROMPTS]
+    alone = [_sequences_drawn(client.sample(prompt, 2, params)) for prompt in prompts]
+
+    def fail_on_poison(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is not None and bool((input_ids == poison).any()):
+            raise RuntimeError("injected failure for the poisoned prompt")
+
+    calls: list[int] = []
+    real = HFSampler._generate_chunk
+
+    def counting(self, requests):
+        calls.append(len(requests))
+        return real(self, requests)
+
+    monkeypatch.setattr(HFSampler, "_generate_chunk", counting)
+    generating_model = tiny.engine.torch_model.get_base_model()  # what generate runs
+    hook = generating_model.register_forward_pre_hook(fail_on_poison, with_kwargs=True)
+    try:
+        tokens = prompts[0]
+        busy = tiny.policy.forward(  # keeps the worker busy while the requests queue up as one batch
+            [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64,
+            "cross_entropy",
+        )
+        futures = [client.sample(prompt, 2, params) for prompt in prompts[:2]]
+        poisoned = client.sample([*prompts[2], poison], 2, params)
+        futures.append(client.sample(prompts[2], 2, params))
+        busy.result()
+        with pytest.raises(RuntimeError, match="injected failure"):
+            poisoned.result()
+        assert [_sequences_drawn(future) for future in futures] == alone
+        assert calls == [4, 1, 1, 1, 1]  # one batch, then each request on its own
+    finally:
+        hook.remove()
+
+
 BAD = [
     ("empty prompt", lambda s: ([], 1, {"max_tokens": 2}), "prompt is empty"),
     (
@@ -349,6 +427,36 @@ BAD = [
     ),
     ("stop id out of range", lambda s: ([1, 2], 1, {"max_tokens": 2, "stop": [100000]}), "stop token ids"),
     ("unknown field", lambda s: ([1, 2], 1, {"max_new_tokens": 2}), "unknown SamplingParams field"),
+    (
+        "seed beyond 64 bits",
+        lambda s: ([1, 2], 1, {"max_tokens": 2, "seed": 2**64}),
+        "seed must be None or an integer that fits in 64 bits",
+    ),
+    (
+        "temperature too small for float32",
+        lambda s: ([1, 2], 1, {"max_tokens": 2, "temperature": 1e-40}),
+        r"temperature must be 0 \(greedy\) or a finite number >= 1e-06",
+    ),
+    (
+        "stop neither a string nor a list",
+        lambda s: ([1, 2], 1, {"max_tokens": 2, "stop": 2}),
+        "stop must be a string, a list of strings or a list of token ids, got 2",
+    ),
+    (
+        "float prompt tokens",
+        lambda s: ([5.0, 6.0], 1, {"max_tokens": 2}),
+        "prompt: token ids must be integers, got 5.0 at position 0",
+    ),
+    (
+        "bool prompt token",
+        lambda s: ([5, True], 1, {"max_tokens": 2}),
+        "prompt: token ids must be integers, got True at position 1",
+    ),
+    (
+        "malformed prompt chunk",
+        lambda s: ({"chunks": [{}]}, 1, {"max_tokens": 2}),
+        "prompt: chunk 0 must be a dict with 'tokens'",
+    ),
 ]
 
 

@@ -194,7 +194,7 @@ def test_optim_step_honours_every_adam_field_on_every_call(tiny: wb.Session) -> 
         tiny.policy.forward_backward(data, "cross_entropy").result()
         grads_per_step.append(_grads(tiny))
         metrics = tiny.policy.optim_step(s).result().metrics
-        assert metrics["learning_rate"] == s.learning_rate
+        assert tiny.history.rows[-1]["learning_rate"] == s.learning_rate
         expected_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads_per_step[-1].values()))
         assert metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
     expected = _reference_adamw(start, grads_per_step, settings)
@@ -249,7 +249,7 @@ def test_tinker_sdk_objects_are_accepted_unchanged(tiny: wb.Session) -> None:
     assert sdk_out.metrics["loss:sum"] == our_out.metrics["loss:sum"] == dict_out.metrics["loss:sum"]
     tiny.policy.forward_backward([sdk_datum], "cross_entropy").result()
     response = tiny.policy.optim_step(tinker.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
-    assert response.applied and response.metrics["learning_rate"] == 1e-3
+    assert response.applied and tiny.history.rows[-1]["learning_rate"] == 1e-3
 
 
 def test_rl_losses_run_and_report_diagnostics(tiny: wb.Session) -> None:
@@ -274,6 +274,40 @@ def test_rl_losses_run_and_report_diagnostics(tiny: wb.Session) -> None:
     logits = _policy_logits(tiny, tokens[:-1])
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     assert ppo_metrics["entropy:mean"] == pytest.approx(float(entropy[4:].mean()), rel=1e-5)
+
+
+def test_gspo_and_dppo_run_on_the_engine(tiny: wb.Session) -> None:
+    rng = random.Random(1)
+    tokens = random_tokens(rng, 12, 900)
+    reference = (
+        tiny.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    )
+    datum = rl_datum(tokens, 5, [lp - 0.3 for lp in reference.tolist()], 1.0)
+    completion = [float(a != 0) for a in datum.loss_fn_inputs["advantages"].tolist()]
+    with_mask = wb.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={**datum.loss_fn_inputs, "sequence_ratio_mask": completion},
+    )
+    gspo = tiny.policy.forward([with_mask], "gspo").result().metrics
+    # every completion token's sampler logprob is 0.3 below the learner's: sequence ratio e^0.3 = 1.35,
+    # outside [0.8, 1.2] with a positive advantage, so every token is clipped
+    assert gspo["sequence_ratio:mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
+    assert gspo["clip_fraction:mean"] == 1.0
+    # the tiny model's probabilities are ~1/900: the probability gap is far inside delta 0.2
+    dppo = tiny.policy.forward([datum], "dppo").result().metrics
+    assert dppo["ratio:mean"] == pytest.approx(math.exp(0.3), rel=1e-4) and dppo["clip_fraction:mean"] == 0.0
+    before = tiny.state_digest()
+    with pytest.raises(ValueError, match=r"datum 0: loss_fn_inputs is missing \['sequence_ratio_mask'\]"):
+        tiny.policy.forward_backward([datum], "gspo")
+    no_tokens = wb.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={**datum.loss_fn_inputs, "sequence_ratio_mask": [0.0] * len(completion)},
+    )
+    with pytest.raises(
+        ValueError, match="datum 0: loss_fn_inputs\\['sequence_ratio_mask'\\] marks no position"
+    ):
+        tiny.policy.forward_backward([no_tokens], "gspo")
+    assert tiny.state_digest() == before
 
 
 def test_custom_loss_equals_the_builtin_loss() -> None:
@@ -319,27 +353,106 @@ def test_custom_loss_may_couple_datums(tiny: wb.Session) -> None:
     assert tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
 
 
-def test_non_finite_gradient_skips_the_step(tiny: wb.Session) -> None:
+def _poisoned(batch: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    return (logprobs[0] * float("nan")).sum(), {}
+
+
+def _huge_advantage_datum(tokenizer) -> wb.Datum:
+    """Finite inputs whose gradient is finite too, but so large its float32 norm overflows."""
+    datum = _batch(tokenizer)[0]
+    n = len(datum.model_input.to_ints())
+    inputs = {
+        "target_tokens": datum.loss_fn_inputs["target_tokens"],
+        "logprobs": [-1.0] * n,
+        "advantages": [3e38] * n,
+    }
+    return wb.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)
+
+
+def test_a_non_finite_gradient_fails_its_call_and_keeps_the_accumulated_one() -> None:
+    """The call that produced a NaN (or inf) gradient fails, naming itself; the gradient accumulated
+    before it stays, and the next optim_step applies exactly that one."""
+    with (
+        wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess,
+        wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as clean,
+    ):
+        data = _batch(sess.tokenizer)
+        for session in (sess, clean):
+            session.policy.forward_backward(data, "cross_entropy").result()
+            session.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+            session.policy.forward_backward(data[:2], "cross_entropy").result()  # the good gradient
+        before = sess.state_digest()
+        with pytest.raises(
+            wb.NonFiniteGradientError,
+            match="forward_backward_custom on policy produced a non-finite gradient",
+        ):
+            sess.policy.forward_backward_custom(data, _poisoned).result()
+        overflowing = [
+            ce_datum([*d.model_input.to_ints(), 5], [3e38] * len(d.model_input.to_ints())) for d in data
+        ]
+        with pytest.raises(
+            wb.NonFiniteGradientError,
+            match="forward_backward with 'cross_entropy' on policy produced a non-finite",
+        ):
+            sess.policy.forward_backward(overflowing, "cross_entropy").result()
+        assert sess.state_digest() == before
+        response = sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        assert response.applied
+        clean.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        assert sess.state_digest() == clean.state_digest()
+        # a NaN gradient with nothing accumulated before it leaves nothing to step on
+        with pytest.raises(wb.NonFiniteGradientError):
+            sess.policy.forward_backward_custom(data, _poisoned).result()
+        skipped = sess.policy.optim_step().result()
+        assert not skipped.applied and "no gradient accumulated" in skipped.skipped_reason
+
+
+def test_finite_gradients_whose_float32_norm_overflows_are_kept_and_clipped(tiny: wb.Session) -> None:
+    """Advantages of 3e38 give finite gradients whose float32 norm overflows: they were taken for
+    non-finite and dropped, with the good gradient accumulated before them. The norm is now computed
+    safely; the gradient stays; a step whose Adam moments would overflow is undone with its reason, and
+    a clipped step applies."""
     data = _batch(tiny.tokenizer)
     tiny.policy.forward_backward(data, "cross_entropy").result()
-    tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    tiny.policy.forward_backward([_huge_advantage_datum(tiny.tokenizer)], "importance_sampling").result()
+    status = tiny.engine.run_status(tiny.model_id)
+    assert status.pending_backward_calls == 2
+    gradients = [g for g in _grads(tiny).values()]
+    assert all(bool(torch.isfinite(g).all()) for g in gradients)
+    assert not math.isfinite(float(torch.nn.utils.get_total_norm(gradients)))  # float32 overflows
+    expected_norm = float(
+        torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in gradients])
+        )
+    )
     before = tiny.state_digest()
 
-    def poisoned(
-        batch: list[wb.Datum], logprobs: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        return (logprobs[0] * float("nan")).sum(), {}
+    unclipped = tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result()
+    assert not unclipped.applied
+    assert "non-finite weights or optimizer moments" in unclipped.skipped_reason
+    assert unclipped.metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-6)
+    assert tiny.state_digest() == before  # undone whole: weights, Adam state, the gradient, counters
 
-    out = tiny.policy.forward_backward_custom(data, poisoned).result()
-    assert math.isnan(out.metrics["loss:sum"])  # the logged loss is honest
-    response = tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-    assert not response.applied
-    assert "non-finite" in response.skipped_reason
-    assert tiny.state_digest() == before
-    assert tiny.policy.step == 1
-    # the session trains on afterwards
+    clipped = tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
+    assert clipped.applied and clipped.metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-6)
+    assert all(bool(torch.isfinite(p).all()) for p in _params(tiny).values())
+    assert math.isfinite(tiny.policy.forward(data, "cross_entropy").result().metrics["loss:sum"])
+
+
+def test_a_step_that_would_leave_nan_weights_is_undone(tiny: wb.Session) -> None:
+    """The last line of defence behind AdamParams' validation: an eps that rounds to 0 in float32 makes
+    Adam divide 0 by 0 for weights whose gradient is 0 (every LoRA A matrix at the first step, B being
+    zero). Such a step was reported applied with NaN weights; it is now undone and says why."""
+    data = _batch(tiny.tokenizer)
     tiny.policy.forward_backward(data, "cross_entropy").result()
-    assert tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result().applied
+    before = tiny.state_digest()
+    slipped_past_validation = wb.AdamParams(learning_rate=1e-3)
+    object.__setattr__(slipped_past_validation, "eps", 1e-46)
+    response = tiny.policy.optim_step(slipped_past_validation).result()
+    assert not response.applied and "non-finite weights or optimizer moments" in response.skipped_reason
+    assert tiny.state_digest() == before and tiny.policy.step == 0
+    assert tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
+    assert all(bool(torch.isfinite(p).all()) for p in _params(tiny).values())
 
 
 def test_failure_inside_an_operation_leaves_the_accumulated_gradient(tiny: wb.Session) -> None:

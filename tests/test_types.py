@@ -38,7 +38,7 @@ def test_datum_coerces_inputs_by_key() -> None:
     assert to_datum({"model_input": [1], "loss_fn_inputs": {"target_tokens": [2]}}).model_input.to_ints() == [
         1
     ]
-    with pytest.raises(ValueError, match="keys 'model_input' and 'loss_fn_inputs'"):
+    with pytest.raises(ValueError, match="a datum dict has keys"):
         to_datum({"tokens": [1]})
 
 
@@ -69,6 +69,12 @@ def test_sdk_objects_convert() -> None:
         ({"top_k": 0}, "top_k"),
         ({"stop": ["a", 3]}, "not a mix"),
         ({"stop": [""]}, "must not be empty"),
+        ({"stop": 2}, "stop must be a string, a list of strings or a list of token ids"),
+        ({"seed": 2**64}, "seed must be None or an integer that fits in 64 bits"),
+        ({"seed": True}, "seed"),
+        ({"temperature": 1e-40}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": True}, "top_p"),
     ],
 )
 def test_sampling_params_validate(kwargs: dict, message: str) -> None:
@@ -80,6 +86,64 @@ def test_sampling_params_normalise_stop() -> None:
     assert wb.SamplingParams(stop="\n\n").stop == ("\n\n",)
     assert wb.SamplingParams(stop=[]).stop == ()
     assert wb.SamplingParams().stop is None
+    assert wb.SamplingParams(stop=np.array([3, 4])).stop == (3, 4)
+    assert (
+        wb.SamplingParams(seed=np.int64(7)).seed == 7
+        and type(wb.SamplingParams(seed=np.int64(7)).seed) is int
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([True, 5], "got True at position 0"),
+        ([5, 6.0], "got 6.0 at position 1"),
+        (np.array([5.0, 6.0]), "got 5.0 at position 0"),
+        (torch.tensor([5.0]), "got 5.0 at position 0"),
+        ([[5, 6]], r"got \[5, 6\] at position 0"),
+    ],
+)
+def test_token_ids_are_integers_only(value: object, message: str) -> None:
+    """Bools and floats are not token ids, in a model input or in target_tokens (they used to be read as
+    ids 1/0 and 6)."""
+    with pytest.raises(ValueError, match=f"model_input: token ids must be .*{message}"):
+        wb.Datum(model_input=value, loss_fn_inputs={})
+    with pytest.raises(
+        ValueError, match=rf"loss_fn_inputs\['target_tokens'\]: token ids must be .*{message}"
+    ):
+        wb.Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": value})
+
+
+def test_target_token_arrays_must_hold_integers() -> None:
+    for value in (np.array([True, False]), torch.tensor([6.0, 7.0]), wb.TensorData([6.0, 7.0], "float32")):
+        with pytest.raises(
+            ValueError, match=r"loss_fn_inputs\['target_tokens'\]: token ids must be integers"
+        ):
+            wb.Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": value})
+    numpy_ints = wb.Datum(model_input=np.array([1, 2]), loss_fn_inputs={"target_tokens": [np.int64(2), 3]})
+    assert numpy_ints.model_input.to_ints() == [1, 2]
+    assert numpy_ints.loss_fn_inputs["target_tokens"].dtype == "int64"
+
+
+@pytest.mark.parametrize(
+    ("model_input", "message"),
+    [
+        ({"chunks": [{}]}, r"model_input: chunk 0 must be a dict with 'tokens'"),
+        (
+            {"chunks": [5]},
+            r"model_input: chunk 0 must be a dict with 'tokens' \(a list of token ids\), got 5",
+        ),
+        ({"chunks": 5}, r"model_input: 'chunks' must be a list of chunks, got 5"),
+        ({"chunks": [{"tokens": [1, 2.5]}]}, r"model_input: chunk 0: token ids must be integers, got 2.5"),
+        (
+            {"chunks": [{"tokens": 5}]},
+            r"model_input: chunk 0: token ids must be a list of integers, got int 5",
+        ),
+    ],
+)
+def test_malformed_chunks_raise_value_errors(model_input: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        wb.Datum(model_input=model_input, loss_fn_inputs={})
 
 
 def test_lora_config_validates() -> None:
@@ -89,3 +153,21 @@ def test_lora_config_validates() -> None:
         wb.LoraConfig(train_attn=False, train_mlp=False, train_unembed=False)
     with pytest.raises(ValueError, match="unknown LoraConfig"):
         to_lora_config({"rank": 4, "dropout": 0.1})
+    for alpha in (float("inf"), float("nan"), True, 0.0):
+        with pytest.raises(ValueError, match=r"LoraConfig\.alpha must be a finite number > 0"):
+            wb.LoraConfig(alpha=alpha)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"learning_rate": 1e30}, r"learning_rate must be <= 1 \(an AdamW step"),
+        ({"eps": 1e-46}, "eps must be at least 1.18e-38"),
+        ({"learning_rate": 0.5, "weight_decay": 3.0}, "learning_rate × weight_decay must be <= 1"),
+    ],
+)
+def test_adam_params_refuse_values_that_break_the_weights(kwargs: dict, message: str) -> None:
+    """Each of these made an optimizer step turn the model's outputs (or its untouched weights) to NaN,
+    and the step was reported as applied."""
+    with pytest.raises(ValueError, match=message):
+        wb.AdamParams(**kwargs)

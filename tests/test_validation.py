@@ -20,6 +20,14 @@ def _d(tokens=GOOD, **inputs) -> wb.Datum:
     )
 
 
+def _raw(model_input=GOOD[:-1], **inputs) -> dict:
+    """A datum as a plain dict, so that what `wb.Datum(...)` would refuse at once reaches the call."""
+    n = len(GOOD) - 1
+    loss_inputs = {"target_tokens": GOOD[1:], "weights": [1.0] * n}
+    loss_inputs.update(inputs)
+    return {"model_input": model_input, "loss_fn_inputs": loss_inputs}
+
+
 def _rl(**overrides) -> wb.Datum:
     n = len(GOOD) - 1
     inputs = {"target_tokens": GOOD[1:], "logprobs": [-1.0] * n, "advantages": [0.5] * n}
@@ -54,19 +62,68 @@ CASES = [
     ),
     (
         "non-integer target",
-        lambda v: [_d(target_tokens=[1.0, 2.5, 3.0, 4.0, 5.0])],
+        lambda v: [_raw(target_tokens=[1, 2.5, 3, 4, 5])],
         "cross_entropy",
         None,
         r"datum 0: loss_fn_inputs\['target_tokens'\]: token ids must be integers, got 2.5 at position 1",
     ),
     (
+        "integral float targets",
+        lambda v: [ce_datum(GOOD), _raw(target_tokens=[6.0, 7.0, 8.0, 9.0, 10.0])],
+        "cross_entropy",
+        None,
+        r"datum 1: loss_fn_inputs\['target_tokens'\]: token ids must be integers, got 6.0 at position 0",
+    ),
+    (
+        "bool targets",
+        lambda v: [_raw(target_tokens=[True, False, True, True, True])],
+        "cross_entropy",
+        None,
+        r"datum 0: loss_fn_inputs\['target_tokens'\]: token ids must be integers, got True at position 0",
+    ),
+    (
         "non-integer token",
         lambda v: [
-            wb.Datum(model_input={"chunks": [{"tokens": [1, 2.5]}]}, loss_fn_inputs={"target_tokens": [1, 2]})
+            {"model_input": {"chunks": [{"tokens": [1, 2.5]}]}, "loss_fn_inputs": {"target_tokens": [1, 2]}}
         ],
         "cross_entropy",
         None,
-        r"datum 0: model_input: token ids must be integers",
+        r"datum 0: model_input: chunk 0: token ids must be integers, got 2.5 at position 1",
+    ),
+    (
+        "bool token",
+        lambda v: [_raw(model_input=[True, 17, 42, 99, 100])],
+        "cross_entropy",
+        None,
+        r"datum 0: model_input: token ids must be integers, got True at position 0",
+    ),
+    (
+        "chunk without tokens",
+        lambda v: [_raw(model_input={"chunks": [{}]})],
+        "cross_entropy",
+        None,
+        r"datum 0: model_input: chunk 0 must be a dict with 'tokens'",
+    ),
+    (
+        "chunk that is not a dict",
+        lambda v: [_raw(model_input={"chunks": [5]})],
+        "cross_entropy",
+        None,
+        r"datum 0: model_input: chunk 0 must be a dict with 'tokens' \(a list of token ids\), got 5",
+    ),
+    (
+        "loss_fn_config that is not a dict",
+        lambda v: [_rl()],
+        "ppo",
+        [1, 2],
+        r"loss_fn_config must be a dict of \{name: number\} or None, got \[1, 2\]",
+    ),
+    (
+        "clip threshold beyond float32",
+        lambda v: [_rl()],
+        "ppo",
+        {"clip_high_threshold": 1e308},
+        r"loss_fn_config\['clip_high_threshold'\] must be a finite number that fits in float32",
     ),
     (
         "misaligned weights",
@@ -188,8 +245,10 @@ def test_bad_adam_params_raise_before_queueing(tiny: wb.Session) -> None:
     before = tiny.state_digest()
     for bad in (
         {"learning_rate": -1.0},
+        {"learning_rate": 1e30},
         {"beta1": 1.0},
         {"eps": 0.0},
+        {"eps": 1e-46},
         {"grad_clip_norm": float("nan")},
         {"lr": 1e-3},
     ):

@@ -26,25 +26,32 @@ if TYPE_CHECKING:
     from workbench.archive import UnsafeArchiveError, export_archive, import_archive
     from workbench.chat import chat_datum, chat_prompt
     from workbench.checkpoint_store import CheckpointError, CheckpointInfo, CorruptCheckpointError
-    from workbench.clients import ClientFuture, ModelInfo, SamplingClient, ServiceClient, TrainingClient
+    from workbench.clients import ClientFuture, SamplingClient, TrainingClient
     from workbench.engine import Engine, ModelTensors, Restore, Role, RunStatus, SessionConfig
     from workbench.futures import APIFuture, ReentrantWaitError
     from workbench.losses import LOSSES
     from workbench.metrics import MetricsHistory
     from workbench.panel import Panel
     from workbench.probes import AgreementReport, check_logprob_agreement
+    from workbench.rest_client import RestClient
     from workbench.rollouts import completion_positions, critic_datum, policy_datum, sequence_datum
     from workbench.run import Run, RunActiveError, RunState, train_step
+    from workbench.service_client import ServiceClient
     from workbench.session import Session
     from workbench.token_view import TokenView, render_datum, render_sample, render_tokens
+    from workbench.training import NonFiniteGradientError
     from workbench.types import (
         AdamParams,
         Datum,
         EncodedTextChunk,
         ForwardBackwardOutput,
+        GetInfoResponse,
         LoraConfig,
+        ModelData,
         ModelInput,
         OptimStepResponse,
+        PromptProvenanceSpan,
+        SampledProvenanceSpan,
         SampledSequence,
         SampleResponse,
         SamplingParams,
@@ -68,9 +75,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointInfo": "workbench.checkpoint_store",
     "CorruptCheckpointError": "workbench.checkpoint_store",
     "ClientFuture": "workbench.clients",
-    "ModelInfo": "workbench.clients",
     "SamplingClient": "workbench.clients",
-    "ServiceClient": "workbench.clients",
     "TrainingClient": "workbench.clients",
     "Engine": "workbench.engine",
     "ModelTensors": "workbench.engine",
@@ -85,6 +90,7 @@ _EXPORTS: dict[str, str] = {
     "Panel": "workbench.panel",
     "AgreementReport": "workbench.probes",
     "check_logprob_agreement": "workbench.probes",
+    "RestClient": "workbench.rest_client",
     "completion_positions": "workbench.rollouts",
     "critic_datum": "workbench.rollouts",
     "policy_datum": "workbench.rollouts",
@@ -93,20 +99,26 @@ _EXPORTS: dict[str, str] = {
     "RunActiveError": "workbench.run",
     "RunState": "workbench.run",
     "train_step": "workbench.run",
+    "ServiceClient": "workbench.service_client",
     "Session": "workbench.session",
     "TokenView": "workbench.token_view",
     "render_datum": "workbench.token_view",
     "render_sample": "workbench.token_view",
     "render_tokens": "workbench.token_view",
+    "NonFiniteGradientError": "workbench.training",
     "AdamParams": "workbench.types",
     "Datum": "workbench.types",
     "EncodedTextChunk": "workbench.types",
     "ForwardBackwardOutput": "workbench.types",
+    "GetInfoResponse": "workbench.types",
     "LoraConfig": "workbench.types",
+    "ModelData": "workbench.types",
     "ModelInput": "workbench.types",
     "OptimStepResponse": "workbench.types",
-    "SampleResponse": "workbench.types",
+    "PromptProvenanceSpan": "workbench.types",
+    "SampledProvenanceSpan": "workbench.types",
     "SampledSequence": "workbench.types",
+    "SampleResponse": "workbench.types",
     "SamplingParams": "workbench.types",
     "TensorData": "workbench.types",
     "SessionClosedError": "workbench.worker",
@@ -126,14 +138,18 @@ __all__ = [
     "EncodedTextChunk",
     "Engine",
     "ForwardBackwardOutput",
+    "GetInfoResponse",
     "LoraConfig",
     "MetricsHistory",
-    "ModelInfo",
+    "ModelData",
     "ModelInput",
     "ModelTensors",
+    "NonFiniteGradientError",
     "OptimStepResponse",
     "Panel",
+    "PromptProvenanceSpan",
     "ReentrantWaitError",
+    "RestClient",
     "Restore",
     "Role",
     "Run",
@@ -141,6 +157,7 @@ __all__ = [
     "RunState",
     "RunStatus",
     "SampleResponse",
+    "SampledProvenanceSpan",
     "SampledSequence",
     "SamplingClient",
     "SamplingParams",

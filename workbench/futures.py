@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -54,12 +54,18 @@ class APIFuture(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         return asyncio.wrap_future(self._future).__await__()
 
-    def coroutine(self) -> Coroutine[Any, Any, T]:
-        """A coroutine that returns the result (for `asyncio.gather` and `create_task`)."""
-        return self.result_async()
+    async def coroutine(self) -> T:
+        """This future as a coroutine, for APIs that take one rather than an awaitable
+        (`asyncio.create_task`); awaiting it awaits the future."""
+        return await self.result_async()
 
     def done(self) -> bool:
         return self._future.done()
+
+    @property
+    def worker(self) -> threading.Thread | None:
+        """The thread that resolves this future (None when no single thread does)."""
+        return self._worker
 
     def then(self, convert: Callable[[T], U]) -> APIFuture[U]:
         """A future of `convert(result)`, resolved when this one is (with its exception, if it fails)."""

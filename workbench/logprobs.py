@@ -77,7 +77,9 @@ class _RecomputedTargetLogprobs(torch.autograd.Function):
             for hidden_C_H, targets_C in zip(hidden_N_H.split(chunk), targets_N.split(chunk), strict=True)
         ]
         logprobs_N = torch.cat([logprobs_C for logprobs_C, _ in pieces])
-        entropy_N = torch.cat([entropy_C for _, entropy_C in pieces]) if with_entropy else logprobs_N.new_empty(0)
+        entropy_N = (
+            torch.cat([entropy_C for _, entropy_C in pieces]) if with_entropy else logprobs_N.new_empty(0)
+        )
         ctx.mark_non_differentiable(entropy_N)
         return logprobs_N, entropy_N
 
@@ -99,7 +101,9 @@ class _RecomputedTargetLogprobs(torch.autograd.Function):
             with torch.enable_grad():
                 logprobs_C, _ = _chunk_logprobs(output_layer, hidden_C_H, targets_N[start:stop], False)
             inputs = ([hidden_C_H] if wants_hidden else []) + trained
-            grads = list(torch.autograd.grad(logprobs_C, inputs, grad_logprobs_N[start:stop], allow_unused=True))
+            grads = list(
+                torch.autograd.grad(logprobs_C, inputs, grad_logprobs_N[start:stop], allow_unused=True)
+            )
             if wants_hidden:
                 assert grad_hidden_N_H is not None
                 grad_hidden_N_H[start:stop] = grads.pop(0)
@@ -178,7 +182,9 @@ def language_model_logprobs(
         ).last_hidden_state
         output_layer = model.get_output_embeddings()
     else:
-        features_B_T_F = model(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False).logits
+        features_B_T_F = model(
+            input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False
+        ).logits
         output_layer = nn.Identity()
     return target_logprobs(
         features_B_T_F,

@@ -15,7 +15,17 @@ schemes, you can include that in the advantage tensor computation" (Tinker docs)
 | ppo                  | target_tokens, logprobs, advantages     | clip_low_threshold 0.8, clip_high_threshold 1.2 |
 | cispo                | target_tokens, logprobs, advantages     | clip_low_threshold 0.0, clip_high_threshold 4.0 |
 | dro                  | target_tokens, logprobs, advantages     | beta 0.05                                      |
+| gspo                 | target_tokens, logprobs, advantages,    | clip_low_threshold 0.8, clip_high_threshold 1.2 |
+|                      | sequence_ratio_mask                     |                                                |
+| dppo (SkyRL)         | target_tokens, logprobs, advantages     | delta_low 0.2, delta_high 0.2                  |
+| stable_reinforce     | target_tokens, advantages, [logprobs];  | clip_high_threshold 2.0                        |
+|                      | provenance spans naming sampled         |                                                |
+|                      | sequences (`record_stability_info`)     |                                                |
 | ppo_critic (critic)  | values (old), returns, [weights=1]      | value_clip 0.2                                 |
+
+`stable_reinforce` reads what the engine recorded when it sampled (`recorded_logprobs`, `sampled`):
+the engine fills those two inputs from the datum's provenance spans before the call is queued
+(`workbench.engine.provenance`); a caller never passes them.
 
 Custom losses are plain functions `fn(data, logprobs_list) -> (loss, metrics)` passed to
 `TrainingClient.forward_backward_custom`; they need no entry here.
@@ -41,6 +51,9 @@ class LossOutput:
     diagnostics: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, T) per-position values
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest loss_fn_config value: the losses compute in float32, where a larger one is infinite."""
+
 LossFn = Callable[[Tensor, Mapping[str, Tensor], Tensor, Mapping[str, float]], LossOutput]
 
 
@@ -51,19 +64,26 @@ class LossSpec:
     `head` is what the model predicts for it: the policy's `logprobs` of `target_tokens`, or the
     critic's `values`. `required_inputs` must be in every datum; `training_inputs` are required by
     `forward_backward` but may be left out of `forward`, which then returns predictions only.
-    `optional_inputs` maps each optional input to the value used where a datum leaves it out.
+    `optional_inputs` maps each optional input to the value used where a datum leaves it out (None:
+    left out of the inputs).
     `summarize` derives batch-level metrics from the averaged diagnostics. `reports_entropy` adds the
     policy's mean next-token entropy (`entropy:mean`), the RL losses' usual collapse signal.
+    `check_datum` returns what is wrong with one datum's inputs beyond their shapes (None when nothing
+    is). `uses_sampling_records` marks a loss that trains on what the engine recorded at sampling time:
+    its datums name the sampled sequences with provenance spans, and the engine adds
+    `recorded_logprobs` and `sampled` to their inputs.
     """
 
     fn: LossFn
     head: Literal["logprobs", "values"]
     required_inputs: tuple[str, ...]
-    optional_inputs: Mapping[str, float] = field(default_factory=dict)
+    optional_inputs: Mapping[str, float | None] = field(default_factory=dict)
     training_inputs: tuple[str, ...] = ()
     config_defaults: Mapping[str, float] = field(default_factory=dict)
     summarize: Callable[[dict[str, float]], dict[str, float]] | None = None
     reports_entropy: bool = False
+    check_datum: Callable[[Mapping[str, Tensor]], str | None] | None = None
+    uses_sampling_records: bool = False
 
 
 def cross_entropy(
@@ -173,6 +193,103 @@ def dro(
     )
 
 
+def gspo(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
+    """Group Sequence Policy Optimisation, token-level variant (Zheng et al. 2025,
+    https://arxiv.org/abs/2507.18071), as Tinker computes it.
+
+    One ratio per datum, over the positions M that `sequence_ratio_mask` marks:
+    s = exp(mean_{t∈M}(log p_θ(x_t) − log q(x_t))) with the learner's logprobs detached; every position
+    carries s's value and its own logprob's gradient, s_t = sg(s)·p_θ(x_t)/sg(p_θ(x_t));
+    loss = −Σ_t min(s_t·A_t, clip(s_t, low, high)·A_t). Clipping the sequence ratio keeps or drops whole
+    sequences where PPO clips single tokens.
+    """
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    in_ratio_B_T = (inputs["sequence_ratio_mask"] != 0) & mask_B_T
+    token_log_ratio_B_T = (logprobs_B_T.detach() - inputs["logprobs"]) * in_ratio_B_T
+    count_B = in_ratio_B_T.sum(dim=-1).clamp_min(1)
+    sequence_log_ratio_B_1 = (token_log_ratio_B_T.sum(dim=-1) / count_B)[:, None]
+    ratio_B_T = torch.exp(sequence_log_ratio_B_1 + logprobs_B_T - logprobs_B_T.detach()) * mask_B_T
+    advantages_B_T = inputs["advantages"] * mask_B_T
+    clipped_B_T = torch.clamp(ratio_B_T, low, high)
+    objective_B_T = torch.minimum(ratio_B_T * advantages_B_T, clipped_B_T * advantages_B_T)
+    return LossOutput(
+        elementwise_loss_B_T=-objective_B_T * mask_B_T,
+        active_B_T=(advantages_B_T != 0) & mask_B_T,
+        diagnostics={
+            "sequence_ratio": ratio_B_T.detach(),
+            "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high),
+        },
+    )
+
+
+def _check_sequence_ratio_mask(inputs: Mapping[str, Tensor]) -> str | None:
+    if not bool((inputs["sequence_ratio_mask"] != 0).any()):
+        return "loss_fn_inputs['sequence_ratio_mask'] marks no position: gspo needs the tokens its sequence ratio averages over"
+    return None
+
+
+def dppo(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
+    """Divergence PPO, Binary-TV variant (Qi et al. 2026, "Rethinking the Trust Region in LLM
+    Reinforcement Learning", https://arxiv.org/abs/2602.04879), with SkyRL's `dppo` config.
+
+    The trust region is on probabilities, not ratios: with δ_t = p_θ(x_t) − q(x_t), a position whose
+    advantage is positive and whose δ_t > delta_high, or whose advantage is negative and whose
+    −δ_t > delta_low, is masked (m_t = 0, no gradient through the mask); loss = −Σ_t m_t · r_t · A_t with
+    r_t = p_θ(x_t)/q(x_t), the log-ratio clamped to ±20 before exponentiating (as SkyRL does).
+    """
+    delta_low, delta_high = config["delta_low"], config["delta_high"]
+    log_ratio_B_T = torch.clamp(logprobs_B_T - inputs["logprobs"], -20.0, 20.0) * mask_B_T
+    ratio_B_T = torch.exp(log_ratio_B_T) * mask_B_T
+    advantages_B_T = inputs["advantages"] * mask_B_T
+    with torch.no_grad():
+        probability_gap_B_T = torch.exp(logprobs_B_T) - torch.exp(inputs["logprobs"])
+        outside_B_T = ((advantages_B_T > 0) & (probability_gap_B_T > delta_high)) | (
+            (advantages_B_T < 0) & (-probability_gap_B_T > delta_low)
+        )
+        keep_B_T = (~outside_B_T).float() * mask_B_T
+    active_B_T = (advantages_B_T != 0) & mask_B_T
+    return LossOutput(
+        elementwise_loss_B_T=-ratio_B_T * advantages_B_T * keep_B_T,
+        active_B_T=active_B_T,
+        diagnostics={"ratio": ratio_B_T.detach(), "clip_fraction": outside_B_T.float()},
+    )
+
+
+def stable_reinforce(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
+) -> LossOutput:
+    """REINFORCE on sampled tokens, corrected by what the sampler recorded (Tinker's `stable_reinforce`,
+    alpha: https://tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/).
+
+    Tinker documents the contract (sample with `record_stability_info=True`, name the sampled sequences
+    in the datum's provenance spans, non-zero advantages only on sampled tokens) but not the objective.
+    Ours is REINFORCE with a truncated, detached importance weight (TIS, Yao et al. 2025,
+    https://fengyao.notion.site/off-policy-rl) computed against the engine's own record of the sampler:
+
+        loss = −Σ_{t∈S} sg(min(p_θ(x_t)/q(x_t), C)) · A_t · log p_θ(x_t)
+
+    with S the positions whose target is a recorded sampled token, q(x_t) the logprob the sampler
+    recorded for it (never a value that went through client code), C = `clip_high_threshold`. The weight
+    is capped and never differentiated, so stale or numerically different samples cannot blow up the
+    update; on-policy (ratio 1) it is plain REINFORCE.
+    """
+    cap = config["clip_high_threshold"]
+    sampled_B_T = (inputs["sampled"] != 0) & mask_B_T
+    log_ratio_B_T = (logprobs_B_T.detach() - inputs["recorded_logprobs"]) * sampled_B_T
+    ratio_B_T = torch.exp(torch.clamp(log_ratio_B_T, max=20.0)) * sampled_B_T
+    weight_B_T = torch.clamp(ratio_B_T, max=cap)
+    advantages_B_T = inputs["advantages"] * sampled_B_T
+    return LossOutput(
+        elementwise_loss_B_T=-weight_B_T * advantages_B_T * logprobs_B_T * sampled_B_T,
+        active_B_T=(advantages_B_T != 0) & sampled_B_T,
+        diagnostics={"ratio": ratio_B_T, "truncated_fraction": (ratio_B_T > cap).float()},
+    )
+
+
 def ppo_critic(
     values_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
 ) -> LossOutput:
@@ -232,6 +349,30 @@ LOSSES: dict[str, LossSpec] = {
         reports_entropy=True,
     ),
     "dro": LossSpec(dro, "logprobs", _POLICY_INPUTS, config_defaults={"beta": 0.05}, reports_entropy=True),
+    "gspo": LossSpec(
+        gspo,
+        "logprobs",
+        (*_POLICY_INPUTS, "sequence_ratio_mask"),
+        config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        reports_entropy=True,
+        check_datum=_check_sequence_ratio_mask,
+    ),
+    "dppo": LossSpec(
+        dppo,
+        "logprobs",
+        _POLICY_INPUTS,
+        config_defaults={"delta_low": 0.2, "delta_high": 0.2},
+        reports_entropy=True,
+    ),
+    "stable_reinforce": LossSpec(
+        stable_reinforce,
+        "logprobs",
+        ("target_tokens", "advantages"),
+        optional_inputs={"logprobs": None},
+        config_defaults={"clip_high_threshold": 2.0},
+        reports_entropy=True,
+        uses_sampling_records=True,
+    ),
     "ppo_critic": LossSpec(
         ppo_critic,
         "values",
@@ -254,13 +395,23 @@ def resolve_loss(name: str, config: Mapping[str, float] | None) -> tuple[LossSpe
             f"unknown loss {name!r}; choose one of {sorted(LOSSES)} or use forward_backward_custom"
         )
     spec = LOSSES[name]
+    if config is not None and not isinstance(config, Mapping):
+        raise ValueError(f"loss_fn_config must be a dict of {{name: number}} or None, got {config!r}")
     resolved = dict(spec.config_defaults)
     for key, value in dict(config or {}).items():
         if key not in spec.config_defaults:
             known = sorted(spec.config_defaults) or "none"
             raise ValueError(f"unknown loss_fn_config key {key!r} for {name!r}; it takes: {known}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or abs(value) > FLOAT32_MAX
+        ):
+            raise ValueError(
+                f"loss_fn_config[{key!r}] must be a finite number that fits in float32 (|x| <= {FLOAT32_MAX:.3g}: "
+                f"the losses compute in float32), got {value!r}"
+            )
         resolved[key] = float(value)
     if "clip_low_threshold" in resolved:
         low, high = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
@@ -268,6 +419,11 @@ def resolve_loss(name: str, config: Mapping[str, float] | None) -> tuple[LossSpe
             raise ValueError(
                 f"{name} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {low} and {high}"
             )
+    elif "clip_high_threshold" in resolved and resolved["clip_high_threshold"] < 1.0:
+        raise ValueError(f"{name} needs clip_high_threshold >= 1, got {resolved['clip_high_threshold']}")
+    for key in ("delta_low", "delta_high"):
+        if key in resolved and not 0.0 < resolved[key] <= 1.0:
+            raise ValueError(f"{name} {key} is a probability difference in (0, 1], got {resolved[key]}")
     if "beta" in resolved and resolved["beta"] < 0:
         raise ValueError(f"dro beta must be >= 0, got {resolved['beta']}")
     if "value_clip" in resolved and resolved["value_clip"] <= 0:

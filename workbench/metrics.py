@@ -36,6 +36,30 @@ ROW_COLUMNS = ("step", "op", "model", "time")
 """The columns every history row has; the other keys are metrics."""
 
 
+def metric_values(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """A row's metrics as floats, checked: each name a string other than the row's own columns
+    (`ROW_COLUMNS`, which a metric would overwrite in the history, the JSONL file and the plots), each
+    value a number. Raises ValueError naming the first bad metric."""
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"metrics must be a dict of {{name: number}}, got {type(metrics).__name__}")
+    values: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise ValueError(f"metric names must be strings, got {name!r}")
+        if name in ROW_COLUMNS:
+            raise ValueError(
+                f"metric {name!r} would overwrite the history's own {name!r} column: the names "
+                f"{list(ROW_COLUMNS)} are reserved, use another (e.g. {'my_' + name!r})"
+            )
+        if isinstance(value, (str, bytes)):
+            raise ValueError(f"metric {name!r} must be a number, got {value!r}")
+        try:
+            values[name] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metric {name!r} must be a number, got {value!r}") from None
+    return values
+
+
 class Sink(Protocol):
     """Receives every history row and event (e.g. a JSONL file, a W&B run)."""
 
@@ -57,8 +81,11 @@ class MetricsHistory:
         self.sinks: list[Sink] = []
 
     def record(self, op: str, model: str, step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
+        """Append a row; raises ValueError (and appends nothing) for a metric named like a column or not
+        a number (`metric_values`)."""
+        values = metric_values(metrics)
         row: dict[str, Any] = {"step": step, "op": op, "model": model, "time": time.time()}
-        row.update({key: float(value) for key, value in metrics.items()})
+        row.update(values)
         self.rows.append(row)
         for sink in list(self.sinks):
             try:

@@ -155,7 +155,9 @@ def logits_from_hidden_states(model: PreTrainedModel) -> bool:
     soft cap, Cohere's scale, ...). Where it holds, logprobs are computed from the hidden states chunk by
     chunk (`workbench.logprobs`); checked once here on a few tokens, by comparing the two.
     """
-    input_ids_1_T = torch.arange(1, 9, device=model.device)[None] % model.get_input_embeddings().num_embeddings
+    input_ids_1_T = (
+        torch.arange(1, 9, device=model.device)[None] % model.get_input_embeddings().num_embeddings
+    )
     with torch.no_grad():
         logits_1_T_V = model(input_ids=input_ids_1_T, use_cache=False).logits
         hidden_1_T_H = model.get_decoder()(input_ids=input_ids_1_T, use_cache=False).last_hidden_state

@@ -11,7 +11,8 @@ thread only orchestrates: the step function calls the session's futures API, who
 run on the session's worker thread, in order with everything else.
 
 Interrupting the kernel does not stop a run, since the run is not on the kernel's thread: `run.stop()`
-(or the panel's Stop button) does, after the current step.
+(or the panel's Stop button) does, after the current step. A running run keeps its session alive until
+it ends; a paused one does not: once nothing references the run or its session, both are freed.
 
 Live settings: the run owns the current `AdamParams` (`run.adam_params`), and the session exposes the
 run it is executing as `sess.current_run`, so a step function reads `sess.current_run.adam_params` for
@@ -29,6 +30,7 @@ import dataclasses
 import enum
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +109,9 @@ class Run:
         self._single_steps = 0  # steps granted by step() while paused
         self._busy = False  # the step function is executing
         self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="workbench-run", daemon=True)
+        self._thread = threading.Thread(
+            target=_run_thread, args=(weakref.WeakMethod(self._advance),), name="workbench-run", daemon=True
+        )
         self._progress: tqdm[Any] | None = None
 
     def start(self) -> Run:
@@ -152,10 +156,12 @@ class Run:
                 self._changed.notify_all()
 
     def resume(self) -> None:
-        """Continue a paused run."""
+        """Continue a paused run. Single steps granted by `step()` and not yet started are part of the
+        running and are not owed again after a later `pause()`."""
         with self._changed:
             if self._state is RunState.PAUSED:
                 self._state = RunState.RUNNING
+                self._single_steps = 0
                 self._changed.notify_all()
 
     def step(self) -> None:
@@ -220,55 +226,71 @@ class Run:
 
     # ------------------------------------------------------------------------------------------ loop
 
-    def _next_step_granted(self) -> bool:
-        """Wait until a step may start (True) or the run must end (False). Called with the lock held."""
-        while True:
-            if self._stop_requested or self.session.closed:
-                return False
-            if self._state is RunState.RUNNING:
-                return True
-            if self._single_steps > 0:
-                self._single_steps -= 1
-                return True
-            self._changed.wait(PAUSED_POLL_S)
+    def _next_step_granted(self) -> bool | None:
+        """True when a step may start, False when the run must end, None while it waits paused. Called
+        with the lock held."""
+        if self._stop_requested or self.session.closed:
+            return False
+        if self._state is RunState.RUNNING:
+            return True
+        if self._single_steps > 0:
+            self._single_steps -= 1
+            return True
+        return None
 
-    def _loop(self) -> None:
-        progress = self._progress
-        assert progress is not None
+    def _advance(self) -> threading.Condition | None:
+        """Take every step the run may take now. Returns None once the run has ended, or, while it waits
+        paused, its condition, acquired: the run's thread waits on that holding the run only weakly
+        (`_run_thread`), releases it, and calls again."""
         try:
             while self.i < self.steps:
-                with self._changed:
-                    if not self._next_step_granted():
+                self._changed.acquire()
+                granted = self._next_step_granted()
+                if granted is None:
+                    return self._changed
+                try:
+                    if not granted:
                         self._state = RunState.STOPPED
-                        return
+                        break
                     self._busy = True
                     self._changed.notify_all()
-                start_step = self.session.step
-                metrics = self.step_fn(self.session, self.i)
-                self._record(start_step, metrics)
+                finally:
+                    self._changed.release()
+                self._take_step()
+            else:
                 with self._changed:
-                    self.i += 1
-                    self._busy = False
-                    if self._pending_adam is not None:
-                        self._adam_params, self._pending_adam = self._pending_adam, None
-                    self._changed.notify_all()
-                progress.update(1)
-            with self._changed:
-                self._state = RunState.FINISHED
+                    self._state = RunState.FINISHED
         except BaseException as error:  # the run reports every failure; the kernel thread never sees it
             with self._changed:
                 self.error = error
                 self.traceback = traceback.format_exc()
                 self._state = RunState.FAILED
                 self._busy = False
-        finally:
-            progress.close()
-            with self._changed:
-                if self._pending_adam is not None:
-                    self._adam_params, self._pending_adam = self._pending_adam, None
-                self._stop_requested = False
-                self._single_steps = 0
-                self._changed.notify_all()
+        self._end()
+        return None
+
+    def _take_step(self) -> None:
+        start_step = self.session.step
+        metrics = self.step_fn(self.session, self.i)
+        self._record(start_step, metrics)
+        with self._changed:
+            self.i += 1
+            self._busy = False
+            if self._pending_adam is not None:
+                self._adam_params, self._pending_adam = self._pending_adam, None
+            self._changed.notify_all()
+        assert self._progress is not None
+        self._progress.update(1)
+
+    def _end(self) -> None:
+        assert self._progress is not None
+        self._progress.close()
+        with self._changed:
+            if self._pending_adam is not None:
+                self._adam_params, self._pending_adam = self._pending_adam, None
+            self._stop_requested = False
+            self._single_steps = 0
+            self._changed.notify_all()
 
     def _record(self, step: int, metrics: Mapping[str, float] | None) -> None:
         """Record the step's metrics on the worker thread, in order with the step's operations."""
@@ -278,6 +300,24 @@ class Run:
             raise TypeError(f"step_fn must return a dict of metrics or None, got {type(metrics).__name__}")
         if metrics:
             self.session.engine.record("run_step", RUN_MODEL, step, metrics).result()
+
+
+def _run_thread(advance: weakref.WeakMethod[Callable[[], threading.Condition | None]]) -> None:
+    """A run's thread. It holds the run while steps are taken, and only weakly while the run waits
+    paused: a paused run that nothing references any more (dropped with its session, say by re-running
+    the notebook cell that made them) is freed, and the thread ends, instead of waiting forever."""
+    while True:
+        take_steps = advance()
+        if take_steps is None:
+            return  # freed while paused: nobody could resume it
+        paused = take_steps()
+        del take_steps
+        if paused is None:
+            return  # ended
+        try:
+            paused.wait(PAUSED_POLL_S)  # a state change wakes it; the timeout notices a closed session
+        finally:
+            paused.release()
 
 
 def train_step(

@@ -10,10 +10,14 @@ state checkpoints (`save_state`) and `sampler_weights/<name>` sampler checkpoint
 
 A run living in a folder outside the runs root (`Session(run_dir=...)`) is found through the runs the
 caller knows (`known_runs`); in another process, name its folder instead.
+
+`run.json` in the folder says what the run is (base model, adapter, user metadata, creation time), so
+a run can be described (Tinker's `RestClient.get_training_run`) after the process that trained it ended.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -21,10 +25,20 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from workbench.checkpoint_store import CheckpointError, CheckpointKind, check_name, is_name, kind_dir
+from workbench.checkpoint_store import (
+    CheckpointError,
+    CheckpointKind,
+    check_name,
+    is_name,
+    json_bytes,
+    kind_dir,
+    write_file,
+)
 
 RUNS_ENV = "WORKBENCH_RUNS"
+RUN_INFO = "run.json"
 TINKER_SCHEME = "tinker://"
 SEGMENTS: dict[CheckpointKind, str] = {"state": "weights", "sampler": "sampler_weights"}
 
@@ -138,3 +152,35 @@ def resolve_checkpoint(
             "and no checkpoint of this run has that name"
         )
     return folder
+
+
+def write_run_info(run_dir: Path, info: Mapping[str, Any]) -> None:
+    """Write `run.json` (what the run is) atomically: a reader sees the old file or the new one."""
+    temporary = run_dir / f".{RUN_INFO}.tmp-{secrets.token_hex(4)}"
+    write_file(temporary, json_bytes(dict(info)))
+    os.replace(temporary, run_dir / RUN_INFO)
+
+
+def read_run_info(run_dir: Path) -> dict[str, Any] | None:
+    """The run's `run.json`, or None for a folder without one (not a run, or made before it existed)."""
+    path = run_dir / RUN_INFO
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path} does not describe a run")
+    return info
+
+
+def run_folders(known_runs: Mapping[str, Path]) -> dict[str, Path]:
+    """Every run folder by run id: those under the runs root that hold a `run.json`, and the known ones."""
+    root = runs_root()
+    found = (
+        {folder.name: folder for folder in root.iterdir() if (folder / RUN_INFO).is_file()}
+        if root.is_dir()
+        else {}
+    )
+    return {**found, **known_runs}

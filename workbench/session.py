@@ -33,6 +33,8 @@ from workbench.models import BaseModelInfo
 from workbench.run import Run, StepFn, start_run
 from workbench.run_folders import new_run_id, runs_root
 from workbench.sampling import SamplerChoice
+from workbench.server import ServerConfig, TinkerServer
+from workbench.service_client import ServiceClient
 from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
 
 if TYPE_CHECKING:
@@ -119,6 +121,8 @@ class Session:
         """The latest run started by `run()` (active or ended; its state, error and traceback stay
         readable), None before the first. Step functions read their live settings from it:
         `sess.current_run.adam_params`."""
+        self.servers: list[TinkerServer] = []
+        """The servers `serve()` started (stopped ones included), newest last."""
         engine.history.sinks.append(JsonlSink(self.run_dir / "history.jsonl"))
         self.wandb_run = self._open_wandb(wandb)
 
@@ -267,6 +271,14 @@ class Session:
             raise ValueError("a base-model client has no version: pass base=True or a version, not both")
         return SamplingClient(self.engine, self.engine.pin_sampler(None if base else self.model_id, version))
 
+    def service_client(self, *sdk_arguments: Any, **sdk_keywords: Any) -> ServiceClient:
+        """A Tinker `ServiceClient` whose clients for this session's base model live on this session's
+        engine: code written for the `tinker` SDK (a tinker-cookbook training loop) trains new runs
+        next to this one, in this session's history and panel. Takes `tinker.ServiceClient`'s
+        arguments, so it can stand in for it: `tinker.ServiceClient = sess.service_client`. Closing the
+        client leaves the session open."""
+        return ServiceClient(*sdk_arguments, engine=self.engine, **sdk_keywords)
+
     def live_versions(self) -> list[int]:
         """The policy weight versions a sampling client can use now: the current one and those that live
         clients are pinned to."""
@@ -345,11 +357,36 @@ class Session:
 
         return Panel(self, train_data=train_data, metrics=metrics)
 
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None) -> TinkerServer:
+        """Serve the Tinker REST protocol for this session's engine, on a background thread.
+
+        The unmodified `tinker` SDK and tinker-cookbook scripts then train on this machine's model:
+        `tinker.ServiceClient(base_url=srv.url)` (their key, `TINKER_API_KEY`, must start with `tml-`).
+        Each client's `create_lora_training_client` adds a LoRA model on the same base (up to
+        `max_models`, this session's run included); every operation runs on the engine's worker in
+        order with this session's own, and lands in the history (its `model` column names the
+        adapter, `policy_2`, ...) and the panel. See `workbench.server`.
+
+        Args:
+            host: The address to bind; the default reaches this machine only. Any other address
+                requires `api_key`.
+            port: The port; 0 picks a free one (`srv.url` tells which).
+            api_key: A key clients must send (their `TINKER_API_KEY`), starting with `tml-`.
+
+        Returns:
+            The running server: `srv.url`, `srv.stop()`. `close()` stops it too.
+        """
+        server = TinkerServer(self.engine, ServerConfig(host=host, port=port, api_key=api_key))
+        self.servers.append(server)
+        return server
+
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Stop the run loop after its current step, finish queued work, then free the model and
-        optimizer memory. Safe to call twice, and again after an interrupted call."""
+        """Stop the servers and the run loop (after its current step), finish queued work, then free the
+        model and optimizer memory. Safe to call twice, and again after an interrupted call."""
+        for server in self.servers:
+            server.stop()
         if self.current_run is not None and self.current_run.active:
             self.current_run.stop()  # the step in progress finishes; none starts after it
             self.current_run.wait()

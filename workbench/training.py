@@ -2,12 +2,17 @@
 
 Gradients accumulate across `forward_backward` calls until `optim_step`, as in Tinker. Each call
 computes its gradient apart from the ones already accumulated and adds it only when the whole call has
-succeeded (`accumulating`), so a call that fails half-way leaves the accumulated gradient as it was.
+succeeded (`accumulating`), so a call that fails half-way leaves the accumulated gradient as it was. A
+call whose gradient is not finite (NaN or inf), or whose finite gradient would make the sum overflow,
+fails with `NonFiniteGradientError` naming the operation, and the gradient accumulated before it stays.
 
 `optim_step` applies every `AdamParams` field on every call (torch's AdamW with decoupled weight decay,
-global-norm clipping when `grad_clip_norm > 0`). It refuses to step with no accumulated gradient, and
-skips a step whose gradient is not finite: weights, optimizer state and counters stay as they were and
-the bad gradient is dropped.
+global-norm clipping when `grad_clip_norm > 0`). The gradient norm never overflows for finite gradients
+(`gradient_norm` switches to float64 when float32 could). The step refuses to run with no accumulated gradient, and is
+undone (weights, optimizer state, counters and the accumulated gradient as they were) when it would
+leave a non-finite weight or optimizer moment behind, e.g. a gradient near float32's maximum whose
+square overflows Adam's second moment; its response says why. No step is reported applied that left a
+non-finite number in the model's trainable state.
 """
 
 from __future__ import annotations
@@ -15,12 +20,56 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from workbench.types import AdamParams, OptimStepResponse
+
+# Below this largest element, float32 sums of squares stay below float32's maximum (3.4e38) for up to
+# 1e14 elements, so the norm is computed in float32 like torch's; above it, in float64.
+_FLOAT32_SAFE_NORM_ELEMENT = 1e12
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A `forward_backward` call's gradient is not finite (or overflows the accumulated gradient): the
+    call's gradient was dropped and the gradient accumulated before it is unchanged."""
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """True when no element of any tensor is NaN or infinite (one reduction over all of them)."""
+    if not tensors:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, math.inf)))
+
+
+def gradient_norm(gradients: Sequence[Tensor]) -> float:
+    """The global L2 norm of the gradients, finite whenever every element is: in float32 as torch
+    computes it, unless an element is so large that the float32 sum of squares could overflow, and then
+    accumulated in float64 (whose range holds any sum of float32 squares)."""
+    if not gradients:
+        return 0.0
+    largest = float(torch.nn.utils.get_total_norm(gradients, math.inf))
+    if not math.isfinite(largest):
+        return largest
+    if largest < _FLOAT32_SAFE_NORM_ELEMENT:
+        return float(torch.nn.utils.get_total_norm(gradients))
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in gradients])
+    return float(torch.linalg.vector_norm(norms))
+
+
+@dataclass
+class _StepCheckpoint:
+    """What `optim_step` puts back when it undoes a step."""
+
+    weights: list[Tensor]
+    optimizer_state: dict[Tensor, dict[str, Any]]
+    settings: list[dict[str, Any]]
+    gradients: list[Tensor | None] | None
 
 
 class TrainableAdapter:
@@ -45,27 +94,87 @@ class TrainableAdapter:
     # ------------------------------------------------------------------------------------------ gradients
 
     @contextlib.contextmanager
-    def accumulating(self) -> Iterator[None]:
-        """Run one forward_backward call: its gradient is added to the accumulated one on success, and
-        discarded (accumulated gradient restored) on any failure, KeyboardInterrupt included."""
+    def accumulating(self, operation: str) -> Iterator[None]:
+        """Run one forward_backward call (`operation` names it in errors): its gradient is added to the
+        accumulated one on success, and discarded (accumulated gradient restored) on any failure,
+        KeyboardInterrupt included, and when it is not finite or the sum would overflow
+        (`NonFiniteGradientError`)."""
         previous = [param.grad for param in self.parameters.values()]
         for param in self.parameters.values():
             param.grad = None
         try:
             yield
+            if not all_finite(self._gradients()):
+                raise NonFiniteGradientError(
+                    f"{operation} produced a non-finite gradient (NaN or inf): it was not added to the "
+                    "accumulated gradient, which is as it was before this call"
+                )
+            for param, grad in zip(self.parameters.values(), previous, strict=True):
+                if grad is not None:  # added into the call's own gradient: `previous` stays intact
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+            if self.pending_backward_calls and not all_finite(self._gradients()):
+                raise NonFiniteGradientError(
+                    f"{operation} produced a finite gradient, but adding it to the accumulated one "
+                    "overflows float32: it was not added, and the accumulated gradient is as it was before "
+                    "this call (call optim_step first, or scale the loss down)"
+                )
         except BaseException:
             for param, grad in zip(self.parameters.values(), previous, strict=True):
                 param.grad = grad
             raise
-        for param, grad in zip(self.parameters.values(), previous, strict=True):
-            if grad is not None:
-                param.grad = grad if param.grad is None else grad.add_(param.grad)
         self.pending_backward_calls += 1
+
+    def _gradients(self) -> list[Tensor]:
+        return [param.grad for param in self.parameters.values() if param.grad is not None]
 
     def clear_gradients(self) -> None:
         for param in self.parameters.values():
             param.grad = None
         self.pending_backward_calls = 0
+
+    def _checkpoint(self, with_gradients: bool) -> _StepCheckpoint:
+        """Copies of what an optimizer step changes: weights, optimizer state and settings (and, when
+        the step clips them in place, the gradients)."""
+        with torch.no_grad():
+            return _StepCheckpoint(
+                weights=[param.detach().clone() for param in self.parameters.values()],
+                optimizer_state={
+                    param: {
+                        key: value.clone() if isinstance(value, Tensor) else value
+                        for key, value in state.items()
+                    }
+                    for param, state in self.optimizer.state.items()
+                },
+                settings=[
+                    {key: value for key, value in group.items() if key != "params"}
+                    for group in self.optimizer.param_groups
+                ],
+                gradients=[None if p.grad is None else p.grad.clone() for p in self.parameters.values()]
+                if with_gradients
+                else None,
+            )
+
+    def _restore(self, saved: _StepCheckpoint) -> None:
+        with torch.no_grad():
+            for param, weight in zip(self.parameters.values(), saved.weights, strict=True):
+                param.copy_(weight)
+        self.optimizer.state.clear()
+        self.optimizer.state.update(saved.optimizer_state)
+        for group, settings in zip(self.optimizer.param_groups, saved.settings, strict=True):
+            group.update(settings)
+        if saved.gradients is not None:
+            for param, grad in zip(self.parameters.values(), saved.gradients, strict=True):
+                param.grad = grad
+
+    def _finite_state(self) -> bool:
+        """No weight and no optimizer moment is NaN or infinite."""
+        moments = [
+            value
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
+        ]
+        return all_finite([*self.parameters.values(), *moments])
 
     def update_digest(self, digest: hashlib._Hash) -> None:
         """Feed every bit of this adapter's trainable state into `digest`: weights, accumulated
@@ -87,25 +196,31 @@ class TrainableAdapter:
     # ------------------------------------------------------------------------------------------ step
 
     def optim_step(self, params: AdamParams) -> OptimStepResponse:
-        base_metrics = {"learning_rate": params.learning_rate, "step": float(self.step)}
+        """Apply the accumulated gradient. The response's metrics hold the gradient norm (before
+        clipping) when there was a gradient; `applied` and `skipped_reason` say whether the step ran."""
         if self.pending_backward_calls == 0:
             return OptimStepResponse(
-                metrics={**base_metrics, "applied": 0.0},
+                metrics={},
                 applied=False,
                 skipped_reason="no gradient accumulated: call forward_backward before optim_step",
             )
-        grads = [param.grad for param in self.parameters.values() if param.grad is not None]
-        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        grad_norm = gradient_norm(self._gradients())
         if not math.isfinite(grad_norm):
             self.clear_gradients()
             return OptimStepResponse(
-                metrics={**base_metrics, "grad_norm": grad_norm, "applied": 0.0},
+                metrics={"grad_norm": grad_norm},
                 applied=False,
-                skipped_reason=f"non-finite gradient norm ({grad_norm}); step skipped, weights and optimizer state unchanged",
+                skipped_reason=f"non-finite accumulated gradient (norm {grad_norm}); step skipped, weights and optimizer state unchanged",
             )
-        if params.grad_clip_norm > 0:
+        clipping = params.grad_clip_norm > 0
+        before = self._checkpoint(with_gradients=clipping)  # what an undone step puts back
+        if clipping:
+            # float32, as torch computes the norm, unless only float64 holds it
+            norm_dtype = torch.float32 if grad_norm <= _FLOAT32_MAX else torch.float64
             torch.nn.utils.clip_grads_with_norm_(
-                list(self.parameters.values()), params.grad_clip_norm, torch.tensor(grad_norm)
+                list(self.parameters.values()),
+                params.grad_clip_norm,
+                torch.tensor(grad_norm, dtype=norm_dtype),
             )
         for group in self.optimizer.param_groups:
             group["lr"] = params.learning_rate
@@ -113,14 +228,19 @@ class TrainableAdapter:
             group["eps"] = params.eps
             group["weight_decay"] = params.weight_decay
         self.optimizer.step()
+        if not self._finite_state():
+            self._restore(before)
+            return OptimStepResponse(
+                metrics={"grad_norm": grad_norm},
+                applied=False,
+                skipped_reason=(
+                    f"this step would leave non-finite weights or optimizer moments (gradient norm {grad_norm:.3g}, "
+                    f"learning_rate {params.learning_rate:g}): it was undone, and the weights, optimizer state "
+                    "and accumulated gradient are as they were. Clip the gradient (grad_clip_norm) or scale "
+                    "the loss down, then step again"
+                ),
+            )
         self.clear_gradients()
         self.step += 1
         self.weights_version += 1
-        return OptimStepResponse(
-            metrics={
-                "learning_rate": params.learning_rate,
-                "step": float(self.step),
-                "grad_norm": grad_norm,
-                "applied": 1.0,
-            }
-        )
+        return OptimStepResponse(metrics={"grad_norm": grad_norm})

@@ -32,7 +32,22 @@ INPUT_DTYPES: dict[str, TensorDtype] = {
     "logprobs": "float32",
     "values": "float32",
     "returns": "float32",
+    "clip_low_threshold": "float32",
+    "clip_high_threshold": "float32",
+    "sequence_ratio_mask": "float32",
 }
+
+
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+"""The smallest positive normal float32: a smaller optimizer `eps` rounds to zero in float32 weights."""
+
+MIN_TEMPERATURE = 1e-6
+"""The smallest positive sampling temperature: a smaller one samples as greedily as 0 does, and far
+smaller ones (1e-40) overflow float32 logits / temperature."""
+
+MAX_LEARNING_RATE = 1.0
+"""The largest learning rate: an AdamW step moves each weight by up to about the learning rate, and
+beyond 1 that dwarfs the weights themselves (1e30 turns the model's outputs to NaN in one step)."""
 
 
 def _tinker_class(name: str) -> type | None:
@@ -44,6 +59,24 @@ def _tinker_class(name: str) -> type | None:
 # ---------------------------------------------------------------------------------------------- inputs
 
 
+def to_token_ids(values: Any) -> tuple[int, ...]:
+    """Token ids as Python ints, from a sequence of integers (Python's or numpy's).
+
+    A bool or a float is not a token id, not even `True` or `6.0`: raises ValueError naming the first
+    one and its position.
+    """
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        values = values.tolist()
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        raise ValueError(f"token ids must be a list of integers, got {type(values).__name__} {values!r}")
+    if all(type(token) is int for token in values):  # the common case, checked fast
+        return tuple(values)
+    for position, token in enumerate(values):
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise ValueError(f"token ids must be integers, got {token!r} at position {position}")
+    return tuple(int(token) for token in values)
+
+
 @dataclass(frozen=True)
 class EncodedTextChunk:
     """A run of token ids inside a `ModelInput`."""
@@ -52,7 +85,7 @@ class EncodedTextChunk:
     type: Literal["encoded_text"] = "encoded_text"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "tokens", to_token_ids(self.tokens))
 
     @property
     def length(self) -> int:
@@ -70,7 +103,7 @@ class ModelInput:
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
-        return cls(chunks=(EncodedTextChunk(tokens=tuple(tokens)),))
+        return cls(chunks=(EncodedTextChunk(tokens=to_token_ids(tokens)),))
 
     @classmethod
     def empty(cls) -> ModelInput:
@@ -155,6 +188,45 @@ class TensorData:
         return f"TensorData(dtype={self.dtype!r}, shape={self.shape}, data={self.array.tolist()!r})"
 
 
+@dataclass(frozen=True, kw_only=True)
+class PromptProvenanceSpan:
+    """A run of a datum's positions that were part of a sampling request's prompt: positions
+    `[offset, offset + length)` of the prompt of the request that sampled sequence `sequence_id`."""
+
+    sequence_id: str
+    offset: int = 0
+    length: int
+
+    def __post_init__(self) -> None:
+        _check_span(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampledProvenanceSpan:
+    """A run of a datum's positions that reproduce sampled tokens: positions `[offset, offset + length)`
+    of the tokens of sequence `sequence_id` (`SampledSequence.sequence_id`)."""
+
+    sequence_id: str
+    offset: int = 0
+    length: int
+
+    def __post_init__(self) -> None:
+        _check_span(self)
+
+
+ProvenanceSpan = PromptProvenanceSpan | SampledProvenanceSpan
+
+
+def _check_span(span: PromptProvenanceSpan | SampledProvenanceSpan) -> None:
+    name = type(span).__name__
+    if not isinstance(span.sequence_id, str) or not span.sequence_id:
+        raise ValueError(f"{name}.sequence_id must be a non-empty string, got {span.sequence_id!r}")
+    for field_name in ("offset", "length"):
+        value = getattr(span, field_name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}.{field_name} must be an integer >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Datum:
     """One training example: the tokens read (`model_input`) and per-position loss inputs.
@@ -162,15 +234,52 @@ class Datum:
     `loss_fn_inputs[k]` has one entry per position of `model_input`: position i predicts
     `target_tokens[i]`. Values may be `TensorData`, lists, numpy arrays or torch tensors; they are
     converted to `TensorData` with the dtype of `INPUT_DTYPES` (float32 for keys not listed there).
+
+    Provenance (Tinker's `Datum.with_provenance`): `model_input_spans` tile `model_input` and
+    `loss_fn_input_spans` tile `target_tokens` with runs naming the sampled sequences the tokens came
+    from; `stable_reinforce` trains on what the engine recorded for them. Both or neither.
     """
 
     model_input: ModelInput
     loss_fn_inputs: Mapping[str, TensorData] = field(default_factory=dict)
+    model_input_spans: tuple[ProvenanceSpan, ...] | None = None
+    loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model_input", to_model_input(self.model_input))
+        try:
+            model_input = to_model_input(self.model_input)
+        except ValueError as error:
+            raise ValueError(f"model_input: {error}") from None
+        object.__setattr__(self, "model_input", model_input)
         converted = {key: to_tensor_data(key, value) for key, value in dict(self.loss_fn_inputs).items()}
         object.__setattr__(self, "loss_fn_inputs", converted)
+        if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
+            raise ValueError(
+                "provenance comes as a pair: set both model_input_spans and loss_fn_input_spans, or neither"
+            )
+        for name in ("model_input_spans", "loss_fn_input_spans"):
+            spans = getattr(self, name)
+            if spans is not None:
+                object.__setattr__(self, name, tuple(to_provenance_span(span) for span in spans))
+
+    def with_provenance(
+        self, model_input: Sequence[ProvenanceSpan], loss_fn_inputs: Sequence[ProvenanceSpan]
+    ) -> Datum:
+        """A copy naming where each token came from: `model_input` runs tile the input tokens,
+        `loss_fn_inputs` runs tile `target_tokens` (checked here)."""
+        for what, spans, expected in (
+            ("model_input", model_input, self.model_input.length),
+            ("loss_fn_inputs", loss_fn_inputs, len(self.loss_fn_inputs.get("target_tokens", ()))),
+        ):
+            covered = sum(to_provenance_span(span).length for span in spans)
+            if covered != expected:
+                raise ValueError(
+                    f"with_provenance {what} spans cover {covered} positions but the field has {expected}; "
+                    "the runs must tile it exactly"
+                )
+        return dataclasses.replace(
+            self, model_input_spans=tuple(model_input), loss_fn_input_spans=tuple(loss_fn_inputs)
+        )
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -198,13 +307,28 @@ class AdamParams:
             object.__setattr__(self, name, float(value))
         if self.learning_rate < 0:
             raise ValueError(f"AdamParams.learning_rate must be >= 0, got {self.learning_rate}")
+        if self.learning_rate > MAX_LEARNING_RATE:
+            raise ValueError(
+                f"AdamParams.learning_rate must be <= {MAX_LEARNING_RATE:g} (an AdamW step moves each weight by "
+                f"up to about the learning rate), got {self.learning_rate}"
+            )
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"AdamParams.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.eps <= 0:
             raise ValueError(f"AdamParams.eps must be > 0, got {self.eps}")
+        if self.eps < FLOAT32_TINY:
+            raise ValueError(
+                f"AdamParams.eps must be at least {FLOAT32_TINY:.3g} (smaller rounds to 0 in float32, and "
+                f"0/0 turns untouched weights to NaN), got {self.eps}"
+            )
         if self.weight_decay < 0:
             raise ValueError(f"AdamParams.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.learning_rate * self.weight_decay > 1:
+            raise ValueError(
+                "AdamParams.learning_rate × weight_decay must be <= 1 (AdamW multiplies every weight by "
+                f"1 − lr·weight_decay each step), got {self.learning_rate} × {self.weight_decay}"
+            )
         if self.grad_clip_norm < 0:
             raise ValueError(f"AdamParams.grad_clip_norm must be >= 0 (0 = off), got {self.grad_clip_norm}")
 
@@ -231,8 +355,13 @@ class LoraConfig:
             raise ValueError(
                 "LoraConfig trains nothing: set at least one of train_attn, train_mlp, train_unembed"
             )
-        if not self.alpha > 0:
-            raise ValueError(f"LoraConfig.alpha must be > 0, got {self.alpha!r}")
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not math.isfinite(self.alpha)
+            or self.alpha <= 0
+        ):
+            raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {self.alpha!r}")
 
 
 @dataclass(frozen=True)
@@ -256,14 +385,20 @@ class SamplingParams:
             isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        temperature = self.temperature
         if (
-            not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature))
-            or self.temperature < 0
+            isinstance(temperature, bool)
+            or not (isinstance(temperature, (int, float)) and math.isfinite(temperature))
+            or temperature < 0
+            or 0 < temperature < MIN_TEMPERATURE
         ):
             raise ValueError(
-                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}"
+                f"SamplingParams.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} "
+                f"(a smaller one samples as greedily as 0, and can overflow float32 logits), got {temperature!r}"
             )
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not (
+            isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0
+        ):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if (
             isinstance(self.top_k, bool)
@@ -271,13 +406,26 @@ class SamplingParams:
             or (self.top_k < 1 and self.top_k != -1)
         ):
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None:
+            if (
+                isinstance(self.seed, (bool, np.bool_))
+                or not isinstance(self.seed, (int, np.integer))
+                or not -(2**63) <= self.seed < 2**64
+            ):
+                raise ValueError(
+                    "SamplingParams.seed must be None or an integer that fits in 64 bits "
+                    f"(-2**63 <= seed < 2**64, what torch.Generator takes), got {self.seed!r}"
+                )
+            object.__setattr__(self, "seed", int(self.seed))
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
         if stop is not None:
-            stop = tuple(stop)
+            if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, (Sequence, np.ndarray)):
+                raise ValueError(
+                    f"SamplingParams.stop must be a string, a list of strings or a list of token ids, got {self.stop!r}"
+                )
+            stop = tuple(int(s) if isinstance(s, np.integer) else s for s in stop)
             if not (
                 all(isinstance(s, str) for s in stop)
                 or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)
@@ -316,21 +464,27 @@ class OptimStepResponse:
 
 @dataclass(frozen=True)
 class SampledSequence:
+    """One sampled continuation: its tokens (the stop token included), the logprob of each, why it
+    ended, and `sequence_id`, unique within the engine, which training data names in its provenance."""
+
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    sequence_id: str = ""
 
 
 @dataclass(frozen=True)
 class SampleResponse:
     """Sampled sequences, the prompt's logprobs when asked for (first entry None), the policy weight
     version that produced them (None: the base model), and the milliseconds it took to push that
-    version to the sampler engine (0 when the engine samples the live weights in place)."""
+    version to the sampler engine (0 when the engine samples the live weights in place).
+    `prompt_cache_hit_tokens` is always 0: nothing is billed, and no prompt is served from a cache."""
 
     sequences: list[SampledSequence]
     weights_version: int | None
     prompt_logprobs: list[float | None] | None = None
     sync_ms: float = 0.0
+    prompt_cache_hit_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -356,11 +510,46 @@ class LoadWeightsResponse:
     path: str
 
 
+@dataclass(frozen=True)
+class ModelData:
+    """The base model a training client's model is built on (Tinker's `ModelData`): its architecture,
+    its name as the engine was created with it, and the local folder (or HF id) of its tokenizer."""
+
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+@dataclass(frozen=True)
+class AdamOptimizerConfig:
+    """The optimizer family of a model (Tinker's `AdamOptimizerConfig`): AdamW, the only one here."""
+
+    type: Literal["adamw"] = "adamw"
+
+
+@dataclass(frozen=True)
+class GetInfoResponse:
+    """What `TrainingClient.get_info()` reports, in the shape of Tinker's `GetInfoResponse`."""
+
+    model_data: ModelData
+    model_id: str
+    optimizer_config: AdamOptimizerConfig = field(default_factory=AdamOptimizerConfig)
+    is_lora: bool | None = None
+    lora_rank: int | None = None
+    model_name: str | None = None
+    type: Literal["get_info"] = "get_info"
+
+
 # ---------------------------------------------------------------------------------------------- conversion
 
 
 def to_tensor_data(key: str, value: Any) -> TensorData:
-    """Turn a `loss_fn_inputs` value (ours, the SDK's, torch, numpy or a list) into `TensorData`."""
+    """Turn a `loss_fn_inputs` value (ours, the SDK's, torch, numpy or a list) into `TensorData`.
+
+    Token ids (`target_tokens`) must be integers: a bool or a float raises ValueError naming the input.
+    """
+    if INPUT_DTYPES.get(key) == "int64":
+        return _token_tensor_data(key, value)
     if isinstance(value, TensorData):
         return value
     tinker_tensor_data = _tinker_class("TensorData")
@@ -374,49 +563,116 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
         array = np.asarray(value)
         if array.dtype == object or array.dtype.kind not in "iubf":
             raise ValueError(f"loss_fn_inputs[{key!r}] must be a rectangular list of numbers")
-        dtype = INPUT_DTYPES.get(key, "float32")
-        if dtype == "int64" and array.dtype.kind == "f":
-            return TensorData(array, "float32")  # kept float so validation can name the bad value
-        return TensorData(array, dtype)
+        return TensorData(array, INPUT_DTYPES.get(key, "float32"))
     raise TypeError(
         f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
     )
 
 
+def _token_tensor_data(key: str, value: Any) -> TensorData:
+    """Token ids as int64 `TensorData`, from any form `to_tensor_data` takes; never from bools or floats."""
+    tinker_tensor_data = _tinker_class("TensorData")
+    if isinstance(value, TensorData) or (
+        tinker_tensor_data is not None and isinstance(value, tinker_tensor_data)
+    ):
+        array = value.to_numpy()
+    elif isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy()
+    elif isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple)):
+        try:
+            return TensorData(np.asarray(to_token_ids(value), dtype=np.int64), "int64")
+        except ValueError as error:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
+    else:
+        raise TypeError(
+            f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
+        )
+    if array.dtype.kind not in "iu":
+        try:
+            to_token_ids(array.tolist())  # names the first value that is not an integer
+        except ValueError as error:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
+        raise ValueError(f"loss_fn_inputs[{key!r}]: token ids must be integers, got {array.dtype} values")
+    return TensorData(array, "int64")
+
+
 def to_model_input(value: Any) -> ModelInput:
-    """Turn a `ModelInput` (ours or the SDK's), a list of token ids, or a dict with `chunks` into ours."""
+    """Turn a `ModelInput` (ours or the SDK's), a list of token ids, or a dict with `chunks` into ours.
+
+    Malformed input raises ValueError saying what is wrong (the caller names the field).
+    """
     if isinstance(value, ModelInput):
         return value
     tinker_model_input = _tinker_class("ModelInput")
     if tinker_model_input is not None and isinstance(value, tinker_model_input):
         return ModelInput.from_ints(value.to_ints())
     if isinstance(value, Mapping):
+        given = value.get("chunks", ())
+        if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
+            raise ValueError(f"'chunks' must be a list of chunks, got {given!r}")
         chunks = []
-        for chunk in value.get("chunks", ()):
+        for index, chunk in enumerate(given):
+            if not isinstance(chunk, Mapping) or "tokens" not in chunk:
+                raise ValueError(
+                    f"chunk {index} must be a dict with 'tokens' (a list of token ids), got {chunk!r}"
+                )
             kind = chunk.get("type", "encoded_text")
             if kind != "encoded_text":
                 raise ValueError(f"only text chunks are supported, got a {kind!r} chunk")
-            chunks.append(EncodedTextChunk(tokens=tuple(chunk["tokens"])))
+            try:
+                chunks.append(EncodedTextChunk(tokens=chunk["tokens"]))
+            except ValueError as error:
+                raise ValueError(f"chunk {index}: {error}") from None
         return ModelInput(chunks=tuple(chunks))
     if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
-        tokens = value.tolist() if isinstance(value, (np.ndarray, torch.Tensor)) else list(value)
-        return ModelInput.from_ints(tokens)
+        return ModelInput.from_ints(value)
     raise TypeError(f"model_input must be a ModelInput or a list of token ids, got {type(value).__name__}")
 
 
+_DATUM_KEYS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
+
+
 def to_datum(value: Any) -> Datum:
-    """Turn a `Datum` (ours or the SDK's) or a dict with `model_input` and `loss_fn_inputs` into ours."""
+    """Turn a `Datum` (ours or the SDK's, provenance spans included) or a dict with `model_input`,
+    `loss_fn_inputs` and optionally the two span lists into ours."""
     if isinstance(value, Datum):
         return value
     tinker_datum = _tinker_class("Datum")
     if tinker_datum is not None and isinstance(value, tinker_datum):
-        return Datum(model_input=value.model_input, loss_fn_inputs=dict(value.loss_fn_inputs))
+        return Datum(
+            model_input=value.model_input,
+            loss_fn_inputs=dict(value.loss_fn_inputs),
+            model_input_spans=value.model_input_spans,
+            loss_fn_input_spans=value.loss_fn_input_spans,
+        )
     if isinstance(value, Mapping):
-        unknown = set(value) - {"model_input", "loss_fn_inputs"}
+        unknown = set(value) - set(_DATUM_KEYS)
         if unknown or "model_input" not in value:
-            raise ValueError(f"a datum dict has keys 'model_input' and 'loss_fn_inputs', got {sorted(value)}")
-        return Datum(model_input=value["model_input"], loss_fn_inputs=value.get("loss_fn_inputs", {}))
+            raise ValueError(
+                f"a datum dict has keys {list(_DATUM_KEYS)} (spans optional), got {sorted(value)}"
+            )
+        return Datum(
+            model_input=value["model_input"],
+            loss_fn_inputs=value.get("loss_fn_inputs", {}),
+            model_input_spans=value.get("model_input_spans"),
+            loss_fn_input_spans=value.get("loss_fn_input_spans"),
+        )
     raise TypeError(f"a datum must be a Datum or a dict, got {type(value).__name__}")
+
+
+def to_provenance_span(value: Any) -> ProvenanceSpan:
+    """Turn a provenance span (ours or the SDK's `PromptProvenanceSpan` / `SampledProvenanceSpan`) into ours."""
+    if isinstance(value, (PromptProvenanceSpan, SampledProvenanceSpan)):
+        return value
+    for ours in (PromptProvenanceSpan, SampledProvenanceSpan):
+        sdk_class = _tinker_class(ours.__name__)
+        if sdk_class is not None and isinstance(value, sdk_class):
+            return ours(sequence_id=value.sequence_id, offset=value.offset, length=value.length)
+    raise TypeError(
+        f"a provenance span must be a PromptProvenanceSpan or a SampledProvenanceSpan, got {type(value).__name__}"
+    )
 
 
 def _dataclass_from(cls: type, value: Any, sdk_name: str) -> Any:

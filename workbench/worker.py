@@ -82,11 +82,14 @@ class Worker:
             _Job(concurrent.futures.Future(), batch_key=batch_key, item=item, run_batch=run_batch)
         )
 
-    def post(self, run: Callable[[], None]) -> None:
-        """Queue `run()` with no future and without taking any lock: safe from finalizers. Dropped
-        silently once the worker has stopped (there is nothing left for it to act on)."""
-        if not self._closed:
-            self._queue.put(_Job(None, run=run))
+    def post(self, run: Callable[[], None]) -> bool:
+        """Queue `run()` with no future and without taking any lock: safe from finalizers. Returns
+        whether it was queued: once the worker is closed it is dropped (there is nothing left for it to
+        act on)."""
+        if self._closed:
+            return False
+        self._queue.put(_Job(None, run=run))
+        return True
 
     def _put(self, job: _Job) -> APIFuture[Any]:
         assert job.future is not None

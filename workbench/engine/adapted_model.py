@@ -57,17 +57,12 @@ class AdaptedModel:
         self.device = device
         self.peft_model: peft.PeftModel | None = None
         self.decoder_layers = decoder_layers(base.get_decoder())
-        self.hf_sampler = HFSampler(
-            base, tokenizer, device, info.vocab_size, info.logits_from_hidden_states
-        )
+        self.hf_sampler = HFSampler(base, tokenizer, device, info.vocab_size, info.logits_from_hidden_states)
 
     @property
     def module(self) -> nn.Module:
         """What the forward pass runs: the peft model, or the bare base before any adapter exists."""
         return self.base if self.peft_model is None else self.peft_model
-
-    def adapter_names(self) -> list[str]:
-        return [] if self.peft_model is None else list(self.peft_model.peft_config)
 
     # ------------------------------------------------------------------------------------------ adapters
 
@@ -102,6 +97,8 @@ class AdaptedModel:
             self.peft_model = None
             self.hf_sampler.model = self.base
             return
+        if self.peft_model.active_adapter == name:  # another becomes active quietly (peft would warn)
+            self.peft_model.set_adapter(next(other for other in self.peft_model.peft_config if other != name))
         self.peft_model.delete_adapter(name)
 
     def adapter_tensors(self, name: str) -> dict[str, Tensor]:

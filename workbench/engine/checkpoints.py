@@ -30,12 +30,13 @@ from typing import Any
 from workbench import checkpoint_store
 from workbench.checkpoint_store import CheckpointError, CheckpointKind, check_name, kind_dir
 from workbench.engine import checkpoint_files
+from workbench.engine.adapted_model import ADAPTER_CONFIG
 from workbench.engine.checkpoint_files import Restore, SavedState
 from workbench.engine.model_lifecycle import check_metadata
+from workbench.engine.roles import Role
 from workbench.engine.state import EngineState
-from workbench.engine.training_runs import TrainingRun
 from workbench.futures import APIFuture
-from workbench.run_folders import address_of, resolve_checkpoint
+from workbench.run_folders import TINKER_SCHEME, CheckpointAddress, address_of, resolve_checkpoint
 from workbench.types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
 
 SAMPLER_INFO = "sampler.json"
@@ -166,6 +167,35 @@ def resolve(
     return checkpoint_store.require_checkpoint_folder(folder)
 
 
+def adapter_folder(state: EngineState, path: str | Path) -> Path:
+    """The peft adapter folder a sampling client of `path` loads: sampler weights
+    (`tinker://<run>/sampler_weights/<name>` or their folder), or the policy of a state checkpoint
+    (`tinker://<run>/weights/<name>` or its folder)."""
+    if isinstance(path, str) and path.startswith(TINKER_SCHEME):
+        kind = CheckpointAddress.parse(path).kind
+    else:
+        kind = "sampler" if (Path(path).expanduser() / ADAPTER_CONFIG).is_file() else "state"
+    folder = resolve(state, None, path, kind)
+    return folder if kind == "sampler" else folder / Role.POLICY.value
+
+
+def saved_base_model(path: str | Path, known: Mapping[str, Path]) -> str:
+    """The base model a checkpoint (either kind, `tinker://` path or folder) was saved on, as its engine
+    was created with it: what an engine for it is created with."""
+    if isinstance(path, str) and path.startswith(TINKER_SCHEME):
+        address = CheckpointAddress.parse(path)
+        folder = checkpoint_store.require_checkpoint_folder(
+            resolve_checkpoint(path, address.kind, None, known)
+        )
+    else:
+        folder = Path(path).expanduser()
+    for info_file in (SAMPLER_INFO, checkpoint_store.INFO_FILE["state"]):
+        if (folder / info_file).is_file():
+            info = checkpoint_store.parse_json(folder, info_file, (folder / info_file).read_bytes())
+            return str(info["base_model"]["name"])
+    raise CheckpointError(f"{folder} is not a checkpoint: it has neither {SAMPLER_INFO} nor config.json")
+
+
 def read_state(folder: Path) -> SavedState:
     """Verify and parse a state checkpoint; refuses one whose time to live has run out."""
     saved = checkpoint_files.read(folder)
@@ -197,12 +227,3 @@ def load_state(
         return LoadWeightsResponse(path=describe(folder))
 
     return state.submit(run)
-
-
-def restore_new_run(
-    state: EngineState, training_run: TrainingRun, saved: SavedState, restore: Restore
-) -> APIFuture[None]:
-    """Restore a checkpoint into a run created for it (exact weight versions)."""
-    return state.submit(
-        lambda: checkpoint_files.restore(saved, state, training_run, restore, exact_versions=True)
-    )

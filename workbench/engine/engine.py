@@ -52,9 +52,9 @@ from workbench.engine.roles import Role
 from workbench.engine.sampling import SamplerPin
 from workbench.engine.state import EngineState
 from workbench.futures import APIFuture
-from workbench.metrics import MetricsHistory
+from workbench.metrics import MetricsHistory, metric_values
 from workbench.models import BaseModelInfo, load_base_model, resolve_device_and_dtype
-from workbench.run_folders import new_run_id, resolve_checkpoint, runs_root
+from workbench.run_folders import new_run_id, read_run_info, resolve_checkpoint, runs_root
 from workbench.sampling import SamplerChoice, resolve_sampler
 from workbench.types import (
     ForwardBackwardOutput,
@@ -101,12 +101,18 @@ class RunStatus:
     snapshot_bytes: int  # memory held by copies of past policy versions that sampling clients pin
 
 
-def _shutdown(worker: Worker, history: MetricsHistory) -> None:
-    """What a dropped engine's finalizer does: stop the worker, close the history's sinks."""
-    worker.close(wait=False)
+def _close_sinks(history: MetricsHistory) -> None:
     for sink in list(history.sinks):
         with contextlib.suppress(Exception):  # a finalizer has nobody to report to
             sink.close()
+
+
+def _shutdown(worker: Worker, history: MetricsHistory) -> None:
+    """What a dropped engine's finalizer does: stop the worker once the operations queued before are
+    done, and close the history's sinks after their rows, on the worker."""
+    if not worker.post(lambda: _close_sinks(history)):  # the worker was already stopping
+        _close_sinks(history)
+    worker.close(wait=False)
 
 
 class Engine:
@@ -225,7 +231,9 @@ class Engine:
     ) -> APIFuture[str]:
         """Add a run built from a state checkpoint (its adapters, critic included, and seed), restored as
         far as `restore` says, with the saved weight versions. A new run (own id and folder) unless
-        `model_id` names the saved run's id, which then continues in its folder."""
+        `model_id` names the saved run's id, which then continues in its folder. The run's
+        `user_metadata` is the one given; None keeps what the run's folder already says (a run
+        continuing), else none."""
         self.check_open()
         state = self._state
 
@@ -235,11 +243,11 @@ class Engine:
             new_id = model_id or new_run_id(self.config.base_model)
             folder_for_run = Path(run_dir).absolute() if run_dir is not None else runs_root() / new_id
             arguments = saved.session_arguments
-            metadata = (
-                dict(saved.user_metadata)
-                if user_metadata is None
-                else model_lifecycle.check_metadata(user_metadata)
-            )
+            if user_metadata is not None:
+                metadata = model_lifecycle.check_metadata(user_metadata)
+            else:  # the same run continuing keeps its metadata; a new one starts with none
+                previous = read_run_info(folder_for_run) or {}
+                metadata = dict(previous.get("user_metadata") or {})
             training_run = model_lifecycle.add_run(
                 state,
                 arguments["lora"],
@@ -385,9 +393,11 @@ class Engine:
         return sampling.pin(self._state, model_id, version)
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
-        """Pin the weights of a sampler checkpoint (`tinker://<run>/sampler_weights/<name>` or its folder)."""
-        folder = checkpoints.resolve(self._state, None, path, kind="sampler")
-        return sampling.pin_checkpoint(self._state, folder.absolute())
+        """Pin the weights of a checkpoint, loaded as an inference adapter: sampler weights
+        (`tinker://<run>/sampler_weights/<name>` or their folder) or the policy of a state checkpoint
+        (`tinker://<run>/weights/<name>` or its folder). The live runs do not change it."""
+        state = self._state
+        return sampling.pin_checkpoint(state, lambda: checkpoints.adapter_folder(state, path))
 
     def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None:
         """Release a pin after everything queued before; takes no lock, so a finalizer may call it.
@@ -408,17 +418,42 @@ class Engine:
         num_samples: int,
         sampling_params: SamplingParams | Mapping[str, Any],
         include_prompt_logprobs: bool = False,
+        *,
+        prompt_logprobs_last_n: int | None = None,
+        record_stability_info: bool = False,
+        sequence_ids: Sequence[str] | None = None,
     ) -> APIFuture[SampleResponse]:
-        """Sample `num_samples` continuations of `prompt` from the pinned weights, with logprobs."""
+        """Sample `num_samples` continuations of `prompt` from the pinned weights, with logprobs.
+
+        Every sequence gets a `sequence_id` unique in this engine; a caller that must know the ids before
+        the sequences exist (the REST server promises them with the request) names them, one per sample,
+        in `sequence_ids`, and keeps them unique. With `prompt_logprobs_last_n`, only
+        the prompt's last N tokens are scored (earlier entries None). With `record_stability_info`, the
+        engine keeps each sequence (prompt, tokens, the sampler's logprobs, the weights) for a day, for
+        `stable_reinforce` training data that names it.
+        """
         return sampling.submit_sample(
-            self._state, pin, prompt, num_samples, sampling_params, include_prompt_logprobs
+            self._state,
+            pin,
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            prompt_logprobs_last_n,
+            record_stability_info,
+            sequence_ids,
         )
 
     def compute_logprobs(
-        self, pin: APIFuture[SamplerPin], prompt: ModelInput | Sequence[int]
+        self,
+        pin: APIFuture[SamplerPin],
+        prompt: ModelInput | Sequence[int],
+        *,
+        prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[list[float | None]]:
-        """The logprob of every token of `prompt` given the ones before it (first entry None)."""
-        return sampling.submit_compute_logprobs(self._state, pin, prompt)
+        """The logprob of every token of `prompt` given the ones before it (first entry None; with
+        `prompt_logprobs_last_n`, every entry before the last N)."""
+        return sampling.submit_compute_logprobs(self._state, pin, prompt, prompt_logprobs_last_n)
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
@@ -478,6 +513,13 @@ class Engine:
         return checkpoint_store.require_checkpoint_folder(resolve_checkpoint(path, kind, None, {}))
 
     @staticmethod
+    def checkpoint_base_model(path: str | Path, known_runs: Mapping[str, Path] | None = None) -> str:
+        """The base model a checkpoint (state or sampler; a `tinker://` path or a folder) was saved on,
+        as its engine was created with it, for callers choosing the engine to load it on. `known_runs`
+        maps run ids to folders outside the runs root."""
+        return checkpoints.saved_base_model(path, known_runs or {})
+
+    @staticmethod
     def parse_checkpoint(folder: Path) -> SavedState:
         """Verify and parse a state checkpoint folder, for callers without an engine yet."""
         return checkpoints.read_state(folder)
@@ -505,12 +547,15 @@ class Engine:
     # ------------------------------------------------------------------------------------------ misc
 
     def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
-        """Append a row to the history after everything queued before it (e.g. a run step's metrics)."""
+        """Append a row to the history after everything queued before it (e.g. a run step's metrics).
+        Metrics named like the history's own columns (`step`, `op`, `model`, `time`) or not numbers
+        raise ValueError here, before anything is queued."""
         self.check_open()
         history = self._state.history
+        values = metric_values(metrics)
 
         def append() -> None:
-            history.record(op, label, step, metrics)
+            history.record(op, label, step, values)
 
         return self._state.submit(append)
 

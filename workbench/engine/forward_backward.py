@@ -7,7 +7,7 @@ each is padded, run through the model (the policy's or the reference's logprobs,
 values), through the loss, and backward when the call trains. Per-datum outputs are cut back to each
 datum's length in input order; metric sums are kept over the micro-batches and turned into
 `name:reduction` metrics at the end. A training call adds its gradient to the accumulated one only when
-the whole call succeeded (`TrainableAdapter.accumulating`).
+the whole call succeeded and its gradient is finite (`TrainableAdapter.accumulating`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from torch import Tensor
 
 from workbench.activation_checkpointing import FULL_ACTIVATION_TOKENS
 from workbench.batching import MicroBatch, PreparedDatum, collate, plan_microbatches, prepare_batch
+from workbench.engine.provenance import attach_sampling_records
 from workbench.engine.roles import Role
 from workbench.engine.state import EngineState
 from workbench.engine.training_runs import TrainingRun
 from workbench.futures import APIFuture
 from workbench.losses import LossSpec, resolve_loss
-from workbench.types import ForwardBackwardOutput, TensorData
+from workbench.metrics import metric_values
+from workbench.types import ForwardBackwardOutput, TensorData, to_datum
 
 CustomLossFn = Callable[[list[Any], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
 """`fn(data, logprobs_list) -> (loss, metrics)`: a scalar loss of per-datum logprob tensors."""
@@ -121,6 +123,13 @@ def submit(
     if not backward:
         optional.update(dict.fromkeys(spec.training_inputs))
     batch = prepare(state, data, required, optional)
+    if spec.check_datum is not None:
+        for index, item in enumerate(batch):
+            problem = spec.check_datum(item.inputs)
+            if problem is not None:
+                raise ValueError(f"datum {index}: {problem}")
+    if spec.uses_sampling_records:
+        batch = attach_sampling_records(state.stability_records, [to_datum(d) for d in data], batch)
     with_loss = backward or all(key in item.inputs for item in batch for key in spec.training_inputs)
     if not with_loss and any(key in item.inputs for item in batch for key in spec.training_inputs):
         raise ValueError(
@@ -213,7 +222,9 @@ def run_loss(
             scatter_outputs(outputs, micro, per_position)
 
     if backward:
-        with run.model(role).trainable.accumulating():
+        with run.model(role).trainable.accumulating(
+            f"{op} with {spec.fn.__name__!r} on {state.adapter_label(run, role)}"
+        ):
             run_microbatches()
     else:
         with torch.no_grad():
@@ -245,7 +256,9 @@ def run_custom(
     )
     pad = state.tokenizer.pad_token_id
     logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
-    with run.model(role).trainable.accumulating():
+    with run.model(role).trainable.accumulating(
+        f"forward_backward_custom on {state.adapter_label(run, role)}"
+    ):
         if len(plan) == 1:
             micro = collate(batch, plan[0], pad, state.device)
             logprobs_B_T, _ = predict(state, run, role, micro)
@@ -305,4 +318,8 @@ def call_custom_loss(
         raise ValueError(
             "the custom loss does not depend on the logprobs it was given: nothing to differentiate"
         )
-    return loss.reshape(()), {str(key): float(value) for key, value in dict(metrics).items()}
+    try:
+        values = metric_values(metrics)
+    except ValueError as error:
+        raise ValueError(f"the custom loss's metrics: {error}") from None
+    return loss.reshape(()), values

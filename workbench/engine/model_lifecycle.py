@@ -7,6 +7,7 @@ after always does. What can be checked without the model is checked in the calle
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,7 @@ from workbench.engine.roles import Role
 from workbench.engine.state import EngineState
 from workbench.engine.training_runs import TrainedModel, TrainingRun, adapter_name
 from workbench.futures import APIFuture
+from workbench.run_folders import write_run_info
 from workbench.training import TrainableAdapter
 from workbench.types import LoraConfig
 from workbench.versions import WeightSnapshots
@@ -50,8 +52,9 @@ def add_run(
     user_metadata: Mapping[str, str],
 ) -> TrainingRun:
     """Add a training run now (worker thread): a new LoRA policy on the shared base, whose files go to
-    `run_dir`. Its adapter's A matrices are drawn from `lora.seed`, else `seed`; B starts at zero, so the
-    new model starts equal to the base."""
+    `run_dir`, where `run.json` says what the run is (base model, adapter, seed, user metadata). Its
+    adapter's A matrices are drawn from `lora.seed`, else `seed`; B starts at zero, so the new model
+    starts equal to the base."""
     _check_capacity(state)
     if model_id in state.runs:
         raise ValueError(f"a model named {model_id!r} already exists on this engine")
@@ -60,7 +63,23 @@ def add_run(
     parameters = state.model.add_adapter(name, lora, lora.seed if lora.seed is not None else seed)
     state.runs_made = number
     trainable = TrainableAdapter(name, parameters)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    created_at = time.time()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_info(
+            run_dir,
+            {
+                "run_id": model_id,
+                "base_model": state.config.base_model,
+                "lora": dataclasses.asdict(lora),
+                "seed": seed,
+                "user_metadata": dict(user_metadata),
+                "created_at": created_at,
+            },
+        )
+    except BaseException:
+        state.model.delete_adapter(name)
+        raise
     training_run = TrainingRun(
         model_id=model_id,
         number=number,
@@ -69,7 +88,7 @@ def add_run(
         policy=TrainedModel(Role.POLICY, name, lora, trainable),
         snapshots=WeightSnapshots(trainable.parameters),
         user_metadata=dict(user_metadata),
-        created_at=time.time(),
+        created_at=created_at,
     )
     state.runs[model_id] = training_run
     return training_run

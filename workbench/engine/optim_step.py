@@ -4,7 +4,12 @@ The parameters are validated in the caller's thread (`to_adam_params`); the step
 submission order, so it applies exactly the gradient of the `forward_backward` calls submitted before it.
 Right before the weights change, sampling clients pinned to the policy's current version keep a copy of
 it (`WeightSnapshots.before_change`). The step's arithmetic and its refusals (nothing accumulated, a
-non-finite gradient) are `TrainableAdapter.optim_step`'s.
+non-finite gradient, a step that would leave non-finite weights or optimizer moments, undone) are
+`TrainableAdapter.optim_step`'s.
+
+The response's `metrics` carry only what the step measured (`grad_norm`), never keys a caller keeps
+for itself (`step`, `learning_rate`): training loops merge them into their own metrics. The history
+row also records the learning rate and whether the step was applied.
 """
 
 from __future__ import annotations
@@ -30,5 +35,10 @@ def run(state: EngineState, model_id: str, role: Role, params: AdamParams) -> Op
     if model.trainable.pending_backward_calls:
         state.before_weights_change(training_run, model)
     response = model.trainable.optim_step(params)
-    state.record("optim_step", training_run, model.adapter, response.metrics)
+    history_metrics = {
+        **response.metrics,
+        "learning_rate": params.learning_rate,
+        "applied": float(response.applied),
+    }
+    state.record("optim_step", training_run, model.adapter, history_metrics)
     return response

@@ -22,18 +22,26 @@ engine's sync time).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from workbench.batching import prepare_batch
+from workbench.engine.stability_records import StabilityRecord
 from workbench.engine.state import REFERENCE_LABEL, EngineState, LoadedAdapter
 from workbench.engine.training_runs import TrainingRun
 from workbench.futures import APIFuture
-from workbench.sampling.requests import RequestResult, SampleRequest, prepare_request
+from workbench.sampling.requests import (
+    RequestResult,
+    SampleRequest,
+    check_prompt_logprobs_last_n,
+    keep_last_logprobs,
+    prepare_request,
+)
 from workbench.sampling.vllm import VLLMSampler
 from workbench.types import ModelInput, SampleResponse, SamplingParams, to_model_input
 
@@ -87,12 +95,14 @@ def pin(state: EngineState, model_id: str | None, version: int | None = None) ->
     return state.submit(run)
 
 
-def pin_checkpoint(state: EngineState, folder: Path) -> APIFuture[SamplerPin]:
-    """Pin the weights of a sampler checkpoint folder (`save_weights_for_sampler`), loading it as an
-    inference-only adapter unless a live pin already did."""
+def pin_checkpoint(state: EngineState, locate: Callable[[], Path]) -> APIFuture[SamplerPin]:
+    """Pin the weights of a peft adapter folder (sampler weights, or a state checkpoint's policy),
+    loading it as an inference-only adapter unless a live pin already did. `locate` finds the folder on
+    the worker, after the operations queued before (a save of that checkpoint included)."""
     state.check_open()
 
     def run() -> SamplerPin:
+        folder = locate().absolute()
         loaded = state.loaded_adapters.get(folder)
         if loaded is None:
             if not (folder / "adapter_config.json").is_file():
@@ -102,6 +112,7 @@ def pin_checkpoint(state: EngineState, folder: Path) -> APIFuture[SamplerPin]:
             info = (
                 json.loads((folder / SAMPLER_INFO).read_text()) if (folder / SAMPLER_INFO).is_file() else {}
             )
+            _check_base(folder, info.get("base_model"), state.base_info.identity())
             state.sampler_adapters_made += 1
             name = f"sampler_{state.sampler_adapters_made}"
             state.model.load_adapter(name, folder)
@@ -111,6 +122,18 @@ def pin_checkpoint(state: EngineState, folder: Path) -> APIFuture[SamplerPin]:
         return SamplerPin(version=loaded.version, adapter=loaded.name, folder=folder)
 
     return state.submit(run)
+
+
+def _check_base(folder: Path, saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> None:
+    """A sampler checkpoint loads onto the architecture it was trained on (however the base is named)."""
+    if saved is None:
+        return
+    differs = sorted(key for key in current if key != "name" and saved.get(key) != current[key])
+    if differs:
+        details = "; ".join(
+            f"{key}: checkpoint {saved.get(key)!r}, engine {current[key]!r}" for key in differs
+        )
+        raise ValueError(f"{folder} was saved on a different base model ({details})")
 
 
 def release(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
@@ -172,6 +195,9 @@ def submit_sample(
     num_samples: int,
     sampling_params: SamplingParams | Mapping[str, Any],
     include_prompt_logprobs: bool,
+    prompt_logprobs_last_n: int | None = None,
+    record_stability_info: bool = False,
+    sequence_ids: Sequence[str] | None = None,
 ) -> APIFuture[SampleResponse]:
     state.check_open()
     request = prepare_request(
@@ -183,6 +209,9 @@ def submit_sample(
         vocab_size=state.base_info.vocab_size,
         max_length=state.base_info.max_length,
         max_samples_per_request=state.config.max_samples_per_request,
+        prompt_logprobs_last_n=prompt_logprobs_last_n,
+        record_stability_info=record_stability_info,
+        sequence_ids=sequence_ids,
     )
     return state.submit_batchable(
         "sample", (pin_future, request), lambda items: run_sample_batch(state, items)
@@ -190,7 +219,10 @@ def submit_sample(
 
 
 def submit_compute_logprobs(
-    state: EngineState, pin_future: APIFuture[SamplerPin], prompt: ModelInput | Sequence[int]
+    state: EngineState,
+    pin_future: APIFuture[SamplerPin],
+    prompt: ModelInput | Sequence[int],
+    prompt_logprobs_last_n: int | None = None,
 ) -> APIFuture[list[float | None]]:
     state.check_open()
     tokens = tuple(to_model_input(prompt).to_ints())
@@ -202,10 +234,12 @@ def submit_compute_logprobs(
         vocab_size=info.vocab_size,
         max_length=info.max_length,
     )
+    check_prompt_logprobs_last_n(prompt_logprobs_last_n, True, len(tokens))
 
     def run() -> list[float | None]:
         with pinned_weights(state, pin_future.result()):
-            return state.model.hf_sampler.prompt_logprobs([tokens])[0]
+            logprobs = state.model.hf_sampler.prompt_logprobs([tokens])[0]
+        return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
 
     return state.submit(run)
 
@@ -289,8 +323,25 @@ def sample_response(
     batch_seconds: float,
     batch_tokens: int,
 ) -> SampleResponse:
-    """The response to one request, and its history row."""
-    sequences = result.sequences
+    """The response to one request (each sequence given its id, and recorded when the request asks),
+    and its history row."""
+    ids = request.sequence_ids or [state.next_sequence_id() for _ in result.sequences]
+    sequences = [
+        dataclasses.replace(sequence, sequence_id=sequence_id)
+        for sequence, sequence_id in zip(result.sequences, ids, strict=True)
+    ]
+    if request.record_stability_info:
+        for sequence in sequences:
+            state.stability_records.add(
+                sequence.sequence_id,
+                StabilityRecord(
+                    prompt_tokens=request.prompt_tokens,
+                    tokens=tuple(sequence.tokens),
+                    logprobs=tuple(sequence.logprobs),
+                    model_id=held.model_id,
+                    weights_version=held.version,
+                ),
+            )
     tokens = sum(len(s.tokens) for s in sequences)
     metrics = {
         "num_samples:sum": float(request.num_samples),
@@ -316,6 +367,8 @@ def sample_response(
     return SampleResponse(
         sequences=sequences,
         weights_version=held.version,
-        prompt_logprobs=result.prompt_logprobs,
+        prompt_logprobs=None
+        if result.prompt_logprobs is None
+        else keep_last_logprobs(result.prompt_logprobs, request.prompt_logprobs_last_n),
         sync_ms=sync_ms,
     )

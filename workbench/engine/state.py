@@ -8,6 +8,7 @@ Nothing here runs a model; it holds what the operations need and the few rules t
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from workbench.engine.adapted_model import AdaptedModel
 from workbench.engine.config import EngineConfig
 from workbench.engine.roles import Role
+from workbench.engine.stability_records import StabilityRecords
 from workbench.engine.training_runs import TrainedModel, TrainingRun
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory
@@ -68,6 +70,9 @@ class EngineState:
         self.runs_made = 0  # numbers runs (and so their adapters' names) over the engine's life
         self.sampler_adapters_made = 0  # numbers the adapters loaded for sampling clients
         self.loaded_adapters: dict[Path, LoadedAdapter] = {}  # sampler checkpoint folder -> its adapter
+        self.stability_records = StabilityRecords()  # what samplers recorded for stable_reinforce
+        self._sequence_prefix = f"seq-{secrets.token_hex(4)}"  # sequence ids are unique per engine
+        self._sequences_sampled = 0
 
     @property
     def base_info(self) -> BaseModelInfo:
@@ -89,6 +94,12 @@ class EngineState:
         self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], Sequence[Any]]
     ) -> APIFuture[Any]:
         return self.worker.submit_batchable(key, item, run_batch)
+
+    def next_sequence_id(self) -> str:
+        """A new `SampledSequence.sequence_id` (worker thread): unique within this engine, and across
+        engines with overwhelming probability."""
+        self._sequences_sampled += 1
+        return f"{self._sequence_prefix}-{self._sequences_sampled}"
 
     def run(self, model_id: str) -> TrainingRun:
         """The run with this model id; a clear error naming the ones there are."""

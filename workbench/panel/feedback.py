@@ -14,6 +14,8 @@ from typing import Any
 
 import ipywidgets
 
+FREED = "the session of this panel was freed (nothing else referenced it): make a new session and panel"
+
 
 class Feedback:
     """One line of HTML under a tab's controls: the latest message or error."""
@@ -30,6 +32,9 @@ class Feedback:
         self._show(message, "#333")
 
     def error(self, error: BaseException) -> None:
+        if isinstance(error, ReferenceError):  # what the panel's weak reference to its session raises
+            self._show(FREED, "#b00020")
+            return
         self._show(f"{type(error).__name__}: {error}", "#b00020")
 
     def clear(self) -> None:

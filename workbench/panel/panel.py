@@ -10,22 +10,29 @@ the run's thread and the panel redraws itself from a timer thread of its own eve
 status, progress and plots move while a cell is busy and while the kernel is idle alike. Widget state
 changes made from that thread reach the front end through the kernel's comm channel, as tqdm's
 progress bars do from worker threads.
+
+The panel holds its session weakly. ipywidgets keeps every widget alive until it is closed, so a panel
+holding its session would keep the model in memory after the notebook let go of it (re-running the
+cell that made both); instead the session is freed then, the panel says so, and its timer ends. Keep a
+reference to the session (`sess = wb.Session(...)`) for as long as its panel is used.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets
 
 from workbench.panel.checkpoints_tab import CheckpointsTab
-from workbench.panel.feedback import Feedback
+from workbench.panel.feedback import FREED, Feedback
 from workbench.panel.metrics_tab import MetricsTab
 from workbench.panel.sample_tab import SampleTab
 from workbench.panel.status import StatusBar
 from workbench.panel.train_tab import TrainTab
+from workbench.worker import SessionClosedError
 
 if TYPE_CHECKING:
     from workbench.session import Session
@@ -49,13 +56,14 @@ class Panel(ipywidgets.VBox):
         train_data: Sequence[Any] | None = None,
         metrics: Sequence[str] = ("loss:sum",),
     ) -> None:
-        self.session = session
+        self._session = weakref.ref(session)
+        view = weakref.proxy(session)  # what every part holds: the session, weakly
         self.feedback = Feedback()
-        self.status = StatusBar(session)
-        self.train = TrainTab(session, train_data)
-        self.sample = SampleTab(session)
-        self.checkpoints = CheckpointsTab(session)
-        self.metrics = MetricsTab(session, metrics)
+        self.status = StatusBar(view)
+        self.train = TrainTab(view, train_data)
+        self.sample = SampleTab(view)
+        self.checkpoints = CheckpointsTab(view)
+        self.metrics = MetricsTab(view, metrics)
         self.tabs = ipywidgets.Tab(
             children=[self.train.widget, self.sample.widget, self.checkpoints.widget, self.metrics.widget],
             titles=("Train", "Sample", "Checkpoints", "Metrics"),
@@ -68,11 +76,23 @@ class Panel(ipywidgets.VBox):
         self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
         self._timer.start()
 
+    @property
+    def session(self) -> Session:
+        """The session shown (SessionClosedError once it was freed)."""
+        session = self._session()
+        if session is None:
+            raise SessionClosedError(FREED)
+        return session
+
     def refresh(self) -> None:
         """Re-read the session and redraw every part."""
         with self._refreshing:
+            session = self._session()
+            if session is None:
+                self.status.show_freed()
+                return
             self.status.refresh()
-            if self.session.closed:
+            if session.closed:
                 return
             self.train.refresh()
             self.sample.refresh()
@@ -85,8 +105,14 @@ class Panel(ipywidgets.VBox):
                 self.refresh()
             except Exception as error:  # shown in the panel: a timer thread has nobody else to tell
                 self.feedback.error(error)
-            if self.session.closed:
+            if self._ended():
                 return
+
+    def _ended(self) -> bool:
+        """The session is closed or freed (asked in a call of its own, so that the timer holds no
+        reference to the session while it waits)."""
+        session = self._session()
+        return session is None or session.closed
 
     @property
     def polling(self) -> bool:

@@ -56,13 +56,36 @@ def sampler_versions(session: Session) -> str:
     return f"v{current}" + (f" (pinned {', '.join(pinned)})" if pinned else "")
 
 
+def models_field(session: Session) -> str:
+    """The models on the session's engine: its own policy, and those that clients of its server made
+    (adapter label, as the history's `model` column has it, and optimizer step; their ids on hover)."""
+    engine = session.engine
+    others = [engine.run_status(model_id) for model_id in engine.model_ids() if model_id != session.model_id]
+    own = html.escape(engine.run_status(session.model_id).adapter)
+    if not others:
+        return own
+    ids = html.escape("\n".join(f"{run.adapter}: {run.model_id}" for run in others))
+    listed = ", ".join(f"{html.escape(run.adapter)} (step {run.step})" for run in others)
+    return f'<span title="{ids}">{own} (this session) + {listed}</span>'
+
+
+def server_field(session: Session) -> str:
+    """Where the session serves the Tinker API, or off."""
+    running = [server for server in session.servers if server.running]
+    return ", ".join(html.escape(server.url) for server in running) or "off"
+
+
 class StatusBar:
-    """Device, dtype, memory in use, policy step and weight version, sampler version, critic, run, W&B."""
+    """Device, dtype, memory in use, the session's policy step and weight version, sampler version,
+    critic, the models on the engine (clients' included), the server, run, W&B."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.widget = ipywidgets.HTML()
         self.widget.add_class("wb-status")
+
+    def show_freed(self) -> None:
+        self.widget.value = _field("session", "session", "freed")
 
     def refresh(self) -> None:
         sess = self.session
@@ -79,6 +102,8 @@ class StatusBar:
             _field("weights", "weights", f"v{sess.policy.weights_version}"),
             _field("sampler", "sampler", sampler_versions(sess)),
             _field("critic", "critic", "yes" if sess.critic is not None else "no"),
+            _field("models", "models", models_field(sess)),
+            _field("server", "serving", server_field(sess)),
             _field("run", "run", run_text),
             _field("wandb", "W&B", wandb_field(sess)),
         ]

@@ -39,26 +39,13 @@ MAX_ROWS_PER_GENERATE = 256
 _STOP_STRING_TAIL_TOKENS = 8
 
 
-def filter_top_k_top_p(scores_R_V: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Mask (to -inf) the tokens outside the top-k and outside the nucleus: the smallest set of most
-    likely tokens whose probability reaches top_p (Holtzman et al. 2020, https://arxiv.org/abs/1904.09751).
-    The most likely token always stays."""
-    if top_k > 0 and top_k < scores_R_V.shape[-1]:
-        kth_R_1 = torch.topk(scores_R_V, top_k, dim=-1).values[:, -1:]
-        scores_R_V = scores_R_V.masked_fill(scores_R_V < kth_R_1, -math.inf)
-    if top_p < 1.0:
-        sorted_R_V, order_R_V = torch.sort(scores_R_V, dim=-1, descending=True)
-        remove_sorted_R_V = _outside_nucleus(sorted_R_V, top_p)
-        remove_R_V = remove_sorted_R_V.scatter(-1, order_R_V, remove_sorted_R_V)
-        scores_R_V = scores_R_V.masked_fill(remove_R_V, -math.inf)
-    return scores_R_V
-
-
 def _outside_nucleus(sorted_R_V: Tensor, top_p: float) -> Tensor:
     """For scores sorted in descending order: True where the probability mass before a token already
-    reaches top_p."""
+    reaches top_p. Never the first, most likely token, whatever top_p rounds to in float32."""
     probs_R_V = torch.softmax(sorted_R_V, dim=-1)
-    return probs_R_V.cumsum(dim=-1) - probs_R_V >= top_p
+    outside_R_V = probs_R_V.cumsum(dim=-1) - probs_R_V >= top_p
+    outside_R_V[:, 0] = False
+    return outside_R_V
 
 
 def draw_tokens(

@@ -12,6 +12,7 @@ one the operations before the save left.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ class SampleRequest:
     stop_token_ids: frozenset[int]
     stop_strings: tuple[str, ...]
     include_prompt_logprobs: bool
+    prompt_logprobs_last_n: int | None = None  # score only the prompt's last N tokens (others None)
+    record_stability_info: bool = False  # keep the sampled sequences for stable_reinforce
+    sequence_ids: tuple[str, ...] | None = None  # the ids the caller named for the sequences, in order
 
     @property
     def prompt_length(self) -> int:
@@ -83,16 +87,22 @@ def prepare_request(
     vocab_size: int,
     max_length: int,
     max_samples_per_request: int,
+    prompt_logprobs_last_n: int | None = None,
+    record_stability_info: bool = False,
+    sequence_ids: Sequence[str] | None = None,
 ) -> SampleRequest:
     """Validate a sampling call against the model; raises ValueError naming the problem."""
     params = to_sampling_params(sampling_params)
-    tokens = to_model_input(prompt).to_ints()
+    try:
+        tokens = to_model_input(prompt).to_ints()
+    except ValueError as error:
+        raise ValueError(f"prompt: {error}") from None
     if not tokens:
         raise ValueError("prompt is empty: sampling needs at least one prompt token")
     for position, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+        if not 0 <= token < vocab_size:
             raise ValueError(
-                f"prompt token {token!r} at position {position} is outside the vocabulary [0, {vocab_size})"
+                f"prompt token {token} at position {position} is outside the vocabulary [0, {vocab_size})"
             )
     if (
         isinstance(num_samples, bool)
@@ -118,6 +128,17 @@ def prepare_request(
         bad = [s for s in params.stop if not 0 <= int(s) < vocab_size]
         if bad:
             raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    check_prompt_logprobs_last_n(prompt_logprobs_last_n, include_prompt_logprobs, len(tokens))
+    if sequence_ids is not None:
+        sequence_ids = tuple(sequence_ids)
+        if (
+            len(sequence_ids) != num_samples
+            or not all(isinstance(i, str) and i for i in sequence_ids)
+            or len(set(sequence_ids)) != num_samples
+        ):
+            raise ValueError(
+                f"sequence_ids must be {num_samples} distinct non-empty strings (one per sample), got {sequence_ids!r}"
+            )
     stop_ids, stop_strings = stop_conditions(params, tokenizer)
     return SampleRequest(
         prompt_tokens=tuple(tokens),
@@ -128,4 +149,28 @@ def prepare_request(
         stop_token_ids=stop_ids,
         stop_strings=stop_strings,
         include_prompt_logprobs=bool(include_prompt_logprobs),
+        prompt_logprobs_last_n=prompt_logprobs_last_n,
+        record_stability_info=bool(record_stability_info),
+        sequence_ids=sequence_ids,
     )
+
+
+def check_prompt_logprobs_last_n(
+    last_n: int | None, include_prompt_logprobs: bool, prompt_length: int
+) -> None:
+    """`prompt_logprobs_last_n` asks for prompt logprobs, and at most every prompt token but the first."""
+    if last_n is None:
+        return
+    if not include_prompt_logprobs:
+        raise ValueError("prompt_logprobs_last_n needs include_prompt_logprobs=True")
+    if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n <= prompt_length - 1:
+        raise ValueError(
+            f"prompt_logprobs_last_n must be an integer in [1, {prompt_length - 1}] (len(prompt) - 1), got {last_n!r}"
+        )
+
+
+def keep_last_logprobs(logprobs: list[float | None], last_n: int | None) -> list[float | None]:
+    """Prompt logprobs with every entry before the last `last_n` set to None (all of them when None)."""
+    if last_n is None:
+        return logprobs
+    return [None] * (len(logprobs) - last_n) + logprobs[len(logprobs) - last_n :]

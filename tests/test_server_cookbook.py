@@ -1,0 +1,137 @@
+"""tinker-cookbook's own training loops, unmodified, against the server (`base_url`), on `tiny`.
+
+Offline: the model is the built-in tiny model's local folder, the supervised data the cookbook's own
+`example_data/conversations.jsonl`, the RL environment the cookbook's arithmetic problems (generated,
+no dataset). The only patch is the cookbook's pricing download (no network here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tinker
+
+import workbench as wb
+from workbench.models import resolve_model_path
+
+cookbook = pytest.importorskip("tinker_cookbook")
+
+from tinker_cookbook.rl import train as rl_train  # noqa: E402
+from tinker_cookbook.supervised import train as sl_train  # noqa: E402
+from tinker_cookbook.supervised.data import FromConversationFileBuilder  # noqa: E402
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig  # noqa: E402
+from tinker_cookbook.utils import cost_estimation  # noqa: E402
+
+CONVERSATIONS = Path(cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[wb.Session, str]]:
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
+    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
+    server = session.serve()
+    yield session, server.url
+    session.close()
+
+
+def _metrics(log_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_cookbook_supervised_loop_trains_through_the_server(
+    served: tuple[wb.Session, str], tmp_path: Path
+) -> None:
+    session, url = served
+    model = resolve_model_path("tiny")
+
+    def config(max_steps: int) -> sl_train.Config:
+        return sl_train.Config(
+            log_path=str(tmp_path / "sl"),
+            model_name=model,
+            recipe_name="sl_test",
+            renderer_name="qwen3_instruct",
+            dataset_builder=FromConversationFileBuilder(
+                file_path=str(CONVERSATIONS),
+                common_config=ChatDatasetBuilderCommonConfig(
+                    model_name_for_tokenizer=model,
+                    renderer_name="qwen3_instruct",
+                    max_length=256,
+                    batch_size=4,
+                ),
+            ),
+            learning_rate=1e-3,
+            lora_rank=4,
+            base_url=url,
+            save_every=2,
+            eval_every=0,
+            max_steps=max_steps,
+        )
+
+    asyncio.run(sl_train.main(config(3)))
+    assert [row["step"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row] == [0, 1, 2]
+    # The run is cut short after its step-2 checkpoint (its final save never happened): the cookbook
+    # resumes from that state with its optimizer (create_training_client_from_state_with_optimizer).
+    checkpoints = tmp_path / "sl" / "checkpoints.jsonl"
+    records = [json.loads(line) for line in checkpoints.read_text().splitlines()]
+    checkpoints.write_text("".join(json.dumps(r) + "\n" for r in records if r["name"] != "final"))
+    asyncio.run(sl_train.main(config(4)))
+    assert [row["step"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row] == [0, 1, 2, 3]
+    steps = [row for row in session.history if row["op"] == "optim_step" and row["model"] != "policy"]
+    first, resumed = steps[:3], steps[3:]
+    assert [row["model"] for row in first] == ["policy_2"] * 3
+    saved = [r for r in records if r["name"] != "final"][-1]
+    assert [row["model"] for row in resumed] == ["policy_3"] * (4 - saved["batch"])
+    # the optimizer's step count goes on from the checkpoint's (the cookbook submits one batch ahead,
+    # so its step-2 save runs after the third step, in seq_id order)
+    saved_step = session.engine.read_state(saved["state_path"]).adapters[wb.Role.POLICY].step
+    assert saved_step == 3
+    assert [row["step"] for row in resumed] == list(range(saved_step + 1, saved_step + 1 + len(resumed)))
+    assert session.engine.model_ids() == [session.model_id]  # the cookbook closed its sessions
+    run = tinker.RestClient(base_url=url).get_training_run_by_tinker_path(records[0]["state_path"]).result()
+    assert run.user_metadata["renderer_name"] == "qwen3_instruct"  # what the cookbook checks on resume
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "stable_reinforce"])
+def test_the_cookbook_rl_loop_trains_through_the_server(
+    served: tuple[wb.Session, str], tmp_path: Path, loss_fn: str
+) -> None:
+    """The synchronous RL loop with its default loss, and with `stable_reinforce` (samples recorded by
+    the engine under the ids the server promised, named again by the training data's provenance)."""
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+
+    session, url = served
+    model = resolve_model_path("tiny")
+    config = rl_train.Config(
+        learning_rate=1e-3,
+        dataset_builder=ArithmeticDatasetBuilder(
+            batch_size=2,
+            model_name_for_tokenizer=model,
+            renderer_name="qwen3_instruct",
+            n_batches=2,
+            group_size=2,
+        ),
+        model_name=model,
+        recipe_name="rl_test",
+        max_tokens=4,
+        lora_rank=4,
+        log_path=str(tmp_path / "rl"),
+        base_url=url,
+        kl_penalty_coef=0.1,
+        kl_reference_config=rl_train.KLReferenceConfig(base_model=model),
+        loss_fn=loss_fn,
+        save_every=0,
+        eval_every=0,
+    )
+    asyncio.run(rl_train.main(config))
+    rows = [row for row in _metrics(tmp_path / "rl") if "env/all/reward/total" in row]
+    assert len(rows) == 2
+    ops = {row["op"] for row in session.history if row["model"] != "policy"}
+    assert {"sample", "forward_backward", "optim_step"} <= ops
+    trained = [row for row in session.history if row["op"] == "forward_backward" and row["model"] != "policy"]
+    # stable_reinforce reports how many tokens its ratio cap truncated: it ran on the recorded samples
+    assert all(("truncated_fraction:mean" in row) == (loss_fn == "stable_reinforce") for row in trained)

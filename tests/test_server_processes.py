@@ -1,0 +1,122 @@
+"""The server and its clients in separate processes: `workbench serve` driven by the SDK, and SDK 0.25
+(the version SkyRL's clients pin) driving an in-process server.
+
+Both compare what the remote client got with the in-process API on the same data (a twin model with
+the same LoRA settings and seed on an engine of this process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import workbench as wb
+
+ROOT = Path(__file__).resolve().parent.parent
+SDK_025 = ROOT / ".cache" / "tinker-0.25"
+TOKENS = [[5, 17, 33, 48, 60, 71, 2], [9, 21, 40, 11, 3]]
+
+
+def expected() -> dict:
+    """What `tests/sdk_client.py` must get, computed in this process."""
+    engine = wb.Engine("tiny", sampler="hf")
+    try:
+        model = wb.TrainingClient(engine, engine.create_model(wb.LoraConfig(rank=4, seed=0)).result())
+        data = [
+            wb.Datum(
+                model_input=wb.ModelInput.from_ints(t[:-1]),
+                loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)},
+            )
+            for t in TOKENS
+        ]
+        losses = []
+        for _ in range(2):
+            losses.append(model.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            model.optim_step({"learning_rate": 1e-2}).result()
+        sampler = model.save_weights_and_get_sampling_client().result()
+        sample = sampler.sample(TOKENS[1], 2, {"max_tokens": 4, "seed": 5}).result()
+        after = model.forward(data[:1], "cross_entropy").result().metrics["loss:sum"]
+        return {"losses": losses, "samples": [s.tokens for s in sample.sequences], "loss_after": after}
+    finally:
+        engine.close()
+
+
+def run_client(base_url: str, pythonpath: list[Path]) -> dict:
+    env = {**os.environ, "TINKER_API_KEY": "tml-local", "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "sdk_client.py"), base_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check(got: dict, want: dict) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert got["samples"] == want["samples"]
+    assert got["loss_after"] == pytest.approx(want["loss_after"], rel=1e-5)
+    assert got["resumed_loss"] == got["loss_after"]  # the resumed model holds the saved weights
+
+
+def test_workbench_serve_in_a_subprocess(tmp_path: Path) -> None:
+    """The command serves, prints where and the model, one line per operation, and logs every operation
+    (its clients' included) to the session's history and its W&B run, as a notebook session does."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "WORKBENCH_RUNS": str(tmp_path / "runs"),
+        "WANDB_MODE": "offline",
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+    }
+    run_dir = tmp_path / "server-session"
+    serve = ["serve", "--base-model", "tiny", "--port", "0", "--run-dir", str(run_dir)]
+    command = [sys.executable, "-m", "workbench.cli", *serve]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        assert server.stdout is not None
+        for line in server.stdout:
+            lines.append(line)
+            if "serving the Tinker API at" in line:
+                break
+        url = lines[-1].split(" at ")[-1].strip()
+        got = run_client(url, [ROOT])
+        check(got, expected())
+        assert got["sdk"] == "0.38.0" and got["state_path"] == f"tinker://{got['model_id']}/weights/saved"
+        assert (tmp_path / "runs" / got["model_id"] / "checkpoints" / "saved" / "manifest.json").is_file()
+    finally:
+        server.send_signal(signal.SIGINT)
+        output, _ = server.communicate(timeout=60)
+    assert server.returncode == 0, output
+    printed = "".join(lines) + output
+    assert "base model tiny" in printed
+    for op in ("create_model", "forward_backward", "optim_step", "sample", "save_weights", "load_weights"):
+        assert f"{op} " in printed, op
+    assert "workbench: stopping" in printed
+    assert f"W&B run {run_dir.name}: offline in" in printed
+    assert any((run_dir / "wandb").glob("offline-run-*"))
+    rows = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert {"forward_backward", "optim_step", "sample"} <= {
+        row["op"] for row in rows if row["model"] == "policy_2"
+    }
+
+
+@pytest.mark.skipif(
+    not SDK_025.is_dir(), reason="tinker 0.25 is installed in .cache/tinker-0.25 by `make env`"
+)
+def test_sdk_0_25_drives_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
+        server = sess.serve()
+        got = run_client(server.url, [SDK_025, ROOT])
+    assert got["sdk"] == "0.25.0"
+    check(got, expected())

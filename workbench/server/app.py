@@ -1,0 +1,289 @@
+"""The HTTP face of the Tinker service: FastAPI routes for every endpoint the `tinker` SDK calls.
+
+Each route reads its body (at most `max_body_bytes`, after zstd), checks the API key when the server has
+one, parses the body against its schema (`schemas`, or `wire` for protobuf) and hands it to
+`TinkerService`. A refused request is answered with its HTTP status and `{"error", "category"}`; an
+unexpected failure in a route is answered the same way with category "server" (status 400, so the SDK
+reports it at once rather than retrying a deterministic failure for minutes). Results of operations
+are fetched with `retrieve_future`, which long-polls; `ForwardBackwardOutput` and `SampleResponse`
+results go out as protobuf when the client accepts it (every SDK since 0.18.1 does).
+
+Checkpoint archives are downloaded as the SDK's archive endpoint has it: the endpoint answers 302 with
+a URL of this server signed for 15 minutes (HMAC with a per-server secret), so the download itself
+needs no API key; the file is the checkpoint folder as `workbench.export_archive` writes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import hmac
+import json
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from workbench.archive import export_archive
+from workbench.server import schemas, wire
+from workbench.server.errors import RequestError, error_body
+from workbench.server.service import SampleResult, TinkerService
+from workbench.types import ForwardBackwardOutput
+
+ARCHIVE_URL_LIFETIME_S = 900
+Route = Callable[..., Awaitable[Response]]
+
+
+class TinkerJSONResponse(JSONResponse):
+    """JSON as the SDK reads it (Python's `json`): a non-finite metric, such as the gradient norm of a
+    step skipped for a non-finite gradient, goes out as `NaN` / `Infinity` rather than failing."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _json(body: Any, status: int = 200) -> JSONResponse:
+    return TinkerJSONResponse(body, status_code=status)
+
+
+def _refusal(error: BaseException) -> JSONResponse:
+    status = error.status if isinstance(error, RequestError) else 400
+    return _json(error_body(error), status)
+
+
+def create_app(service: TinkerService) -> FastAPI:
+    """The ASGI app serving `service`."""
+    config = service.config
+    secret = secrets.token_bytes(32)
+    app = FastAPI(title="workbench Tinker server", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return _json({"error": str(error.detail), "category": "user"}, error.status_code)
+
+    def guarded(route: Route) -> Route:
+        """Check the API key, then run the route; a refusal or a failure becomes an error response."""
+
+        @functools.wraps(route)
+        async def run(request: Request, *args: Any, **kwargs: Any) -> Response:
+            try:
+                if config.api_key is not None:
+                    given = request.headers.get("x-api-key", "")
+                    if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+                        raise RequestError(
+                            "missing or wrong API key (X-API-Key; TINKER_API_KEY in the SDK)", 401
+                        )
+                return await route(request, *args, **kwargs)
+            except Exception as error:  # every failure is answered with its message, never a traceback
+                return _refusal(error)
+
+        return run
+
+    async def body_of(request: Request) -> bytes:
+        """The request body, decompressed, within the size limit."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise RequestError(
+                f"the request body ({declared} bytes) exceeds the limit of {config.max_body_bytes}", 413
+            )
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise RequestError(
+                    f"the request body exceeds the limit of {config.max_body_bytes} bytes", 413
+                )
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "identity").lower()
+        if encoding == "zstd":
+            return wire.decompress(body, config.max_body_bytes)
+        if encoding != "identity":
+            raise RequestError(f"unsupported Content-Encoding {encoding!r} (zstd or none)", 415)
+        return body
+
+    def post(path: str, schema: type[schemas.StrictBody], handle: Callable[[Any, bytes], Any]) -> None:
+        """A JSON POST endpoint whose handler answers at once."""
+
+        async def route(request: Request) -> Response:
+            raw = await body_of(request)
+            result = handle(schemas.parse_body(schema, raw), raw)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return _json(result if result is not None else {})
+
+        route.__name__ = path.rsplit("/", 1)[-1]
+        app.post(path)(guarded(route))
+
+    # ------------------------------------------------------------------------------------------ sessions
+
+    post("/api/v1/client/config", schemas.ClientConfigRequest, lambda _r, _b: service.client_config())
+    post("/api/v1/client/dynamic_config", schemas.ClientConfigRequest, lambda _r, _b: {})
+    post("/api/v1/create_session", schemas.CreateSessionRequest, lambda r, _b: service.create_session(r))
+    post("/api/v1/session_heartbeat", schemas.SessionHeartbeatRequest, lambda r, _b: service.heartbeat(r))
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    @guarded
+    async def finish_session(request: Request, session_id: str) -> Response:
+        body = schemas.parse_body(schemas.FinishSessionRequest, await body_of(request))
+        await service.finish_session(session_id, body)
+        return _json({})
+
+    @app.post("/api/v1/telemetry")
+    @guarded
+    async def telemetry(request: Request) -> Response:
+        await body_of(request)  # read (and size-limited), not kept
+        return _json({"status": "accepted"})
+
+    # ------------------------------------------------------------------------------------------ models and ops
+
+    post("/api/v1/create_model", schemas.CreateModelRequest, service.create_model)
+    post("/api/v1/get_info", schemas.GetInfoRequest, lambda r, _b: service.get_info(r))
+    post("/api/v1/optim_step", schemas.OptimStepRequest, service.optim_step)
+    post("/api/v1/save_weights", schemas.SaveWeightsRequest, service.save_weights)
+    post(
+        "/api/v1/save_weights_for_sampler",
+        schemas.SaveWeightsForSamplerRequest,
+        service.save_weights_for_sampler,
+    )
+    post("/api/v1/load_weights", schemas.LoadWeightsRequest, service.load_weights)
+    post("/api/v1/weights_info", schemas.WeightsInfoRequest, lambda r, _b: service.weights_info(r))
+    post(
+        "/api/v1/create_sampling_session",
+        schemas.CreateSamplingSessionRequest,
+        lambda r, _b: service.create_sampling_session(r),
+    )
+    post("/api/v1/asample", schemas.SampleRequest, service.asample)
+
+    @app.post("/api/v1/forward_backward")
+    @guarded
+    async def forward_backward(request: Request) -> Response:
+        raw = await body_of(request)
+        if wire.PROTOBUF not in request.headers.get("content-type", ""):
+            raise RequestError(
+                "forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: application/x-protobuf), "
+                "as tinker SDK 0.25 and later send it",
+                415,
+            )
+        return _json(service.forward_backward(wire.parse_forward_backward(raw), raw))
+
+    @app.post("/api/v1/retrieve_future")
+    @guarded
+    async def retrieve_future(request: Request) -> Response:
+        body = schemas.parse_body(schemas.RetrieveFutureRequest, await body_of(request))
+        entry = service.futures.get(body.request_id)
+        if entry is None:
+            raise RequestError(
+                f"no request {body.request_id!r} on this server (or it finished over an hour ago)", 404
+            )
+        if not await service.futures.wait(entry, config.long_poll_s):
+            return _json({"type": "try_again", "request_id": entry.request_id, "queue_state": "active"})
+        entry.retrieved_at = time.monotonic()
+        if entry.error is not None:
+            return _json(error_body(entry.error))
+        proto = wire.PROTOBUF in request.headers.get("accept", "")
+        result = entry.result
+        if isinstance(result, ForwardBackwardOutput):
+            if proto:
+                return Response(wire.forward_backward_output_proto(result), media_type=wire.PROTOBUF)
+            return _json(wire.forward_backward_output_json(result))
+        if isinstance(result, SampleResult):
+            if proto:
+                return Response(wire.sample_response_proto(result.response), media_type=wire.PROTOBUF)
+            return _json(wire.sample_response_json(result.response))
+        return _json(result)
+
+    # ------------------------------------------------------------------------------------------ reads
+
+    @app.get("/api/v1/healthz")
+    @guarded
+    async def healthz(request: Request) -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/api/v1/get_server_capabilities")
+    @guarded
+    async def capabilities(request: Request) -> Response:
+        return _json(service.capabilities())
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    @guarded
+    async def get_sampler(request: Request, sampler_id: str) -> Response:
+        return _json(service.get_sampler(sampler_id))
+
+    @app.get("/api/v1/training_runs")
+    @guarded
+    async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> Response:
+        return _json(service.training_runs(max(limit, 0), max(offset, 0)))
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    @guarded
+    async def training_run(request: Request, run_id: str) -> Response:
+        return _json(service.training_run(run_id))
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    @guarded
+    async def checkpoints(request: Request, run_id: str) -> Response:
+        return _json(service.checkpoints(run_id))
+
+    @app.get("/api/v1/checkpoints")
+    @guarded
+    async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> Response:
+        return _json(service.user_checkpoints(max(limit, 0), max(offset, 0)))
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}")
+    @guarded
+    async def delete_checkpoint(request: Request, run_id: str, segment: str, name: str) -> Response:
+        await service.delete_checkpoint(run_id, f"{segment}/{name}")
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------------------------------------ archives
+
+    def signature(path: str, expires: int) -> str:
+        return hmac.new(secret, f"{path}|{expires}".encode(), hashlib.sha256).hexdigest()
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}/archive")
+    @guarded
+    async def archive_url(request: Request, run_id: str, segment: str, name: str) -> Response:
+        address = service.checkpoint_address(run_id, f"{segment}/{name}")
+        service.checkpoint_folder(address)
+        expires = int(time.time()) + ARCHIVE_URL_LIFETIME_S
+        path = f"api/v1/archives/{address.run_id}/{segment}/{address.name}"
+        url = f"{request.base_url}{path}?expires={expires}&signature={signature(path, expires)}"
+        return Response(
+            status_code=302, headers={"Location": url, "Expires": formatdate(expires, usegmt=True)}
+        )
+
+    @app.get("/api/v1/archives/{run_id}/{segment}/{name}")
+    async def archive_download(
+        request: Request, run_id: str, segment: str, name: str, expires: int = 0
+    ) -> Response:
+        try:
+            path = f"api/v1/archives/{run_id}/{segment}/{name}"
+            given = request.query_params.get("signature", "")
+            if expires < time.time() or not hmac.compare_digest(given, signature(path, expires)):
+                raise RequestError("this archive link is invalid or has expired; ask for a new one", 403)
+            address = service.checkpoint_address(run_id, f"{segment}/{name}")
+            folder = service.checkpoint_folder(address)
+            scratch = Path(tempfile.mkdtemp(prefix="workbench-archive-"))
+            tar_path = await asyncio.to_thread(export_archive, folder, scratch / f"{address.name}.tar")
+        except Exception as error:
+            return _refusal(error)
+        return FileResponse(
+            tar_path,
+            media_type="application/x-tar",
+            filename=tar_path.name,
+            background=BackgroundTask(shutil.rmtree, scratch, True),
+        )
+
+    return app
