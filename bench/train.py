@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import workbench as wb
-from workbench.models import lora_target_modules, resolve_model_path
+from workbench.models import classify_linear_layers, lora_target_modules, resolve_model_path
 
 SETTINGS = {
     "tiny": {"equal": (32, 128), "ragged_count": 64, "steps": 10, "rank": 16},
@@ -45,8 +45,9 @@ def make_batch(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 class RawLoop:
     """The floor: a hand-written transformers + peft training step, padding to the longest sequence."""
 
-    def __init__(self, model_name: str, lora: wb.LoraConfig, linear_layers: dict[str, str]):
+    def __init__(self, model_name: str, lora: wb.LoraConfig):
         base = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_name), dtype=torch.float32)
+        linear_layers = classify_linear_layers(base)
         config = peft.LoraConfig(
             r=lora.rank,
             lora_alpha=lora.alpha,
@@ -67,7 +68,8 @@ class RawLoop:
             foreach=False,
         )
 
-    def step(self, sequences: list[list[int]]) -> None:
+    def forward_backward(self, sequences: list[list[int]]) -> None:
+        """Padded batch, logits, fp32 cross-entropy summed over real tokens, backward."""
         longest = max(len(s) - 1 for s in sequences)
         inputs = torch.zeros((len(sequences), longest), dtype=torch.long)
         targets = torch.zeros_like(inputs)
@@ -81,6 +83,9 @@ class RawLoop:
         nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
         loss = (nll * mask.flatten()).sum()
         loss.backward()
+
+    def step(self, sequences: list[list[int]]) -> None:
+        self.forward_backward(sequences)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -134,7 +139,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     session = wb.Session(args.model, lora, seed=0)
-    raw = RawLoop(args.model, lora, dict(session.base_info.linear_layers))
+    raw = RawLoop(args.model, lora)
     vocab = session.base_info.vocab_size
 
     count, length = settings["equal"]

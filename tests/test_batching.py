@@ -78,3 +78,11 @@ def test_collate_right_pads_and_keeps_indices() -> None:
     assert micro.attention_mask_B_T.tolist() == [[1, 0, 0], [1, 1, 1]]
     assert micro.inputs["weights"].tolist() == [[0.5, 0.0, 0.0], [1.0, 1.0, 1.0]]
     assert micro.num_tokens == 4
+
+
+def test_training_plans_count_the_recomputation_beyond_full_activations() -> None:
+    lengths = [128] * 16  # 2048 tokens: one pass recomputes half of them, two passes recompute none
+    assert len(plan_microbatches(lengths, token_budget=32768)) == 1
+    groups = plan_microbatches(lengths, token_budget=32768, full_activation_tokens=1024)
+    assert [len(group) for group in groups] == [8, 8]
+    assert len(plan_microbatches([2048], token_budget=32768, full_activation_tokens=1024)) == 1

@@ -483,7 +483,7 @@ def test_out_of_memory_mid_batch_restores_gradients_and_recovers() -> None:
             if calls["n"] == 2:
                 raise torch.OutOfMemoryError("simulated: out of memory")
 
-        hook = sess.engine.torch_model.register_forward_pre_hook(failing_forward)
+        hook = sess.engine.torch_model.get_decoder().register_forward_pre_hook(failing_forward)
         try:
             with pytest.raises(torch.OutOfMemoryError):
                 sess.policy.forward_backward(data, "cross_entropy").result()

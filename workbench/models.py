@@ -42,6 +42,7 @@ class BaseModelInfo:
     hidden_size: int
     num_layers: int
     max_length: int  # the longest sequence the model accepts (max_position_embeddings)
+    logits_from_hidden_states: bool  # the logits are the output layer's result on the final hidden states
     linear_layers: Mapping[str, str] = field(
         default_factory=dict, repr=False
     )  # name -> attn | mlp | unembed | other
@@ -141,9 +142,27 @@ def load_base_model(
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
         max_length=config.max_position_embeddings,
+        logits_from_hidden_states=logits_from_hidden_states(model),
         linear_layers=classify_linear_layers(model),
     )
     return model, tokenizer, info
+
+
+def logits_from_hidden_states(model: PreTrainedModel) -> bool:
+    """Whether the model's logits are its output layer applied to its decoder's final hidden states.
+
+    True for most decoders; False for those that change the logits after the output layer (Gemma 2's
+    soft cap, Cohere's scale, ...). Where it holds, logprobs are computed from the hidden states chunk by
+    chunk (`workbench.logprobs`); checked once here on a few tokens, by comparing the two.
+    """
+    input_ids_1_T = (
+        torch.arange(1, 9, device=model.device)[None] % model.get_input_embeddings().num_embeddings
+    )
+    with torch.no_grad():
+        logits_1_T_V = model(input_ids=input_ids_1_T, use_cache=False).logits
+        hidden_1_T_H = model.get_decoder()(input_ids=input_ids_1_T, use_cache=False).last_hidden_state
+        from_hidden_1_T_V = model.get_output_embeddings()(hidden_1_T_H)
+    return torch.equal(logits_1_T_V, from_hidden_1_T_V)
 
 
 def classify_linear_layers(model: nn.Module) -> dict[str, str]:

@@ -18,10 +18,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from matplotlib.figure import Figure
 from transformers import PreTrainedTokenizerBase
 
 from workbench.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
@@ -31,14 +30,17 @@ from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_M
 from workbench.futures import wait_or_withdraw
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
 from workbench.models import BaseModelInfo
-from workbench.panel import Panel
-from workbench.plots import plot_history
 from workbench.run import Run, StepFn, start_run
 from workbench.run_folders import new_run_id, runs_root
 from workbench.sampling import SamplerChoice
 from workbench.server import ServerConfig, TinkerServer
 from workbench.service_client import ServiceClient
 from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from workbench.panel import Panel
 
 WANDB_PROJECT = "workbench"
 
@@ -332,6 +334,8 @@ class Session:
     def plot(self, *names: str) -> Figure:
         """A matplotlib figure of these history metrics against the optimizer step (all when none are
         named); the panel's Metrics tab shows the same plot, updated live."""
+        from workbench.plots import plot_history  # imported here: matplotlib loads with the first plot
+
         return plot_history(self.history, *names)
 
     def panel(
@@ -349,6 +353,8 @@ class Session:
                 started from cells only.
             metrics: The history metrics the Metrics tab plots at first.
         """
+        from workbench.panel import Panel  # imported here: ipywidgets and matplotlib load with a panel
+
         return Panel(self, train_data=train_data, metrics=metrics)
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None) -> TinkerServer:

@@ -24,10 +24,16 @@ from peft.utils import get_peft_model_state_dict
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from workbench.activation_checkpointing import (
+    FULL_ACTIVATION_TOKENS,
+    checkpointed_layer_count,
+    checkpointing,
+    decoder_layers,
+)
 from workbench.batching import MicroBatch
 from workbench.checkpoint_store import json_bytes
 from workbench.critic import ValueHead
-from workbench.logprobs import target_logprobs
+from workbench.logprobs import language_model_logprobs
 from workbench.models import BaseModelInfo, adapter_parameters, add_lora_adapter, attach_lora
 from workbench.sampling.hf import HFSampler
 from workbench.types import LoraConfig
@@ -50,7 +56,8 @@ class AdaptedModel:
         self.info = info
         self.device = device
         self.peft_model: peft.PeftModel | None = None
-        self.hf_sampler = HFSampler(base, tokenizer, device)
+        self.decoder_layers = decoder_layers(base.get_decoder())
+        self.hf_sampler = HFSampler(base, tokenizer, device, info.vocab_size, info.logits_from_hidden_states)
 
     @property
     def module(self) -> nn.Module:
@@ -149,26 +156,47 @@ class AdaptedModel:
             self.peft_model.set_adapter(adapter)
         yield self.peft_model
 
-    def logits(self, adapter: str | None, micro: MicroBatch) -> Tensor:
-        with self.using(adapter) as module:
-            return module(
+    def activation_checkpointing(self, micro: MicroBatch) -> contextlib.AbstractContextManager[None]:
+        """Checkpoint as many decoder layers as `workbench.activation_checkpointing`'s rule gives for this
+        micro-batch's padded tokens when gradients are on (none otherwise)."""
+        count = 0
+        if torch.is_grad_enabled():
+            count = checkpointed_layer_count(micro.input_ids_B_T.numel(), len(self.decoder_layers))
+        return checkpointing(self.decoder_layers[:count])
+
+    def final_hidden_states(self, micro: MicroBatch) -> Tensor:
+        """The decoder's last hidden states, (B, T, H), with whatever adapter state is in effect: the
+        model without its output layer (the logits are made chunk by chunk where they are used)."""
+        decoder = self.base.get_decoder()
+        with self.activation_checkpointing(micro):
+            return decoder(
                 input_ids=micro.input_ids_B_T, attention_mask=micro.attention_mask_B_T, use_cache=False
-            ).logits
+            ).last_hidden_state
 
     def target_logprobs(
         self, adapter: str | None, micro: MicroBatch, with_entropy: bool
     ) -> tuple[Tensor, Tensor | None]:
         """log p(target_t | prefix) for every position (with autograd when enabled), and the detached
-        next-token entropy when asked."""
-        logits_B_T_V = self.logits(adapter, micro)
-        return target_logprobs(logits_B_T_V, micro.inputs["target_tokens"], with_entropy)
+        next-token entropy when asked.
+
+        What the backward pass needs is kept or recomputed by `workbench.activation_checkpointing`'s
+        rule; a recomputation runs with the adapter state it finds then, which is this one: the worker
+        runs nothing else between a call's forward and its backward.
+        """
+        with self.using(adapter), self.activation_checkpointing(micro):
+            return language_model_logprobs(
+                self.base,
+                micro.input_ids_B_T,
+                micro.attention_mask_B_T,
+                micro.inputs["target_tokens"],
+                vocab_size=self.info.vocab_size,
+                logits_from_hidden_states=self.info.logits_from_hidden_states,
+                kept_positions=FULL_ACTIVATION_TOKENS,
+                with_entropy=with_entropy,
+            )
 
     def values(self, adapter: str, head: ValueHead, micro: MicroBatch) -> Tensor:
         """A critic's V for every position, (B, T): the decoder's last hidden state through the value head.
         The decoder alone runs (no output embedding): the critic needs hidden states, not logits."""
-        with self.using(adapter) as module:
-            decoder = module.get_base_model().get_decoder()
-            hidden_B_T_H = decoder(
-                input_ids=micro.input_ids_B_T, attention_mask=micro.attention_mask_B_T, use_cache=False
-            ).last_hidden_state
-            return head(hidden_B_T_H)
+        with self.using(adapter):
+            return head(self.final_hidden_states(micro))

@@ -311,9 +311,10 @@ class Engine:
 
     @property
     def torch_model(self) -> torch.nn.Module:
-        """The torch module every forward pass runs (the peft model over the base), for reading and
-        inspection: comparing with plain transformers, counting parameters, registering hooks. Changing
-        it bypasses everything the engine guarantees."""
+        """The torch module every forward pass runs (the peft model over the base; the passes run its
+        decoder, `get_decoder()`, and its output layer), for reading and inspection: comparing with plain
+        transformers, counting parameters, registering hooks. Changing it bypasses everything the engine
+        guarantees."""
         return self._state.model.module
 
     def inspect(self, model_id: str, role: Role = Role.POLICY) -> ModelTensors:

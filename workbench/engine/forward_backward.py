@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from workbench.activation_checkpointing import FULL_ACTIVATION_TOKENS
 from workbench.batching import MicroBatch, PreparedDatum, collate, plan_microbatches, prepare_batch
 from workbench.engine.provenance import attach_sampling_records
 from workbench.engine.roles import Role
@@ -196,7 +197,9 @@ def run_loss(
 
     def run_microbatches() -> None:
         for indices in plan_microbatches(
-            [item.length for item in batch], state.config.max_tokens_per_microbatch
+            [item.length for item in batch],
+            state.config.max_tokens_per_microbatch,
+            FULL_ACTIVATION_TOKENS if backward else None,
         ):
             micro = collate(batch, indices, pad, state.device)
             mask_B_T = micro.attention_mask_B_T.bool()
@@ -248,7 +251,9 @@ def run_custom(
     computed without a graph, `loss_fn` runs on leaf copies, and each micro-batch is run again with the
     surrogate Σ logprobs · ∂loss/∂logprobs, whose parameter gradient is the same.
     """
-    plan = plan_microbatches([item.length for item in batch], state.config.max_tokens_per_microbatch)
+    plan = plan_microbatches(
+        [item.length for item in batch], state.config.max_tokens_per_microbatch, FULL_ACTIVATION_TOKENS
+    )
     pad = state.tokenizer.pad_token_id
     logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
     with run.model(role).trainable.accumulating(

@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from workbench.batching import PreparedDatum, collate
-from workbench.logprobs import target_logprobs
+from workbench.logprobs import language_model_logprobs
 from workbench.sampling.requests import RequestResult, SampleRequest
 from workbench.types import SampledSequence, SamplingParams, StopReason
 
@@ -156,10 +156,19 @@ class _RowStops(StoppingCriteria):
 class HFSampler:
     """Generates for a list of requests with whatever adapter state the model is in when called."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        vocab_size: int,
+        logits_from_hidden_states: bool,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
+        self.vocab_size = vocab_size
+        self.logits_from_hidden_states = logits_from_hidden_states
 
     def generate(self, requests: Sequence[SampleRequest]) -> list[RequestResult]:
         results: list[RequestResult] = []
@@ -247,10 +256,16 @@ class HFSampler:
         computed: list[list[float]] = []
         if batch:
             micro = collate(batch, list(range(len(batch))), int(self.tokenizer.pad_token_id), self.device)
-            logits_B_T_V = self.model(
-                input_ids=micro.input_ids_B_T, attention_mask=micro.attention_mask_B_T, use_cache=False
-            ).logits
-            logprobs_B_T, _ = target_logprobs(logits_B_T_V, micro.inputs["target_tokens"], with_entropy=False)
+            logprobs_B_T, _ = language_model_logprobs(
+                self.model,
+                micro.input_ids_B_T,
+                micro.attention_mask_B_T,
+                micro.inputs["target_tokens"],
+                vocab_size=self.vocab_size,
+                logits_from_hidden_states=self.logits_from_hidden_states,
+                kept_positions=0,  # no gradients here: nothing is kept for backward either way
+                with_entropy=False,
+            )
             computed = [logprobs_B_T[row, : micro.lengths[row]].tolist() for row in range(len(batch))]
         out: list[list[float | None]] = []
         for prompt in prompts:
