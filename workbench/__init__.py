@@ -1,7 +1,8 @@
 """workbench: a Jupyter-first research workbench for LLM post-training.
 
 One kernel-resident `Session` holds a base model with a LoRA policy, and speaks the Tinker training API
-(`forward_backward`, `forward`, `optim_step`, ...) on the local GPU or CPU.
+(`forward_backward`, `forward`, `optim_step`, ...) on the local GPU or CPU, or, with `Session.connect`,
+on a Tinker-compatible service elsewhere.
 """
 
 from workbench import datasets
@@ -17,11 +18,13 @@ from workbench.chat import chat_datum, chat_prompt
 from workbench.checkpoint_store import CheckpointError, CheckpointInfo, CorruptCheckpointError
 from workbench.clients import ClientFuture, SamplingClient, TrainingClient
 from workbench.engine import Engine, ModelTensors, Restore, Role, RunStatus, SessionConfig
+from workbench.engine_interface import EngineInterface
 from workbench.futures import APIFuture, ReentrantWaitError
 from workbench.losses import LOSSES
 from workbench.metrics import MetricsHistory
 from workbench.panel import Panel
 from workbench.probes import AgreementReport, check_logprob_agreement
+from workbench.remote_engine import EngineUnreachableError, RemoteEngine, RemoteUnsupportedError
 from workbench.rest_client import RestClient
 from workbench.rollouts import completion_positions, critic_datum, policy_datum, sequence_datum
 from workbench.run import Run, RunActiveError, RunState, train_step
@@ -60,6 +63,8 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "Engine",
+    "EngineInterface",
+    "EngineUnreachableError",
     "ForwardBackwardOutput",
     "GetInfoResponse",
     "LoraConfig",
@@ -72,6 +77,8 @@ __all__ = [
     "Panel",
     "PromptProvenanceSpan",
     "ReentrantWaitError",
+    "RemoteEngine",
+    "RemoteUnsupportedError",
     "RestClient",
     "Restore",
     "Role",
