@@ -274,3 +274,24 @@ def test_server_killed_mid_run(tmp_path: Path) -> None:
         started = time.monotonic()
         sess.close()
         assert time.monotonic() - started < 15
+
+
+def test_custom_loss_matches_a_local_session(server: Server) -> None:
+    """`forward_backward_custom` (the SDK's forward, local loss, weighted backward) trains the remote
+    model as the local engine trains its own."""
+
+    def negative_logprob(data: list, logprobs_list: list) -> tuple:
+        total = -sum(logprobs.sum() for logprobs in logprobs_list)
+        return total, {"custom": total.item()}
+
+    results = []
+    for sess in (
+        wb.Session("tiny", LORA, seed=0, sampler="hf", wandb=False),
+        wb.Session.connect(server.url, base_model="tiny", lora=LORA, seed=0, wandb=False),
+    ):
+        with sess:
+            out = sess.policy.forward_backward_custom([datum(t) for t in TOKENS], negative_logprob).result()
+            sess.policy.optim_step({"learning_rate": 1e-2}).result()
+            after = sess.policy.forward([datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+            results.append((out.metrics["custom"], out.metrics["loss:sum"], after))
+    assert results[1] == pytest.approx(results[0], rel=1e-5)
