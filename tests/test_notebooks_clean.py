@@ -22,6 +22,7 @@ def test_the_tutorials_are_there() -> None:
         "07_custom_losses.ipynb",
         "08_tinker_cookbook.ipynb",
         "09_serving_tinker.ipynb",
+        "10_remote_engine.ipynb",
     ]
 
 

@@ -1,7 +1,8 @@
 """workbench: a Jupyter-first research workbench for LLM post-training.
 
 One kernel-resident `Session` holds a base model with a LoRA policy, and speaks the Tinker training API
-(`forward_backward`, `forward`, `optim_step`, ...) on the local GPU or CPU.
+(`forward_backward`, `forward`, `optim_step`, ...) on the local GPU or CPU, or, with `Session.connect`,
+on a Tinker-compatible service elsewhere.
 
 `import workbench` loads none of the heavy libraries: each public name is imported from its module the
 first time it is used (PEP 562 module `__getattr__`), so torch, transformers and peft load with the
@@ -28,11 +29,13 @@ if TYPE_CHECKING:
     from workbench.checkpoint_store import CheckpointError, CheckpointInfo, CorruptCheckpointError
     from workbench.clients import ClientFuture, SamplingClient, TrainingClient
     from workbench.engine import Engine, ModelTensors, Restore, Role, RunStatus, SessionConfig
+    from workbench.engine_interface import EngineInterface
     from workbench.futures import APIFuture, ReentrantWaitError
     from workbench.losses import LOSSES
     from workbench.metrics import MetricsHistory
     from workbench.panel import Panel
     from workbench.probes import AgreementReport, check_logprob_agreement
+    from workbench.remote_engine import EngineUnreachableError, RemoteEngine, RemoteUnsupportedError
     from workbench.rest_client import RestClient
     from workbench.rollouts import completion_positions, critic_datum, policy_datum, sequence_datum
     from workbench.run import Run, RunActiveError, RunState, train_step
@@ -83,6 +86,7 @@ _EXPORTS: dict[str, str] = {
     "Role": "workbench.engine",
     "RunStatus": "workbench.engine",
     "SessionConfig": "workbench.engine",
+    "EngineInterface": "workbench.engine_interface",
     "APIFuture": "workbench.futures",
     "ReentrantWaitError": "workbench.futures",
     "LOSSES": "workbench.losses",
@@ -90,6 +94,9 @@ _EXPORTS: dict[str, str] = {
     "Panel": "workbench.panel",
     "AgreementReport": "workbench.probes",
     "check_logprob_agreement": "workbench.probes",
+    "EngineUnreachableError": "workbench.remote_engine",
+    "RemoteEngine": "workbench.remote_engine",
+    "RemoteUnsupportedError": "workbench.remote_engine",
     "RestClient": "workbench.rest_client",
     "completion_positions": "workbench.rollouts",
     "critic_datum": "workbench.rollouts",
@@ -137,6 +144,8 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "Engine",
+    "EngineInterface",
+    "EngineUnreachableError",
     "ForwardBackwardOutput",
     "GetInfoResponse",
     "LoraConfig",
@@ -149,6 +158,8 @@ __all__ = [
     "Panel",
     "PromptProvenanceSpan",
     "ReentrantWaitError",
+    "RemoteEngine",
+    "RemoteUnsupportedError",
     "RestClient",
     "Restore",
     "Role",

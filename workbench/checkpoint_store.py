@@ -65,6 +65,7 @@ class CheckpointInfo:
     size_bytes: int
     expires_at: float | None = None  # unix seconds; None: kept until deleted
     user_metadata: Mapping[str, str] | None = None
+    tinker_path: str | None = None  # set for a remote engine's checkpoints, which have no local folder
 
 
 def check_name(name: str) -> str:

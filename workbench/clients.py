@@ -24,7 +24,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from workbench.engine import CustomLossFn, Engine, Restore, Role, SamplerPin
+from workbench.engine import CustomLossFn, Restore, Role, SamplerPin
+from workbench.engine_interface import EngineInterface
 from workbench.futures import APIFuture
 from workbench.run_folders import runs_root
 from workbench.types import (
@@ -77,13 +78,13 @@ def console_url() -> str:
 class TrainingClient:
     """Trains one model of an engine with Tinker's methods; every call returns an `APIFuture`."""
 
-    def __init__(self, engine: Engine, model_id: str, role: Role = Role.POLICY):
+    def __init__(self, engine: EngineInterface, model_id: str, role: Role = Role.POLICY):
         self._engine = engine
         self._model_id = model_id
         self._role = role
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineInterface:
         return self._engine
 
     @property
@@ -392,7 +393,9 @@ class SamplingClient:
     sequence it samples (for a day), under its `sequence_id`.
     """
 
-    def __init__(self, engine: Engine, pin: APIFuture[SamplerPin], *, record_stability_info: bool = False):
+    def __init__(
+        self, engine: EngineInterface, pin: APIFuture[SamplerPin], *, record_stability_info: bool = False
+    ):
         self._engine = engine
         self._pin = pin
         self._record_stability_info = bool(record_stability_info)

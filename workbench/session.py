@@ -6,8 +6,11 @@ policy and, when asked, a critic), and the Tinker clients for them: `sess.policy
 engine it adds what a notebook needs: the run's folder with a JSONL history and a W&B run, the
 background run loop (`run`), plots, the panel, checkpoints by name.
 
-Every operation goes through the engine's public interface (`workbench.engine.Engine`): validated in
-the caller's thread, run on the engine's worker thread in submission order, returning an `APIFuture`.
+Every operation goes through the engine's public interface (`workbench.engine_interface`): validated
+in the caller's thread, taking effect in submission order, returning an `APIFuture`. The engine is the
+local `Engine`, or, for a session made with `Session.connect(url, ...)`, a `RemoteEngine` that drives a
+Tinker-compatible service (`workbench serve` on a GPU machine, SkyRL, hosted Tinker) through the
+`tinker` SDK; everything else the session gives works the same over either.
 The session's own state is only which run it speaks for; everything else (the critic, the counters,
 the config) is read from the engine, so an interrupted call can never leave the session and the
 engine disagreeing.
@@ -15,6 +18,7 @@ engine disagreeing.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,9 +31,11 @@ from workbench.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
 from workbench.clients import SamplingClient, TrainingClient
 from workbench.engine import Engine, Restore, Role, SessionConfig
 from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_MICROBATCH
+from workbench.engine_interface import EngineInterface
 from workbench.futures import wait_or_withdraw
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
 from workbench.models import BaseModelInfo
+from workbench.remote_engine import DEFAULT_PROBE_INTERVAL_S, RemoteEngine
 from workbench.run import Run, StepFn, start_run
 from workbench.run_folders import new_run_id, runs_root
 from workbench.sampling import SamplerChoice
@@ -110,9 +116,58 @@ class Session:
             raise
         self._attach(engine, model_id, wandb)
 
-    def _attach(self, engine: Engine, model_id: str, wandb: WandbSetting) -> None:
+    @classmethod
+    def connect(
+        cls,
+        url: str | None = None,
+        *,
+        base_model: str,
+        lora: LoraConfig | Mapping[str, Any] | None = None,
+        api_key: str | None = None,
+        seed: int = 0,
+        run_dir: str | Path | None = None,
+        wandb: WandbSetting = None,
+        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
+    ) -> Session:
+        """A session whose model lives on a Tinker-compatible service, driven through the `tinker` SDK.
+
+        The clients, the run loop, the panel, the history (JSONL and W&B, kept in this process), plots
+        and token views work as for a local session. What the service cannot do raises a
+        `RemoteUnsupportedError` before anything is sent: a critic, a loss it does not list,
+        `state_digest`, checkpoints named by local folders rather than `tinker://` paths. An operation
+        whose service stops answering fails with `EngineUnreachableError` (within `probe_interval_s`
+        and a health check); the history records only the operations that completed.
+
+        Args:
+            url: The service's base URL; default `$TINKER_BASE_URL`.
+            base_model: The base model, as the service names it (its capabilities list them).
+            lora: The policy's adapter, as for `Session(...)`.
+            api_key: The service's key; default `$TINKER_API_KEY` (read by the SDK).
+            seed: Seeds the adapter's initialisation unless `lora.seed` is set.
+            run_dir: The local folder for the history and W&B files; default `<runs root>/<run id>`.
+            wandb: As for `Session(...)`.
+            probe_interval_s: How long an operation waits before checking that the service answers.
+        """
+        url = url or os.environ.get("TINKER_BASE_URL")
+        if not url:
+            raise ValueError("Session.connect needs the service's URL: pass url=... or set TINKER_BASE_URL")
+        lora_config = to_lora_config(lora if lora is not None else LoraConfig())
+        engine = RemoteEngine(url, base_model, api_key=api_key, seed=seed, probe_interval_s=probe_interval_s)
+        folder = (Path(run_dir) if run_dir is not None else runs_root() / new_run_id(base_model)).absolute()
+        try:
+            model_id = engine.create_model(
+                lora_config, seed=seed, model_id=folder.name, run_dir=folder
+            ).result()
+        except BaseException:
+            engine.close()
+            raise
+        session = cls.__new__(cls)
+        cls._attach(session, engine, model_id, wandb)
+        return session
+
+    def _attach(self, engine: EngineInterface, model_id: str, wandb: WandbSetting) -> None:
         """Speak for `model_id` on `engine`: its clients, its history sinks, its W&B run."""
-        self.engine = engine
+        self.engine: EngineInterface = engine
         self.model_id = model_id
         self.policy = TrainingClient(engine, model_id, Role.POLICY)
         self.reference = TrainingClient(engine, model_id, Role.REFERENCE)
@@ -271,13 +326,20 @@ class Session:
             raise ValueError("a base-model client has no version: pass base=True or a version, not both")
         return SamplingClient(self.engine, self.engine.pin_sampler(None if base else self.model_id, version))
 
+    def _local_engine(self, what: str) -> Engine:
+        if not isinstance(self.engine, Engine):
+            raise ValueError(
+                f"{what} needs the model in this process; this session drives {self.engine.endpoint}"
+            )
+        return self.engine
+
     def service_client(self, *sdk_arguments: Any, **sdk_keywords: Any) -> ServiceClient:
         """A Tinker `ServiceClient` whose clients for this session's base model live on this session's
         engine: code written for the `tinker` SDK (a tinker-cookbook training loop) trains new runs
         next to this one, in this session's history and panel. Takes `tinker.ServiceClient`'s
         arguments, so it can stand in for it: `tinker.ServiceClient = sess.service_client`. Closing the
         client leaves the session open."""
-        return ServiceClient(*sdk_arguments, engine=self.engine, **sdk_keywords)
+        return ServiceClient(*sdk_arguments, engine=self._local_engine("service_client()"), **sdk_keywords)
 
     def live_versions(self) -> list[int]:
         """The policy weight versions a sampling client can use now: the current one and those that live
@@ -376,7 +438,9 @@ class Session:
         Returns:
             The running server: `srv.url`, `srv.stop()`. `close()` stops it too.
         """
-        server = TinkerServer(self.engine, ServerConfig(host=host, port=port, api_key=api_key))
+        server = TinkerServer(
+            self._local_engine("serve()"), ServerConfig(host=host, port=port, api_key=api_key)
+        )
         self.servers.append(server)
         return server
 
@@ -402,4 +466,5 @@ class Session:
         config = self.engine.config
         if self.closed:
             return f"Session({config.base_model!r}, closed)"
-        return f"Session({config.base_model!r}, rank={self.config.lora.rank}, {config.device}/{config.dtype}, step {self.step})"
+        where = self.engine.endpoint or f"{config.device}/{config.dtype}"
+        return f"Session({config.base_model!r}, rank={self.config.lora.rank}, {where}, step {self.step})"

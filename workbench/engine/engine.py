@@ -167,6 +167,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------ identity
 
     @property
+    def endpoint(self) -> None:
+        """Where the model runs: in this process (a `RemoteEngine` gives its service's URL)."""
+        return None
+
+    @property
     def config(self) -> EngineConfig:
         return self._state.config
 

@@ -159,7 +159,7 @@ class CheckpointsTab:
         def load() -> None:
             # what `sess.load_state` restores (everything, RNGs included), without blocking the kernel
             future = self.session.engine.load_state(
-                self.session.model_id, str(info.path), Restore.EVERYTHING
+                self.session.model_id, info.tinker_path or str(info.path), Restore.EVERYTHING
             ).future()
             self._track(future, lambda _response: f"loaded {info.name} (step {info.step})")
 

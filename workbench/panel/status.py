@@ -76,7 +76,7 @@ def server_field(session: Session) -> str:
 
 
 class StatusBar:
-    """Device, dtype, memory in use, the session's policy step and weight version, sampler version,
+    """Device, dtype and memory in use (a remote session: the engine's URL), the session's policy step and weight version, sampler version,
     critic, the models on the engine (clients' included), the server, run, W&B."""
 
     def __init__(self, session: Session) -> None:
@@ -94,10 +94,20 @@ class StatusBar:
             return
         run = sess.current_run
         run_text = "none" if run is None else f"{run.state.value} {run.i}/{run.steps}"
+        endpoint = sess.engine.endpoint
+        where = (
+            [
+                _field(
+                    "device", "device", f"{html.escape(sess.config.device)}/{html.escape(sess.config.dtype)}"
+                ),
+                _field("memory", "memory", format_bytes(memory_in_use(sess.device))),
+            ]
+            if endpoint is None
+            else [_field("engine", "engine", html.escape(endpoint))]
+        )
         fields = [
             _field("model", "model", html.escape(sess.config.base_model)),
-            _field("device", "device", f"{html.escape(sess.config.device)}/{html.escape(sess.config.dtype)}"),
-            _field("memory", "memory", format_bytes(memory_in_use(sess.device))),
+            *where,
             _field("step", "step", str(sess.policy.step)),
             _field("weights", "weights", f"v{sess.policy.weights_version}"),
             _field("sampler", "sampler", sampler_versions(sess)),

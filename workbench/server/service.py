@@ -32,6 +32,7 @@ from workbench import checkpoint_store
 from workbench.checkpoint_store import CheckpointError, CheckpointInfo
 from workbench.engine import Engine, Restore, Role
 from workbench.futures import APIFuture
+from workbench.losses import LOSSES
 from workbench.models import resolve_model_path
 from workbench.run_folders import CheckpointAddress
 from workbench.server import schemas
@@ -155,7 +156,9 @@ class TinkerService:
                     "trainable": True,
                     "sampleable": True,
                 }
-            ]
+            ],
+            # beyond the SDK's fields (its response model keeps extras): the losses forward_backward takes
+            "supported_loss_fns": sorted(LOSSES),
         }
 
     # ------------------------------------------------------------------------------------------ sessions

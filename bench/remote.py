@@ -1,0 +1,125 @@
+"""The remote engine's overhead: one SFT step (forward_backward + optim_step) and one sampling call from
+a `Session.connect` session against the same calls made with the bare `tinker` SDK, on the same server.
+
+The server runs in this process (`sess.serve()` of a local session), and both clients drive two models
+made alike on it, called alternately: the bare SDK is the floor, the difference is what the remote
+session adds (conversion to and from workbench's types, the worker that awaits results in order, the
+history rows). Target: remote session / bare SDK <= 1.05 for both.
+
+    python bench/remote.py --model tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TINKER_API_KEY", "tml-local")
+
+import tinker
+from tinker import types
+
+import workbench as wb
+
+SETTINGS = {
+    "tiny": {"batch": (32, 128), "samples": (8, 64), "calls": 30, "rank": 16},
+    "smollm2-135m": {"batch": (8, 128), "samples": (4, 32), "calls": 8, "rank": 16},
+}
+ADAM = {"learning_rate": 1e-5}
+
+
+def timed_pair(first: Callable[[], object], second: Callable[[], object], calls: int) -> tuple[float, float]:
+    """Median seconds per call of two functions, called alternately (which goes first alternates too)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    first()
+    second()  # warm both
+    for index in range(calls):
+        pair = ((first, times[0]), (second, times[1]))
+        for fn, sink in pair if index % 2 == 0 else pair[::-1]:
+            start = time.perf_counter()
+            fn()
+            sink.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(SETTINGS))
+    parser.add_argument("--calls", type=int, default=None, help="timed calls of each (median is reported)")
+    args = parser.parse_args()
+    settings = SETTINGS[args.model]
+    calls = args.calls or settings["calls"]
+    rng = random.Random(0)
+    count, length = settings["batch"]
+    token_lists = [[rng.randrange(5, 400) for _ in range(length)] for _ in range(count)]
+
+    host = wb.Session(args.model, wb.LoraConfig(rank=settings["rank"]), seed=0, wandb=False)
+    server = host.serve()
+    remote = wb.Session.connect(
+        server.url, base_model=args.model, lora=wb.LoraConfig(rank=settings["rank"]), wandb=False
+    )
+    service = tinker.ServiceClient(base_url=server.url)
+    bare = service.create_lora_training_client(base_model=args.model, rank=settings["rank"], seed=0).result()
+
+    ours = [
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints(t[:-1]),
+            loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)},
+        )
+        for t in token_lists
+    ]
+    sdk = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(t[:-1]),
+            loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)},
+        )
+        for t in token_lists
+    ]
+
+    def remote_step() -> None:
+        backward = remote.policy.forward_backward(ours, "cross_entropy")
+        remote.policy.optim_step(ADAM).result()
+        backward.result()
+
+    def bare_step() -> None:
+        backward = bare.forward_backward(sdk, "cross_entropy")
+        bare.optim_step(types.AdamParams(**ADAM)).result()
+        backward.result()
+
+    num_samples, max_tokens = settings["samples"]
+    remote_sampler = remote.sampling_client()
+    bare_sampler = bare.save_weights_and_get_sampling_client().result()
+    prompt = token_lists[0][:16]
+
+    def remote_sample() -> None:
+        remote_sampler.sample(prompt, num_samples, {"max_tokens": max_tokens, "seed": 1}).result()
+
+    def bare_sample() -> None:
+        bare_sampler.sample(
+            types.ModelInput.from_ints(prompt),
+            num_samples,
+            types.SamplingParams(max_tokens=max_tokens, seed=1),
+        ).result()
+
+    step_remote, step_bare = timed_pair(remote_step, bare_step, calls)
+    sample_remote, sample_bare = timed_pair(remote_sample, bare_sample, calls)
+    print(f"model {args.model}, {calls} calls each, medians")
+    print(
+        f"SFT step  remote session {step_remote * 1e3:8.1f} ms   bare SDK {step_bare * 1e3:8.1f} ms   ratio {step_remote / step_bare:.3f}"
+    )
+    print(
+        f"sample    remote session {sample_remote * 1e3:8.1f} ms   bare SDK {sample_bare * 1e3:8.1f} ms   ratio {sample_remote / sample_bare:.3f}"
+    )
+    remote.close()
+    service.close("success").result()
+    host.close()
+
+
+if __name__ == "__main__":
+    main()
