@@ -95,7 +95,10 @@ def test_workbench_serve_in_a_subprocess(tmp_path: Path) -> None:
         assert (tmp_path / "runs" / got["model_id"] / "checkpoints" / "saved" / "manifest.json").is_file()
     finally:
         server.send_signal(signal.SIGINT)
-        output, _ = server.communicate(timeout=60)
+        server.wait(timeout=60)
+        # Read through the same text stream as the lines above: it may already hold lines read ahead
+        # (`communicate` would read the pipe underneath and skip them).
+        output = server.stdout.read()
     assert server.returncode == 0, output
     printed = "".join(lines) + output
     assert "base model tiny" in printed
