@@ -305,7 +305,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", choices=("sft", "grpo"), default=["sft", "grpo"])
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--child", nargs=2, metavar=("SIDE", "TASK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
