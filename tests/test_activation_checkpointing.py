@@ -8,15 +8,20 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.activation_checkpointing import FULL_ACTIVATION_TOKENS, checkpointed_layer_count
+from workbench.activation_checkpointing import (
+    FULL_ACTIVATION_TOKENS,
+    checkpointed_layer_count,
+    full_activation_tokens,
+)
 
 
-def test_the_rule_checkpoints_in_proportion_beyond_the_full_activation_tokens() -> None:
+def test_the_rule_keeps_full_activations_for_f_squared_over_n_tokens_beyond_f() -> None:
     assert FULL_ACTIVATION_TOKENS == 1024
     assert checkpointed_layer_count(1024, 30) == 0
     assert checkpointed_layer_count(1025, 30) == 1
-    assert checkpointed_layer_count(2048, 30) == 15
-    assert checkpointed_layer_count(4096, 30) == 23
+    assert checkpointed_layer_count(2048, 30) == 23  # ceil(30 · (1 − 1/4))
+    assert checkpointed_layer_count(4096, 30) == 29
+    assert [full_activation_tokens(n) for n in (100, 1024, 2048, 4096)] == [100, 1024, 512, 256]
     assert checkpointed_layer_count(10**6, 30) == 30
 
 
@@ -55,10 +60,11 @@ def _train(budget: int, data: list[wb.Datum]) -> tuple[list[int], dict, dict[str
 
 
 def test_a_long_training_microbatch_checkpoints_layers_and_gives_the_same_numbers() -> None:
-    data = _data(6, 200)  # one micro-batch of 1200 tokens: ceil(2 · (1 − 1024/1200)) = 1 layer checkpointed
+    # one micro-batch of 1080 tokens: ceil(2 · (1 − (1024/1080)²)) = 1 layer checkpointed
+    data = _data(6, 180)
     calls, out, gradients = _train(8192, data)
     assert calls == [2, 1]  # the first layer ran again in backward
-    alone_calls, alone_out, alone_gradients = _train(200, data)  # one datum per micro-batch: none
+    alone_calls, alone_out, alone_gradients = _train(180, data)  # one datum per micro-batch: none
     assert alone_calls == [6, 6]
     assert out.metrics["loss:sum"] == pytest.approx(alone_out.metrics["loss:sum"], rel=1e-5)
     assert out.metrics["entropy:mean"] == pytest.approx(alone_out.metrics["entropy:mean"], rel=1e-5)

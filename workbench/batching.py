@@ -184,8 +184,8 @@ def plan_microbatches(
     """Split datums into micro-batches of similar length.
 
     Datums are sorted by length and cut into contiguous groups minimising the sum over groups of
-    padded + MICROBATCH_OVERHEAD_TOKENS + RECOMPUTE_COST x max(0, padded − full_activation_tokens),
-    padded = group size x longest in group, with each group's padded size within `token_budget` (a datum
+    padded + MICROBATCH_OVERHEAD_TOKENS + RECOMPUTE_COST x recomputed, padded = group size x longest in
+    group, recomputed = padded − F²/padded where padded > F = `full_activation_tokens` (else 0), with each group's padded size within `token_budget` (a datum
     longer than the budget goes alone). The last term is for training passes (`full_activation_tokens`
     given; None for passes without gradients): beyond that many tokens a micro-batch recomputes
     activations in backward (`workbench.activation_checkpointing`), so short datums are grouped past it
@@ -204,7 +204,9 @@ def plan_microbatches(
         padded = (end - starts) * longest
         costs = best_cost[starts] + padded + MICROBATCH_OVERHEAD_TOKENS
         if full_activation_tokens is not None:
-            costs = costs + RECOMPUTE_COST * np.maximum(0, padded - full_activation_tokens)
+            full = full_activation_tokens
+            recomputed = np.where(padded > full, padded - full * full / np.maximum(padded, 1), 0.0)
+            costs = costs + RECOMPUTE_COST * recomputed
         pick = int(np.argmin(costs))
         best_cost[end] = costs[pick]
         best_start[end] = starts[pick]

@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from workbench.activation_checkpointing import (
-    FULL_ACTIVATION_TOKENS,
     checkpointed_layer_count,
     checkpointing,
     decoder_layers,
+    full_activation_tokens,
 )
 from workbench.batching import MicroBatch
 from workbench.checkpoint_store import json_bytes
@@ -191,7 +191,7 @@ class AdaptedModel:
                 micro.inputs["target_tokens"],
                 vocab_size=self.info.vocab_size,
                 logits_from_hidden_states=self.info.logits_from_hidden_states,
-                kept_positions=FULL_ACTIVATION_TOKENS,
+                kept_positions=full_activation_tokens(micro.input_ids_B_T.numel()),
                 with_entropy=with_entropy,
             )
 

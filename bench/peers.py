@@ -1,0 +1,341 @@
+"""Side by side with TRL: supervised fine-tuning tokens/s and one GRPO step, workbench against TRL's own
+trainers, on the same model, LoRA, data and batch.
+
+Both tasks run each side in a fresh process (neither pays for the other's threads or memory), with the
+model loaded in fp32 on the CPU and a rank-16 LoRA (alpha 32, no dropout) on the same modules: every
+linear layer of attention and MLP, as `workbench.LoraConfig(rank=16, train_unembed=False)` chooses them
+(TRL refuses an adapter on the output layer, which workbench trains by default). Warm-up steps are run and not timed; a
+step's time is from the end of the previous step to the end of this one (TRL: its `on_step_end`
+callbacks, so the data loading and collation between steps count; workbench: the calls a notebook
+makes, with the datums built from token lists inside the step).
+
+  SFT: the built-in `pirate_sft` chats, tokenized once with the chat template; batches of 8 in the same
+       order on both sides; the loss on every token (workbench `cross_entropy` with weight 1 everywhere,
+       TRL `SFTTrainer` on pre-tokenized `input_ids`, no packing, padded to the batch's longest). Tokens/s
+       counts real tokens. Target: workbench / TRL >= 1.0.
+  GRPO: 8 addition prompts x 4 completions per step, at most 16 new tokens, temperature 1, exact-match
+       reward. Workbench: a sampling client from `save_weights_and_get_sampling_client`, group-relative
+       advantages, `forward_backward(importance_sampling)` on all 32 completions, `optim_step`. TRL:
+       `GRPOTrainer` generating with transformers (no vLLM), one optimizer step per generation batch.
+       Seconds per step. Target: workbench / TRL <= 0.7.
+
+Settings that differ (each side's natural way of doing the same step):
+  - loss scale: workbench sums token losses (Tinker's semantics); TRL averages them (SFT: over the
+    batch's tokens; GRPO: `loss_type="dapo"`, over the batch's completion tokens). Same gradient
+    direction, and the same work.
+  - GRPO objective: workbench `importance_sampling` (ratio to the sampler's logprobs times the advantage,
+    no clip); TRL its default clipped surrogate (epsilon 0.2), whose ratio is 1 here (one iteration per
+    generation batch). Neither has a KL term (TRL `beta=0.0`, its default).
+  - GRPO advantages: workbench r - mean(r) per group (Dr. GRPO); TRL `scale_rewards="none"` for the same.
+  - GRPO old logprobs: workbench takes the sampler's (returned with every sample); TRL recomputes none
+    with one iteration per generation batch.
+  - optimizer: workbench `torch.optim.AdamW` (for-loop implementation); TRL the Trainer's default
+    `adamw_torch_fused`. Both: lr 1e-5 constant, betas (0.9, 0.95), eps 1e-8, no weight decay, no
+    gradient clipping.
+  - micro-batches: workbench groups datums by length under its token budget (and checkpoints layers only
+    past `FULL_ACTIVATION_TOKENS` padded tokens); TRL runs the batch as one padded forward, with
+    `gradient_checkpointing=False` (TRL's default is True; off is the faster setting at these sizes).
+  - TRL also computes its logged metrics every step (entropy, token accuracy); workbench its own
+    (`loss:sum`, `num_tokens:sum`).
+  - Sampling: both draw at temperature 1 with no top-k/top-p and stop at the end-of-turn token; the
+    draws differ (different generators), so completion lengths, and so the work, differ a little.
+
+    python bench/peers.py
+    python bench/peers.py --tasks sft --steps 6
+
+Needs `trl` (`pip install -e .[peers]`); without it, says so and exits with code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+MODEL = "smollm2-135m"
+RANK = 16
+ALPHA = 32.0
+LEARNING_RATE = 1e-5
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+SFT_BATCH = 8
+PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS = 8, 4, 16
+SIDES = ("trl", "workbench")
+
+
+def sft_sequences(tokenizer: Any) -> list[list[int]]:
+    """The pirate chats with the chat template, one token list each."""
+    from workbench.datasets import pirate_sft
+
+    return [
+        list(tokenizer.apply_chat_template(qa.messages(), tokenize=True, return_dict=True)["input_ids"])
+        for qa in pirate_sft()
+    ]
+
+
+def sft_batches(sequences: list[list[int]], steps: int) -> list[list[list[int]]]:
+    """`steps` batches of SFT_BATCH sequences, in order, cycling through the data."""
+    flat = [sequences[i % len(sequences)] for i in range(steps * SFT_BATCH)]
+    return [flat[i : i + SFT_BATCH] for i in range(0, len(flat), SFT_BATCH)]
+
+
+def grpo_problems(steps: int) -> list[Any]:
+    from workbench.datasets import addition_problems
+
+    return addition_problems(steps * PROMPTS_PER_STEP, seed=0)
+
+
+def reward(text: str, answer: str) -> float:
+    """1.0 for exactly the answer (surrounding whitespace aside), 0.0 for anything else."""
+    return 1.0 if text.strip() == answer else 0.0
+
+
+def workbench_lora() -> Any:
+    import workbench as wb
+
+    return wb.LoraConfig(rank=RANK, alpha=ALPHA, train_unembed=False)
+
+
+def peft_lora_config() -> Any:
+    """peft's LoraConfig on the modules workbench adapts for `LoraConfig(rank=RANK)`."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workbench.models import classify_linear_layers, lora_target_modules, resolve_model_path
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(MODEL), dtype=torch.float32)
+    modules = lora_target_modules(classify_linear_layers(base), workbench_lora())
+    return peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=modules, task_type="CAUSAL_LM"
+    )
+
+
+# ------------------------------------------------------------------------------------------------- TRL side
+
+
+def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
+    """Train with TRL's trainer for warmup + steps steps; the seconds of the timed steps."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from workbench.models import resolve_model_path
+
+    path = resolve_model_path(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step_ends.append(time.perf_counter())
+
+    common = {
+        "output_dir": tempfile.mkdtemp(prefix="workbench-peers-trl-"),
+        "max_steps": warmup + steps,
+        "learning_rate": LEARNING_RATE,
+        "lr_scheduler_type": "constant",
+        "adam_beta1": BETAS[0],
+        "adam_beta2": BETAS[1],
+        "adam_epsilon": EPS,
+        "weight_decay": 0.0,
+        "max_grad_norm": 0.0,
+        "bf16": False,
+        "activation_checkpointing": False,
+        "use_cpu": True,
+        "dataloader_num_workers": 0,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    if task == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        batches = sft_batches(sft_sequences(tokenizer), warmup + steps)
+        dataset = Dataset.from_dict({"input_ids": [seq for batch in batches for seq in batch]})
+        config = SFTConfig(
+            **common,
+            per_device_train_batch_size=SFT_BATCH,
+            train_sampling_strategy="sequential",
+            packing=False,
+            max_length=None,
+        )
+        trainer = SFTTrainer(
+            model=model,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft_lora_config(),
+            callbacks=[StepClock()],
+        )
+        trainer.train()
+        timed_tokens = sum(len(seq) - 1 for batch in batches[warmup:] for seq in batch)
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        problems = grpo_problems(warmup + steps)
+        dataset = Dataset.from_dict(
+            {
+                "prompt": [[{"role": "user", "content": p.question}] for p in problems],
+                "answer": [p.answer for p in problems],
+            }
+        )
+
+        def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+            return [reward(c[0]["content"], a) for c, a in zip(completions, answer, strict=True)]
+
+        config = GRPOConfig(
+            **common,
+            per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
+            num_generations=GROUP_SIZE,
+            max_completion_length=MAX_NEW_TOKENS,
+            steps_per_generation=1,
+            shuffle_dataset=False,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            beta=0.0,
+            scale_rewards="none",
+            use_vllm=False,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=exact_match,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft_lora_config(),
+            callbacks=[StepClock()],
+        )
+        trainer.train()
+        timed_tokens = 0
+    seconds = [b - a for a, b in zip(step_ends[warmup - 1 : -1], step_ends[warmup:], strict=True)]
+    return {"seconds": seconds, "tokens": timed_tokens}
+
+
+# ------------------------------------------------------------------------------------------- workbench side
+
+
+def workbench_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
+    """The same steps with a workbench Session; the seconds of the timed steps."""
+    import torch
+
+    import workbench as wb
+
+    session = wb.Session(
+        MODEL,
+        workbench_lora(),
+        seed=0,
+        wandb=False,
+        run_dir=tempfile.mkdtemp(prefix="workbench-peers-"),
+    )
+    adam = wb.AdamParams(learning_rate=LEARNING_RATE, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+    tokenizer = session.tokenizer
+    step_ends = [time.perf_counter()]
+    if task == "sft":
+        batches = sft_batches(sft_sequences(tokenizer), warmup + steps)
+        for batch in batches:
+            data = [
+                wb.Datum(
+                    model_input=wb.ModelInput.from_ints(seq[:-1]),
+                    loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
+                )
+                for seq in batch
+            ]
+            session.policy.forward_backward(data, "cross_entropy")
+            session.policy.optim_step(adam).result()
+            step_ends.append(time.perf_counter())
+        timed_tokens = sum(len(seq) - 1 for batch in batches[warmup:] for seq in batch)
+    else:
+        problems = grpo_problems(warmup + steps)
+        sampling = wb.SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.0)
+        eos = tokenizer.eos_token
+        for step in range(warmup + steps):
+            chunk = problems[step * PROMPTS_PER_STEP : (step + 1) * PROMPTS_PER_STEP]
+            prompts = [wb.chat_prompt(tokenizer, [{"role": "user", "content": p.question}]) for p in chunk]
+            sampler = session.policy.save_weights_and_get_sampling_client()
+            futures = [sampler.sample(prompt, GROUP_SIZE, sampling) for prompt in prompts]
+            data = []
+            for problem, prompt, future in zip(chunk, prompts, futures, strict=True):
+                group = future.result().sequences
+                texts = [tokenizer.decode(s.tokens).removesuffix(eos) for s in group]
+                rewards_G = torch.tensor([reward(text, problem.answer) for text in texts])
+                advantages_G = wb.group_relative_advantages(rewards_G)
+                data += [
+                    wb.policy_datum(prompt, s, float(a)) for s, a in zip(group, advantages_G, strict=True)
+                ]
+            session.policy.forward_backward(data, "importance_sampling")
+            session.policy.optim_step(adam).result()
+            step_ends.append(time.perf_counter())
+        timed_tokens = 0
+    session.close()
+    seconds = [b - a for a, b in zip(step_ends[warmup:-1], step_ends[warmup + 1 :], strict=True)]
+    return {"seconds": seconds, "tokens": timed_tokens}
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+
+def run_child(side: str, task: str, warmup: int, steps: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", side, task, "--warmup", str(warmup), "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        sys.exit(f"{side} {task} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", nargs="+", choices=("sft", "grpo"), default=["sft", "grpo"])
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument("--child", nargs=2, metavar=("SIDE", "TASK"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if importlib.util.find_spec("trl") is None:
+        print("bench/peers.py compares against TRL, which is not installed: pip install -e '.[peers]'")
+        return
+    if args.warmup < 1 or args.steps < 1:
+        sys.exit("--warmup and --steps must be >= 1")
+    if args.child:
+        side, task = args.child
+        run = trl_run if side == "trl" else workbench_run
+        print(json.dumps(run(task, args.warmup, args.steps)))
+        return
+    import trl
+
+    print(
+        f"model={MODEL} fp32 cpu, LoRA rank {RANK} alpha {ALPHA:g} on attention and MLP, TRL {trl.__version__}; "
+        f"{args.warmup} warm-up + {args.steps} timed steps per side, each side in a fresh process"
+    )
+    print(f"{'task':44s} {'TRL':>9s} {'workbench':>10s} {'ratio':>6s}  target")
+    for task in args.tasks:
+        figures = {side: run_child(side, task, args.warmup, args.steps) for side in SIDES}
+        if task == "sft":
+            trl_tps, ours_tps = (figures[s]["tokens"] / sum(figures[s]["seconds"]) for s in SIDES)
+            label = f"SFT tokens/s (batch {SFT_BATCH}, no packing)"
+            print(f"{label:44s} {trl_tps:9.1f} {ours_tps:10.1f} {ours_tps / trl_tps:6.2f}  >= 1.0")
+        else:
+            trl_s, ours_s = (statistics.median(figures[s]["seconds"]) for s in SIDES)
+            label = f"GRPO s/step ({PROMPTS_PER_STEP}x{GROUP_SIZE}, <= {MAX_NEW_TOKENS} new tokens)"
+            print(f"{label:44s} {trl_s:9.2f} {ours_s:10.2f} {ours_s / trl_s:6.2f}  <= 0.7")
+
+
+if __name__ == "__main__":
+    main()
