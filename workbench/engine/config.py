@@ -19,7 +19,7 @@ from workbench.types import LoraConfig
 # goes alone whatever the budget. What the budget bounds is a pass without gradients (`forward`, reference
 # and prompt logprobs), which keeps nothing: measured there (64 × 256 tokens, SmolLM2-135M fp32, CPU) 345
 # MB above the loaded model at 2,048 and 534 MB at 8,192 (31 KB per token), at the same tokens/s. 16,384
-# (about 0.8 GB) keeps such a pass below what one 2,048-token training step holds (about 2.9 GB) with
+# (about 0.8 GB) keeps such a pass below what one 2,048-token training step holds (2.8 GB) with
 # half as many passes as 8,192; on a CPU it gains no speed, on a GPU fewer, larger passes do.
 DEFAULT_MAX_TOKENS_PER_MICROBATCH = 16384
 DEFAULT_MAX_MODELS = 8
