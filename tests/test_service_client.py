@@ -275,3 +275,19 @@ def test_a_sessions_service_client_trains_next_to_it_and_leaves_it_open(tiny: wb
         _train(client)
     assert not tiny.closed and client.model_id in tiny.engine.model_ids()
     assert any(row["op"] == "optim_step" and row["model"] == "policy_2" for row in tiny.history)
+
+
+def test_an_unseeded_training_client_takes_its_sessions_seed() -> None:
+    """Code written for the SDK rarely passes `seed`: on a session's service client the adapter then
+    starts from the session's seed (as `workbench serve` does), so a seeded notebook repeats itself."""
+    outputs = []
+    for _ in range(2):
+        sess = wb.Session("tiny", wb.LoraConfig(rank=4), seed=3, wandb=False)
+        client = sess.service_client().create_lora_training_client("tiny", rank=4).result()
+        data = [ce_datum([5, 6, 7, 8, 9])]
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        out = client.forward(data, "cross_entropy").result()
+        outputs.append(out.loss_fn_outputs[0]["logprobs"].tolist())
+        sess.close()
+    assert outputs[0] == outputs[1]

@@ -16,7 +16,6 @@ Nothing here opens a W&B run: a `Session` does, a `ServiceClient` never (a cookb
 from __future__ import annotations
 
 import concurrent.futures
-import secrets
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -129,7 +128,8 @@ class ServiceClient:
         optimizer: Any = None,
     ) -> ClientFuture[TrainingClient]:
         """A new training run: a LoRA policy on `base_model`. `seed` fixes the adapter's initialisation
-        (None: a fresh random one, as Tinker). `user_metadata` is stored with the run (`run.json`) and
+        (None: the engine's seed, as `workbench serve` does, so a notebook or script that seeds its
+        session is repeatable end to end). `user_metadata` is stored with the run (`run.json`) and
         returned by `RestClient.get_training_run`. `optimizer`: AdamW only (None or
         `AdamOptimizerConfig`); another family raises a `ValueError`."""
         _check_optimizer(optimizer)
@@ -137,7 +137,7 @@ class ServiceClient:
             rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
         )
         engine = self.engine(base_model)
-        run_seed = secrets.randbits(31) if seed is None else seed
+        run_seed = engine.config.seed if seed is None else seed
         model_id = engine.create_model(lora, seed=run_seed, user_metadata=user_metadata)
         return client_future(model_id.then(lambda created: TrainingClient(engine, created)))
 
