@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
-import time
-from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TINKER_API_KEY", "tml-local")
 
 import tinker
+from server import timed_pair  # bench/server.py, beside this script: the same alternating timer
 from tinker import types
 
 import workbench as wb
@@ -32,20 +30,6 @@ SETTINGS = {
     "smollm2-135m": {"batch": (8, 128), "samples": (4, 32), "calls": 8, "rank": 16},
 }
 ADAM = {"learning_rate": 1e-5}
-
-
-def timed_pair(first: Callable[[], object], second: Callable[[], object], calls: int) -> tuple[float, float]:
-    """Median seconds per call of two functions, called alternately (which goes first alternates too)."""
-    times: tuple[list[float], list[float]] = ([], [])
-    first()
-    second()  # warm both
-    for index in range(calls):
-        pair = ((first, times[0]), (second, times[1]))
-        for fn, sink in pair if index % 2 == 0 else pair[::-1]:
-            start = time.perf_counter()
-            fn()
-            sink.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main() -> None:
