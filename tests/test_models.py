@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import pytest
 import torch
 
 import workbench as wb
 from workbench.builtin_models import _build_tiny, tiny_model_dir
+from workbench.engine import engine as engine_module
 from workbench.models import lora_target_modules
 
 
@@ -86,10 +88,35 @@ def test_default_device_and_dtype_on_cpu() -> None:
         assert next(sess.engine.torch_model.parameters()).dtype == torch.bfloat16
 
 
+def _worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "workbench-worker"]
+
+
+def test_the_model_is_loaded_on_the_sessions_worker_thread(monkeypatch) -> None:
+    """Loading runs parallel kernels; on the caller's thread they would give it an OpenMP pool of its
+    own, which slows every later kernel on the worker (see `Engine.__init__`)."""
+    loaded_on: list[threading.Thread] = []
+    real = engine_module.load_base_model
+
+    def recording(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_base_model", recording)
+    before = set(_worker_threads())
+    with wb.Session("tiny", wb.LoraConfig(rank=1)):
+        (worker,) = set(_worker_threads()) - before
+        assert loaded_on == [worker]
+
+
 def test_unknown_model_names_fail_clearly(tmp_path) -> None:
     empty = tmp_path / "not-a-model"
     empty.mkdir()
+    before = set(_worker_threads())
     with pytest.raises(ValueError, match="not a model folder"):
         wb.Session(str(empty))
+    for thread in set(_worker_threads()) - before:  # the failed load's worker stops
+        thread.join(timeout=10)
+        assert not thread.is_alive()
     with pytest.raises(ValueError, match="unknown dtype"):
         wb.Session("tiny", dtype="float8")

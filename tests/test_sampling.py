@@ -128,6 +128,40 @@ def test_nucleus_filter_keeps_the_smallest_set_reaching_top_p() -> None:
     assert _drawn(logits) == {0, 1, 2, 3}
 
 
+def test_draws_follow_the_distribution() -> None:
+    """20,000 draws from a row's softmax (including a token with no probability mass after top-k): each
+    token's frequency within 5 standard errors of its probability, and none of the filtered token."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 1e-9])
+    rows = probs.log().expand(20_000, -1)
+    generator = torch.Generator().manual_seed(0)
+    picked = draw_tokens(rows, wb.SamplingParams(top_k=4), [(slice(0, 20_000), generator)])
+    frequencies = torch.bincount(picked, minlength=5).double() / 20_000
+    kept = probs[:4].double() / probs[:4].sum()
+    standard_errors = (kept * (1 - kept) / 20_000).sqrt()
+    assert ((frequencies[:4] - kept).abs() < 5 * standard_errors).all(), frequencies
+    assert frequencies[4] == 0
+
+
+def test_each_prompt_is_computed_once_for_all_its_samples(tiny: wb.Session) -> None:
+    """The decoder embeds a request's prompt once, whatever its `num_samples`: P − 1 prompt tokens in the
+    shared prefill, then each row's last prompt token and its new tokens, one per step."""
+    prompt = _ids(tiny, PROMPTS[0])
+    embedded: list[int] = []
+    embeddings = tiny.engine.torch_model.get_input_embeddings()
+    handle = embeddings.register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+    try:
+        response = (
+            tiny.sampling_client()
+            .sample(prompt, 8, wb.SamplingParams(max_tokens=5, temperature=1.0, seed=3, stop=[]))
+            .result()
+        )
+    finally:
+        handle.remove()
+    assert all(len(seq.tokens) == 5 for seq in response.sequences)
+    # prefill, then 5 decoding steps over the 8 rows (the last consumes the 4th new token)
+    assert embedded == [len(prompt) - 1] + [8] * 5
+
+
 def test_top_p_samples_only_from_the_nucleus(tiny: wb.Session) -> None:
     prompt = _ids(tiny, PROMPTS[0])
     response = (

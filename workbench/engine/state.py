@@ -54,13 +54,14 @@ class EngineState:
         tokenizer: PreTrainedTokenizerBase,
         device: torch.device,
         dtype: torch.dtype,
+        worker: Worker,
     ):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        self.worker = Worker()
+        self.worker = worker  # the thread that loaded `model` and runs every operation on it
         self.history = MetricsHistory()
         self.runs: dict[str, TrainingRun] = {}
         # Draws the seeds of sampling requests that give none, on the worker in submission order, so a

@@ -1,15 +1,17 @@
 """In-process sampling with HF `generate` on the live model, with per-token logprobs.
 
-Notation: N rows in one `generate` call (the requests' samples together), V vocabulary, P longest prompt.
+Notation: R requests and N rows in one `generate` call (the requests' samples together), V vocabulary,
+P longest prompt, Q = P − 1.
 
 Every queued request for the same weights is generated in one batched `generate` call: prompts are
-left-padded (HF derives position ids from the attention mask), each request's prompt repeated
-`num_samples` times. Token choice happens in our own logits processor, so that each request keeps its own
-sampling parameters and its own seeded generator inside a shared batch (same seed, same tokens, whatever
-else is in the batch), and so that the logprob of each chosen token is read from the unprocessed
-distribution: log_softmax of the model's logits, the same number `forward` computes for that token. The
-processor returns scores that leave `generate` (run greedy) exactly one choice per row. Rows end at their
-own stop token, stop string or `max_tokens`; the call ends when every row has.
+left-padded (HF derives position ids from the attention mask); each request's prompt is prefilled once
+and its KV cache repeated for its `num_samples` rows. Token choice happens in our own logits processor,
+so that each request keeps its own sampling parameters and its own seeded generator inside a shared
+batch (same seed, same tokens, whatever else is in the batch), and so that the logprob of each chosen
+token is read from the unprocessed distribution: log_softmax of the model's logits, the same number
+`forward` computes for that token. The processor returns scores that leave `generate` (run greedy)
+exactly one choice per row. Rows end at their own stop token, stop string or `max_tokens`; the call ends
+when every row has.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 from transformers import (
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -48,12 +51,32 @@ def _outside_nucleus(sorted_R_V: Tensor, top_p: float) -> Tensor:
     return outside_R_V
 
 
+def inverse_cdf_draw(probs_R_V: Tensor, uniform_R: Tensor) -> Tensor:
+    """One index per row, drawn from the row's probabilities with one uniform number in [0, 1) per row:
+    the first index whose cumulative probability exceeds u × total (inverse transform sampling).
+
+    One random number per row instead of `torch.multinomial`'s V (it races V exponentials per row):
+    3.4 ms less per decoding step for 4 rows of a 49k vocabulary on a CPU. The cumulative sum is in
+    float64, so the draw's bias from rounding is far below anything a sample can show. An index past the
+    last (u × total rounded up to the total, at most a 2⁻⁵³ chance) falls back to the last token with
+    any probability.
+    """
+    cdf_R_V = probs_R_V.double().cumsum(dim=-1)
+    picked_R = torch.searchsorted(cdf_R_V, (uniform_R * cdf_R_V[:, -1])[:, None], right=True).squeeze(1)
+    past_end_R = picked_R >= probs_R_V.shape[-1]
+    if past_end_R.any():
+        last_positive_R = probs_R_V.shape[-1] - 1 - (probs_R_V > 0).flip(-1).int().argmax(dim=-1)
+        picked_R = torch.where(past_end_R, last_positive_R, picked_R)
+    return picked_R
+
+
 def draw_tokens(
     scores_R_V: Tensor, params: SamplingParams, requests: list[tuple[slice, torch.Generator]]
 ) -> Tensor:
     """One token per row: temperature, top-k and nucleus filtering, then a draw from each request's own
     generator. With top_p < 1 the draw happens in sorted order, which is the same distribution without
-    scattering the filtered scores back (one pass over the (R, V) scores fewer)."""
+    scattering the filtered scores back (one pass over the (R, V) scores fewer). Each request's rows draw
+    their uniform numbers from its own generator, in row order."""
     scaled_R_V = scores_R_V / params.temperature
     if params.top_k > 0 and params.top_k < scaled_R_V.shape[-1]:
         kth_R_1 = torch.topk(scaled_R_V, params.top_k, dim=-1).values[:, -1:]
@@ -63,9 +86,12 @@ def draw_tokens(
         scaled_R_V, order_R_V = torch.sort(scaled_R_V, dim=-1, descending=True)
         scaled_R_V = scaled_R_V.masked_fill(_outside_nucleus(scaled_R_V, params.top_p), -math.inf)
     probs_R_V = torch.softmax(scaled_R_V, dim=-1)
-    picked_R = torch.empty(probs_R_V.shape[0], dtype=torch.long, device=probs_R_V.device)
+    uniform_R = torch.empty(probs_R_V.shape[0], dtype=torch.float64, device=probs_R_V.device)
     for rows, generator in requests:
-        picked_R[rows] = torch.multinomial(probs_R_V[rows], 1, generator=generator).squeeze(1)
+        uniform_R[rows] = torch.rand(
+            rows.stop - rows.start, dtype=torch.float64, generator=generator, device=uniform_R.device
+        )
+    picked_R = inverse_cdf_draw(probs_R_V, uniform_R)
     if order_R_V is None:
         return picked_R
     return order_R_V.gather(1, picked_R[:, None]).squeeze(1)
@@ -185,13 +211,11 @@ class HFSampler:
     @torch.no_grad()
     def _generate_chunk(self, requests: list[SampleRequest]) -> list[RequestResult]:
         row_requests = [request for request in requests for _ in range(request.num_samples)]
-        longest = max(request.prompt_length for request in requests)
         pad = int(self.tokenizer.pad_token_id)
-        input_ids_N_P = torch.full((len(row_requests), longest), pad, dtype=torch.long)
-        attention_mask_N_P = torch.zeros_like(input_ids_N_P)
-        for row, request in enumerate(row_requests):
-            input_ids_N_P[row, longest - request.prompt_length :] = torch.tensor(request.prompt_tokens)
-            attention_mask_N_P[row, longest - request.prompt_length :] = 1
+        input_ids_R_P, attention_mask_R_P = self._left_padded(requests)
+        request_of_row_N = torch.repeat_interleave(
+            torch.arange(len(requests)), torch.tensor([request.num_samples for request in requests])
+        ).to(self.device)
         groups = []
         start = 0
         for request in requests:
@@ -208,8 +232,9 @@ class HFSampler:
             pad_token_id=pad,
         )
         self.model.generate(
-            input_ids=input_ids_N_P.to(self.device),
-            attention_mask=attention_mask_N_P.to(self.device),
+            input_ids=input_ids_R_P[request_of_row_N],
+            attention_mask=attention_mask_R_P[request_of_row_N],
+            past_key_values=self._prompt_cache(input_ids_R_P, attention_mask_R_P, request_of_row_N),
             generation_config=config,
             logits_processor=LogitsProcessorList([chooser]),
             stopping_criteria=StoppingCriteriaList([stops]),
@@ -239,6 +264,47 @@ class HFSampler:
             )
             start += request.num_samples
         return results
+
+    def _left_padded(self, requests: list[SampleRequest]) -> tuple[Tensor, Tensor]:
+        """Each request's prompt once, left-padded to the longest (HF derives position ids from the mask):
+        (R, P) token ids and attention mask on the device."""
+        longest = max(request.prompt_length for request in requests)
+        input_ids_R_P = torch.full(
+            (len(requests), longest), int(self.tokenizer.pad_token_id), dtype=torch.long
+        )
+        attention_mask_R_P = torch.zeros_like(input_ids_R_P)
+        for row, request in enumerate(requests):
+            input_ids_R_P[row, longest - request.prompt_length :] = torch.tensor(request.prompt_tokens)
+            attention_mask_R_P[row, longest - request.prompt_length :] = 1
+        return input_ids_R_P.to(self.device), attention_mask_R_P.to(self.device)
+
+    def _prompt_cache(
+        self, input_ids_R_P: Tensor, attention_mask_R_P: Tensor, request_of_row_N: Tensor
+    ) -> DynamicCache | None:
+        """The KV cache of every prompt but its last token, computed once per request and repeated for
+        each of its samples; `generate` then starts from each row's last prompt token.
+
+        A request's samples share their prompt, so `generate`'s own prefill (one per row) would compute
+        the same keys and values `num_samples` times: for 8 prompts of 45 tokens × 4 samples and 16 new
+        tokens, that repeated prefill is a third of the call on a CPU. None for one-token prompts.
+        """
+        if input_ids_R_P.shape[1] < 2:
+            return None
+        prefix_ids_R_Q = input_ids_R_P[:, :-1]
+        prefix_mask_R_Q = attention_mask_R_P[:, :-1]
+        # position ids as `generate` derives them from a left-padded mask
+        position_ids_R_Q = (prefix_mask_R_Q.cumsum(dim=-1) - 1).masked_fill(prefix_mask_R_Q == 0, 1)
+        cache = DynamicCache(config=self.model.config)
+        self.model(
+            input_ids=prefix_ids_R_Q,
+            attention_mask=prefix_mask_R_Q,
+            position_ids=position_ids_R_Q,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,  # the logits `generate` needs come from the last prompt token, in its call
+        )
+        cache.batch_select_indices(request_of_row_N)
+        return cache
 
     @torch.no_grad()
     def prompt_logprobs(self, prompts: list[tuple[int, ...]]) -> list[list[float | None]]:
