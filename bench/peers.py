@@ -33,7 +33,7 @@ Settings that differ (each side's natural way of doing the same step):
     `adamw_torch_fused`. Both: lr 1e-5 constant, betas (0.9, 0.95), eps 1e-8, no weight decay, no
     gradient clipping.
   - micro-batches: workbench groups datums by length under its token budget (and checkpoints layers only
-    past `FULL_ACTIVATION_TOKENS` padded tokens); TRL runs the batch as one padded forward, with
+    past its full-activation limit, 1,024 padded tokens here); TRL runs the batch as one padded forward, with
     `gradient_checkpointing=False` (TRL's default is True; off is the faster setting at these sizes).
   - TRL also computes its logged metrics every step (entropy, token accuracy); workbench its own
     (`loss:sum`, `num_tokens:sum`).

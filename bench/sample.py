@@ -34,6 +34,7 @@ import torch
 from transformers import GenerationConfig
 
 import workbench as wb
+from workbench.sampling import vllm_unavailable_reason
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -135,9 +136,7 @@ def main() -> None:
         "--repeats", type=int, default=2, help="timed repeats per configuration (best is reported)"
     )
     args = parser.parse_args()
-    samplers = ["hf"] + (
-        ["vllm"] if wb.sampling.vllm_unavailable_reason(torch.device("cuda")) is None else []
-    )
+    samplers = ["hf"] + (["vllm"] if vllm_unavailable_reason(torch.device("cuda")) is None else [])
     for sampler in samplers:
         with wb.Session(args.model, wb.LoraConfig(rank=16), sampler=sampler, wandb=False) as sess:
             prompts = prompts_for(sess)

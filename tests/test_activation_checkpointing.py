@@ -9,20 +9,38 @@ import torch
 
 import workbench as wb
 from workbench.activation_checkpointing import (
-    FULL_ACTIVATION_TOKENS,
+    FULL_ACTIVATION_BYTES,
     checkpointed_layer_count,
+    full_activation_limit,
     full_activation_tokens,
 )
 
+SMOLLM2_LIMIT = 1024  # F for SmolLM2-135M in fp32
+
 
 def test_the_rule_keeps_full_activations_for_f_squared_over_n_tokens_beyond_f() -> None:
-    assert FULL_ACTIVATION_TOKENS == 1024
-    assert checkpointed_layer_count(1024, 30) == 0
-    assert checkpointed_layer_count(1025, 30) == 1
-    assert checkpointed_layer_count(2048, 30) == 23  # ceil(30 · (1 − 1/4))
-    assert checkpointed_layer_count(4096, 30) == 29
-    assert [full_activation_tokens(n) for n in (100, 1024, 2048, 4096)] == [100, 1024, 512, 256]
-    assert checkpointed_layer_count(10**6, 30) == 30
+    assert checkpointed_layer_count(1024, 30, SMOLLM2_LIMIT) == 0
+    assert checkpointed_layer_count(1025, 30, SMOLLM2_LIMIT) == 1
+    assert checkpointed_layer_count(2048, 30, SMOLLM2_LIMIT) == 23  # ceil(30 · (1 − 1/4))
+    assert checkpointed_layer_count(4096, 30, SMOLLM2_LIMIT) == 29
+    assert [full_activation_tokens(n, SMOLLM2_LIMIT) for n in (100, 1024, 2048, 4096)] == [
+        100,
+        1024,
+        512,
+        256,
+    ]
+    assert checkpointed_layer_count(10**6, 30, SMOLLM2_LIMIT) == 30
+
+
+def test_f_is_1024_tokens_or_the_tokens_that_keep_as_much() -> None:
+    """F: 1024 for SmolLM2-135M in fp32 and for anything larger; a model whose tokens keep less gets as
+    many tokens as keep FULL_ACTIVATION_BYTES."""
+    assert full_activation_limit(576, 30, 49_152, 4) == SMOLLM2_LIMIT
+    assert full_activation_limit(576, 30, 151_936, 4) == SMOLLM2_LIMIT  # a larger vocabulary
+    assert full_activation_limit(4096, 32, 128_256, 2) == SMOLLM2_LIMIT  # an 8B model in bf16
+    assert full_activation_limit(576, 30, 49_152, 2) == 1779  # SmolLM2 in bf16 keeps less per token
+    tiny = full_activation_limit(64, 2, 1024, 4)
+    assert tiny == FULL_ACTIVATION_BYTES // (4 * 2 * 16 * 64 + 4 * 1024) > 100_000
 
 
 def _data(count: int, length: int) -> list[wb.Datum]:
@@ -46,6 +64,9 @@ def _data(count: int, length: int) -> list[wb.Datum]:
 def _train(budget: int, data: list[wb.Datum]) -> tuple[list[int], dict, dict[str, torch.Tensor]]:
     """Layer-by-layer MLP call counts (entered: a recomputation stops at the last tensor it needs) of one training call, its output, and the gradient it leaves."""
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=budget) as sess:
+        # the tiny model's own F is above 100,000 tokens: take SmolLM2's, so that these small batches
+        # exercise the rule
+        sess.engine._state.model.full_activation_limit = SMOLLM2_LIMIT
         layers = sess.engine.torch_model.get_decoder().layers
         calls = [0] * len(layers)
         hooks = [
@@ -74,6 +95,20 @@ def test_a_long_training_microbatch_checkpoints_layers_and_gives_the_same_number
         )
     for name, gradient in gradients.items():
         torch.testing.assert_close(gradient, alone_gradients[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_tiny_model_trains_4096_tokens_in_one_pass_without_recomputation() -> None:
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
+        layers = sess.engine.torch_model.get_decoder().layers
+        calls = [0] * len(layers)
+        hooks = [
+            layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+            for i, layer in enumerate(layers)
+        ]
+        sess.policy.forward_backward(_data(32, 128), "importance_sampling").result()
+        for hook in hooks:
+            hook.remove()
+    assert calls == [1, 1]
 
 
 def test_forward_passes_never_checkpoint() -> None:

@@ -28,6 +28,7 @@ from workbench.activation_checkpointing import (
     checkpointed_layer_count,
     checkpointing,
     decoder_layers,
+    full_activation_limit,
     full_activation_tokens,
 )
 from workbench.batching import MicroBatch
@@ -57,6 +58,10 @@ class AdaptedModel:
         self.device = device
         self.peft_model: peft.PeftModel | None = None
         self.decoder_layers = decoder_layers(base.get_decoder())
+        # F of `workbench.activation_checkpointing`'s rule for this model
+        self.full_activation_limit = full_activation_limit(
+            info.hidden_size, info.num_layers, info.vocab_size, base.dtype.itemsize
+        )
         self.hf_sampler = HFSampler(base, tokenizer, device, info.vocab_size, info.logits_from_hidden_states)
 
     @property
@@ -161,7 +166,9 @@ class AdaptedModel:
         micro-batch's padded tokens when gradients are on (none otherwise)."""
         count = 0
         if torch.is_grad_enabled():
-            count = checkpointed_layer_count(micro.input_ids_B_T.numel(), len(self.decoder_layers))
+            count = checkpointed_layer_count(
+                micro.input_ids_B_T.numel(), len(self.decoder_layers), self.full_activation_limit
+            )
         return checkpointing(self.decoder_layers[:count])
 
     def final_hidden_states(self, micro: MicroBatch) -> Tensor:
@@ -191,7 +198,9 @@ class AdaptedModel:
                 micro.inputs["target_tokens"],
                 vocab_size=self.info.vocab_size,
                 logits_from_hidden_states=self.info.logits_from_hidden_states,
-                kept_positions=full_activation_tokens(micro.input_ids_B_T.numel()),
+                kept_positions=full_activation_tokens(
+                    micro.input_ids_B_T.numel(), self.full_activation_limit
+                ),
                 with_entropy=with_entropy,
             )
 

@@ -13,7 +13,7 @@ from typing import Any
 from workbench.types import LoraConfig
 
 # The most padded tokens one forward pass may take. Training micro-batches stay far below it: the planner
-# groups datums past `FULL_ACTIVATION_TOKENS` only where the recomputation costs less than another pass,
+# groups datums past the model's full-activation limit (1,024 tokens here) only where the recomputation costs less than another pass,
 # so on SmolLM2-135M its training plans for 64 datums of 256 tokens and of 16..512 tokens are the same at
 # every budget from 2,048 to 32,768 (largest micro-batch 1,024 and 1,098 padded tokens), and a longer datum
 # goes alone whatever the budget. What the budget bounds is a pass without gradients (`forward`, reference

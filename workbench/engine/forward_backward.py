@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from workbench.activation_checkpointing import FULL_ACTIVATION_TOKENS
 from workbench.batching import MicroBatch, PreparedDatum, collate, plan_microbatches, prepare_batch
 from workbench.engine.provenance import attach_sampling_records
 from workbench.engine.roles import Role
@@ -199,7 +198,7 @@ def run_loss(
         for indices in plan_microbatches(
             [item.length for item in batch],
             state.config.max_tokens_per_microbatch,
-            FULL_ACTIVATION_TOKENS if backward else None,
+            state.model.full_activation_limit if backward else None,
         ):
             micro = collate(batch, indices, pad, state.device)
             mask_B_T = micro.attention_mask_B_T.bool()
@@ -252,7 +251,9 @@ def run_custom(
     surrogate Σ logprobs · ∂loss/∂logprobs, whose parameter gradient is the same.
     """
     plan = plan_microbatches(
-        [item.length for item in batch], state.config.max_tokens_per_microbatch, FULL_ACTIVATION_TOKENS
+        [item.length for item in batch],
+        state.config.max_tokens_per_microbatch,
+        state.model.full_activation_limit,
     )
     pad = state.tokenizer.pad_token_id
     logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
