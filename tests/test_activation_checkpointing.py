@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -61,21 +63,31 @@ def _data(count: int, length: int) -> list[wb.Datum]:
     return data
 
 
+@contextlib.contextmanager
+def _mlp_calls(sess: wb.Session) -> Iterator[list[int]]:
+    """Within the block, how many times each decoder layer's MLP is entered (a recomputation stops at the
+    last tensor it needs, so a checkpointed layer's MLP is entered again in backward)."""
+    layers = sess.engine.torch_model.get_decoder().layers
+    calls = [0] * len(layers)
+    hooks = [
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def _train(budget: int, data: list[wb.Datum]) -> tuple[list[int], dict, dict[str, torch.Tensor]]:
-    """Layer-by-layer MLP call counts (entered: a recomputation stops at the last tensor it needs) of one training call, its output, and the gradient it leaves."""
+    """Layer-by-layer MLP call counts of one training call, its output, and the gradient it leaves."""
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=budget) as sess:
         # the tiny model's own F is above 100,000 tokens: take SmolLM2's, so that these small batches
         # exercise the rule
         sess.engine._state.model.full_activation_limit = SMOLLM2_LIMIT
-        layers = sess.engine.torch_model.get_decoder().layers
-        calls = [0] * len(layers)
-        hooks = [
-            layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-            for i, layer in enumerate(layers)
-        ]
-        out = sess.policy.forward_backward(data, "importance_sampling").result()
-        for hook in hooks:
-            hook.remove()
+        with _mlp_calls(sess) as calls:
+            out = sess.policy.forward_backward(data, "importance_sampling").result()
         gradients = sess.engine.inspect(sess.model_id, wb.Role.POLICY).gradients
     return calls, out, gradients  # type: ignore[return-value]
 
@@ -98,24 +110,14 @@ def test_a_long_training_microbatch_checkpoints_layers_and_gives_the_same_number
 
 
 def test_the_tiny_model_trains_4096_tokens_in_one_pass_without_recomputation() -> None:
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
-        layers = sess.engine.torch_model.get_decoder().layers
-        calls = [0] * len(layers)
-        hooks = [
-            layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-            for i, layer in enumerate(layers)
-        ]
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess, _mlp_calls(sess) as calls:
         sess.policy.forward_backward(_data(32, 128), "importance_sampling").result()
-        for hook in hooks:
-            hook.remove()
     assert calls == [1, 1]
 
 
 def test_forward_passes_never_checkpoint() -> None:
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
-        mlp = sess.engine.torch_model.get_decoder().layers[0].mlp
-        calls = []
-        hook = mlp.register_forward_pre_hook(lambda *_: calls.append(1))
-        sess.policy.forward(_data(6, 200), "importance_sampling").result()
-        hook.remove()
-    assert len(calls) == 1
+        sess.engine._state.model.full_activation_limit = SMOLLM2_LIMIT  # 1200 tokens are past it
+        with _mlp_calls(sess) as calls:
+            sess.policy.forward(_data(6, 200), "importance_sampling").result()
+    assert calls[0] == 1
