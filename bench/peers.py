@@ -161,6 +161,12 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
         "disable_tqdm": True,
         "seed": 0,
     }
+    trainer_inputs = {
+        "model": model,
+        "processing_class": tokenizer,
+        "peft_config": peft_lora_config(),
+        "callbacks": [StepClock()],
+    }
     if task == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -173,14 +179,7 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
             packing=False,
             max_length=None,
         )
-        trainer = SFTTrainer(
-            model=model,
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=peft_lora_config(),
-            callbacks=[StepClock()],
-        )
+        trainer = SFTTrainer(args=config, train_dataset=dataset, **trainer_inputs)
         trainer.train()
         timed_tokens = sum(len(seq) - 1 for batch in batches[warmup:] for seq in batch)
     else:
@@ -211,15 +210,7 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
             scale_rewards="none",
             use_vllm=False,
         )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=exact_match,
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=peft_lora_config(),
-            callbacks=[StepClock()],
-        )
+        trainer = GRPOTrainer(reward_funcs=exact_match, args=config, train_dataset=dataset, **trainer_inputs)
         trainer.train()
         timed_tokens = 0
     seconds = [b - a for a, b in zip(step_ends[warmup - 1 : -1], step_ends[warmup:], strict=True)]
