@@ -49,7 +49,11 @@ def child(mode: str, model: str) -> dict[str, float]:
         import torch.nn.functional as F
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from workbench.models import classify_linear_layers, lora_target_modules, resolve_model_path
+        from workbench.engine.model.base_model import (
+            classify_linear_layers,
+            lora_target_modules,
+            resolve_model_path,
+        )
         from workbench.types import LoraConfig
 
         mark("import")

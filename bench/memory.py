@@ -41,7 +41,7 @@ def large_vocab_folder() -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from workbench.models import resolve_model_path
+    from workbench.engine.model.base_model import resolve_model_path
 
     folder = Path(tempfile.gettempdir()) / f"workbench-bench-{LARGE_VOCAB_MODEL}"
     if (folder / "config.json").is_file():

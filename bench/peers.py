@@ -75,7 +75,7 @@ SIDES = ("trl", "workbench")
 
 def sft_sequences(tokenizer: Any) -> list[list[int]]:
     """The pirate chats with the chat template, one token list each."""
-    from workbench.datasets import pirate_sft
+    from workbench.loops.datasets import pirate_sft
 
     return [
         list(tokenizer.apply_chat_template(qa.messages(), tokenize=True, return_dict=True)["input_ids"])
@@ -90,7 +90,7 @@ def sft_batches(sequences: list[list[int]], steps: int) -> list[list[list[int]]]
 
 
 def grpo_problems(steps: int) -> list[Any]:
-    from workbench.datasets import addition_problems
+    from workbench.loops.datasets import addition_problems
 
     return addition_problems(steps * PROMPTS_PER_STEP, seed=0)
 
@@ -112,7 +112,11 @@ def peft_lora_config() -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workbench.models import classify_linear_layers, lora_target_modules, resolve_model_path
+    from workbench.engine.model.base_model import (
+        classify_linear_layers,
+        lora_target_modules,
+        resolve_model_path,
+    )
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(MODEL), dtype=torch.float32)
     modules = lora_target_modules(classify_linear_layers(base), workbench_lora())
@@ -130,7 +134,7 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from workbench.models import resolve_model_path
+    from workbench.engine.model.base_model import resolve_model_path
 
     path = resolve_model_path(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)

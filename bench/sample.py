@@ -34,7 +34,7 @@ import torch
 from transformers import GenerationConfig
 
 import workbench as wb
-from workbench.sampling import vllm_unavailable_reason
+from workbench.engine.samplers import vllm_unavailable_reason
 
 QUESTIONS = [
     "What is the capital of France?",

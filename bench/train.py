@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import workbench as wb
-from workbench.models import classify_linear_layers, lora_target_modules, resolve_model_path
+from workbench.engine.model.base_model import classify_linear_layers, lora_target_modules, resolve_model_path
 
 SETTINGS = {
     "tiny": {"equal": (32, 128), "ragged_count": 64, "steps": 10, "rank": 16},

@@ -59,7 +59,7 @@ def continue_run(sess: wb.Session, steps: int, out_dir: Path) -> None:
 
 
 def killed_save(run_dir: Path) -> None:
-    from workbench import checkpoint_store
+    from workbench.storage import checkpoint_store
 
     sess = wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=False)
     train_step(sess)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.activation_checkpointing import (
+from workbench.engine.model.activation_checkpointing import (
     FULL_ACTIVATION_BYTES,
     checkpointed_layer_count,
     full_activation_limit,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.advantages import (
+from workbench.loops.advantages import (
     broadcast_to_tokens,
     completion_mask,
     gae,

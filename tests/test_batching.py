@@ -7,7 +7,12 @@ import random
 
 import torch
 
-from workbench.batching import MICROBATCH_OVERHEAD_TOKENS, PreparedDatum, collate, plan_microbatches
+from workbench.engine.model.batching import (
+    MICROBATCH_OVERHEAD_TOKENS,
+    PreparedDatum,
+    collate,
+    plan_microbatches,
+)
 
 
 def _padded_cost(lengths: list[int], groups: list[list[int]]) -> int:

@@ -18,8 +18,8 @@ import torch
 from datums import sft_datum
 
 import workbench as wb
-from workbench import checkpoint_store
-from workbench.checkpoint_store import manifest_for
+from workbench.storage import checkpoint_store
+from workbench.storage.checkpoint_store import manifest_for
 
 PACKAGE = Path(wb.__file__).parent
 
@@ -337,7 +337,7 @@ def _tiny_variant(tmp_path: Path, tie: bool = False) -> Path:
     """A model with the tiny model's tokenizer and shapes, built from config (untrained)."""
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
-    from workbench.builtin_models import tiny_model_dir
+    from workbench.engine.model.builtin_models import tiny_model_dir
 
     folder = tmp_path / ("tiny-tied" if tie else "tiny-variant")
     if not folder.exists():

@@ -25,7 +25,7 @@ from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 from tinker_cookbook.utils import cost_estimation
 
 import workbench as wb
-from workbench.models import resolve_model_path
+from workbench.engine.model.base_model import resolve_model_path
 
 RENDERER = "qwen3_instruct"
 

@@ -10,7 +10,7 @@ import torch
 from datums import ce_datum, random_tokens, rl_datum
 
 import workbench as wb
-from workbench.critic import ValueHead
+from workbench.engine.model.value_head import ValueHead
 
 
 def _critic_datum(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.sampling import vllm_unavailable_reason
+from workbench.engine.samplers import vllm_unavailable_reason
 
 PROMPTS = ["The quick brown fox", "User: Hello! How are you", "17 + 25 ="]
 

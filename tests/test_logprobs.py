@@ -9,9 +9,9 @@ from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import workbench as wb
-from workbench import logprobs
-from workbench.logprobs import language_model_logprobs, target_logprobs
-from workbench.models import load_tokenizer, logits_from_hidden_states
+from workbench.engine.model import logprobs
+from workbench.engine.model.base_model import load_tokenizer, logits_from_hidden_states
+from workbench.engine.model.logprobs import language_model_logprobs, target_logprobs
 
 
 def _reference(hidden_B_T_H: torch.Tensor, layer: nn.Module, targets_B_T: torch.Tensor):

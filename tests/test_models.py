@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.builtin_models import _build_tiny, tiny_model_dir
-from workbench.engine import engine as engine_module
-from workbench.models import lora_target_modules
+from workbench.engine.local import engine as engine_module
+from workbench.engine.model.base_model import lora_target_modules
+from workbench.engine.model.builtin_models import _build_tiny, tiny_model_dir
 
 
 def _folder_digest(folder) -> dict[str, str]:

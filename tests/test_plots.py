@@ -11,7 +11,7 @@ import pytest
 matplotlib.use("Agg")
 
 from workbench.metrics import MetricsHistory
-from workbench.plots import LivePlot, plot_history
+from workbench.notebook.plots import LivePlot, plot_history
 
 
 def training_history(steps: int) -> MetricsHistory:

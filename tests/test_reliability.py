@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.engine import model_lifecycle
-from workbench.worker import Worker
+from workbench.engine.local import model_lifecycle
+from workbench.engine.worker import Worker
 
 WAIT_S = 60.0
 PACKAGE_DIR = os.path.dirname(wb.__file__) + os.sep

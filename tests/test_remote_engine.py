@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
-from workbench.engine_interface import EngineInterface
-from workbench.remote_engine import SDK_LOSSES
+from workbench.engine.interface import EngineInterface
+from workbench.engine.remote import SDK_LOSSES
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA = wb.LoraConfig(rank=4)

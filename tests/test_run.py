@@ -9,7 +9,7 @@ import pytest
 from datums import sft_datum
 
 import workbench as wb
-from workbench.run import RUN_MODEL, RunActiveError, RunState, train_step
+from workbench.notebook.run import RUN_MODEL, RunActiveError, RunState, train_step
 
 WAIT_S = 30.0
 

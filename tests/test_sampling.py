@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.sampling.hf import HFSampler, draw_tokens
+from workbench.engine.samplers.hf import HFSampler, draw_tokens
 
 PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
 

@@ -16,7 +16,7 @@ import pytest
 import tinker
 
 import workbench as wb
-from workbench.models import resolve_model_path
+from workbench.engine.model.base_model import resolve_model_path
 
 cookbook = pytest.importorskip("tinker_cookbook")
 

@@ -11,7 +11,7 @@ import pytest
 import tinker
 
 import workbench as wb
-from workbench.engine import stability_records
+from workbench.engine.local import stability_records
 
 
 def _sample(session: wb.Session, record: bool = True, num_samples: int = 2) -> tuple[list[int], list]:

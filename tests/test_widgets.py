@@ -15,7 +15,7 @@ from datums import sft_datum
 from matplotlib.figure import Figure
 
 import workbench as wb
-from workbench.run import RunState
+from workbench.notebook.run import RunState
 
 WAIT_S = 30.0
 

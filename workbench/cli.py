@@ -24,7 +24,7 @@ import threading
 from collections.abc import Sequence
 
 from workbench.engine.config import DEFAULT_MAX_MODELS
-from workbench.session import Session
+from workbench.notebook.session import Session
 
 API_KEY_ENV = "WORKBENCH_API_KEY"
 

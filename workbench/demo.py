@@ -11,7 +11,7 @@ import os
 import time
 
 import workbench as wb
-from workbench.datasets import pirate_sft
+from workbench.loops.datasets import pirate_sft
 
 HELD_OUT = 4
 PROBE = "What is the capital of Germany?"

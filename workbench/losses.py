@@ -25,7 +25,7 @@ schemes, you can include that in the advantage tensor computation" (Tinker docs)
 
 `stable_reinforce` reads what the engine recorded when it sampled (`recorded_logprobs`, `sampled`):
 the engine fills those two inputs from the datum's provenance spans before the call is queued
-(`workbench.engine.provenance`); a caller never passes them.
+(`workbench.engine.local.provenance`); a caller never passes them.
 
 Custom losses are plain functions `fn(data, logprobs_list) -> (loss, metrics)` passed to
 `TrainingClient.forward_backward_custom`; they need no entry here.

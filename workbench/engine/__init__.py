@@ -1,25 +1,10 @@
-"""The engine layer: one base model, the LoRA models on it, and every operation on them, in order.
+"""The engines: what every surface drives a model through.
 
-`Engine` is the interface; the modules beside it hold the state (`state`, `adapted_model`,
-`training_runs`) and one operation each (`forward_backward`, `optim_step`, `sampling`, `checkpoints`,
-`model_lifecycle`, `merged_export`).
+- `interface.py`: `EngineInterface`, what both engines do.
+- `local/`: `Engine`, the base model in this process and one module per operation on it.
+- `remote.py`: `RemoteEngine`, a Tinker-compatible service over the `tinker` SDK.
+- `model/`: the pieces the local engine is built from (base model and adapters, logprobs, batching,
+  trainable adapters, weight versions, the critic's value head).
+- `samplers/`: HF `generate` and vLLM, the local engine's two samplers.
+- `worker.py`, `config.py`, `roles.py`: the ordered worker thread, the settings, and what a client speaks for.
 """
-
-from workbench.engine.checkpoint_files import Restore
-from workbench.engine.config import EngineConfig, SessionConfig
-from workbench.engine.engine import Engine, ModelTensors, RunStatus
-from workbench.engine.forward_backward import CustomLossFn
-from workbench.engine.roles import Role
-from workbench.engine.sampling import SamplerPin
-
-__all__ = [
-    "CustomLossFn",
-    "Engine",
-    "EngineConfig",
-    "ModelTensors",
-    "Restore",
-    "Role",
-    "RunStatus",
-    "SamplerPin",
-    "SessionConfig",
-]

@@ -34,10 +34,10 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from workbench.archive import export_archive
 from workbench.server import schemas, wire
 from workbench.server.errors import RequestError, error_body
 from workbench.server.service import SampleResult, TinkerService
+from workbench.storage.archive import export_archive
 from workbench.types import ForwardBackwardOutput
 
 ARCHIVE_URL_LIFETIME_S = 900

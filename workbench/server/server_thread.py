@@ -16,7 +16,7 @@ import threading
 
 import uvicorn
 
-from workbench.engine import Engine
+from workbench.engine.local.engine import Engine
 from workbench.server.app import create_app
 from workbench.server.config import ServerConfig
 from workbench.server.service import TinkerService

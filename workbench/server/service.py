@@ -28,13 +28,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from workbench import checkpoint_store
-from workbench.checkpoint_store import CheckpointError, CheckpointInfo
-from workbench.engine import Engine, Restore, Role
+from workbench.engine.interface import Restore
+from workbench.engine.local.engine import Engine
+from workbench.engine.model.base_model import resolve_model_path
+from workbench.engine.roles import Role
 from workbench.futures import APIFuture
 from workbench.losses import LOSSES
-from workbench.models import resolve_model_path
-from workbench.run_folders import CheckpointAddress
 from workbench.server import schemas
 from workbench.server.config import ServerConfig
 from workbench.server.errors import RequestError, message_of
@@ -42,6 +41,9 @@ from workbench.server.future_table import FutureTable, PendingResult
 from workbench.server.ordering import Sequencer, digest_of
 from workbench.server.sessions import ClientSession, ServedModel, ServedSampler, SessionTable
 from workbench.server.wire import ForwardBackwardCall
+from workbench.storage import checkpoint_store
+from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
+from workbench.storage.run_folders import CheckpointAddress
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
 
 EPHEMERAL_SAMPLERS_KEPT = 4

@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.engine import Role, SamplerPin
+from workbench.engine.interface import SamplerPin
+from workbench.engine.roles import Role
 from workbench.futures import APIFuture
-from workbench.run_folders import new_run_id
 from workbench.server.errors import RequestError
+from workbench.storage.run_folders import new_run_id
 
 
 @dataclass

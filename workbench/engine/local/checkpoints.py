@@ -1,0 +1,230 @@
+"""Checkpoint operations on a run: save and load its state, and save the policy's adapter for samplers.
+
+    p = sess.policy.save_state("step-20").result().path     # tinker://<run id>/weights/step-20
+    sess.policy.load_state(p).result()                      # the weights (Tinker's load_state)
+    sess.policy.load_state_with_optimizer(p).result()       # + optimizer state and counters
+    sess2 = wb.Session.from_checkpoint(p)                   # a new kernel continues the same run exactly
+    sess.policy.save_weights_for_sampler("step-20")         # tinker://<run id>/sampler_weights/step-20
+
+A state checkpoint holds a run (policy and critic, optimizers, counters, RNG states, config);
+`checkpoint_files` lists its files. A sampler checkpoint is the policy's adapter alone, in peft's format.
+Both are written atomically (`workbench.storage.checkpoint_store`) into the run's folder (`run_folders`).
+
+Saves and loads are ordered operations: a save captures the state the operations before it left, never
+the middle of one; a load reads and verifies every file on the worker, after the operations before it
+(a save of the same name included), and changes the run only once everything has been checked against
+it. What can be checked without the files (names, paths) is checked in the caller's thread.
+
+`ttl_seconds` is honoured: the checkpoint records when it expires; an expired checkpoint is no longer
+listed or loadable, and `cleanup` removes it. `user_metadata` is stored with the checkpoint and
+returned by listings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from workbench.engine.interface import Restore
+from workbench.engine.local import checkpoint_files
+from workbench.engine.local.checkpoint_files import SavedState
+from workbench.engine.local.model_lifecycle import check_metadata
+from workbench.engine.local.state import EngineState
+from workbench.engine.model.adapted_model import ADAPTER_CONFIG
+from workbench.engine.roles import Role
+from workbench.futures import APIFuture
+from workbench.storage import checkpoint_store
+from workbench.storage.checkpoint_store import CheckpointError, CheckpointKind, check_name, kind_dir
+from workbench.storage.run_folders import TINKER_SCHEME, CheckpointAddress, address_of, resolve_checkpoint
+from workbench.types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
+
+SAMPLER_INFO = "sampler.json"
+
+
+def known_runs(state: EngineState) -> dict[str, Path]:
+    """The engine's runs by id, for resolving `tinker://` paths to folders."""
+    return {model_id: run.run_dir for model_id, run in list(state.runs.items())}
+
+
+def _expires_at(ttl_seconds: int | None) -> float | None:
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds < 1:
+        raise ValueError(
+            f"ttl_seconds must be a positive integer (or None: kept until deleted), got {ttl_seconds!r}"
+        )
+    return time.time() + ttl_seconds
+
+
+def _target(state: EngineState, model_id: str, kind: CheckpointKind, name: str, overwrite: bool) -> Path:
+    target = (kind_dir(state.run(model_id).run_dir, kind) / check_name(name)).absolute()
+    checkpoint_store.check_free(target, overwrite)
+    return target
+
+
+def save_state(
+    state: EngineState,
+    model_id: str,
+    name: str,
+    *,
+    overwrite: bool = False,
+    ttl_seconds: int | None = None,
+    user_metadata: Mapping[str, str] | None = None,
+) -> APIFuture[SaveWeightsResponse]:
+    """Queue a save of the run's whole state to `<run_dir>/checkpoints/<name>`."""
+    state.check_open()
+    target = _target(state, model_id, "state", name, overwrite)
+    expires_at = _expires_at(ttl_seconds)
+    metadata = check_metadata(user_metadata)
+
+    def run() -> SaveWeightsResponse:
+        training_run = state.run(model_id)
+        files = checkpoint_files.capture(
+            state, training_run, name, expires_at=expires_at, user_metadata=metadata
+        )
+        checkpoint_store.write_atomically(target, files, overwrite)
+        state.record(
+            "save_state",
+            training_run,
+            training_run.policy.adapter,
+            {"checkpoint_bytes": float(sum(map(len, files.values())))},
+        )
+        path = address_of(target).tinker_path
+        state.history.event(
+            "checkpoint", {"name": name, "kind": "state", "path": path, "step": training_run.step}
+        )
+        return SaveWeightsResponse(path=path, folder=str(target))
+
+    return state.submit(run)
+
+
+def save_weights_for_sampler(
+    state: EngineState,
+    model_id: str,
+    name: str,
+    *,
+    overwrite: bool = False,
+    ttl_seconds: int | None = None,
+    user_metadata: Mapping[str, str] | None = None,
+) -> APIFuture[SaveWeightsForSamplerResponse]:
+    """Queue a save of the policy's adapter to `<run_dir>/sampler_weights/<name>`: peft's
+    `adapter_config.json` + `adapter_model.safetensors` (what `PeftModel.from_pretrained` and vLLM's
+    `LoRARequest` load; the config names the base as the local folder or HF id it was loaded from),
+    plus `sampler.json` (step, weights version, time, metadata) and the manifest, which both ignore."""
+    state.check_open()
+    target = _target(state, model_id, "sampler", name, overwrite)
+    expires_at = _expires_at(ttl_seconds)
+    metadata = check_metadata(user_metadata)
+
+    def run() -> SaveWeightsForSamplerResponse:
+        training_run = state.run(model_id)
+        policy = training_run.policy
+        info: Mapping[str, Any] = {
+            "format_version": checkpoint_store.FORMAT_VERSION,
+            "kind": "sampler",
+            "name": name,
+            "saved_at": time.time(),
+            "expires_at": expires_at,
+            "step": policy.step,
+            "weights_version": policy.weights_version,
+            "run_id": training_run.model_id,
+            "base_model": state.base_info.identity(),
+            "user_metadata": metadata,
+        }
+        files = state.model.adapter_files(policy.adapter)
+        files[SAMPLER_INFO] = checkpoint_store.json_bytes(info)
+        checkpoint_store.write_atomically(target, files, overwrite)
+        state.record(
+            "save_weights_for_sampler",
+            training_run,
+            policy.adapter,
+            {"weights_version": float(policy.weights_version)},
+        )
+        path = address_of(target).tinker_path
+        state.history.event(
+            "checkpoint", {"name": name, "kind": "sampler", "path": path, "step": policy.step}
+        )
+        return SaveWeightsForSamplerResponse(path=path, folder=str(target))
+
+    return state.submit(run)
+
+
+def describe(folder: Path) -> str:
+    """A checkpoint folder as the `tinker://` path that names it, or the folder when none does."""
+    try:
+        return address_of(folder).tinker_path
+    except CheckpointError:
+        return str(folder.absolute())
+
+
+def resolve(
+    state: EngineState, model_id: str | None, path_or_name: str | Path, kind: CheckpointKind = "state"
+) -> Path:
+    """The checkpoint folder a user means (a `tinker://` path, a name of the run's own, or a folder)."""
+    own = state.run(model_id).run_dir if model_id is not None else None
+    folder = resolve_checkpoint(path_or_name, kind, own, known_runs(state))
+    return checkpoint_store.require_checkpoint_folder(folder)
+
+
+def adapter_folder(state: EngineState, path: str | Path) -> Path:
+    """The peft adapter folder a sampling client of `path` loads: sampler weights
+    (`tinker://<run>/sampler_weights/<name>` or their folder), or the policy of a state checkpoint
+    (`tinker://<run>/weights/<name>` or its folder)."""
+    if isinstance(path, str) and path.startswith(TINKER_SCHEME):
+        kind = CheckpointAddress.parse(path).kind
+    else:
+        kind = "sampler" if (Path(path).expanduser() / ADAPTER_CONFIG).is_file() else "state"
+    folder = resolve(state, None, path, kind)
+    return folder if kind == "sampler" else folder / Role.POLICY.value
+
+
+def saved_base_model(path: str | Path, known: Mapping[str, Path]) -> str:
+    """The base model a checkpoint (either kind, `tinker://` path or folder) was saved on, as its engine
+    was created with it: what an engine for it is created with."""
+    if isinstance(path, str) and path.startswith(TINKER_SCHEME):
+        address = CheckpointAddress.parse(path)
+        folder = checkpoint_store.require_checkpoint_folder(
+            resolve_checkpoint(path, address.kind, None, known)
+        )
+    else:
+        folder = Path(path).expanduser()
+    for info_file in (SAMPLER_INFO, checkpoint_store.INFO_FILE["state"]):
+        if (folder / info_file).is_file():
+            info = checkpoint_store.parse_json(folder, info_file, (folder / info_file).read_bytes())
+            return str(info["base_model"]["name"])
+    raise CheckpointError(f"{folder} is not a checkpoint: it has neither {SAMPLER_INFO} nor config.json")
+
+
+def read_state(folder: Path) -> SavedState:
+    """Verify and parse a state checkpoint; refuses one whose time to live has run out."""
+    saved = checkpoint_files.read(folder)
+    if saved.expires_at is not None and saved.expires_at < time.time():
+        raise CheckpointError(f"{folder} expired at {time.ctime(saved.expires_at)} (its ttl_seconds ran out)")
+    return saved
+
+
+def load_state(
+    state: EngineState, model_id: str, path_or_name: str | Path, restore: Restore
+) -> APIFuture[LoadWeightsResponse]:
+    """Queue a load of a state checkpoint into the run: found, read and verified on the worker after the
+    operations before it, then checked against the run, and only then restored (see
+    `checkpoint_files.restore` for what each `Restore` level puts back and how versions are set)."""
+    state.check_open()
+    state.run(model_id)
+
+    def run() -> LoadWeightsResponse:
+        folder = resolve(state, model_id, path_or_name)
+        saved = read_state(folder)
+        training_run = state.run(model_id)
+        checkpoint_files.restore(saved, state, training_run, restore, exact_versions=False)
+        state.record(
+            "load_state",
+            training_run,
+            training_run.policy.adapter,
+            {"weights_version": float(training_run.policy.weights_version)},
+        )
+        return LoadWeightsResponse(path=describe(folder))
+
+    return state.submit(run)

@@ -1,0 +1,599 @@
+"""The engine: one base model on one device, the LoRA models trained on it, and every operation on them.
+
+Every surface reaches the model through this class: the Tinker clients (`workbench.tinker_api.clients`), the
+notebook's `Session`, the run loop, the panel and the REST server. Its methods are the whole interface;
+each validates its input in the caller's thread (bad input raises and changes nothing) and returns an
+`APIFuture` for work that runs on the engine's one worker thread, in submission order, whatever the
+surface that submitted it. The operations themselves live one per module beside this one.
+
+A model is addressed by its `model_id` (Tinker's model id and training run id: the run's folder name)
+and a `Role`: the run's policy, its critic, or the reference (the base model with adapters off).
+
+An engine that is dropped without `close()` stops its worker when it is garbage-collected, so
+re-running a notebook cell that makes a session frees the old one's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from workbench.engine.config import (
+    DEFAULT_MAX_MODELS,
+    DEFAULT_MAX_TOKENS_PER_MICROBATCH,
+    EngineConfig,
+    SessionConfig,
+)
+from workbench.engine.interface import CustomLossFn, Restore, RunStatus, SamplerPin
+from workbench.engine.local import (
+    checkpoint_files,
+    checkpoints,
+    forward_backward,
+    merged_export,
+    model_lifecycle,
+    optim_step,
+)
+from workbench.engine.local import sample as sampling
+from workbench.engine.local.checkpoint_files import SavedState, session_config
+from workbench.engine.local.state import EngineState
+from workbench.engine.model.adapted_model import AdaptedModel
+from workbench.engine.model.base_model import BaseModelInfo, load_base_model, resolve_device_and_dtype
+from workbench.engine.model.value_head import default_critic_lora
+from workbench.engine.roles import Role
+from workbench.engine.samplers import SamplerChoice, resolve_sampler
+from workbench.engine.worker import SessionClosedError, Worker
+from workbench.futures import APIFuture
+from workbench.metrics import MetricsHistory, metric_values
+from workbench.storage import checkpoint_store
+from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
+from workbench.storage.run_folders import new_run_id, read_run_info, resolve_checkpoint, runs_root
+from workbench.types import (
+    ForwardBackwardOutput,
+    LoadWeightsResponse,
+    LoraConfig,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
+
+
+@dataclass(frozen=True)
+class ModelTensors:
+    """One model's trainable tensors as they stood between two operations (detached copies)."""
+
+    parameters: dict[str, torch.Tensor]  # by live parameter name (a critic's include its value head)
+    gradients: dict[str, torch.Tensor | None]  # the accumulated gradient (None: nothing accumulated)
+    pending_backward_calls: int
+
+
+def _close_sinks(history: MetricsHistory) -> None:
+    for sink in list(history.sinks):
+        with contextlib.suppress(Exception):  # a finalizer has nobody to report to
+            sink.close()
+
+
+def _shutdown(worker: Worker, history: MetricsHistory) -> None:
+    """What a dropped engine's finalizer does: stop the worker once the operations queued before are
+    done, and close the history's sinks after their rows, on the worker."""
+    if not worker.post(lambda: _close_sinks(history)):  # the worker was already stopping
+        _close_sinks(history)
+    worker.close(wait=False)
+
+
+class Engine:
+    """A base model on a device, the LoRA models on it, and their operations.
+
+    Args:
+        base_model: A built-in alias (`"tiny"`, `"smollm2-135m"`), a local HF folder or an HF hub id.
+        seed: Seeds the sampling generator (the seeds of requests that give none).
+        device, dtype: Default CUDA/bf16 when a GPU is present, else CPU/fp32.
+        max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
+        sampler: `"hf"`, `"vllm"` or `"auto"` (vLLM when installed with a CUDA device, else HF).
+        max_samples_per_request: The largest `num_samples` one sample call may ask for.
+        max_models: How many LoRA models (runs) may share the base at once.
+        lora_hint: The first run's adapter, when known: `"auto"` keeps HF sampling for adapters vLLM
+            cannot serve (`train_unembed=True`).
+    """
+
+    def __init__(
+        self,
+        base_model: str = "tiny",
+        *,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_tokens_per_microbatch: int = DEFAULT_MAX_TOKENS_PER_MICROBATCH,
+        sampler: SamplerChoice = "auto",
+        max_samples_per_request: int = 128,
+        max_models: int = DEFAULT_MAX_MODELS,
+        lora_hint: LoraConfig | None = None,
+    ):
+        resolved_device, resolved_dtype = resolve_device_and_dtype(device, dtype)
+        config = EngineConfig(
+            base_model=base_model,
+            seed=seed,
+            device=str(resolved_device),
+            dtype=str(resolved_dtype).removeprefix("torch."),
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            sampler=resolve_sampler(sampler, resolved_device, lora_hint),
+            max_samples_per_request=max_samples_per_request,
+            max_models=max_models,
+        )
+        # The model is loaded on the worker thread, like every later operation on it. On a CPU the first
+        # thread to run a parallel torch kernel keeps an OpenMP thread pool for life; with a second pool
+        # (the caller's) libgomp counts more threads than cores and cuts the spin-wait between kernels,
+        # which slows every small kernel on the worker: 25% on decoding steps, 12% on a training step of
+        # 32 short sequences (SmolLM2-135M, 2 cores). A notebook that leaves the heavy work to its session
+        # then has a single pool.
+        worker = Worker()
+
+        def load() -> tuple[AdaptedModel, PreTrainedTokenizerBase]:
+            base, tokenizer, info = load_base_model(base_model, resolved_device, resolved_dtype)
+            return AdaptedModel(base, info, resolved_device), tokenizer
+
+        try:
+            model, tokenizer = worker.submit(load).result()
+        except BaseException:
+            worker.close(wait=False)  # the thread ends once the load does (at once, if it failed)
+            raise
+        self._state = EngineState(config, model, tokenizer, resolved_device, resolved_dtype, worker)
+        self._finalizer = weakref.finalize(self, _shutdown, self._state.worker, self._state.history)
+
+    # ------------------------------------------------------------------------------------------ identity
+
+    @property
+    def endpoint(self) -> None:
+        """Where the model runs: in this process (a `RemoteEngine` gives its service's URL)."""
+        return None
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._state.config
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._state.tokenizer
+
+    @property
+    def base_info(self) -> BaseModelInfo:
+        return self._state.base_info
+
+    @property
+    def device(self) -> torch.device:
+        return self._state.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._state.dtype
+
+    @property
+    def history(self) -> MetricsHistory:
+        """Every operation's metrics, in the order they ran (all models; the `model` column says which)."""
+        return self._state.history
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def check_open(self) -> None:
+        """Raise `SessionClosedError` once the engine is closed."""
+        self._state.check_open()
+
+    # ------------------------------------------------------------------------------------------ models
+
+    def create_model(
+        self,
+        lora: LoraConfig,
+        *,
+        seed: int = 0,
+        model_id: str | None = None,
+        run_dir: str | Path | None = None,
+        user_metadata: Mapping[str, str] | None = None,
+    ) -> APIFuture[str]:
+        """Add a run with a new LoRA policy; resolves to its model id (default: a fresh run id, whose
+        folder is `<runs root>/<model id>` unless `run_dir` says otherwise)."""
+        model_id = model_id or new_run_id(self.config.base_model)
+        folder = (Path(run_dir) if run_dir is not None else runs_root() / model_id).absolute()
+        self._check_lora(lora)
+        future = model_lifecycle.create_run(
+            self._state, lora, seed=seed, model_id=model_id, run_dir=folder, user_metadata=user_metadata
+        )
+        return future.then(lambda run: run.model_id)
+
+    def create_model_from_state(
+        self,
+        path: str | Path,
+        *,
+        restore: Restore,
+        model_id: str | None = None,
+        run_dir: str | Path | None = None,
+        user_metadata: Mapping[str, str] | None = None,
+    ) -> APIFuture[str]:
+        """Add a run built from a state checkpoint (its adapters, critic included, and seed), restored as
+        far as `restore` says, with the saved weight versions. A new run (own id and folder) unless
+        `model_id` names the saved run's id, which then continues in its folder. The run's
+        `user_metadata` is the one given; None keeps what the run's folder already says (a run
+        continuing), else none."""
+        self.check_open()
+        state = self._state
+
+        def run() -> str:
+            folder = checkpoints.resolve(state, None, path)
+            saved = checkpoints.read_state(folder)
+            new_id = model_id or new_run_id(self.config.base_model)
+            folder_for_run = Path(run_dir).absolute() if run_dir is not None else runs_root() / new_id
+            arguments = saved.session_arguments
+            if user_metadata is not None:
+                metadata = model_lifecycle.check_metadata(user_metadata)
+            else:  # the same run continuing keeps its metadata; a new one starts with none
+                previous = read_run_info(folder_for_run) or {}
+                metadata = dict(previous.get("user_metadata") or {})
+            training_run = model_lifecycle.add_run(
+                state,
+                arguments["lora"],
+                seed=arguments["seed"],
+                model_id=new_id,
+                run_dir=folder_for_run,
+                user_metadata=metadata,
+            )
+            try:
+                if arguments["critic"] is not False:
+                    model_lifecycle.add_critic(
+                        state, training_run, arguments["critic"], arguments["seed"] + 1
+                    )
+                checkpoint_files.restore(saved, state, training_run, restore, exact_versions=True)
+            except BaseException:
+                model_lifecycle.remove_run(state, new_id)
+                raise
+            return new_id
+
+        return self._state.submit(run)
+
+    def delete_model(self, model_id: str) -> APIFuture[None]:
+        """Remove a run's models from the engine and free their memory (its files stay)."""
+        return model_lifecycle.delete_run(self._state, model_id)
+
+    def create_critic(self, model_id: str, lora: LoraConfig | None = None) -> APIFuture[None]:
+        """Give a run a critic: a LoRA adapter (default: the policy's rank and alpha on attention and MLP
+        layers) and a zero-initialised value head on the same frozen base, with its own AdamW."""
+        run = self._state.run(model_id)
+        critic_lora = default_critic_lora(run.policy.lora) if lora is None else lora
+        return model_lifecycle.create_critic(self._state, model_id, critic_lora, run.seed + 1)
+
+    def delete_critic(self, model_id: str) -> APIFuture[None]:
+        """Remove a run's critic and free its adapter, value head and optimizer state."""
+        return model_lifecycle.delete_critic(self._state, model_id)
+
+    def model_ids(self) -> list[str]:
+        return list(self._state.runs)
+
+    def run_status(self, model_id: str) -> RunStatus:
+        run = self._state.run(model_id)
+        policy, critic = run.policy, run.critic
+        return RunStatus(
+            model_id=run.model_id,
+            run_dir=run.run_dir,
+            lora=policy.lora,
+            critic_lora=None if critic is None else critic.lora,
+            seed=run.seed,
+            step=policy.step,
+            weights_version=policy.weights_version,
+            pending_backward_calls=policy.trainable.pending_backward_calls,
+            critic_step=None if critic is None else critic.step,
+            critic_weights_version=None if critic is None else critic.weights_version,
+            live_versions=sorted({*run.snapshots.pinned_versions(), policy.weights_version}),
+            user_metadata=dict(run.user_metadata),
+            created_at=run.created_at,
+            adapter=policy.adapter,
+            critic_adapter=None if critic is None else critic.adapter,
+            snapshot_bytes=run.snapshots.held_bytes(),
+        )
+
+    @property
+    def torch_model(self) -> torch.nn.Module:
+        """The torch module every forward pass runs (the peft model over the base; the passes run its
+        decoder, `get_decoder()`, and its output layer), for reading and inspection: comparing with plain
+        transformers, counting parameters, registering hooks. Changing it bypasses everything the engine
+        guarantees."""
+        return self._state.model.module
+
+    def inspect(self, model_id: str, role: Role = Role.POLICY) -> ModelTensors:
+        """Copies of one model's trainable tensors and accumulated gradient, taken between operations
+        (after everything submitted before this call)."""
+        self.check_open()
+        state = self._state
+
+        def copy() -> ModelTensors:
+            trainable = state.run(model_id).model(role).trainable
+            return ModelTensors(
+                parameters={name: p.detach().clone() for name, p in trainable.parameters.items()},
+                gradients={
+                    name: None if p.grad is None else p.grad.detach().clone()
+                    for name, p in trainable.parameters.items()
+                },
+                pending_backward_calls=trainable.pending_backward_calls,
+            )
+
+        return state.submit(copy).result()
+
+    def session_config(self, model_id: str) -> SessionConfig:
+        """What defines the run on this engine (what its checkpoints record)."""
+        return session_config(self._state, self._state.run(model_id))
+
+    def _check_lora(self, lora: LoraConfig) -> None:
+        if self.config.sampler == "vllm" and lora.train_unembed:
+            raise ValueError(
+                "vLLM does not load LoRA weights on the output embedding: use LoraConfig(train_unembed=False), or sampler='hf'"
+            )
+
+    # ------------------------------------------------------------------------------------------ training
+
+    def forward(
+        self,
+        model_id: str,
+        role: Role,
+        data: Sequence[Any],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """The loss and per-datum outputs, without touching gradients."""
+        return forward_backward.submit(
+            self._state, model_id, role, data, loss_fn, loss_fn_config, backward=False
+        )
+
+    def forward_backward(
+        self,
+        model_id: str,
+        role: Role,
+        data: Sequence[Any],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """The loss and outputs; its gradient is added to the accumulated one (applied by `optim_step`)."""
+        return forward_backward.submit(
+            self._state, model_id, role, data, loss_fn, loss_fn_config, backward=True
+        )
+
+    def forward_backward_custom(
+        self, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Train on any differentiable function of the per-datum logprobs."""
+        return forward_backward.submit_custom(self._state, model_id, role, data, loss_fn)
+
+    def optim_step(self, model_id: str, role: Role, adam_params: Any = None) -> APIFuture[OptimStepResponse]:
+        """Apply the accumulated gradient with AdamW and every `AdamParams` field."""
+        return optim_step.submit(self._state, model_id, role, adam_params)
+
+    # ------------------------------------------------------------------------------------------ sampling
+
+    def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
+        """Pin the weights a sampling client samples: the run's policy at `version` (default: the weights
+        the operations queued before this call leave), or the base model (`model_id=None`). Release it
+        with `release_sampler`."""
+        return sampling.pin(self._state, model_id, version)
+
+    def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
+        """Pin the weights of a checkpoint, loaded as an inference adapter: sampler weights
+        (`tinker://<run>/sampler_weights/<name>` or their folder) or the policy of a state checkpoint
+        (`tinker://<run>/weights/<name>` or its folder). The live runs do not change it."""
+        state = self._state
+        return sampling.pin_checkpoint(state, lambda: checkpoints.adapter_folder(state, path))
+
+    def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None:
+        """Release a pin after everything queued before; takes no lock, so a finalizer may call it.
+        With `wait` (never from a finalizer), return once it is released; on the worker thread itself it
+        is released right after the running operation."""
+        if not self.closed:
+            sampling.release(self._state, pin)
+            if wait and threading.current_thread() is not self._state.worker.thread:
+                with contextlib.suppress(
+                    SessionClosedError
+                ):  # closed meanwhile: every pin went with the runs
+                    self._state.submit(lambda: None).result()
+
+    def sample(
+        self,
+        pin: APIFuture[SamplerPin],
+        prompt: ModelInput | Sequence[int],
+        num_samples: int,
+        sampling_params: SamplingParams | Mapping[str, Any],
+        include_prompt_logprobs: bool = False,
+        *,
+        prompt_logprobs_last_n: int | None = None,
+        record_stability_info: bool = False,
+        sequence_ids: Sequence[str] | None = None,
+    ) -> APIFuture[SampleResponse]:
+        """Sample `num_samples` continuations of `prompt` from the pinned weights, with logprobs.
+
+        Every sequence gets a `sequence_id` unique in this engine; a caller that must know the ids before
+        the sequences exist (the REST server promises them with the request) names them, one per sample,
+        in `sequence_ids`, and keeps them unique. With `prompt_logprobs_last_n`, only
+        the prompt's last N tokens are scored (earlier entries None). With `record_stability_info`, the
+        engine keeps each sequence (prompt, tokens, the sampler's logprobs, the weights) for a day, for
+        `stable_reinforce` training data that names it.
+        """
+        return sampling.submit_sample(
+            self._state,
+            pin,
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            prompt_logprobs_last_n,
+            record_stability_info,
+            sequence_ids,
+        )
+
+    def compute_logprobs(
+        self,
+        pin: APIFuture[SamplerPin],
+        prompt: ModelInput | Sequence[int],
+        *,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> APIFuture[list[float | None]]:
+        """The logprob of every token of `prompt` given the ones before it (first entry None; with
+        `prompt_logprobs_last_n`, every entry before the last N)."""
+        return sampling.submit_compute_logprobs(self._state, pin, prompt, prompt_logprobs_last_n)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def save_state(
+        self,
+        model_id: str,
+        name: str,
+        *,
+        overwrite: bool = False,
+        ttl_seconds: int | None = None,
+        user_metadata: Mapping[str, str] | None = None,
+    ) -> APIFuture[SaveWeightsResponse]:
+        return checkpoints.save_state(
+            self._state,
+            model_id,
+            name,
+            overwrite=overwrite,
+            ttl_seconds=ttl_seconds,
+            user_metadata=user_metadata,
+        )
+
+    def save_weights_for_sampler(
+        self,
+        model_id: str,
+        name: str,
+        *,
+        overwrite: bool = False,
+        ttl_seconds: int | None = None,
+        user_metadata: Mapping[str, str] | None = None,
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        return checkpoints.save_weights_for_sampler(
+            self._state,
+            model_id,
+            name,
+            overwrite=overwrite,
+            ttl_seconds=ttl_seconds,
+            user_metadata=user_metadata,
+        )
+
+    def load_state(self, model_id: str, path: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
+        return checkpoints.load_state(self._state, model_id, path, restore)
+
+    def checkpoint_folder(
+        self, path: str | Path, kind: CheckpointKind = "state", model_id: str | None = None
+    ) -> Path:
+        """The folder of a checkpoint named by a `tinker://` path, a folder, or a name of `model_id`'s run."""
+        return checkpoints.resolve(self._state, model_id, path, kind)
+
+    def read_state(self, path: str | Path) -> SavedState:
+        """Verify and parse a state checkpoint (nothing changes)."""
+        return checkpoints.read_state(self.checkpoint_folder(path))
+
+    @staticmethod
+    def folder_of_checkpoint(path: str | Path, kind: CheckpointKind = "state") -> Path:
+        """The folder of a checkpoint named by a `tinker://` path (under the runs root) or a folder, for
+        callers without an engine yet (`Session.from_checkpoint`)."""
+        return checkpoint_store.require_checkpoint_folder(resolve_checkpoint(path, kind, None, {}))
+
+    @staticmethod
+    def checkpoint_base_model(path: str | Path, known_runs: Mapping[str, Path] | None = None) -> str:
+        """The base model a checkpoint (state or sampler; a `tinker://` path or a folder) was saved on,
+        as its engine was created with it, for callers choosing the engine to load it on. `known_runs`
+        maps run ids to folders outside the runs root."""
+        return checkpoints.saved_base_model(path, known_runs or {})
+
+    @staticmethod
+    def parse_checkpoint(folder: Path) -> SavedState:
+        """Verify and parse a state checkpoint folder, for callers without an engine yet."""
+        return checkpoints.read_state(folder)
+
+    def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]:
+        """The run's complete, unexpired checkpoints, oldest first."""
+        return checkpoint_store.list_checkpoints(self._state.run(model_id).run_dir)
+
+    def delete_checkpoint(self, model_id: str, name: str, kind: CheckpointKind = "state") -> APIFuture[None]:
+        """Delete one of the run's checkpoints, between operations (never racing a save)."""
+        self.check_open()
+        run_dir = self._state.run(model_id).run_dir
+        return self._state.submit(lambda: checkpoint_store.delete(run_dir, name, kind))
+
+    def cleanup_checkpoints(self, model_id: str) -> APIFuture[list[Path]]:
+        """Remove leftovers of interrupted saves and expired checkpoints, between operations."""
+        self.check_open()
+        run_dir = self._state.run(model_id).run_dir
+        return self._state.submit(lambda: checkpoint_store.cleanup(run_dir))
+
+    def export_merged(self, model_id: str, path: str | Path) -> APIFuture[Path]:
+        """Write the run's policy merged into the base weights as a new HF model folder."""
+        return merged_export.export_merged(self._state, model_id, path)
+
+    # ------------------------------------------------------------------------------------------ misc
+
+    def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
+        """Append a row to the history after everything queued before it (e.g. a run step's metrics).
+        Metrics named like the history's own columns (`step`, `op`, `model`, `time`) or not numbers
+        raise ValueError here, before anything is queued."""
+        self.check_open()
+        history = self._state.history
+        values = metric_values(metrics)
+
+        def append() -> None:
+            history.record(op, label, step, values)
+
+        return self._state.submit(append)
+
+    def state_digest(self, model_id: str | None = None, role: Role | None = None) -> str:
+        """A sha256 over everything training can change: weights, accumulated gradients, optimizer state
+        and counters, of every model (or of one run, or one model of it), between operations; unless one
+        model is named, the sampling generator's state too."""
+        self.check_open()
+        state = self._state
+
+        def digest() -> str:
+            hasher = hashlib.sha256()
+            runs = (
+                [state.run(model_id)]
+                if model_id is not None
+                else [state.runs[key] for key in sorted(state.runs)]
+            )
+            for run in runs:
+                for model in [run.model(role)] if role is not None else run.models():
+                    model.trainable.update_digest(hasher)
+            if role is None:
+                hasher.update(state.sampling_generator.get_state().numpy().tobytes())
+            return hasher.hexdigest()
+
+        return self._state.submit(digest).result()
+
+    def close(self) -> None:
+        """Finish queued work, then free the model and optimizer memory. Safe to call again, also after
+        an interrupted call."""
+        state = self._state
+        state.worker.close()
+        if not self._finalizer.alive:  # freed by an earlier call
+            return
+        for sink in list(state.history.sinks):
+            sink.close()
+        state.history.sinks.clear()
+        if state.vllm is not None:
+            state.vllm.close()
+            state.vllm = None
+        state.runs.clear()
+        state.loaded_adapters.clear()
+        state.model.free()
+        self._finalizer.detach()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self._state.runs)} model(s)"
+        return f"Engine({self.config.base_model!r}, {self.config.device}/{self.config.dtype}, {state})"

@@ -1,0 +1,330 @@
+"""`forward`, `forward_backward` and `forward_backward_custom`: from the caller's data to the result.
+
+In the caller's thread, every datum is checked against the loss (`resolve_loss`, `batching.prepare_batch`):
+bad input raises a `ValueError` naming the datum and field, and nothing is queued. On the worker thread,
+in submission order, the batch is cut into length-grouped micro-batches (`batching.plan_microbatches`);
+each is padded, run through the model (the policy's or the reference's logprobs, or the critic's
+values), through the loss, and backward when the call trains. Per-datum outputs are cut back to each
+datum's length in input order; metric sums are kept over the micro-batches and turned into
+`name:reduction` metrics at the end. A training call adds its gradient to the accumulated one only when
+the whole call succeeded and its gradient is finite (`TrainableAdapter.accumulating`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from workbench.engine.interface import CustomLossFn
+from workbench.engine.local.lora_models import TrainingRun
+from workbench.engine.local.provenance import attach_sampling_records
+from workbench.engine.local.state import EngineState
+from workbench.engine.model.batching import (
+    MicroBatch,
+    PreparedDatum,
+    collate,
+    plan_microbatches,
+    prepare_batch,
+)
+from workbench.engine.roles import Role
+from workbench.futures import APIFuture
+from workbench.losses import LossSpec, resolve_loss
+from workbench.metrics import metric_values
+from workbench.types import ForwardBackwardOutput, TensorData, to_datum
+
+
+@dataclass
+class MetricTotals:
+    """Sums over the micro-batches of one call, turned into `name:reduction` metrics at the end."""
+
+    loss: float = 0.0
+    active_tokens: float = 0.0
+    diagnostic_sums: dict[str, float] = field(default_factory=dict)
+
+    def add(
+        self, elementwise_loss_B_T: Tensor, active_B_T: Tensor, diagnostics: Mapping[str, Tensor]
+    ) -> None:
+        self.loss += float(elementwise_loss_B_T.detach().sum())
+        active = active_B_T.float()
+        self.active_tokens += float(active.sum())
+        for name, values_B_T in diagnostics.items():
+            total = float((values_B_T.detach().float() * active).sum())
+            self.diagnostic_sums[name] = self.diagnostic_sums.get(name, 0.0) + total
+
+    def metrics(self, spec: LossSpec | None, with_loss: bool) -> dict[str, float]:
+        metrics: dict[str, float] = {"num_tokens:sum": self.active_tokens}
+        if with_loss:
+            metrics["loss:sum"] = self.loss
+        if self.active_tokens > 0:
+            means = {name: total / self.active_tokens for name, total in self.diagnostic_sums.items()}
+            if spec is not None and spec.summarize is not None and with_loss:
+                means = spec.summarize(means)
+            metrics.update(
+                {f"{name}:mean": value for name, value in means.items() if not name.startswith("_")}
+            )
+        return metrics
+
+
+# ---------------------------------------------------------------------------------------------- submission
+
+
+def prepare(
+    state: EngineState,
+    data: Sequence[Any],
+    required: Sequence[str],
+    optional: Mapping[str, float | None],
+    strict: bool = True,
+) -> list[PreparedDatum]:
+    """Validate a batch against the engine's vocabulary and context (caller's thread)."""
+    info = state.base_info
+    return prepare_batch(
+        data,
+        required=required,
+        optional=optional,
+        vocab_size=info.vocab_size,
+        max_length=info.max_length,
+        strict=strict,
+    )
+
+
+def _check_target(state: EngineState, model_id: str, role: Role, training: bool) -> None:
+    """The run exists, and a training call names a model that trains (not the reference)."""
+    training_run = state.run(model_id)
+    if training:
+        training_run.model(role)
+
+
+def _check_loss_role(role: Role, spec: LossSpec, loss_name: str) -> None:
+    wants = "values" if role is Role.CRITIC else "logprobs"
+    if spec.head != wants:
+        if role is Role.CRITIC:
+            raise ValueError(f"{loss_name!r} is a policy loss; the critic trains with 'ppo_critic'")
+        raise ValueError(f"{loss_name!r} is the critic's loss; the {role} uses a policy loss such as 'ppo'")
+
+
+def submit(
+    state: EngineState,
+    model_id: str,
+    role: Role,
+    data: Sequence[Any],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, float] | None,
+    backward: bool,
+) -> APIFuture[ForwardBackwardOutput]:
+    """Validate a `forward` (backward=False) or `forward_backward` call, then queue it."""
+    state.check_open()
+    _check_target(state, model_id, role, backward)
+    spec, config = resolve_loss(loss_fn, loss_fn_config)
+    _check_loss_role(role, spec, loss_fn)
+    required = spec.required_inputs + (spec.training_inputs if backward else ())
+    optional: dict[str, float | None] = dict(spec.optional_inputs)
+    if not backward:
+        optional.update(dict.fromkeys(spec.training_inputs))
+    batch = prepare(state, data, required, optional)
+    if spec.check_datum is not None:
+        for index, item in enumerate(batch):
+            problem = spec.check_datum(item.inputs)
+            if problem is not None:
+                raise ValueError(f"datum {index}: {problem}")
+    if spec.uses_sampling_records:
+        batch = attach_sampling_records(state.stability_records, [to_datum(d) for d in data], batch)
+    with_loss = backward or all(key in item.inputs for item in batch for key in spec.training_inputs)
+    if not with_loss and any(key in item.inputs for item in batch for key in spec.training_inputs):
+        raise ValueError(
+            f"some datums carry {list(spec.training_inputs)} and some do not: give them to all datums "
+            "(to compute the loss) or to none (values only)"
+        )
+    op = "forward_backward" if backward else "forward"
+    return state.submit(
+        lambda: run_loss(state, state.run(model_id), role, op, batch, spec, config, with_loss)
+    )
+
+
+def submit_custom(
+    state: EngineState, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
+) -> APIFuture[ForwardBackwardOutput]:
+    """Validate a `forward_backward_custom` call, then queue it."""
+    state.check_open()
+    _check_target(state, model_id, role, True)
+    if role is Role.CRITIC:
+        raise ValueError("forward_backward_custom trains on logprobs; the critic trains with 'ppo_critic'")
+    if not callable(loss_fn):
+        raise ValueError(
+            f"forward_backward_custom needs a function fn(data, logprobs_list) -> (loss, metrics), got {loss_fn!r}"
+        )
+    batch = prepare(state, data, ("target_tokens",), {}, strict=False)
+    user_data = list(data)
+    return state.submit(lambda: run_custom(state, state.run(model_id), role, batch, loss_fn, user_data))
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def predict(
+    state: EngineState, run: TrainingRun, role: Role, micro: MicroBatch, with_entropy: bool = False
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The model's prediction for a micro-batch: the critic's values, or the targets' logprobs for the
+    policy and the reference (and, when asked, the detached entropy of each next-token distribution)."""
+    if role is Role.CRITIC:
+        critic = run.model(Role.CRITIC)
+        assert critic.value_head is not None
+        return state.model.values(critic.adapter, critic.value_head, micro), {}
+    adapter = None if role is Role.REFERENCE else run.policy.adapter
+    logprobs_B_T, entropy_B_T = state.model.target_logprobs(adapter, micro, with_entropy)
+    return logprobs_B_T, {} if entropy_B_T is None else {"entropy": entropy_B_T}
+
+
+def run_loss(
+    state: EngineState,
+    run: TrainingRun,
+    role: Role,
+    op: str,
+    batch: list[PreparedDatum],
+    spec: LossSpec,
+    config: Mapping[str, float],
+    with_loss: bool,
+) -> ForwardBackwardOutput:
+    """`forward` (op "forward") or `forward_backward` (op "forward_backward") with a built-in loss.
+
+    Without `with_loss` (a critic `forward` given no returns), only the predictions come back.
+    """
+    backward = op == "forward_backward"
+    outputs: list[dict[str, TensorData]] = [{} for _ in batch]
+    totals = MetricTotals()
+    pad = state.tokenizer.pad_token_id
+
+    def run_microbatches() -> None:
+        for indices in plan_microbatches(
+            [item.length for item in batch],
+            state.config.max_tokens_per_microbatch,
+            state.model.full_activation_limit if backward else None,
+        ):
+            micro = collate(batch, indices, pad, state.device)
+            mask_B_T = micro.attention_mask_B_T.bool()
+            with torch.set_grad_enabled(backward):
+                prediction_B_T, extra = predict(state, run, role, micro, spec.reports_entropy)
+                if with_loss:
+                    result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
+                    if backward:
+                        result.elementwise_loss_B_T.sum().backward()
+                    totals.add(
+                        result.elementwise_loss_B_T, result.active_B_T, {**extra, **result.diagnostics}
+                    )
+                    per_position = {
+                        spec.head: prediction_B_T,
+                        "elementwise_loss": result.elementwise_loss_B_T,
+                    }
+                else:
+                    totals.add(torch.zeros_like(prediction_B_T), mask_B_T, extra)
+                    per_position = {spec.head: prediction_B_T}
+            scatter_outputs(outputs, micro, per_position)
+
+    if backward:
+        with run.model(role).trainable.accumulating(
+            f"{op} with {spec.fn.__name__!r} on {state.adapter_label(run, role)}"
+        ):
+            run_microbatches()
+    else:
+        with torch.no_grad():
+            run_microbatches()
+    metrics = totals.metrics(spec, with_loss)
+    state.record(op, run, state.adapter_label(run, role), metrics)
+    return ForwardBackwardOutput(
+        loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
+    )
+
+
+def run_custom(
+    state: EngineState,
+    run: TrainingRun,
+    role: Role,
+    batch: list[PreparedDatum],
+    loss_fn: CustomLossFn,
+    user_data: list[Any],
+) -> ForwardBackwardOutput:
+    """`forward_backward_custom`: the user's loss over per-datum logprob tensors.
+
+    When the batch fits in one micro-batch, the tensors given to `loss_fn` are slices of the live graph
+    and `loss.backward()` reaches the adapter directly. Otherwise (the SDK's method): logprobs are
+    computed without a graph, `loss_fn` runs on leaf copies, and each micro-batch is run again with the
+    surrogate Σ logprobs · ∂loss/∂logprobs, whose parameter gradient is the same.
+    """
+    plan = plan_microbatches(
+        [item.length for item in batch],
+        state.config.max_tokens_per_microbatch,
+        state.model.full_activation_limit,
+    )
+    pad = state.tokenizer.pad_token_id
+    logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
+    with run.model(role).trainable.accumulating(
+        f"forward_backward_custom on {state.adapter_label(run, role)}"
+    ):
+        if len(plan) == 1:
+            micro = collate(batch, plan[0], pad, state.device)
+            logprobs_B_T, _ = predict(state, run, role, micro)
+            for row, index in enumerate(micro.indices):
+                logprobs_list[index] = logprobs_B_T[row, : micro.lengths[row]]
+            loss, user_metrics = call_custom_loss(loss_fn, user_data, logprobs_list)
+            loss.backward()
+        else:
+            with torch.no_grad():
+                for indices in plan:
+                    micro = collate(batch, indices, pad, state.device)
+                    logprobs_B_T, _ = predict(state, run, role, micro)
+                    for row, index in enumerate(micro.indices):
+                        logprobs_list[index] = (
+                            logprobs_B_T[row, : micro.lengths[row]].clone().requires_grad_(True)
+                        )
+            loss, user_metrics = call_custom_loss(loss_fn, user_data, logprobs_list)
+            loss.backward()
+            for indices in plan:
+                micro = collate(batch, indices, pad, state.device)
+                logprobs_B_T, _ = predict(state, run, role, micro)
+                grad_B_T = torch.zeros_like(logprobs_B_T)
+                for row, index in enumerate(micro.indices):
+                    if logprobs_list[index].grad is not None:
+                        grad_B_T[row, : micro.lengths[row]] = logprobs_list[index].grad
+                (logprobs_B_T * grad_B_T).sum().backward()
+    outputs = [{"logprobs": TensorData.from_torch(logprobs_N.detach())} for logprobs_N in logprobs_list]
+    metrics = {**user_metrics, "loss:sum": float(loss.detach())}
+    state.record("forward_backward_custom", run, state.adapter_label(run, role), metrics)
+    return ForwardBackwardOutput(
+        loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
+    )
+
+
+def scatter_outputs(
+    outputs: list[dict[str, TensorData]], micro: MicroBatch, per_position: Mapping[str, Tensor]
+) -> None:
+    """Cut each (B, T) tensor back into one length-N_d `TensorData` per datum, in input order."""
+    arrays = {name: tensor_B_T.detach().float().cpu().numpy() for name, tensor_B_T in per_position.items()}
+    for row, index in enumerate(micro.indices):
+        n = micro.lengths[row]
+        for name, array_B_T in arrays.items():
+            outputs[index][name] = TensorData(np.ascontiguousarray(array_B_T[row, :n]), "float32")
+
+
+def call_custom_loss(
+    loss_fn: CustomLossFn, data: list[Any], logprobs_list: list[Tensor]
+) -> tuple[Tensor, dict[str, float]]:
+    """Run the user's loss and check what it returns: a differentiable scalar and a dict of floats."""
+    result = loss_fn(data, logprobs_list)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ValueError("a custom loss must return (loss, metrics): a scalar tensor and a dict of floats")
+    loss, metrics = result
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(f"a custom loss must return a scalar tensor as its loss, got {type(loss).__name__}")
+    if not loss.requires_grad:
+        raise ValueError(
+            "the custom loss does not depend on the logprobs it was given: nothing to differentiate"
+        )
+    try:
+        values = metric_values(metrics)
+    except ValueError as error:
+        raise ValueError(f"the custom loss's metrics: {error}") from None
+    return loss.reshape(()), values

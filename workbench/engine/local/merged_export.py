@@ -1,0 +1,76 @@
+"""Export the policy as one ordinary HF model: base weights with the LoRA update merged in, plus tokenizer.
+
+For serving stacks that take a plain model folder (`AutoModelForCausalLM.from_pretrained`, vLLM without
+LoRA, llama.cpp converters). The session's model is never modified: a second copy of the base is loaded
+on the CPU and each adapted layer gets `W + ΔW`, with ΔW computed by peft from the live adapter
+(`get_delta_weight`, which reads and does not merge). When the policy adapts the output layer of a model
+whose input and output embeddings are tied (SmolLM2), the copy is untied first: the merged output layer
+is saved as its own tensor and the config says `tie_word_embeddings=False`, while the input embedding
+keeps the base weights, as in the session.
+
+The export runs on the worker thread (it reads the adapter between operations) and is written under a
+temporary name, then renamed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+from tqdm.auto import tqdm
+
+from workbench.engine.local.state import EngineState
+from workbench.engine.model.base_model import load_base_model
+from workbench.futures import APIFuture
+from workbench.storage.checkpoint_store import CheckpointError
+
+
+def _export(state: EngineState, model_id: str, target: Path) -> Path:
+    adapter = state.run(model_id).policy.adapter
+    assert state.model.peft_model is not None
+    adapted = [
+        (name, module)
+        for name, module in state.model.peft_model.get_base_model().named_modules()
+        if isinstance(module, LoraLayer) and adapter in module.lora_A
+    ]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        with tqdm(
+            total=len(adapted) + 2, desc=f"Exporting merged model to {target.name}", unit="step"
+        ) as progress:
+            merged, tokenizer, _ = load_base_model(state.config.base_model, torch.device("cpu"), state.dtype)
+            progress.update()
+            output = merged.get_output_embeddings()
+            tied = output.weight is merged.get_input_embeddings().weight
+            if tied and any(merged.get_submodule(name) is output for name, _ in adapted):
+                output.weight = nn.Parameter(output.weight.detach().clone(), requires_grad=False)
+                merged.config.tie_word_embeddings = False
+            with torch.no_grad():
+                for name, module in adapted:
+                    layer = merged.get_submodule(name)
+                    layer.weight += module.get_delta_weight(adapter).to(
+                        device="cpu", dtype=layer.weight.dtype
+                    )
+                    progress.update()
+            merged.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            progress.update()
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def export_merged(state: EngineState, model_id: str, path: str | Path) -> APIFuture[Path]:
+    """Queue the export of the run's merged policy to the new folder `path` (see the module docstring)."""
+    state.check_open()
+    state.run(model_id)
+    target = Path(path).expanduser().absolute()
+    if target.exists():
+        raise CheckpointError(f"{target} already exists; export_merged writes a new folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return state.submit(lambda: _export(state, model_id, target))

@@ -1,0 +1,44 @@
+"""`optim_step`: apply a model's accumulated gradient with AdamW, every `AdamParams` field honoured.
+
+The parameters are validated in the caller's thread (`to_adam_params`); the step runs on the worker in
+submission order, so it applies exactly the gradient of the `forward_backward` calls submitted before it.
+Right before the weights change, sampling clients pinned to the policy's current version keep a copy of
+it (`WeightSnapshots.before_change`). The step's arithmetic and its refusals (nothing accumulated, a
+non-finite gradient, a step that would leave non-finite weights or optimizer moments, undone) are
+`TrainableAdapter.optim_step`'s.
+
+The response's `metrics` carry only what the step measured (`grad_norm`), never keys a caller keeps
+for itself (`step`, `learning_rate`): training loops merge them into their own metrics. The history
+row also records the learning rate and whether the step was applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workbench.engine.local.state import EngineState
+from workbench.engine.roles import Role
+from workbench.futures import APIFuture
+from workbench.types import AdamParams, OptimStepResponse, to_adam_params
+
+
+def submit(state: EngineState, model_id: str, role: Role, adam_params: Any) -> APIFuture[OptimStepResponse]:
+    state.check_open()
+    state.run(model_id).model(role)
+    params = to_adam_params(adam_params)
+    return state.submit(lambda: run(state, model_id, role, params))
+
+
+def run(state: EngineState, model_id: str, role: Role, params: AdamParams) -> OptimStepResponse:
+    training_run = state.run(model_id)
+    model = training_run.model(role)
+    if model.trainable.pending_backward_calls:
+        state.before_weights_change(training_run, model)
+    response = model.trainable.optim_step(params)
+    history_metrics = {
+        **response.metrics,
+        "learning_rate": params.learning_rate,
+        "applied": float(response.applied),
+    }
+    state.record("optim_step", training_run, model.adapter, history_metrics)
+    return response

@@ -1,0 +1,354 @@
+"""Sampling: pinning the weights a sampling client samples, `sample`, and `compute_logprobs`.
+
+**Pins are operations.** A sampling client's weights are fixed by a `pin` that runs on the worker in
+submission order, like a training step: a client created right after queued `forward_backward` and
+`optim_step` calls samples the weights those calls leave, never older ones, and its version is known
+when the pin completes. A pin holds the policy's weights at that version (`WeightSnapshots`); it is
+released on the worker too (`release`, safe from a finalizer), so nothing can drop weights a queued pin
+was promised. A pin can also name the base model (adapters off) or a sampler checkpoint, loaded as an
+inference-only adapter shared by the clients of the same folder.
+
+**Requests are batched.** A sample request is validated in the caller's thread
+(`requests.prepare_request`: bad input raises and changes nothing) and queued as a batchable operation,
+so requests that queue up together run as one engine call per set of weights. On the worker each
+request without a seed draws one from the engine's sampling generator, in order; the engine samples
+under the pinned weights (the HF sampler with the right adapter active and, for a past version, its
+snapshot swapped in; vLLM with those weights as a LoRA adapter). A group whose engine call fails is
+retried one request at a time, so a request that fails on the worker fails alone. Every request gets
+its own response and history row (op "sample": tokens, logprob mean, weight version, staleness, and the
+engine's sync time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from workbench.engine.interface import SamplerPin
+from workbench.engine.local.lora_models import TrainingRun
+from workbench.engine.local.stability_records import StabilityRecord
+from workbench.engine.local.state import REFERENCE_LABEL, EngineState, LoadedAdapter
+from workbench.engine.model.batching import prepare_batch
+from workbench.engine.samplers.requests import (
+    RequestResult,
+    SampleRequest,
+    check_prompt_logprobs_last_n,
+    keep_last_logprobs,
+    prepare_request,
+)
+from workbench.engine.samplers.vllm import VLLMSampler
+from workbench.futures import APIFuture
+from workbench.types import ModelInput, SampleResponse, SamplingParams, to_model_input
+
+SAMPLER_INFO = "sampler.json"
+
+
+# ---------------------------------------------------------------------------------------------- pins
+
+
+def pin(state: EngineState, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
+    """Pin the weights a new client samples: `model_id`'s policy at `version` (default: the version the
+    operations queued before this one leave), or the base model (`model_id=None`)."""
+    state.check_open()
+    if model_id is not None:
+        state.run(model_id)
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise ValueError(f"version must be an integer, got {version!r}")
+
+    def run() -> SamplerPin:
+        if model_id is None:
+            return SamplerPin()
+        training_run = state.run(model_id)
+        current = training_run.policy.weights_version
+        pinned = current if version is None else version
+        if not training_run.snapshots.is_available(pinned, current):
+            live = sorted({*training_run.snapshots.pinned_versions(), current})
+            raise ValueError(f"weights version {pinned} is not held; available: {live}")
+        training_run.snapshots.pin(pinned)
+        return SamplerPin(model_id=model_id, version=pinned)
+
+    return state.submit(run)
+
+
+def pin_checkpoint(state: EngineState, locate: Callable[[], Path]) -> APIFuture[SamplerPin]:
+    """Pin the weights of a peft adapter folder (sampler weights, or a state checkpoint's policy),
+    loading it as an inference-only adapter unless a live pin already did. `locate` finds the folder on
+    the worker, after the operations queued before (a save of that checkpoint included)."""
+    state.check_open()
+
+    def run() -> SamplerPin:
+        folder = locate().absolute()
+        loaded = state.loaded_adapters.get(folder)
+        if loaded is None:
+            if not (folder / "adapter_config.json").is_file():
+                raise ValueError(
+                    f"{folder} holds no peft adapter (adapter_config.json); give a sampler checkpoint"
+                )
+            info = (
+                json.loads((folder / SAMPLER_INFO).read_text()) if (folder / SAMPLER_INFO).is_file() else {}
+            )
+            _check_base(folder, info.get("base_model"), state.base_info.identity())
+            state.sampler_adapters_made += 1
+            name = f"sampler_{state.sampler_adapters_made}"
+            state.model.load_adapter(name, folder)
+            loaded = LoadedAdapter(name, info.get("weights_version"))
+            state.loaded_adapters[folder] = loaded
+        loaded.users += 1
+        return SamplerPin(version=loaded.version, adapter=loaded.name, folder=folder)
+
+    return state.submit(run)
+
+
+def _check_base(folder: Path, saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> None:
+    """A sampler checkpoint loads onto the architecture it was trained on (however the base is named)."""
+    if saved is None:
+        return
+    differs = sorted(key for key in current if key != "name" and saved.get(key) != current[key])
+    if differs:
+        details = "; ".join(
+            f"{key}: checkpoint {saved.get(key)!r}, engine {current[key]!r}" for key in differs
+        )
+        raise ValueError(f"{folder} was saved on a different base model ({details})")
+
+
+def release(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
+    """Let go of a client's pin, on the worker, after everything the client queued. Takes no lock:
+    safe to call from a garbage-collector finalizer."""
+    state.worker.post(lambda: _unpin(state, pin_future))
+
+
+def _unpin(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
+    if (
+        not pin_future.done()
+        or pin_future.future().cancelled()
+        or pin_future.future().exception() is not None
+    ):
+        return
+    held = pin_future.result()
+    if held.model_id is not None:
+        training_run = state.runs.get(held.model_id)
+        if training_run is None:  # the run is gone, and its snapshots with it
+            return
+        assert held.version is not None
+        training_run.snapshots.unpin(held.version)
+        live = {*training_run.snapshots.pinned_versions(), training_run.policy.weights_version}
+        if state.vllm is not None and held.version not in live:
+            state.vllm.forget(held.weights_key)
+    elif held.folder is not None:
+        loaded = state.loaded_adapters[held.folder]
+        loaded.users -= 1
+        if loaded.users == 0:
+            del state.loaded_adapters[held.folder]
+            state.model.delete_adapter(loaded.name)
+            if state.vllm is not None:
+                state.vllm.forget(held.weights_key)
+
+
+@contextlib.contextmanager
+def pinned_weights(state: EngineState, held: SamplerPin) -> Iterator[None]:
+    """The model in the state a pin names: a run's policy at its version, a loaded adapter, or the base."""
+    if held.model_id is not None:
+        training_run = state.run(held.model_id)
+        assert held.version is not None
+        with (
+            state.model.using(training_run.policy.adapter),
+            training_run.snapshots.weights(held.version, training_run.policy.weights_version),
+        ):
+            yield
+    else:
+        with state.model.using(held.adapter):
+            yield
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def submit_sample(
+    state: EngineState,
+    pin_future: APIFuture[SamplerPin],
+    prompt: ModelInput | Sequence[int],
+    num_samples: int,
+    sampling_params: SamplingParams | Mapping[str, Any],
+    include_prompt_logprobs: bool,
+    prompt_logprobs_last_n: int | None = None,
+    record_stability_info: bool = False,
+    sequence_ids: Sequence[str] | None = None,
+) -> APIFuture[SampleResponse]:
+    state.check_open()
+    request = prepare_request(
+        prompt,
+        num_samples,
+        sampling_params,
+        include_prompt_logprobs,
+        tokenizer=state.tokenizer,
+        vocab_size=state.base_info.vocab_size,
+        max_length=state.base_info.max_length,
+        max_samples_per_request=state.config.max_samples_per_request,
+        prompt_logprobs_last_n=prompt_logprobs_last_n,
+        record_stability_info=record_stability_info,
+        sequence_ids=sequence_ids,
+    )
+    return state.submit_batchable(
+        "sample", (pin_future, request), lambda items: run_sample_batch(state, items)
+    )
+
+
+def submit_compute_logprobs(
+    state: EngineState,
+    pin_future: APIFuture[SamplerPin],
+    prompt: ModelInput | Sequence[int],
+    prompt_logprobs_last_n: int | None = None,
+) -> APIFuture[list[float | None]]:
+    state.check_open()
+    tokens = tuple(to_model_input(prompt).to_ints())
+    info = state.base_info
+    # the checks a training datum's tokens get (ids in the vocabulary, length within the context)
+    prepare_batch(
+        [{"model_input": list(tokens), "loss_fn_inputs": {}}],
+        required=(),
+        vocab_size=info.vocab_size,
+        max_length=info.max_length,
+    )
+    check_prompt_logprobs_last_n(prompt_logprobs_last_n, True, len(tokens))
+
+    def run() -> list[float | None]:
+        with pinned_weights(state, pin_future.result()):
+            logprobs = state.hf_sampler.prompt_logprobs([tokens])[0]
+        return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
+
+    return state.submit(run)
+
+
+def vllm_engine(state: EngineState) -> VLLMSampler:
+    """The engine's vLLM sampler, started on first use."""
+    if state.vllm is None:
+        info = state.base_info
+        ranks = [run.policy.lora.rank for run in state.runs.values()] or [8]
+        state.vllm = VLLMSampler(
+            info.path, info.path, state.dtype, max(ranks), info.max_length, state.config.seed
+        )
+    return state.vllm
+
+
+def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest]) -> list[RequestResult]:
+    if state.config.sampler == "vllm":
+        key = None if held.is_base else held.weights_key
+
+        def write_adapter(folder: Path) -> None:
+            with pinned_weights(state, held):
+                files = state.model.adapter_files(
+                    held.adapter or state.run(held.model_id or "").policy.adapter
+                )
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, data in files.items():
+                (folder / name).write_bytes(data)
+
+        return vllm_engine(state).generate(requests, key, write_adapter)
+    with pinned_weights(state, held):
+        return state.hf_sampler.generate(requests)
+
+
+def run_sample_batch(
+    state: EngineState, items: Sequence[tuple[APIFuture[SamplerPin], SampleRequest]]
+) -> list[SampleResponse | BaseException]:
+    """The queued requests, one engine call per set of weights (worker thread)."""
+    results: list[SampleResponse | BaseException | None] = [None] * len(items)
+    groups: dict[tuple[str | None, int | None, str | None], tuple[SamplerPin, list[int]]] = {}
+    requests: list[SampleRequest | None] = [None] * len(items)
+    for index, (pin_future, request) in enumerate(items):
+        try:
+            held = pin_future.result()
+        except BaseException as error:  # the pin failed: so does every request of its client
+            results[index] = error
+            continue
+        requests[index] = request.seeded(state.sampling_generator)
+        groups.setdefault(held.weights_key, (held, []))[1].append(index)
+    for held, indices in groups.values():
+        group = [requests[i] for i in indices]
+        assert all(r is not None for r in group)
+        for index, outcome in zip(indices, _sample_group(state, held, group), strict=True):  # type: ignore[arg-type]
+            results[index] = outcome
+    return results  # type: ignore[return-value]
+
+
+def _sample_group(
+    state: EngineState, held: SamplerPin, requests: list[SampleRequest]
+) -> list[SampleResponse | BaseException]:
+    """One engine call for requests on the same weights; if it fails, each request again on its own."""
+    start = time.perf_counter()
+    try:
+        results = _generate(state, held, requests)
+    except Exception as error:
+        if len(requests) == 1:
+            return [error]
+        return [outcome for request in requests for outcome in _sample_group(state, held, [request])]
+    seconds = time.perf_counter() - start
+    generated = sum(len(s.tokens) for result in results for s in result.sequences)
+    return [
+        sample_response(state, held, request, result, seconds, generated)
+        for request, result in zip(requests, results, strict=True)
+    ]
+
+
+def sample_response(
+    state: EngineState,
+    held: SamplerPin,
+    request: SampleRequest,
+    result: RequestResult,
+    batch_seconds: float,
+    batch_tokens: int,
+) -> SampleResponse:
+    """The response to one request (each sequence given its id, and recorded when the request asks),
+    and its history row."""
+    ids = request.sequence_ids or [state.next_sequence_id() for _ in result.sequences]
+    sequences = [
+        dataclasses.replace(sequence, sequence_id=sequence_id)
+        for sequence, sequence_id in zip(result.sequences, ids, strict=True)
+    ]
+    if request.record_stability_info:
+        for sequence in sequences:
+            state.stability_records.add(
+                sequence.sequence_id,
+                StabilityRecord(
+                    prompt_tokens=request.prompt_tokens,
+                    tokens=tuple(sequence.tokens),
+                    logprobs=tuple(sequence.logprobs),
+                    model_id=held.model_id,
+                    weights_version=held.version,
+                ),
+            )
+    tokens = sum(len(s.tokens) for s in sequences)
+    metrics = {
+        "num_samples:sum": float(request.num_samples),
+        "num_tokens:sum": float(tokens),
+        "stop_fraction:mean": sum(s.stop_reason == "stop" for s in sequences) / len(sequences),
+        "sample_seconds": batch_seconds,
+        "tokens_per_second": batch_tokens / batch_seconds if batch_seconds > 0 else 0.0,
+    }
+    if tokens:
+        metrics["logprob:mean"] = sum(sum(s.logprobs) for s in sequences) / tokens
+    training_run: TrainingRun | None = state.runs.get(held.model_id) if held.model_id is not None else None
+    label = REFERENCE_LABEL if held.is_base else (held.adapter or "")
+    if training_run is not None:
+        assert held.version is not None
+        label = training_run.policy.adapter
+        metrics["weights_version"] = float(held.version)
+        metrics["staleness"] = float(training_run.policy.weights_version - held.version)
+    sync_ms = 0.0
+    if state.vllm is not None and not held.is_base:
+        sync_ms = state.vllm.sync_ms(held.weights_key)
+        metrics["sync_ms"] = sync_ms
+    state.record("sample", training_run, label, metrics)
+    return SampleResponse(
+        sequences=sequences,
+        weights_version=held.version,
+        prompt_logprobs=None
+        if result.prompt_logprobs is None
+        else keep_last_logprobs(result.prompt_logprobs, request.prompt_logprobs_last_n),
+        sync_ms=sync_ms,
+    )

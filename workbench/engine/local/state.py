@@ -1,0 +1,128 @@
+"""What every engine operation shares: the model, the runs on it, the worker, the history.
+
+`EngineState` is the engine's memory, and the operation modules (`forward_backward`, `optim_step`,
+`sampling`, `checkpoints`, `model_lifecycle`, `merged_export`) are what acts on it: each validates its
+input in the caller's thread, then `submit`s the work that changes anything to the one worker thread.
+Nothing here runs a model; it holds what the operations need and the few rules they all follow.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from workbench.engine.config import EngineConfig
+from workbench.engine.local.lora_models import TrainedModel, TrainingRun
+from workbench.engine.local.stability_records import StabilityRecords
+from workbench.engine.model.adapted_model import AdaptedModel
+from workbench.engine.model.base_model import BaseModelInfo
+from workbench.engine.roles import Role
+from workbench.engine.samplers.hf import HFSampler
+from workbench.engine.samplers.vllm import VLLMSampler
+from workbench.engine.worker import SessionClosedError, Worker
+from workbench.futures import APIFuture
+from workbench.metrics import MetricsHistory
+
+T = TypeVar("T")
+
+REFERENCE_LABEL = "reference"
+"""The history's `model` column for operations on the base model with adapters off."""
+
+
+@dataclass
+class LoadedAdapter:
+    """A sampler checkpoint loaded as an inference-only adapter, and how many sampling pins use it."""
+
+    name: str
+    version: int | None  # the weights version the checkpoint was saved at
+    users: int = 0
+
+
+class EngineState:
+    """The engine's state; mutated on the worker thread only (reads from other threads see whole
+    values: a run is in `runs` or not, a counter has one value)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: AdaptedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        dtype: torch.dtype,
+        worker: Worker,
+    ):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.worker = worker  # the thread that loaded `model` and runs every operation on it
+        self.history = MetricsHistory()
+        self.runs: dict[str, TrainingRun] = {}
+        # Draws the seeds of sampling requests that give none, on the worker in submission order, so a
+        # run's samples are reproducible from the engine seed; its state is saved with checkpoints.
+        self.sampling_generator = torch.Generator().manual_seed(config.seed)
+        self.hf_sampler = HFSampler(
+            model, tokenizer, device, model.info.vocab_size, model.info.logits_from_hidden_states
+        )
+        self.vllm: VLLMSampler | None = None  # started on first use when config.sampler == "vllm"
+        self.runs_made = 0  # numbers runs (and so their adapters' names) over the engine's life
+        self.sampler_adapters_made = 0  # numbers the adapters loaded for sampling clients
+        self.loaded_adapters: dict[Path, LoadedAdapter] = {}  # sampler checkpoint folder -> its adapter
+        self.stability_records = StabilityRecords()  # what samplers recorded for stable_reinforce
+        self._sequence_prefix = f"seq-{secrets.token_hex(4)}"  # sequence ids are unique per engine
+        self._sequences_sampled = 0
+
+    @property
+    def base_info(self) -> BaseModelInfo:
+        return self.model.info
+
+    @property
+    def closed(self) -> bool:
+        return self.worker.closed
+
+    def check_open(self) -> None:
+        if self.worker.closed:
+            raise SessionClosedError("this session is closed; create a new Session")
+
+    def submit(self, run: Callable[[], T]) -> APIFuture[T]:
+        """Queue work for the worker thread (raises SessionClosedError once closed)."""
+        return self.worker.submit(run)
+
+    def submit_batchable(
+        self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], Sequence[Any]]
+    ) -> APIFuture[Any]:
+        return self.worker.submit_batchable(key, item, run_batch)
+
+    def next_sequence_id(self) -> str:
+        """A new `SampledSequence.sequence_id` (worker thread): unique within this engine, and across
+        engines with overwhelming probability."""
+        self._sequences_sampled += 1
+        return f"{self._sequence_prefix}-{self._sequences_sampled}"
+
+    def run(self, model_id: str) -> TrainingRun:
+        """The run with this model id; a clear error naming the ones there are."""
+        run = self.runs.get(model_id)
+        if run is None:
+            raise ValueError(f"no model {model_id!r} on this engine; it has {sorted(self.runs)}")
+        return run
+
+    def adapter_label(self, run: TrainingRun, role: Role) -> str:
+        """The history's `model` column for an operation on `role` of `run`."""
+        return REFERENCE_LABEL if role is Role.REFERENCE else run.model(role).adapter
+
+    def record(self, op: str, run: TrainingRun | None, label: str, metrics: Mapping[str, float]) -> None:
+        """Append an operation's metrics to the history at the run's optimizer step (worker thread)."""
+        self.history.record(op, label, run.step if run is not None else 0, metrics)
+
+    def before_weights_change(self, run: TrainingRun, model: TrainedModel) -> None:
+        """Called right before `model`'s weights change (an optimizer step, a load): sampling clients
+        pinned to the policy's current weights keep a copy of them first."""
+        if model.role is Role.POLICY:
+            run.snapshots.before_change(model.weights_version)

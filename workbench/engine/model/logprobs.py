@@ -1,0 +1,196 @@
+"""Per-token log-probabilities of the targets, computed from a decoder's final hidden states without the
+full-vocabulary logits.
+
+Shared by training (the loss inputs) and sampling (prompt logprobs), so that both compute the same
+number the same way: the output layer's logits in fp32, `log_softmax`, then a gather of the target ids.
+
+Notation: N positions (a micro-batch's B × T flattened), H hidden size, V vocabulary, C positions in a
+chunk.
+
+A (B, T, V) logit tensor is the largest thing a training step makes (T = 2048 and V = 151,936: 1.2 GB
+per sequence in fp32, again for its `log_softmax` and again for the gradient), and almost all of it is
+thrown away: a loss reads one logprob per position. So the output layer runs over C positions at a time,
+with C chosen to keep each chunk's (C, V) logits near `CHUNK_LOGITS_ELEMENTS`, and only the targets'
+logprobs leave the chunk. For backward, the first `kept_positions` positions keep their chunk's
+log-softmax (as a plain autograd graph does); the others keep nothing and recompute their logits in
+backward, chunk by chunk, from the hidden states (Chen et al. 2016, https://arxiv.org/abs/1604.06174,
+applied to the output layer): one more pass of the output layer's matmul for those positions, and none
+of their (C, V) tensors held. The output layer is whatever module the model has there (a peft-adapted
+one included), so an adapter on it trains as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+# Elements of one chunk's (C, V) logits: 16M fp32 values, 64 MiB; C = 341 positions for V = 49,152.
+CHUNK_LOGITS_ELEMENTS = 1 << 24
+
+OutputLayer = Callable[[Tensor], Tensor]
+"""The model's output layer: (…, H) hidden states to (…, V) logits."""
+
+
+def chunk_positions(vocab_size: int) -> int:
+    """C, the positions per chunk for a vocabulary of `vocab_size`."""
+    return max(1, CHUNK_LOGITS_ELEMENTS // vocab_size)
+
+
+def _chunk_logprobs(
+    output_layer: OutputLayer, hidden_C_H: Tensor, targets_C: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The targets' logprobs (with autograd when it is on) and, when asked, the detached entropy."""
+    logprobs_C_V = torch.log_softmax(output_layer(hidden_C_H).float(), dim=-1)
+    logprobs_C = logprobs_C_V.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logprobs_C, None
+    with torch.no_grad():
+        entropy_C = -torch.einsum("cv,cv->c", logprobs_C_V.exp(), logprobs_C_V)
+    return logprobs_C, entropy_C
+
+
+class _RecomputedTargetLogprobs(torch.autograd.Function):
+    """log p(target) for N positions from their hidden states, keeping only the hidden states (and the
+    targets) for backward, where each chunk's logits are computed again.
+
+    The output layer's trainable parameters are inputs of the function, so autograd hands their
+    gradients back through it like any other input's.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden_N_H: Tensor,
+        targets_N: Tensor,
+        output_layer: OutputLayer,
+        chunk: int,
+        with_entropy: bool,
+        *params: nn.Parameter,
+    ) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(hidden_N_H, targets_N, *params)
+        ctx.output_layer = output_layer  # type: ignore[attr-defined]
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        pieces = [
+            _chunk_logprobs(output_layer, hidden_C_H, targets_C, with_entropy)
+            for hidden_C_H, targets_C in zip(hidden_N_H.split(chunk), targets_N.split(chunk), strict=True)
+        ]
+        logprobs_N = torch.cat([logprobs_C for logprobs_C, _ in pieces])
+        entropy_N = (
+            torch.cat([entropy_C for _, entropy_C in pieces]) if with_entropy else logprobs_N.new_empty(0)
+        )
+        ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_logprobs_N: Tensor, _grad_entropy_N: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        hidden_N_H, targets_N, *params = ctx.saved_tensors  # type: ignore[attr-defined]
+        output_layer: OutputLayer = ctx.output_layer  # type: ignore[attr-defined]
+        chunk: int = ctx.chunk  # type: ignore[attr-defined]
+        wants_hidden = ctx.needs_input_grad[0]
+        param_needs = ctx.needs_input_grad[5:]
+        trained = [param for param, needs in zip(params, param_needs, strict=True) if needs]
+        grad_hidden_N_H = torch.empty_like(hidden_N_H) if wants_hidden else None
+        grad_trained = [torch.zeros_like(param) for param in trained]
+        for start in range(0, hidden_N_H.shape[0], chunk):
+            stop = start + chunk
+            hidden_C_H = hidden_N_H[start:stop].detach().requires_grad_(wants_hidden)
+            with torch.enable_grad():
+                logprobs_C, _ = _chunk_logprobs(output_layer, hidden_C_H, targets_N[start:stop], False)
+            inputs = ([hidden_C_H] if wants_hidden else []) + trained
+            grads = list(
+                torch.autograd.grad(logprobs_C, inputs, grad_logprobs_N[start:stop], allow_unused=True)
+            )
+            if wants_hidden:
+                assert grad_hidden_N_H is not None
+                grad_hidden_N_H[start:stop] = grads.pop(0)
+            for total, grad in zip(grad_trained, grads, strict=True):
+                if grad is not None:
+                    total += grad
+        trained_grads = iter(grad_trained)
+        param_grads = [next(trained_grads) if needs else None for needs in param_needs]
+        return grad_hidden_N_H, None, None, None, None, *param_grads
+
+
+def target_logprobs(
+    hidden_B_T_H: Tensor,
+    output_layer: nn.Module,
+    targets_B_T: Tensor,
+    *,
+    vocab_size: int,
+    kept_positions: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """log p(target_t | prefix) for every position from the final hidden states, and, when asked, the
+    entropy of each next-token distribution, H_t = −Σ_v p_v log p_v.
+
+    The logprobs carry gradients (to the hidden states and the output layer's trainable parameters)
+    when grad mode is on; the entropy is a diagnostic and does not. It costs a pass over each chunk's
+    distribution (a few percent of a training step), so only the losses that report it ask.
+    `vocab_size` (the width of the output layer's result) sets the chunk length; the first
+    `kept_positions` of the B × T positions keep their log-softmax for backward, the others recompute it
+    there. Without grad mode nothing is kept either way.
+    """
+    batch, length, hidden_size = hidden_B_T_H.shape
+    hidden_N_H = hidden_B_T_H.reshape(batch * length, hidden_size)
+    targets_N = targets_B_T.reshape(-1)
+    chunk = chunk_positions(vocab_size)
+    kept = hidden_N_H.shape[0] if not torch.is_grad_enabled() else min(kept_positions, hidden_N_H.shape[0])
+    pieces = [
+        _chunk_logprobs(output_layer, hidden_C_H, targets_C, with_entropy)
+        for hidden_C_H, targets_C in zip(
+            hidden_N_H[:kept].split(chunk), targets_N[:kept].split(chunk), strict=True
+        )
+    ]
+    if kept < hidden_N_H.shape[0]:
+        trainable = [param for param in output_layer.parameters() if param.requires_grad]
+        pieces.append(
+            _RecomputedTargetLogprobs.apply(
+                hidden_N_H[kept:], targets_N[kept:], output_layer, chunk, with_entropy, *trainable
+            )
+        )
+    logprobs_B_T = torch.cat([logprobs for logprobs, _ in pieces]).reshape(batch, length)
+    if not with_entropy:
+        return logprobs_B_T, None
+    return logprobs_B_T, torch.cat([entropy for _, entropy in pieces]).reshape(batch, length)
+
+
+def language_model_logprobs(
+    model: nn.Module,
+    input_ids_B_T: Tensor,
+    attention_mask_B_T: Tensor,
+    targets_B_T: Tensor,
+    *,
+    vocab_size: int,
+    logits_from_hidden_states: bool,
+    kept_positions: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """`target_logprobs` of an HF causal language model (or a peft model around one) on a batch.
+
+    The decoder (`get_decoder()`) runs alone and its final hidden states go through the output layer
+    (`get_output_embeddings()`) chunk by chunk. A model whose logits are more than that output layer's
+    result (`logits_from_hidden_states` False: a soft cap or a scale after the output layer, see
+    `workbench.engine.model.base_model.logits_from_hidden_states`) runs whole, and its logits are read in chunks.
+    """
+    if logits_from_hidden_states:
+        features_B_T_F = model.get_decoder()(
+            input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False
+        ).last_hidden_state
+        output_layer = model.get_output_embeddings()
+    else:
+        features_B_T_F = model(
+            input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False
+        ).logits
+        output_layer = nn.Identity()
+    return target_logprobs(
+        features_B_T_F,
+        output_layer,
+        targets_B_T,
+        vocab_size=vocab_size,
+        kept_positions=kept_positions,
+        with_entropy=with_entropy,
+    )

@@ -1,0 +1,1 @@
+"""Helpers for the training loops users write: chat datums, rollouts to datums, advantages, datasets."""

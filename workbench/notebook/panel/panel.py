@@ -1,0 +1,127 @@
+"""The notebook panel: one widget over a Session: a status bar and Train / Sample / Checkpoints /
+Metrics tabs.
+
+The panel is a view: every control calls the public method a cell would (`sess.run`, `run.pause`,
+`run.set`, ...), and every refresh re-reads the session, its current run and its history, so what a
+cell does shows up in the panel and what the panel does can be scripted without it.
+
+Widget callbacks run on the kernel's main thread, which a busy cell blocks; training therefore runs on
+the run's thread and the panel redraws itself from a timer thread of its own every `REFRESH_S`, so the
+status, progress and plots move while a cell is busy and while the kernel is idle alike. Widget state
+changes made from that thread reach the front end through the kernel's comm channel, as tqdm's
+progress bars do from worker threads.
+
+The panel holds its session weakly. ipywidgets keeps every widget alive until it is closed, so a panel
+holding its session would keep the model in memory after the notebook let go of it (re-running the
+cell that made both); instead the session is freed then, the panel says so, and its timer ends. Keep a
+reference to the session (`sess = wb.Session(...)`) for as long as its panel is used.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets
+
+from workbench.engine.worker import SessionClosedError
+from workbench.notebook.panel.checkpoints_tab import CheckpointsTab
+from workbench.notebook.panel.feedback import FREED, Feedback
+from workbench.notebook.panel.metrics_tab import MetricsTab
+from workbench.notebook.panel.sample_tab import SampleTab
+from workbench.notebook.panel.status import StatusBar
+from workbench.notebook.panel.train_tab import TrainTab
+
+if TYPE_CHECKING:
+    from workbench.notebook.session import Session
+
+REFRESH_S = 0.5
+"""How often the panel re-reads the session."""
+
+
+class Panel(ipywidgets.VBox):
+    """The session's panel; create it with `sess.panel(train_data=..., metrics=...)`.
+
+    Parts (each a thin view with a `refresh()`): `status` (the status bar), `train`, `sample`,
+    `checkpoints`, `metrics`; the tabs are in `tabs`. `refresh()` redraws everything at once; a timer
+    does it every `REFRESH_S` until the panel is closed or the session is.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        *,
+        train_data: Sequence[Any] | None = None,
+        metrics: Sequence[str] = ("loss:sum",),
+    ) -> None:
+        self._session = weakref.ref(session)
+        view = weakref.proxy(session)  # what every part holds: the session, weakly
+        self.feedback = Feedback()
+        self.status = StatusBar(view)
+        self.train = TrainTab(view, train_data)
+        self.sample = SampleTab(view)
+        self.checkpoints = CheckpointsTab(view)
+        self.metrics = MetricsTab(view, metrics)
+        self.tabs = ipywidgets.Tab(
+            children=[self.train.widget, self.sample.widget, self.checkpoints.widget, self.metrics.widget],
+            titles=("Train", "Sample", "Checkpoints", "Metrics"),
+        )
+        super().__init__([self.status.widget, self.tabs, self.feedback.widget])
+        self.add_class("wb-panel")
+        self._refreshing = threading.Lock()
+        self._closing = threading.Event()
+        self.refresh()
+        self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
+        self._timer.start()
+
+    @property
+    def session(self) -> Session:
+        """The session shown (SessionClosedError once it was freed)."""
+        session = self._session()
+        if session is None:
+            raise SessionClosedError(FREED)
+        return session
+
+    def refresh(self) -> None:
+        """Re-read the session and redraw every part."""
+        with self._refreshing:
+            session = self._session()
+            if session is None:
+                self.status.show_freed()
+                return
+            self.status.refresh()
+            if session.closed:
+                return
+            self.train.refresh()
+            self.sample.refresh()
+            self.checkpoints.refresh()
+            self.metrics.refresh()
+
+    def _poll(self) -> None:
+        while not self._closing.wait(REFRESH_S):
+            try:
+                self.refresh()
+            except Exception as error:  # shown in the panel: a timer thread has nobody else to tell
+                self.feedback.error(error)
+            if self._ended():
+                return
+
+    def _ended(self) -> bool:
+        """The session is closed or freed (asked in a call of its own, so that the timer holds no
+        reference to the session while it waits)."""
+        session = self._session()
+        return session is None or session.closed
+
+    @property
+    def polling(self) -> bool:
+        """True while the timer thread redraws the panel."""
+        return self._timer.is_alive()
+
+    def close(self) -> None:
+        """Stop the timer and close the widgets."""
+        self._closing.set()
+        if threading.current_thread() is not self._timer:
+            self._timer.join()
+        super().close()

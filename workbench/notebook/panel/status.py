@@ -1,0 +1,122 @@
+"""The panel's status bar: what the session is and where it stands, in one line.
+
+It is rebuilt from the session on every refresh, so it is never out of date with what a cell did.
+Each field is a `<span data-field=...>` so a browser test (or a stylesheet) can find it.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+import ipywidgets
+import psutil
+import torch
+
+if TYPE_CHECKING:
+    from workbench.notebook.session import Session
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes of memory the model lives in: CUDA memory allocated on a GPU, else this process's RSS."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+def format_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _field(name: str, label: str, value: str) -> str:
+    return f'<span data-field="{name}"><b>{html.escape(label)}</b> {value}</span>'
+
+
+def wandb_field(session: Session) -> str:
+    """A link to the W&B run online, its local folder offline (with the command that uploads it), or off."""
+    sink = session.wandb_run
+    if sink is None:
+        return "off"
+    if sink.url is not None:
+        return (
+            f'<a href="{html.escape(sink.url)}" target="_blank" rel="noopener">{html.escape(sink.run_id)}</a>'
+        )
+    folder = html.escape(str(sink.directory))
+    return f'<span title="upload with: wandb sync {folder}">offline {html.escape(sink.run_id)}</span>'
+
+
+def sampler_versions(session: Session) -> str:
+    """The version new samplers get (the current weights), and the older ones live clients still pin."""
+    current = session.policy.weights_version
+    pinned = [f"v{version}" for version in session.live_versions() if version != current]
+    return f"v{current}" + (f" (pinned {', '.join(pinned)})" if pinned else "")
+
+
+def models_field(session: Session) -> str:
+    """The models on the session's engine: its own policy, and those that clients of its server made
+    (adapter label, as the history's `model` column has it, and optimizer step; their ids on hover)."""
+    engine = session.engine
+    others = [engine.run_status(model_id) for model_id in engine.model_ids() if model_id != session.model_id]
+    own = html.escape(engine.run_status(session.model_id).adapter)
+    if not others:
+        return own
+    ids = html.escape("\n".join(f"{run.adapter}: {run.model_id}" for run in others))
+    listed = ", ".join(f"{html.escape(run.adapter)} (step {run.step})" for run in others)
+    return f'<span title="{ids}">{own} (this session) + {listed}</span>'
+
+
+def server_field(session: Session) -> str:
+    """Where the session serves the Tinker API, or off."""
+    running = [server for server in session.servers if server.running]
+    return ", ".join(html.escape(server.url) for server in running) or "off"
+
+
+class StatusBar:
+    """Device, dtype and memory in use (a remote session: the engine's URL), the session's policy step and weight version, sampler version,
+    critic, the models on the engine (clients' included), the server, run, W&B."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.widget = ipywidgets.HTML()
+        self.widget.add_class("wb-status")
+
+    def show_freed(self) -> None:
+        self.widget.value = _field("session", "session", "freed")
+
+    def refresh(self) -> None:
+        sess = self.session
+        if sess.closed:
+            self.widget.value = _field("session", "session", "closed")
+            return
+        run = sess.current_run
+        run_text = "none" if run is None else f"{run.state.value} {run.i}/{run.steps}"
+        endpoint = sess.engine.endpoint
+        where = (
+            [
+                _field(
+                    "device", "device", f"{html.escape(sess.config.device)}/{html.escape(sess.config.dtype)}"
+                ),
+                _field("memory", "memory", format_bytes(memory_in_use(sess.device))),
+            ]
+            if endpoint is None
+            else [_field("engine", "engine", html.escape(endpoint))]
+        )
+        fields = [
+            _field("model", "model", html.escape(sess.config.base_model)),
+            *where,
+            _field("step", "step", str(sess.policy.step)),
+            _field("weights", "weights", f"v{sess.policy.weights_version}"),
+            _field("sampler", "sampler", sampler_versions(sess)),
+            _field("critic", "critic", "yes" if sess.critic is not None else "no"),
+            _field("models", "models", models_field(sess)),
+            _field("server", "serving", server_field(sess)),
+            _field("run", "run", run_text),
+            _field("wandb", "W&B", wandb_field(sess)),
+        ]
+        self.widget.value = (
+            '<div style="display:flex;flex-wrap:wrap;gap:0 1.2em">' + "".join(fields) + "</div>"
+        )

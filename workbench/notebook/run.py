@@ -1,0 +1,366 @@
+"""Background training runs: a user's step function called on its own thread, one step at a time.
+
+ipywidgets callbacks cannot run while a notebook cell is busy, so a training loop written in a cell
+freezes every control until it ends. `Session.run(step_fn, steps)` instead calls `step_fn(sess, i)` on
+a run thread and returns a `Run` at once: the cell finishes, the kernel stays free, and the panel's
+buttons (or later cells) pause, single-step, stop or re-tune the loop while it trains.
+
+Between two steps, and only there, the run checks for pause / stop requests and applies edits of its
+`AdamParams` (`run.set(learning_rate=...)`), so every step sees one consistent set of settings. The run
+thread only orchestrates: the step function calls the session's futures API, whose operations still
+run on the session's worker thread, in order with everything else.
+
+Interrupting the kernel does not stop a run, since the run is not on the kernel's thread: `run.stop()`
+(or the panel's Stop button) does, after the current step. A running run keeps its session alive until
+it ends; a paused one does not: once nothing references the run or its session, both are freed.
+
+Live settings: the run owns the current `AdamParams` (`run.adam_params`), and the session exposes the
+run it is executing as `sess.current_run`, so a step function reads `sess.current_run.adam_params` for
+its `optim_step` (as `train_step` does). A step function is a plain function of the session; nothing
+in its signature ties it to the panel.
+
+Each step's returned metrics (`{"reward:mean": ...}`) are recorded in the session history as op
+`"run_step"` at the optimizer step the step started from (the weights that produced them), so they
+reach the JSONL file, W&B and the plots like every operation's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import traceback
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from workbench.types import AdamParams, to_adam_params
+
+if TYPE_CHECKING:
+    from workbench.notebook.session import Session
+
+StepFn = Callable[["Session", int], Mapping[str, float] | None]
+"""`step_fn(sess, i) -> metrics`: one training step; `i` counts the run's steps from 0."""
+
+RUN_MODEL = "run"
+"""The `model` column of the history rows a run records: its metrics describe the whole step."""
+
+# How often a paused run looks at whether its session was closed meanwhile.
+PAUSED_POLL_S = 0.5
+
+
+class RunState(enum.StrEnum):
+    """Where a run is. `running` and `paused` are active; the other three are final."""
+
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+ACTIVE_STATES = (RunState.RUNNING, RunState.PAUSED)
+
+
+class RunActiveError(RuntimeError):
+    """Raised by `Session.run` while another run of the same session is still active."""
+
+
+class Run:
+    """A step function running on a background thread; created by `Session.run`, which starts it.
+
+    Controls (each returns at once; `wait()` blocks until the request has taken effect):
+        pause(): finish the current step, then wait.
+        step(): while paused, run exactly one more step, then stay paused.
+        resume(): continue running steps.
+        stop(): finish the current step, then end (state `stopped`).
+        set(**fields): edit the run's `AdamParams`; a step in progress keeps the values it started with.
+
+    State: `state` (a `RunState`), `i` (steps completed), `steps` (total), `adam_params`, and after a
+    failure `error` (the exception) and `traceback` (its formatted text). An exception in the step
+    function ends the run in state `failed`; the step that raised is not counted.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        step_fn: StepFn,
+        steps: int,
+        adam_params: AdamParams,
+        *,
+        paused: bool = False,
+    ) -> None:
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be a function step_fn(sess, i) -> metrics, got {step_fn!r}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        self.session = session
+        self.step_fn = step_fn
+        self.steps = steps
+        self.i = 0
+        self.error: BaseException | None = None
+        self.traceback: str | None = None
+        self._adam_params = adam_params
+        self._pending_adam: AdamParams | None = None
+        self._state = RunState.PAUSED if paused else RunState.RUNNING
+        self._stop_requested = False
+        self._single_steps = 0  # steps granted by step() while paused
+        self._busy = False  # the step function is executing
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(
+            target=_run_thread, args=(weakref.WeakMethod(self._advance),), name="workbench-run", daemon=True
+        )
+        self._progress: tqdm[Any] | None = None
+
+    def start(self) -> Run:
+        """Start the run thread. The progress bar is created here, in the caller's thread, so a notebook
+        shows it under the cell that started the run."""
+        self._progress = tqdm(total=self.steps, desc="run", unit="step")
+        self._thread.start()
+        return self
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @property
+    def active(self) -> bool:
+        """True while the run can still take steps (running or paused)."""
+        return self._state in ACTIVE_STATES
+
+    @property
+    def busy(self) -> bool:
+        """True while the step function is executing."""
+        return self._busy
+
+    @property
+    def adam_params(self) -> AdamParams:
+        """The optimizer settings the current (or next) step uses."""
+        return self._adam_params
+
+    def __repr__(self) -> str:
+        error = f", error={self.error!r}" if self.error is not None else ""
+        return f"Run({self._state.value}, step {self.i}/{self.steps}, lr={self._adam_params.learning_rate:g}{error})"
+
+    # ------------------------------------------------------------------------------------------ controls
+
+    def pause(self) -> None:
+        """Pause after the current step (a paused or ended run is left as it is)."""
+        with self._changed:
+            if self._state is RunState.RUNNING:
+                self._state = RunState.PAUSED
+                self._changed.notify_all()
+
+    def resume(self) -> None:
+        """Continue a paused run. Single steps granted by `step()` and not yet started are part of the
+        running and are not owed again after a later `pause()`."""
+        with self._changed:
+            if self._state is RunState.PAUSED:
+                self._state = RunState.RUNNING
+                self._single_steps = 0
+                self._changed.notify_all()
+
+    def step(self) -> None:
+        """Run exactly one step of a paused run, which then stays paused."""
+        with self._changed:
+            if self._state is not RunState.PAUSED:
+                raise RuntimeError(f"step() single-steps a paused run; this run is {self._state.value}")
+            self._single_steps += 1
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        """End the run after the current step (at once if paused)."""
+        with self._changed:
+            if self.active:
+                self._stop_requested = True
+                self._changed.notify_all()
+
+    def set(self, **fields: float) -> AdamParams:
+        """Change `AdamParams` fields (`learning_rate`, `beta1`, `beta2`, `eps`, `weight_decay`,
+        `grad_clip_norm`) for the steps to come.
+
+        The values are validated here, so a bad one raises at once and changes nothing. They apply
+        between steps: at once when no step is executing, else when the current step ends.
+
+        Returns:
+            The settings the next step will use.
+        """
+        with self._changed:
+            base = self._pending_adam or self._adam_params
+            try:
+                edited = dataclasses.replace(base, **fields)
+            except TypeError as error:
+                names = [f.name for f in dataclasses.fields(AdamParams)]
+                raise ValueError(f"run.set() takes AdamParams fields {names}: {error}") from None
+            if self._busy:
+                self._pending_adam = edited
+            else:
+                self._adam_params = edited
+            return edited
+
+    def wait(self, timeout: float | None = None) -> RunState:
+        """Block until the run is idle: ended, or paused with no step executing or granted.
+
+        Returns:
+            The state then (still `running` or `paused`-and-busy if `timeout` ran out first).
+        """
+        with self._changed:
+            self._changed.wait_for(self._idle, timeout)
+            return self._state
+
+    def _idle(self) -> bool:
+        if not self.active:
+            return True
+        if self.session.closed:
+            return False  # the loop ends the run at its next look (within PAUSED_POLL_S)
+        return (
+            self._state is RunState.PAUSED
+            and not self._busy
+            and self._single_steps == 0
+            and not self._stop_requested
+        )
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def _next_step_granted(self) -> bool | None:
+        """True when a step may start, False when the run must end, None while it waits paused. Called
+        with the lock held."""
+        if self._stop_requested or self.session.closed:
+            return False
+        if self._state is RunState.RUNNING:
+            return True
+        if self._single_steps > 0:
+            self._single_steps -= 1
+            return True
+        return None
+
+    def _advance(self) -> threading.Condition | None:
+        """Take every step the run may take now. Returns None once the run has ended, or, while it waits
+        paused, its condition, acquired: the run's thread waits on that holding the run only weakly
+        (`_run_thread`), releases it, and calls again."""
+        try:
+            while self.i < self.steps:
+                self._changed.acquire()
+                granted = self._next_step_granted()
+                if granted is None:
+                    return self._changed
+                try:
+                    if not granted:
+                        self._state = RunState.STOPPED
+                        break
+                    self._busy = True
+                    self._changed.notify_all()
+                finally:
+                    self._changed.release()
+                self._take_step()
+            else:
+                with self._changed:
+                    self._state = RunState.FINISHED
+        except BaseException as error:  # the run reports every failure; the kernel thread never sees it
+            with self._changed:
+                self.error = error
+                self.traceback = traceback.format_exc()
+                self._state = RunState.FAILED
+                self._busy = False
+        self._end()
+        return None
+
+    def _take_step(self) -> None:
+        start_step = self.session.step
+        metrics = self.step_fn(self.session, self.i)
+        self._record(start_step, metrics)
+        with self._changed:
+            self.i += 1
+            self._busy = False
+            if self._pending_adam is not None:
+                self._adam_params, self._pending_adam = self._pending_adam, None
+            self._changed.notify_all()
+        assert self._progress is not None
+        self._progress.update(1)
+
+    def _end(self) -> None:
+        assert self._progress is not None
+        self._progress.close()
+        with self._changed:
+            if self._pending_adam is not None:
+                self._adam_params, self._pending_adam = self._pending_adam, None
+            self._stop_requested = False
+            self._single_steps = 0
+            self._changed.notify_all()
+
+    def _record(self, step: int, metrics: Mapping[str, float] | None) -> None:
+        """Record the step's metrics on the worker thread, in order with the step's operations."""
+        if metrics is None:
+            return
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"step_fn must return a dict of metrics or None, got {type(metrics).__name__}")
+        if metrics:
+            self.session.engine.record("run_step", RUN_MODEL, step, metrics).result()
+
+
+def _run_thread(advance: weakref.WeakMethod[Callable[[], threading.Condition | None]]) -> None:
+    """A run's thread. It holds the run while steps are taken, and only weakly while the run waits
+    paused: a paused run that nothing references any more (dropped with its session, say by re-running
+    the notebook cell that made them) is freed, and the thread ends, instead of waiting forever."""
+    while True:
+        take_steps = advance()
+        if take_steps is None:
+            return  # freed while paused: nobody could resume it
+        paused = take_steps()
+        del take_steps
+        if paused is None:
+            return  # ended
+        try:
+            paused.wait(PAUSED_POLL_S)  # a state change wakes it; the timeout notices a closed session
+        finally:
+            paused.release()
+
+
+def train_step(
+    data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None
+) -> StepFn:
+    """The step function for training on fixed data: `forward_backward(data, loss_fn)`, then
+    `optim_step` with the run's live `AdamParams`. What the panel's Train tab runs.
+
+    Its metrics are the `forward_backward` and `optim_step` rows the session records anyway, so it
+    returns none of its own.
+    """
+    batch = list(data)
+    if not batch:
+        raise ValueError("train_step needs at least one datum")
+
+    def step(sess: Session, i: int) -> None:
+        run = sess.current_run
+        if run is None:
+            raise RuntimeError(
+                "train_step reads its AdamParams from sess.current_run: start it with sess.run(...)"
+            )
+        backward = sess.policy.forward_backward(batch, loss_fn, loss_fn_config)
+        update = sess.policy.optim_step(run.adam_params)
+        backward.result()  # a failure on the worker fails the run, rather than an empty step passing
+        update.result()
+
+    return step
+
+
+def start_run(session: Session, step_fn: StepFn, steps: int, adam_params: Any, paused: bool) -> Run:
+    """Create and start a run of `session` (what `Session.run` does), refusing while another is active."""
+    current = session.current_run
+    if current is not None and current.active:
+        raise RunActiveError(
+            f"a run is still {current.state.value}: stop() it before starting another ({current!r})"
+        )
+    session.engine.check_open()
+    run = Run(
+        session,
+        step_fn,
+        steps,
+        to_adam_params(adam_params if adam_params is not None else AdamParams()),
+        paused=paused,
+    )
+    session.current_run = run
+    return run.start()

@@ -1,0 +1,475 @@
+"""The kernel-resident Session: the notebook's front door to one training run on an engine.
+
+A Session makes an engine (the base model on the local GPU or CPU), one training run on it (a LoRA
+policy and, when asked, a critic), and the Tinker clients for them: `sess.policy` and `sess.critic`
+(`TrainingClient`s) and `sess.reference` (the base model with adapters off, forward only). Around the
+engine it adds what a notebook needs: the run's folder with a JSONL history and a W&B run, the
+background run loop (`run`), plots, the panel, checkpoints by name.
+
+Every operation goes through the engine's public interface (`workbench.engine.interface`): validated
+in the caller's thread, taking effect in submission order, returning an `APIFuture`. The engine is the
+local `Engine`, or, for a session made with `Session.connect(url, ...)`, a `RemoteEngine` that drives a
+Tinker-compatible service (`workbench serve` on a GPU machine, SkyRL, hosted Tinker) through the
+`tinker` SDK; everything else the session gives works the same over either.
+The session's own state is only which run it speaks for; everything else (the critic, the counters,
+the config) is read from the engine, so an interrupted call can never leave the session and the
+engine disagreeing.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_MICROBATCH, SessionConfig
+from workbench.engine.interface import EngineInterface, Restore
+from workbench.engine.local.engine import Engine
+from workbench.engine.model.base_model import BaseModelInfo
+from workbench.engine.remote import DEFAULT_PROBE_INTERVAL_S, RemoteEngine
+from workbench.engine.roles import Role
+from workbench.engine.samplers import SamplerChoice
+from workbench.futures import wait_or_withdraw
+from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
+from workbench.notebook.run import Run, StepFn, start_run
+from workbench.server import ServerConfig, TinkerServer
+from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
+from workbench.storage.run_folders import new_run_id, runs_root
+from workbench.tinker_api.clients import SamplingClient, TrainingClient
+from workbench.tinker_api.service_client import ServiceClient
+from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from workbench.notebook.panel import Panel
+
+WANDB_PROJECT = "workbench"
+
+
+class Session:
+    """A base model with a LoRA policy, trained through Tinker's API, in this process.
+
+    Args:
+        base_model: a built-in alias (`"tiny"`, `"smollm2-135m"`), a local HF folder or an HF hub id.
+        lora: the policy's adapter (`LoraConfig`, the SDK's, or a dict); default rank 32 on every layer.
+        critic: True for a critic (a value model sharing the frozen base, see `create_critic`), or its
+            adapter's `LoraConfig`; False for none.
+        seed: seeds the adapters' initialisation (unless `lora.seed` is set) and the samplers.
+        device, dtype: default CUDA/bf16 when a GPU is present, else CPU/fp32.
+        max_tokens_per_microbatch: padded tokens per forward pass; bounds activation memory.
+        sampler: `"hf"` (generate in-process), `"vllm"` (GPU, LoRA hot-swap) or `"auto"` (vLLM when
+            installed with a CUDA device, else HF).
+        max_samples_per_request: the largest `num_samples` one sample call may ask for; bounds memory.
+        max_models: how many LoRA models may share the base (this session's run, and those that clients
+            of `serve()` create).
+        run_dir: where the session writes its history (`history.jsonl`), checkpoints and W&B files;
+            default `$WORKBENCH_RUNS/<run id>` (`./runs` when unset). Its name is the run id: the Tinker
+            model id, the W&B run id and the first part of its `tinker://` checkpoint paths.
+        wandb: False for no W&B run; None/True for a run that is online when W&B credentials are
+            configured and offline otherwise; a dict of extra `wandb.init` arguments (which win over
+            W&B's environment variables, which win over workbench's defaults).
+    """
+
+    def __init__(
+        self,
+        base_model: str = "tiny",
+        lora: LoraConfig | Mapping[str, Any] | None = None,
+        *,
+        critic: bool | LoraConfig | Mapping[str, Any] = False,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_tokens_per_microbatch: int = DEFAULT_MAX_TOKENS_PER_MICROBATCH,
+        sampler: SamplerChoice = "auto",
+        max_samples_per_request: int = 128,
+        max_models: int = DEFAULT_MAX_MODELS,
+        run_dir: str | Path | None = None,
+        wandb: WandbSetting = None,
+    ):
+        lora_config = to_lora_config(lora if lora is not None else LoraConfig())
+        critic_config = None if isinstance(critic, bool) else to_lora_config(critic)
+        engine = Engine(
+            base_model,
+            seed=seed,
+            device=device,
+            dtype=dtype,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            sampler=sampler,
+            max_samples_per_request=max_samples_per_request,
+            max_models=max_models,
+            lora_hint=lora_config,
+        )
+        folder = (Path(run_dir) if run_dir is not None else runs_root() / new_run_id(base_model)).absolute()
+        try:
+            model_id = engine.create_model(
+                lora_config, seed=seed, model_id=folder.name, run_dir=folder
+            ).result()
+            if critic is not False:
+                engine.create_critic(model_id, critic_config).result()
+        except BaseException:
+            engine.close()
+            raise
+        self._attach(engine, model_id, wandb)
+
+    @classmethod
+    def connect(
+        cls,
+        url: str | None = None,
+        *,
+        base_model: str,
+        lora: LoraConfig | Mapping[str, Any] | None = None,
+        api_key: str | None = None,
+        seed: int = 0,
+        run_dir: str | Path | None = None,
+        wandb: WandbSetting = None,
+        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
+    ) -> Session:
+        """A session whose model lives on a Tinker-compatible service, driven through the `tinker` SDK.
+
+        The clients, the run loop, the panel, the history (JSONL and W&B, kept in this process), plots
+        and token views work as for a local session. What the service cannot do raises a
+        `RemoteUnsupportedError` before anything is sent: a critic, a loss it does not list,
+        `state_digest`, checkpoints named by local folders rather than `tinker://` paths. An operation
+        whose service stops answering fails with `EngineUnreachableError` (within `probe_interval_s`
+        and a health check); the history records only the operations that completed.
+
+        Args:
+            url: The service's base URL; default `$TINKER_BASE_URL`.
+            base_model: The base model, as the service names it (its capabilities list them).
+            lora: The policy's adapter, as for `Session(...)`.
+            api_key: The service's key; default `$TINKER_API_KEY` (read by the SDK).
+            seed: Seeds the adapter's initialisation unless `lora.seed` is set.
+            run_dir: The local folder for the history and W&B files; default `<runs root>/<run id>`.
+            wandb: As for `Session(...)`.
+            probe_interval_s: How long an operation waits before checking that the service answers.
+        """
+        url = url or os.environ.get("TINKER_BASE_URL")
+        if not url:
+            raise ValueError("Session.connect needs the service's URL: pass url=... or set TINKER_BASE_URL")
+        lora_config = to_lora_config(lora if lora is not None else LoraConfig())
+        engine = RemoteEngine(url, base_model, api_key=api_key, seed=seed, probe_interval_s=probe_interval_s)
+        folder = (Path(run_dir) if run_dir is not None else runs_root() / new_run_id(base_model)).absolute()
+        try:
+            model_id = engine.create_model(
+                lora_config, seed=seed, model_id=folder.name, run_dir=folder
+            ).result()
+        except BaseException:
+            engine.close()
+            raise
+        session = cls.__new__(cls)
+        cls._attach(session, engine, model_id, wandb)
+        return session
+
+    def _attach(self, engine: EngineInterface, model_id: str, wandb: WandbSetting) -> None:
+        """Speak for `model_id` on `engine`: its clients, its history sinks, its W&B run."""
+        self.engine: EngineInterface = engine
+        self.model_id = model_id
+        self.policy = TrainingClient(engine, model_id, Role.POLICY)
+        self.reference = TrainingClient(engine, model_id, Role.REFERENCE)
+        self._critic = TrainingClient(engine, model_id, Role.CRITIC)
+        self.current_run: Run | None = None
+        """The latest run started by `run()` (active or ended; its state, error and traceback stay
+        readable), None before the first. Step functions read their live settings from it:
+        `sess.current_run.adam_params`."""
+        self.servers: list[TinkerServer] = []
+        """The servers `serve()` started (stopped ones included), newest last."""
+        engine.history.sinks.append(JsonlSink(self.run_dir / "history.jsonl"))
+        self.wandb_run = self._open_wandb(wandb)
+
+    def _open_wandb(self, setting: WandbSetting) -> WandbSink | None:
+        """Start the session's W&B run; a W&B failure leaves W&B off with a warning, never the session."""
+        try:
+            sink = open_wandb_run(
+                setting,
+                config=self.config.to_dict(),
+                run_id=self.model_id,
+                project=WANDB_PROJECT,
+                directory=self.run_dir,
+            )
+        except Exception as error:
+            warnings.warn(f"W&B is off for this session: {error!r}", RuntimeWarning, stacklevel=3)
+            return None
+        if sink is not None:
+            self.engine.history.sinks.append(sink)
+        return sink
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        device: str | None = None,
+        run_dir: str | Path | None = None,
+        wandb: WandbSetting = None,
+    ) -> Session:
+        """A new session that continues the run saved by `save_state` at `path` (a `tinker://` path or the
+        checkpoint's folder), exactly: same config (base model, adapters, critic, seed, dtype), weights,
+        optimizer state, counters, weight versions and RNG states.
+
+        It continues in the checkpoint's run folder (`<run_dir>` for a checkpoint at
+        `<run_dir>/checkpoints/<name>`) when that folder's name is the saved run id, else in
+        `<runs root>/<run id>`; the run id stays the same, so the W&B run resumes too. `device` (and with
+        it the sampler) follows this machine unless given; `run_dir` and `wandb` as for `Session(...)`.
+        """
+        probe = Engine.folder_of_checkpoint(path)
+        saved = Engine.parse_checkpoint(probe)
+        arguments = saved.session_arguments
+        if run_dir is None:
+            own = probe.absolute().parent.parent
+            run_dir = (
+                own
+                if probe.absolute().parent.name == STATE_DIR and own.name == saved.run_id
+                else runs_root() / saved.run_id
+            )
+        engine = Engine(
+            arguments["base_model"],
+            seed=arguments["seed"],
+            device=device,
+            dtype=arguments["dtype"],
+            max_tokens_per_microbatch=arguments["max_tokens_per_microbatch"],
+            max_samples_per_request=arguments["max_samples_per_request"],
+            lora_hint=arguments["lora"],
+        )
+        try:
+            model_id = engine.create_model_from_state(
+                probe, restore=Restore.EVERYTHING, model_id=saved.run_id, run_dir=run_dir
+            ).result()
+        except BaseException:
+            engine.close()
+            raise
+        session = cls.__new__(cls)
+        cls._attach(session, engine, model_id, wandb)
+        return session
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def config(self) -> SessionConfig:
+        """Everything that defines this session's run (what its checkpoints and W&B run record)."""
+        return self.engine.session_config(self.model_id)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.engine.run_status(self.model_id).run_dir
+
+    @property
+    def critic(self) -> TrainingClient | None:
+        """The critic's training client, or None while the run has no critic."""
+        return self._critic if self.engine.run_status(self.model_id).critic_lora is not None else None
+
+    @property
+    def step(self) -> int:
+        """The policy's optimizer step count: the x-axis of the history."""
+        return self.engine.run_status(self.model_id).step
+
+    @property
+    def history(self) -> MetricsHistory:
+        return self.engine.history
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    @property
+    def base_info(self) -> BaseModelInfo:
+        return self.engine.base_info
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    @property
+    def closed(self) -> bool:
+        return self.engine.closed
+
+    def state_digest(self, model: str | None = None) -> str:
+        """A sha256 over everything training can change: every adapter's weights, accumulated gradients,
+        optimizer state and counters (of one model, `"policy"` or `"critic"`, when given), taken between
+        operations. Equal digests mean bit-identical training state."""
+        return self.engine.state_digest(self.model_id, None if model is None else Role(model))
+
+    # ------------------------------------------------------------------------------------------ critic
+
+    def create_critic(self, lora: LoraConfig | Mapping[str, Any] | None = None) -> TrainingClient:
+        """Add a critic: a second LoRA adapter plus a zero-initialised value head on the same frozen base
+        weights (one copy of the base in memory), with its own AdamW. Returns `sess.critic`.
+
+        Default adapter: the policy's rank and alpha on attention and MLP layers. Interrupted while it
+        waits behind queued work, the call is withdrawn (or, once started, completes): never half-done.
+        """
+        wait_or_withdraw(
+            self.engine.create_critic(self.model_id, None if lora is None else to_lora_config(lora))
+        )
+        return self._critic
+
+    def delete_critic(self) -> None:
+        """Remove the critic and free its adapter, value head and optimizer state. The policy's adapter,
+        gradients and optimizer are untouched. Interruptible like `create_critic`."""
+        wait_or_withdraw(self.engine.delete_critic(self.model_id))
+
+    # ------------------------------------------------------------------------------------------ sampling
+
+    def sampling_client(self, version: int | None = None, *, base: bool = False) -> SamplingClient:
+        """A client that samples the policy's weights at `version` (default: the weights the operations
+        submitted before this call leave), or the base model with adapters off (`base=True`). A past
+        version is available while some live client is pinned to it (see `live_versions`)."""
+        if base and version is not None:
+            raise ValueError("a base-model client has no version: pass base=True or a version, not both")
+        return SamplingClient(self.engine, self.engine.pin_sampler(None if base else self.model_id, version))
+
+    def _local_engine(self, what: str) -> Engine:
+        if not isinstance(self.engine, Engine):
+            raise ValueError(
+                f"{what} needs the model in this process; this session drives {self.engine.endpoint}"
+            )
+        return self.engine
+
+    def service_client(self, *sdk_arguments: Any, **sdk_keywords: Any) -> ServiceClient:
+        """A Tinker `ServiceClient` whose clients for this session's base model live on this session's
+        engine: code written for the `tinker` SDK (a tinker-cookbook training loop) trains new runs
+        next to this one, in this session's history and panel. Takes `tinker.ServiceClient`'s
+        arguments, so it can stand in for it: `tinker.ServiceClient = sess.service_client`. Closing the
+        client leaves the session open."""
+        return ServiceClient(*sdk_arguments, engine=self._local_engine("service_client()"), **sdk_keywords)
+
+    def live_versions(self) -> list[int]:
+        """The policy weight versions a sampling client can use now: the current one and those that live
+        clients are pinned to."""
+        return self.engine.run_status(self.model_id).live_versions
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def load_state(self, path: str | Path) -> LoadWeightsResponse:
+        """Put the run back exactly as a `save_state` checkpoint holds it: weights, optimizer state,
+        counters, pending gradients and RNG states (what `from_checkpoint` restores, into this session).
+        Verified before anything changes; each weights_version becomes max(saved, current) + 1."""
+        return self.engine.load_state(self.model_id, path, Restore.EVERYTHING).result()
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        """This run's complete checkpoints, state (`save_state`) and sampler (`save_weights_for_sampler`),
+        oldest first. Leftovers of interrupted saves and expired checkpoints are not listed
+        (`cleanup_checkpoints` removes them)."""
+        return self.engine.list_checkpoints(self.model_id)
+
+    def delete_checkpoint(self, name: str, kind: CheckpointKind = "state") -> None:
+        """Delete this run's checkpoint `name` (`kind="sampler"` for sampler weights). Runs between
+        operations, so it never races a save."""
+        self.engine.delete_checkpoint(self.model_id, name, kind).result()
+
+    def cleanup_checkpoints(self) -> list[Path]:
+        """Remove what interrupted saves and deletions left behind in this run's checkpoint folders, and
+        expired checkpoints; returns the removed paths. Runs between operations."""
+        return self.engine.cleanup_checkpoints(self.model_id).result()
+
+    def export_merged(self, path: str | Path) -> Path:
+        """Write the policy merged into the base weights, with the tokenizer, as a new HF model folder
+        at `path` (for `AutoModelForCausalLM.from_pretrained` and serving); the session is unchanged.
+        See `workbench.engine.local.merged_export`."""
+        return self.engine.export_merged(self.model_id, path).result()
+
+    # ------------------------------------------------------------------------------------------ runs and views
+
+    def run(self, step_fn: StepFn, steps: int, *, adam_params: Any = None, paused: bool = False) -> Run:
+        """Call `step_fn(sess, i)` for `i = 0 .. steps-1` on a background thread; returns the `Run` at once.
+
+        The kernel stays free while it trains, so the panel and later cells can `pause()`, `step()`,
+        `resume()`, `stop()` or `set(learning_rate=...)` it between steps (see `workbench.notebook.run`). Each
+        step's returned metrics are recorded in the history as op `"run_step"`.
+
+        Args:
+            step_fn: One training step; it reads `sess.current_run.adam_params` for its `optim_step`.
+            steps: How many steps to run.
+            adam_params: The run's initial optimizer settings (`AdamParams`, the SDK's, or a dict).
+            paused: Start paused, to go step by step with `run.step()`.
+        """
+        return start_run(self, step_fn, steps, adam_params, paused)
+
+    def plot(self, *names: str) -> Figure:
+        """A matplotlib figure of these history metrics against the optimizer step (all when none are
+        named); the panel's Metrics tab shows the same plot, updated live."""
+        from workbench.notebook.plots import (
+            plot_history,  # imported here: matplotlib loads with the first plot
+        )
+
+        return plot_history(self.history, *names)
+
+    def panel(
+        self, train_data: Sequence[Any] | None = None, *, metrics: Sequence[str] = ("loss:sum",)
+    ) -> Panel:
+        """The notebook panel over this session: status bar, Train, Sample, Checkpoints and Metrics tabs.
+
+        The Train tab's buttons act on `current_run` while it is active (Step single-steps a paused run,
+        Run resumes it, Pause and Stop); otherwise Step and Run start a run on `train_data`, of one step
+        or of the tab's step count: `self.run(wb.train_step(train_data, loss), steps, adam_params=...)`
+        with the tab's loss and AdamParams.
+
+        Args:
+            train_data: The datums the Train tab trains on; without them its buttons control runs
+                started from cells only.
+            metrics: The history metrics the Metrics tab plots at first.
+        """
+        from workbench.notebook.panel import (
+            Panel,  # imported here: ipywidgets and matplotlib load with a panel
+        )
+
+        return Panel(self, train_data=train_data, metrics=metrics)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None) -> TinkerServer:
+        """Serve the Tinker REST protocol for this session's engine, on a background thread.
+
+        The unmodified `tinker` SDK and tinker-cookbook scripts then train on this machine's model:
+        `tinker.ServiceClient(base_url=srv.url)` (their key, `TINKER_API_KEY`, must start with `tml-`).
+        Each client's `create_lora_training_client` adds a LoRA model on the same base (up to
+        `max_models`, this session's run included); every operation runs on the engine's worker in
+        order with this session's own, and lands in the history (its `model` column names the
+        adapter, `policy_2`, ...) and the panel. See `workbench.server`.
+
+        Args:
+            host: The address to bind; the default reaches this machine only. Any other address
+                requires `api_key`.
+            port: The port; 0 picks a free one (`srv.url` tells which).
+            api_key: A key clients must send (their `TINKER_API_KEY`), starting with `tml-`.
+
+        Returns:
+            The running server: `srv.url`, `srv.stop()`. `close()` stops it too.
+        """
+        server = TinkerServer(
+            self._local_engine("serve()"), ServerConfig(host=host, port=port, api_key=api_key)
+        )
+        self.servers.append(server)
+        return server
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop the servers and the run loop (after its current step), finish queued work, then free the
+        model and optimizer memory. Safe to call twice, and again after an interrupted call."""
+        for server in self.servers:
+            server.stop()
+        if self.current_run is not None and self.current_run.active:
+            self.current_run.stop()  # the step in progress finishes; none starts after it
+            self.current_run.wait()
+        self.engine.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        config = self.engine.config
+        if self.closed:
+            return f"Session({config.base_model!r}, closed)"
+        where = self.engine.endpoint or f"{config.device}/{config.dtype}"
+        return f"Session({config.base_model!r}, rank={self.config.lora.rank}, {where}, step {self.step})"

@@ -1,0 +1,186 @@
+"""Where a training run's files live, and how `tinker://` paths name its checkpoints.
+
+A run is a folder under the runs root (`$WORKBENCH_RUNS`, default `./runs`) named by its id, which is
+also its Tinker model id and training run id and its W&B run id. Inside it, `checkpoints/<name>` holds
+state checkpoints (`save_state`) and `sampler_weights/<name>` sampler checkpoints
+(`save_weights_for_sampler`), so the Tinker paths map onto folders one to one:
+
+    tinker://<run id>/weights/<name>          ->  <runs root>/<run id>/checkpoints/<name>
+    tinker://<run id>/sampler_weights/<name>  ->  <runs root>/<run id>/sampler_weights/<name>
+
+A run living in a folder outside the runs root (`Session(run_dir=...)`) is found through the runs the
+caller knows (`known_runs`); in another process, name its folder instead.
+
+`run.json` in the folder says what the run is (base model, adapter, user metadata, creation time), so
+a run can be described (Tinker's `RestClient.get_training_run`) after the process that trained it ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workbench.storage.checkpoint_store import (
+    CheckpointError,
+    CheckpointKind,
+    check_name,
+    is_name,
+    json_bytes,
+    kind_dir,
+    write_file,
+)
+
+RUNS_ENV = "WORKBENCH_RUNS"
+RUN_INFO = "run.json"
+TINKER_SCHEME = "tinker://"
+SEGMENTS: dict[CheckpointKind, str] = {"state": "weights", "sampler": "sampler_weights"}
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+
+
+def runs_root() -> Path:
+    """Where run folders go: `$WORKBENCH_RUNS`, default `./runs`, as an absolute path."""
+    return Path(os.environ.get(RUNS_ENV, "runs")).absolute()
+
+
+def new_run_id(base_model: str) -> str:
+    """`<model>-<date>-<time>-<random>`: sortable by creation, unique, and safe as a folder name, a
+    W&B run id and a `tinker://` path component."""
+    model = re.sub(r"[^A-Za-z0-9]+", "-", Path(base_model).name).strip("-").lower() or "model"
+    return f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id) or ".." in run_id:
+        raise ValueError(f"invalid run id {run_id!r}: use letters, digits, '.', '_', ':' and '-'")
+    return run_id
+
+
+@dataclass(frozen=True)
+class CheckpointAddress:
+    """A checkpoint named the Tinker way: the run, the kind (`weights` / `sampler_weights`), the name."""
+
+    run_id: str
+    kind: CheckpointKind
+    name: str
+
+    @property
+    def tinker_path(self) -> str:
+        return f"{TINKER_SCHEME}{self.run_id}/{SEGMENTS[self.kind]}/{self.name}"
+
+    @property
+    def checkpoint_id(self) -> str:
+        """Tinker's `checkpoint_id`: `weights/<name>` or `sampler_weights/<name>`."""
+        return f"{SEGMENTS[self.kind]}/{self.name}"
+
+    @classmethod
+    def parse(cls, path: str) -> CheckpointAddress:
+        """Parse `tinker://<run id>/<weights|sampler_weights>/<name>`; a clear error for anything else."""
+        if not path.startswith(TINKER_SCHEME):
+            raise CheckpointError(f"{path!r} is not a tinker:// path")
+        parts = path[len(TINKER_SCHEME) :].split("/")
+        kinds = {segment: kind for kind, segment in SEGMENTS.items()}
+        if len(parts) != 3 or parts[1] not in kinds:
+            raise CheckpointError(
+                f"{path!r} is not a checkpoint path: expected tinker://<run id>/weights/<name> or "
+                "tinker://<run id>/sampler_weights/<name>"
+            )
+        try:
+            check_run_id(parts[0])
+        except ValueError as error:
+            raise CheckpointError(f"{path!r}: {error}") from None
+        return cls(parts[0], kinds[parts[1]], check_name(parts[2]))
+
+    def folder(self, known_runs: Mapping[str, Path]) -> Path:
+        """The checkpoint's folder: under the run's folder if the caller knows it, else under the runs root."""
+        run_dir = known_runs.get(self.run_id, runs_root() / self.run_id)
+        return kind_dir(run_dir, self.kind) / self.name
+
+
+def address_of(folder: Path) -> CheckpointAddress:
+    """The Tinker address of a checkpoint folder `<run dir>/<checkpoints|sampler_weights>/<name>`."""
+    folder = folder.absolute()
+    for kind in SEGMENTS:
+        if folder.parent == kind_dir(folder.parent.parent, kind):
+            return CheckpointAddress(folder.parent.parent.name, kind, folder.name)
+    raise CheckpointError(f"{folder} is not inside a run's checkpoint folders")
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """The folder a `tinker://` checkpoint path (of either kind, under the runs root) or a folder path names."""
+    if isinstance(path, str) and path.startswith(TINKER_SCHEME):
+        return CheckpointAddress.parse(path).folder({})
+    return Path(path).expanduser()
+
+
+def resolve_checkpoint(
+    path_or_name: str | Path, kind: CheckpointKind, own_run_dir: Path | None, known_runs: Mapping[str, Path]
+) -> Path:
+    """The folder a user means: a `tinker://` path, a checkpoint name of their own run, or a folder.
+
+    Raises:
+        CheckpointError: the path names another kind of checkpoint, or nothing that exists.
+    """
+    if isinstance(path_or_name, str) and path_or_name.startswith(TINKER_SCHEME):
+        address = CheckpointAddress.parse(path_or_name)
+        if address.kind != kind:
+            wanted = (
+                "a state checkpoint (tinker://<run>/weights/<name>)"
+                if kind == "state"
+                else "sampler weights (tinker://<run>/sampler_weights/<name>)"
+            )
+            raise CheckpointError(f"{path_or_name} is not {wanted}")
+        folder = address.folder(known_runs)
+        if not folder.is_dir():
+            raise CheckpointError(f"Can't find a valid checkpoint at {path_or_name}: no folder {folder}")
+        return folder
+    if isinstance(path_or_name, str) and own_run_dir is not None and is_name(path_or_name):
+        own = kind_dir(own_run_dir, kind) / path_or_name
+        if own.is_dir():
+            return own
+    folder = Path(path_or_name).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"Can't find a valid checkpoint at {str(path_or_name)!r}: not a tinker:// path, no such folder, "
+            "and no checkpoint of this run has that name"
+        )
+    return folder
+
+
+def write_run_info(run_dir: Path, info: Mapping[str, Any]) -> None:
+    """Write `run.json` (what the run is) atomically: a reader sees the old file or the new one."""
+    temporary = run_dir / f".{RUN_INFO}.tmp-{secrets.token_hex(4)}"
+    write_file(temporary, json_bytes(dict(info)))
+    os.replace(temporary, run_dir / RUN_INFO)
+
+
+def read_run_info(run_dir: Path) -> dict[str, Any] | None:
+    """The run's `run.json`, or None for a folder without one (not a run, or made before it existed)."""
+    path = run_dir / RUN_INFO
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path} does not describe a run")
+    return info
+
+
+def run_folders(known_runs: Mapping[str, Path]) -> dict[str, Path]:
+    """Every run folder by run id: those under the runs root that hold a `run.json`, and the known ones."""
+    root = runs_root()
+    found = (
+        {folder.name: folder for folder in root.iterdir() if (folder / RUN_INFO).is_file()}
+        if root.is_dir()
+        else {}
+    )
+    return {**found, **known_runs}
