@@ -3,7 +3,7 @@
 Each test provokes a failure the way a user meets it: a custom loss that waits for another operation, a
 sampling client freed by the garbage collector in the middle of the worker's copy-on-write, `close()`
 racing a thread that submits, Ctrl-C while a call waits behind queued work, a notebook cell re-run
-without `close()`. The README's "Reliability: what is promised" section states what these tests check.
+without `close()`. docs/reliability.md states what these tests check.
 """
 
 from __future__ import annotations

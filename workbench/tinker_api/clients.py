@@ -12,7 +12,7 @@ no state of their own beyond which model they speak for.
 SDK arguments with no local meaning are accepted. Those that cannot change a result are documented as
 such (`retry_config`, `weights_access_token`: there is no network and no account); those that would
 (`kind="inflight"`, top-k logprobs, ...) raise a `ValueError` saying so when set, before anything is
-queued. The deliberate gaps are listed in the README ("Tinker SDK parity").
+queued. The deliberate gaps are listed in docs/tinker-parity.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ through the engine), deleting one of a finished run's is immediate. Every method
 one. Responses have the SDK's shapes (`TrainingRun`, `Checkpoint`, `CheckpointsListResponse`, ...).
 
 The SDK's account, session, project, billing, publishing and signed-URL methods have no local meaning
-and are not here (README, "Tinker SDK parity").
+and are not here (docs/tinker-parity.md).
 """
 
 from __future__ import annotations
