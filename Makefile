@@ -56,7 +56,7 @@ lab: env
 
 # The README's panel screenshot, taken by the real-browser test.
 screenshot: env browser
-	$(BIN)/python -m pytest -q tests/test_browser.py
+	$(BIN)/python -m pytest -q tests/notebook/test_browser.py
 	cp artifacts/panel.png docs/panel.png
 
 bench: env

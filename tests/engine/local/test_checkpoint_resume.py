@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from checkpoint_child import continue_run, train_step
 
 import workbench as wb
+from tests.checkpoint_child import continue_run, train_step
 
-CHILD = Path(__file__).with_name("checkpoint_child.py")
+CHILD = Path(__file__).resolve().parents[2] / "checkpoint_child.py"
 
 
 def _child(*args: str) -> subprocess.CompletedProcess[str]:

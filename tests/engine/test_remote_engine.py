@@ -24,7 +24,7 @@ import workbench as wb
 from workbench.engine.interface import EngineInterface
 from workbench.engine.remote import SDK_LOSSES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LORA = wb.LoraConfig(rank=4)
 TOKENS = [[5, 17, 33, 48, 60, 71, 2], [9, 21, 40, 11, 3]]
 PROMPT = [9, 21, 40]

@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
-from datums import ce_datum, ragged_ce_batch, random_tokens, rl_datum, sft_datum
 
 import workbench as wb
+from tests.datums import ce_datum, ragged_ce_batch, random_tokens, rl_datum, sft_datum
 
 
 def _params(sess: wb.Session) -> dict[str, torch.Tensor]:

@@ -11,10 +11,10 @@ from pathlib import Path
 import ipywidgets
 import pytest
 import torch
-from datums import sft_datum
 from matplotlib.figure import Figure
 
 import workbench as wb
+from tests.datums import sft_datum
 from workbench.notebook.run import RunState
 
 WAIT_S = 30.0

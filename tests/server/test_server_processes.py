@@ -18,7 +18,7 @@ import pytest
 
 import workbench as wb
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SDK_025 = ROOT / ".cache" / "tinker-0.25"
 TOKENS = [[5, 17, 33, 48, 60, 71, 2], [9, 21, 40, 11, 3]]
 

@@ -7,9 +7,9 @@ import weakref
 
 import pytest
 import torch
-from datums import ce_datum, random_tokens, rl_datum
 
 import workbench as wb
+from tests.datums import ce_datum, random_tokens, rl_datum
 from workbench.engine.model.value_head import ValueHead
 
 

@@ -6,9 +6,9 @@ import html
 import re
 
 import pytest
-from datums import rl_datum, sft_datum
 
 import workbench as wb
+from tests.datums import rl_datum, sft_datum
 
 SPAN = re.compile(r'<span title="([^"]*)" style="([^"]*)">(.*?)</span>', re.S)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from datums import sft_datum
 
 import workbench as wb
+from tests.datums import sft_datum
 from workbench.metrics import STEP_METRIC, WandbSink
 
 WAIT_S = 30.0

@@ -15,9 +15,9 @@ import peft
 import pytest
 import safetensors.torch
 import torch
-from datums import sft_datum
 
 import workbench as wb
+from tests.datums import sft_datum
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import manifest_for
 

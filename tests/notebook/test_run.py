@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from datums import sft_datum
 
 import workbench as wb
+from tests.datums import sft_datum
 from workbench.notebook.run import RUN_MODEL, RunActiveError, RunState, train_step
 
 WAIT_S = 30.0

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from datums import ce_datum
 
 import workbench as wb
+from tests.datums import ce_datum
 
 GOOD = [5, 17, 42, 99, 100, 7]
 

@@ -12,7 +12,7 @@ import pytest
 
 import workbench as wb
 
-ASSETS = Path(__file__).with_name("assets")
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 sys.path.insert(0, str(ASSETS))
 from write_checkpoint_fixture import fixed_batch  # noqa: E402
 

@@ -31,7 +31,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
