@@ -16,9 +16,10 @@ pending backward calls) are counted here from the operations that completed, so 
 which weights version they came from.
 
 What the service cannot do is refused before anything is sent, with a `RemoteUnsupportedError`: a
-critic (the SDK has no critic models), a loss the service does not list, a base model it does not
-serve, local tensors (`state_digest`, `inspect`, `torch_model`), local checkpoint folders (only
-`tinker://` paths name remote checkpoints). A service that stops answering fails each waiting
+critic role (the SDK has no critic models), a loss the service does not list, a base model it does not
+serve, local checkpoint folders (only `tinker://` paths name remote checkpoints). What needs the model
+in this process (local tensors, a critic, a merged export, serving) is no method of this engine:
+`Session` refuses it for a remote session with the same error. A service that stops answering fails each waiting
 operation with `EngineUnreachableError` within `probe_interval_s` plus one health check, rather than
 after the SDK's own minutes of retries; the session stays open for whatever can still work.
 """
@@ -37,7 +38,6 @@ from typing import Any, TypeVar
 
 import httpx
 import tinker
-import torch
 from tinker import types as sdk
 from transformers import PreTrainedTokenizerBase
 
@@ -249,16 +249,6 @@ class RemoteEngine:
         )
 
     @property
-    def device(self) -> torch.device:
-        raise RemoteUnsupportedError(f"the model lives on the engine at {self._url}: it has no local device")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        raise RemoteUnsupportedError(
-            f"the model lives on the engine at {self._url}: its dtype is not reported"
-        )
-
-    @property
     def history(self) -> MetricsHistory:
         """Every completed operation's metrics, in submission order, recorded in this process."""
         return self._history
@@ -369,15 +359,6 @@ class RemoteEngine:
             return model_id
 
         return self._submit(send, finish)
-
-    def create_critic(self, model_id: str, lora: LoraConfig | None = None) -> APIFuture[None]:
-        raise RemoteUnsupportedError(
-            f"the engine at {self._url} is driven through the tinker SDK, which has no critic models: "
-            "a remote session trains its policy only"
-        )
-
-    def delete_critic(self, model_id: str) -> APIFuture[None]:
-        raise RemoteUnsupportedError(f"{model_id!r} has no critic on the engine at {self._url}")
 
     def model_ids(self) -> list[str]:
         return list(self._runs)
@@ -803,35 +784,12 @@ class RemoteEngine:
             ),
         )
 
-    def cleanup_checkpoints(self, model_id: str) -> APIFuture[list[Path]]:
-        raise RemoteUnsupportedError(f"the engine at {self._url} keeps its own checkpoint folders tidy")
-
-    def export_merged(self, model_id: str, path: str | Path) -> APIFuture[Path]:
-        raise RemoteUnsupportedError(
-            f"the weights live on the engine at {self._url}: export a merged model there, or download the "
-            "sampler weights (RestClient.get_checkpoint_archive_url) and merge them with peft"
-        )
-
     # ------------------------------------------------------------------------------------------ misc
 
     def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
         """Append a row to the history after everything queued before it (e.g. a run step's metrics)."""
         values = metric_values(metrics)
         return self._submit(lambda: None, lambda _: self._record(op, label, step, values))
-
-    def state_digest(self, model_id: str | None = None, role: Role | None = None) -> str:
-        raise RemoteUnsupportedError(
-            f"state_digest hashes local tensors; the training state lives on the engine at {self._url}"
-        )
-
-    def inspect(self, model_id: str, role: Role = Role.POLICY) -> Any:
-        raise RemoteUnsupportedError(
-            f"inspect copies local tensors; the model lives on the engine at {self._url}"
-        )
-
-    @property
-    def torch_model(self) -> torch.nn.Module:
-        raise RemoteUnsupportedError(f"there is no local torch model: it lives on the engine at {self._url}")
 
     def close(self) -> None:
         """Finish the queued operations, then end the SDK session (the service frees its models).
