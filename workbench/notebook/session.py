@@ -37,12 +37,13 @@ from workbench.engine.samplers import SamplerChoice
 from workbench.futures import wait_or_withdraw
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
 from workbench.notebook.run import Run, StepFn, start_run
+from workbench.sdk_conversion import to_lora_config
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
 from workbench.storage.run_folders import new_run_id, runs_root
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
-from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
+from workbench.types import LoadWeightsResponse, LoraConfig
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
