@@ -7,7 +7,18 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.types import to_adam_params, to_datum, to_lora_config, to_model_input, to_sampling_params
+from workbench.sdk_conversion import (
+    from_sdk_forward_backward_output,
+    from_sdk_sampled_sequence,
+    to_adam_params,
+    to_datum,
+    to_lora_config,
+    to_model_input,
+    to_sampling_params,
+    to_sdk_adam_params,
+    to_sdk_datum,
+    to_sdk_sampling_params,
+)
 
 
 def test_model_input_helpers() -> None:
@@ -40,6 +51,43 @@ def test_datum_coerces_inputs_by_key() -> None:
     ]
     with pytest.raises(ValueError, match="a datum dict has keys"):
         to_datum({"tokens": [1]})
+
+
+def test_ours_convert_to_the_sdks_and_back() -> None:
+    """What the remote engine sends through the SDK reads back as what it was built from."""
+    tinker = pytest.importorskip("tinker")
+    datum = wb.Datum(
+        model_input=[1, 2, 3],
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [0.0, 1.0, 0.5]},
+        model_input_spans=(wb.PromptProvenanceSpan(sequence_id="s", length=3),),
+        loss_fn_input_spans=(wb.SampledProvenanceSpan(sequence_id="s", offset=1, length=3),),
+    )
+    sent = to_sdk_datum(datum)
+    assert isinstance(sent, tinker.Datum)
+    assert isinstance(sent.model_input_spans[0], tinker.PromptProvenanceSpan)
+    back = to_datum(sent)
+    assert back.model_input == datum.model_input and back.loss_fn_inputs == datum.loss_fn_inputs
+    assert (back.model_input_spans, back.loss_fn_input_spans) == (
+        datum.model_input_spans,
+        datum.loss_fn_input_spans,
+    )
+    params = wb.SamplingParams(max_tokens=5, temperature=0.5, top_k=3, stop=["\n"], seed=7)
+    assert to_sampling_params(to_sdk_sampling_params(params)) == params
+    adam = wb.AdamParams(learning_rate=3e-4, grad_clip_norm=1.0)
+    assert to_adam_params(to_sdk_adam_params(adam)) == adam
+    output = tinker.ForwardBackwardOutput(
+        loss_fn_output_type="cross_entropy",
+        loss_fn_outputs=[{"logprobs": tinker.TensorData(data=[-1.5, -0.25], dtype="float32", shape=[2])}],
+        metrics={"loss:sum": 1.75},
+    )
+    ours = from_sdk_forward_backward_output(output)
+    assert ours.loss_fn_outputs[0]["logprobs"].tolist() == [-1.5, -0.25] and ours.metrics == {
+        "loss:sum": 1.75
+    }
+    sequence = tinker.SampledSequence(stop_reason="length", sequence_id="s1", tokens_np=np.array([4, 5]))
+    assert from_sdk_sampled_sequence(sequence) == wb.SampledSequence(
+        tokens=[4, 5], logprobs=[], stop_reason="length", sequence_id="s1"
+    )
 
 
 def test_sdk_objects_convert() -> None:

@@ -212,9 +212,14 @@ def test_what_the_remote_engine_cannot_do_is_refused_before_sending(server: Serv
             (lambda: sess.load_state(str(sess.run_dir)), "tinker://"),
             (lambda: sess.export_merged(sess.run_dir / "merged"), "live on the engine"),
             (lambda: sess.serve(), "in this process"),
+            (lambda: sess.service_client(), "in this process"),
+            (lambda: sess.delete_critic(), "no critic"),
+            (lambda: sess.cleanup_checkpoints(), "checkpoint folders"),
+            (lambda: sess.device, "no local device"),
+            (lambda: sess.dtype, "not reported"),
         ]
         for call, message in cases:
-            with pytest.raises(ValueError, match=message):
+            with pytest.raises(wb.RemoteUnsupportedError, match=message):
                 call()
         assert sess.history.rows == [] and sess.step == 0 and sess.critic is None
         # nothing half-sent: the session goes on

@@ -1,11 +1,16 @@
-"""The interface every surface drives a model through: the local `Engine` and the `RemoteEngine`.
+"""What both engines do: the local `Engine` and the `RemoteEngine`, and the types they share.
 
 `Session`, the Tinker clients (`workbench.tinker_api.clients`), the run loop and the panel are typed against
 `EngineInterface`, so the same notebook code runs on the base model in this process
 (`workbench.engine.Engine`) or on a Tinker-compatible service over the `tinker` SDK
 (`workbench.engine.remote.RemoteEngine`). Both validate input in the caller's thread, take effect in
-submission order and return `APIFuture`s; what one cannot do (a remote engine has no local tensors to
-digest, for instance) raises a clear error before anything is sent.
+submission order and return `APIFuture`s.
+
+The interface holds only what both engines do. What needs the model in this process (a critic, local
+tensors and devices, checkpoint folders, a merged export, serving) is a method of the local `Engine`
+alone, reached where only a local engine exists: `Session` checks its engine once and refuses a remote
+one with a `RemoteUnsupportedError` before anything is sent. A remote engine also refuses, inside an
+operation both engines have, what its service cannot do (a loss it does not list, a local checkpoint path).
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
@@ -95,14 +99,19 @@ class SamplerPin:
 
 @runtime_checkable
 class EngineInterface(Protocol):
-    """What `Session`, the clients, the run loop and the panel call on an engine."""
+    """What `Session`, the clients, the run loop and the panel call on an engine.
+
+    A model is named by its `model_id` and a `Role` (its policy, critic or the reference); each method
+    that returns an `APIFuture` validates in the caller's thread and runs in submission order.
+    """
 
     @property
     def endpoint(self) -> str | None:
         """Where the model runs: None for this process, else the URL of the Tinker service."""
 
     @property
-    def config(self) -> EngineConfig: ...
+    def config(self) -> EngineConfig:
+        """The base model and the engine's settings."""
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
@@ -111,18 +120,14 @@ class EngineInterface(Protocol):
     def base_info(self) -> BaseModelInfo: ...
 
     @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def history(self) -> MetricsHistory: ...
+    def history(self) -> MetricsHistory:
+        """Every completed operation's metrics, in submission order."""
 
     @property
     def closed(self) -> bool: ...
 
-    def check_open(self) -> None: ...
+    def check_open(self) -> None:
+        """Raise `SessionClosedError` once the engine is closed."""
 
     # models
     def create_model(
@@ -133,17 +138,16 @@ class EngineInterface(Protocol):
         model_id: str | None = None,
         run_dir: str | Path | None = None,
         user_metadata: Mapping[str, str] | None = None,
-    ) -> APIFuture[str]: ...
-
-    def create_critic(self, model_id: str, lora: LoraConfig | None = None) -> APIFuture[None]: ...
-
-    def delete_critic(self, model_id: str) -> APIFuture[None]: ...
+    ) -> APIFuture[str]:
+        """Add a LoRA model on the base; resolves to its model id."""
 
     def model_ids(self) -> list[str]: ...
 
-    def run_status(self, model_id: str) -> RunStatus: ...
+    def run_status(self, model_id: str) -> RunStatus:
+        """The model's counters and settings now (a snapshot)."""
 
-    def session_config(self, model_id: str) -> SessionConfig: ...
+    def session_config(self, model_id: str) -> SessionConfig:
+        """What defines the model: what its checkpoints and W&B run record."""
 
     # training
     def forward(
@@ -173,11 +177,14 @@ class EngineInterface(Protocol):
     ) -> APIFuture[OptimStepResponse]: ...
 
     # sampling
-    def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]: ...
+    def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
+        """Hold a policy's weights at a version (default: current) for sampling; `None`: the base model."""
 
-    def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]: ...
+    def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
+        """Hold the weights of a sampler checkpoint for sampling."""
 
-    def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None: ...
+    def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None:
+        """Let go of pinned weights (a sampling client that is dropped or closed)."""
 
     def sample(
         self,
@@ -231,13 +238,9 @@ class EngineInterface(Protocol):
         self, model_id: str, name: str, kind: CheckpointKind = "state"
     ) -> APIFuture[None]: ...
 
-    def cleanup_checkpoints(self, model_id: str) -> APIFuture[list[Path]]: ...
-
-    def export_merged(self, model_id: str, path: str | Path) -> APIFuture[Path]: ...
-
     # misc
-    def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]: ...
+    def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
+        """Append a history row after everything queued before it (a run step's metrics)."""
 
-    def state_digest(self, model_id: str | None = None, role: Role | None = None) -> str: ...
-
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Finish the queued operations and free the models; safe to call again."""

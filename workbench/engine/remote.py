@@ -16,9 +16,10 @@ pending backward calls) are counted here from the operations that completed, so 
 which weights version they came from.
 
 What the service cannot do is refused before anything is sent, with a `RemoteUnsupportedError`: a
-critic (the SDK has no critic models), a loss the service does not list, a base model it does not
-serve, local tensors (`state_digest`, `inspect`, `torch_model`), local checkpoint folders (only
-`tinker://` paths name remote checkpoints). A service that stops answering fails each waiting
+critic role (the SDK has no critic models), a loss the service does not list, a base model it does not
+serve, local checkpoint folders (only `tinker://` paths name remote checkpoints). What needs the model
+in this process (local tensors, a critic, a merged export, serving) is no method of this engine:
+`Session` refuses it for a remote session with the same error. A service that stops answering fails each waiting
 operation with `EngineUnreachableError` within `probe_interval_s` plus one health check, rather than
 after the SDK's own minutes of retries; the session stays open for whatever can still work.
 """
@@ -37,7 +38,6 @@ from typing import Any, TypeVar
 
 import httpx
 import tinker
-import torch
 from tinker import types as sdk
 from transformers import PreTrainedTokenizerBase
 
@@ -48,27 +48,31 @@ from workbench.engine.roles import Role
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
+from workbench.sdk_conversion import (
+    from_sdk_forward_backward_output,
+    from_sdk_sampled_sequence,
+    to_adam_params,
+    to_datum,
+    to_model_input,
+    to_sampling_params,
+    to_sdk_adam_params,
+    to_sdk_datum,
+    to_sdk_model_input,
+    to_sdk_sampling_params,
+)
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
 from workbench.storage.run_folders import new_run_id, runs_root
 from workbench.types import (
-    Datum,
     ForwardBackwardOutput,
     LoadWeightsResponse,
     LoraConfig,
     ModelInput,
     OptimStepResponse,
-    PromptProvenanceSpan,
     SampledSequence,
     SampleResponse,
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
-    TensorData,
-    to_adam_params,
-    to_datum,
-    to_model_input,
-    to_sampling_params,
-    to_tensor_data,
 )
 
 T = TypeVar("T")
@@ -116,47 +120,6 @@ class _RemoteRun:
 class _Sampler:
     client: tinker.SamplingClient
     pin: SamplerPin
-
-
-def _to_sdk_tensor(value: TensorData) -> sdk.TensorData:
-    return sdk.TensorData.from_numpy(value.array)
-
-
-def _to_sdk_span(span: Any) -> Any:
-    cls = sdk.PromptProvenanceSpan if isinstance(span, PromptProvenanceSpan) else sdk.SampledProvenanceSpan
-    return cls(sequence_id=span.sequence_id, offset=span.offset, length=span.length)
-
-
-def _to_sdk_datum(datum: Datum) -> sdk.Datum:
-    spans = datum.model_input_spans, datum.loss_fn_input_spans
-    return sdk.Datum(
-        model_input=sdk.ModelInput.from_ints(datum.model_input.to_ints()),
-        loss_fn_inputs={key: _to_sdk_tensor(value) for key, value in datum.loss_fn_inputs.items()},
-        model_input_spans=None if spans[0] is None else [_to_sdk_span(s) for s in spans[0]],
-        loss_fn_input_spans=None if spans[1] is None else [_to_sdk_span(s) for s in spans[1]],
-    )
-
-
-def _to_sdk_sampling_params(params: SamplingParams) -> sdk.SamplingParams:
-    return sdk.SamplingParams(
-        max_tokens=params.max_tokens,
-        seed=params.seed,
-        stop=params.stop,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-    )
-
-
-def _from_sdk_output(output: sdk.ForwardBackwardOutput) -> ForwardBackwardOutput:
-    return ForwardBackwardOutput(
-        loss_fn_output_type=output.loss_fn_output_type,
-        loss_fn_outputs=[
-            {key: to_tensor_data(key, value) for key, value in item.items()}
-            for item in output.loss_fn_outputs
-        ],
-        metrics={key: float(value) for key, value in output.metrics.items()},
-    )
 
 
 class RemoteEngine:
@@ -246,16 +209,6 @@ class RemoteEngine:
             hidden_size=0,
             num_layers=0,
             max_length=self._max_length,
-        )
-
-    @property
-    def device(self) -> torch.device:
-        raise RemoteUnsupportedError(f"the model lives on the engine at {self._url}: it has no local device")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        raise RemoteUnsupportedError(
-            f"the model lives on the engine at {self._url}: its dtype is not reported"
         )
 
     @property
@@ -370,15 +323,6 @@ class RemoteEngine:
 
         return self._submit(send, finish)
 
-    def create_critic(self, model_id: str, lora: LoraConfig | None = None) -> APIFuture[None]:
-        raise RemoteUnsupportedError(
-            f"the engine at {self._url} is driven through the tinker SDK, which has no critic models: "
-            "a remote session trains its policy only"
-        )
-
-    def delete_critic(self, model_id: str) -> APIFuture[None]:
-        raise RemoteUnsupportedError(f"{model_id!r} has no critic on the engine at {self._url}")
-
     def model_ids(self) -> list[str]:
         return list(self._runs)
 
@@ -438,14 +382,14 @@ class RemoteEngine:
     ) -> APIFuture[ForwardBackwardOutput]:
         run = self._policy(model_id, role, op)
         self._check_loss(loss_fn)
-        datums = [_to_sdk_datum(to_datum(d)) for d in data]
+        datums = [to_sdk_datum(to_datum(d)) for d in data]
         if not datums:
             raise ValueError(f"{op} needs at least one datum")
         config = None if loss_fn_config is None else {k: float(v) for k, v in loss_fn_config.items()}
         method = run.client.forward_backward if op == "forward_backward" else run.client.forward
 
         def finish(sent: Any) -> ForwardBackwardOutput:
-            output = _from_sdk_output(self._wait(op, sent))
+            output = from_sdk_forward_backward_output(self._wait(op, sent))
             if op == "forward_backward":
                 run.pending_backward_calls += 1
             self._record(op, POLICY_LABEL, run.step, output.metrics)
@@ -481,10 +425,10 @@ class RemoteEngine:
         """The SDK's custom loss: a forward pass on the service, the loss and its gradient with respect
         to the logprobs here, and a backward pass on the service with that gradient as weights."""
         run = self._policy(model_id, role, "forward_backward_custom")
-        datums = [_to_sdk_datum(to_datum(d)) for d in data]
+        datums = [to_sdk_datum(to_datum(d)) for d in data]
 
         def finish(sent: Any) -> ForwardBackwardOutput:
-            output = _from_sdk_output(self._wait("forward_backward_custom", sent))
+            output = from_sdk_forward_backward_output(self._wait("forward_backward_custom", sent))
             run.pending_backward_calls += 1
             self._record("forward_backward_custom", POLICY_LABEL, run.step, output.metrics)
             return output
@@ -496,7 +440,7 @@ class RemoteEngine:
         counted here when it completes."""
         run = self._policy(model_id, role, "optim_step")
         params = to_adam_params(adam_params)
-        sdk_params = sdk.AdamParams(**dataclasses.asdict(params))
+        sdk_params = to_sdk_adam_params(params)
 
         def finish(sent: Any) -> OptimStepResponse:
             response = self._wait("optim_step", sent)
@@ -592,8 +536,8 @@ class RemoteEngine:
             )
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
-        model_input = sdk.ModelInput.from_ints(to_model_input(prompt).to_ints())
-        params = _to_sdk_sampling_params(to_sampling_params(sampling_params))
+        model_input = to_sdk_model_input(to_model_input(prompt))
+        params = to_sdk_sampling_params(to_sampling_params(sampling_params))
         sampler = self._sampler(pin)
 
         def send_with(held: _Sampler) -> tuple[_Sampler, Any, float]:
@@ -615,15 +559,7 @@ class RemoteEngine:
             held, sent, started = early if early is not None else send_with(sampler())
             response = self._wait("sample", sent)
             seconds = time.perf_counter() - started
-            sequences = [
-                SampledSequence(
-                    tokens=list(s.tokens),
-                    logprobs=list(s.logprobs or []),
-                    stop_reason=s.stop_reason,
-                    sequence_id=s.sequence_id,
-                )
-                for s in response.sequences
-            ]
+            sequences = [from_sdk_sampled_sequence(s) for s in response.sequences]
             self._record_sample(held.pin, sequences, seconds)
             return SampleResponse(
                 sequences=sequences,
@@ -660,7 +596,7 @@ class RemoteEngine:
         prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[list[float | None]]:
         """The logprob of every prompt token given the ones before it, computed on the service."""
-        model_input = sdk.ModelInput.from_ints(to_model_input(prompt).to_ints())
+        model_input = to_sdk_model_input(to_model_input(prompt))
         sampler = self._sampler(pin)
 
         def finish(_: Any) -> list[float | None]:
@@ -803,35 +739,12 @@ class RemoteEngine:
             ),
         )
 
-    def cleanup_checkpoints(self, model_id: str) -> APIFuture[list[Path]]:
-        raise RemoteUnsupportedError(f"the engine at {self._url} keeps its own checkpoint folders tidy")
-
-    def export_merged(self, model_id: str, path: str | Path) -> APIFuture[Path]:
-        raise RemoteUnsupportedError(
-            f"the weights live on the engine at {self._url}: export a merged model there, or download the "
-            "sampler weights (RestClient.get_checkpoint_archive_url) and merge them with peft"
-        )
-
     # ------------------------------------------------------------------------------------------ misc
 
     def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
         """Append a row to the history after everything queued before it (e.g. a run step's metrics)."""
         values = metric_values(metrics)
         return self._submit(lambda: None, lambda _: self._record(op, label, step, values))
-
-    def state_digest(self, model_id: str | None = None, role: Role | None = None) -> str:
-        raise RemoteUnsupportedError(
-            f"state_digest hashes local tensors; the training state lives on the engine at {self._url}"
-        )
-
-    def inspect(self, model_id: str, role: Role = Role.POLICY) -> Any:
-        raise RemoteUnsupportedError(
-            f"inspect copies local tensors; the model lives on the engine at {self._url}"
-        )
-
-    @property
-    def torch_model(self) -> torch.nn.Module:
-        raise RemoteUnsupportedError(f"there is no local torch model: it lives on the engine at {self._url}")
 
     def close(self) -> None:
         """Finish the queued operations, then end the SDK session (the service frees its models).

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workbench.types import Datum, ModelInput, SampledSequence, to_model_input
+from workbench.sdk_conversion import to_model_input
+from workbench.types import Datum, ModelInput, SampledSequence
 
 
 def completion_positions(prompt_length: int, completion_length: int) -> slice:

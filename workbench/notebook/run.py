@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from workbench.types import AdamParams, to_adam_params
+from workbench.sdk_conversion import to_adam_params
+from workbench.types import AdamParams
 
 if TYPE_CHECKING:
     from workbench.notebook.session import Session

@@ -31,18 +31,19 @@ from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_M
 from workbench.engine.interface import EngineInterface, Restore
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import BaseModelInfo
-from workbench.engine.remote import DEFAULT_PROBE_INTERVAL_S, RemoteEngine
+from workbench.engine.remote import DEFAULT_PROBE_INTERVAL_S, RemoteEngine, RemoteUnsupportedError
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
 from workbench.futures import wait_or_withdraw
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
 from workbench.notebook.run import Run, StepFn, start_run
+from workbench.sdk_conversion import to_lora_config
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
 from workbench.storage.run_folders import new_run_id, runs_root
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
-from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
+from workbench.types import LoadWeightsResponse, LoraConfig
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -282,11 +283,15 @@ class Session:
 
     @property
     def device(self) -> torch.device:
-        return self.engine.device
+        where = self.engine.endpoint
+        return self._local_engine(f"the model lives on the engine at {where}: it has no local device").device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.engine.dtype
+        where = self.engine.endpoint
+        return self._local_engine(
+            f"the model lives on the engine at {where}: its dtype is not reported"
+        ).dtype
 
     @property
     def closed(self) -> bool:
@@ -296,7 +301,10 @@ class Session:
         """A sha256 over everything training can change: every adapter's weights, accumulated gradients,
         optimizer state and counters (of one model, `"policy"` or `"critic"`, when given), taken between
         operations. Equal digests mean bit-identical training state."""
-        return self.engine.state_digest(self.model_id, None if model is None else Role(model))
+        engine = self._local_engine(
+            f"state_digest hashes local tensors; the training state lives on the engine at {self.engine.endpoint}"
+        )
+        return engine.state_digest(self.model_id, None if model is None else Role(model))
 
     # ------------------------------------------------------------------------------------------ critic
 
@@ -307,15 +315,20 @@ class Session:
         Default adapter: the policy's rank and alpha on attention and MLP layers. Interrupted while it
         waits behind queued work, the call is withdrawn (or, once started, completes): never half-done.
         """
-        wait_or_withdraw(
-            self.engine.create_critic(self.model_id, None if lora is None else to_lora_config(lora))
+        engine = self._local_engine(
+            f"the engine at {self.engine.endpoint} is driven through the tinker SDK, which has no critic models: "
+            "a remote session trains its policy only"
         )
+        wait_or_withdraw(engine.create_critic(self.model_id, None if lora is None else to_lora_config(lora)))
         return self._critic
 
     def delete_critic(self) -> None:
         """Remove the critic and free its adapter, value head and optimizer state. The policy's adapter,
         gradients and optimizer are untouched. Interruptible like `create_critic`."""
-        wait_or_withdraw(self.engine.delete_critic(self.model_id))
+        engine = self._local_engine(
+            f"{self.model_id!r} has no critic on the engine at {self.engine.endpoint}"
+        )
+        wait_or_withdraw(engine.delete_critic(self.model_id))
 
     # ------------------------------------------------------------------------------------------ sampling
 
@@ -327,11 +340,11 @@ class Session:
             raise ValueError("a base-model client has no version: pass base=True or a version, not both")
         return SamplingClient(self.engine, self.engine.pin_sampler(None if base else self.model_id, version))
 
-    def _local_engine(self, what: str) -> Engine:
+    def _local_engine(self, why: str) -> Engine:
+        """The local engine, for what needs the model in this process; a session that drives a remote
+        engine refuses, before anything is sent, with a `RemoteUnsupportedError` saying `why`."""
         if not isinstance(self.engine, Engine):
-            raise ValueError(
-                f"{what} needs the model in this process; this session drives {self.engine.endpoint}"
-            )
+            raise RemoteUnsupportedError(why)
         return self.engine
 
     def service_client(self, *sdk_arguments: Any, **sdk_keywords: Any) -> ServiceClient:
@@ -340,7 +353,13 @@ class Session:
         next to this one, in this session's history and panel. Takes `tinker.ServiceClient`'s
         arguments, so it can stand in for it: `tinker.ServiceClient = sess.service_client`. Closing the
         client leaves the session open."""
-        return ServiceClient(*sdk_arguments, engine=self._local_engine("service_client()"), **sdk_keywords)
+        return ServiceClient(
+            *sdk_arguments,
+            engine=self._local_engine(
+                f"service_client() needs the model in this process; this session drives {self.engine.endpoint}"
+            ),
+            **sdk_keywords,
+        )
 
     def live_versions(self) -> list[int]:
         """The policy weight versions a sampling client can use now: the current one and those that live
@@ -369,13 +388,20 @@ class Session:
     def cleanup_checkpoints(self) -> list[Path]:
         """Remove what interrupted saves and deletions left behind in this run's checkpoint folders, and
         expired checkpoints; returns the removed paths. Runs between operations."""
-        return self.engine.cleanup_checkpoints(self.model_id).result()
+        engine = self._local_engine(
+            f"the engine at {self.engine.endpoint} keeps its own checkpoint folders tidy"
+        )
+        return engine.cleanup_checkpoints(self.model_id).result()
 
     def export_merged(self, path: str | Path) -> Path:
         """Write the policy merged into the base weights, with the tokenizer, as a new HF model folder
         at `path` (for `AutoModelForCausalLM.from_pretrained` and serving); the session is unchanged.
         See `workbench.engine.local.merged_export`."""
-        return self.engine.export_merged(self.model_id, path).result()
+        engine = self._local_engine(
+            f"the weights live on the engine at {self.engine.endpoint}: export a merged model there, or download "
+            "the sampler weights (RestClient.get_checkpoint_archive_url) and merge them with peft"
+        )
+        return engine.export_merged(self.model_id, path).result()
 
     # ------------------------------------------------------------------------------------------ runs and views
 
@@ -444,7 +470,10 @@ class Session:
             The running server: `srv.url`, `srv.stop()`. `close()` stops it too.
         """
         server = TinkerServer(
-            self._local_engine("serve()"), ServerConfig(host=host, port=port, api_key=api_key)
+            self._local_engine(
+                f"serve() needs the model in this process; this session drives {self.engine.endpoint}"
+            ),
+            ServerConfig(host=host, port=port, api_key=api_key),
         )
         self.servers.append(server)
         return server

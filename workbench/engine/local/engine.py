@@ -1,8 +1,9 @@
 """The engine: one base model on one device, the LoRA models trained on it, and every operation on them.
 
 Every surface reaches the model through this class: the Tinker clients (`workbench.tinker_api.clients`), the
-notebook's `Session`, the run loop, the panel and the REST server. Its methods are the whole interface;
-each validates its input in the caller's thread (bad input raises and changes nothing) and returns an
+notebook's `Session`, the run loop, the panel and the REST server. Its methods are what both engines do
+(`workbench.engine.interface.EngineInterface`) and what needs the model in this process (critics, local
+tensors, checkpoint folders, merged exports, the models the REST server adds); each validates its input in the caller's thread (bad input raises and changes nothing) and returns an
 `APIFuture` for work that runs on the engine's one worker thread, in submission order, whatever the
 surface that submitted it. The operations themselves live one per module beside this one.
 

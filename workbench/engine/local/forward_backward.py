@@ -35,7 +35,8 @@ from workbench.engine.roles import Role
 from workbench.futures import APIFuture
 from workbench.losses import LossSpec, resolve_loss
 from workbench.metrics import metric_values
-from workbench.types import ForwardBackwardOutput, TensorData, to_datum
+from workbench.sdk_conversion import to_datum
+from workbench.types import ForwardBackwardOutput, TensorData
 
 
 @dataclass

@@ -19,7 +19,8 @@ from typing import Any
 from workbench.engine.local.state import EngineState
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
-from workbench.types import AdamParams, OptimStepResponse, to_adam_params
+from workbench.sdk_conversion import to_adam_params
+from workbench.types import AdamParams, OptimStepResponse
 
 
 def submit(state: EngineState, model_id: str, role: Role, adam_params: Any) -> APIFuture[OptimStepResponse]:

@@ -43,7 +43,8 @@ from workbench.engine.samplers.requests import (
 )
 from workbench.engine.samplers.vllm import VLLMSampler
 from workbench.futures import APIFuture
-from workbench.types import ModelInput, SampleResponse, SamplingParams, to_model_input
+from workbench.sdk_conversion import to_model_input
+from workbench.types import ModelInput, SampleResponse, SamplingParams
 
 SAMPLER_INFO = "sampler.json"
 

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench.types import Datum, to_datum
+from workbench.sdk_conversion import to_datum
+from workbench.types import Datum
 
 # Fixed cost of one extra forward pass, in padded-token equivalents. The planner splits a batch only
 # where the padding saved is worth more than this.

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from workbench.types import ModelInput, SampledSequence, SamplingParams, to_model_input, to_sampling_params
+from workbench.sdk_conversion import to_model_input, to_sampling_params
+from workbench.types import ModelInput, SampledSequence, SamplingParams
 
 
 @dataclass(frozen=True)

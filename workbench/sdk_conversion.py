@@ -1,0 +1,287 @@
+"""Conversion between workbench's types (`workbench.types`) and the `tinker` SDK's objects, dicts and lists.
+
+Into ours: objects built with the real SDK are accepted wherever ours are, and so are plain dicts and
+lists: `to_datum`, `to_model_input`, `to_tensor_data`, `to_provenance_span`, `to_adam_params`,
+`to_sampling_params` and `to_lora_config` turn any of them into ours (a `Datum`'s fields go through them
+too). The SDK is not imported for that: when a caller holds an SDK object, the SDK is already in
+`sys.modules`, and that module's classes are what we check against, so the local engine runs without
+loading the SDK.
+
+Into the SDK's (`to_sdk_*`) and back from its results (`from_sdk_*`): what the remote engine
+(`workbench.engine.remote`) sends through the SDK and reads from it. These import the SDK when first
+called.
+
+The server's wire format (the SDK's protobuf and JSON bodies) is read and written in
+`workbench.server.wire`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from workbench.types import (
+    INPUT_DTYPES,
+    AdamParams,
+    Datum,
+    EncodedTextChunk,
+    ForwardBackwardOutput,
+    LoraConfig,
+    ModelInput,
+    PromptProvenanceSpan,
+    ProvenanceSpan,
+    SampledProvenanceSpan,
+    SampledSequence,
+    SamplingParams,
+    TensorData,
+    to_token_ids,
+)
+
+if TYPE_CHECKING:
+    from tinker import types as sdk
+
+
+def _tinker_class(name: str) -> type | None:
+    """The `tinker` SDK's class of that name if the SDK is loaded, else None."""
+    module = sys.modules.get("tinker")
+    return None if module is None else getattr(module, name)
+
+
+# ---------------------------------------------------------------------------------------------- into ours
+
+
+def to_tensor_data(key: str, value: Any) -> TensorData:
+    """Turn a `loss_fn_inputs` value (ours, the SDK's, torch, numpy or a list) into `TensorData`.
+
+    Token ids (`target_tokens`) must be integers: a bool or a float raises ValueError naming the input.
+    """
+    if INPUT_DTYPES.get(key) == "int64":
+        return _token_tensor_data(key, value)
+    if isinstance(value, TensorData):
+        return value
+    tinker_tensor_data = _tinker_class("TensorData")
+    if tinker_tensor_data is not None and isinstance(value, tinker_tensor_data):
+        return TensorData(value.to_numpy(), value.dtype)
+    if isinstance(value, torch.Tensor):
+        return TensorData.from_torch(value)
+    if isinstance(value, np.ndarray):
+        return TensorData.from_numpy(value)
+    if isinstance(value, (list, tuple)):
+        array = np.asarray(value)
+        if array.dtype == object or array.dtype.kind not in "iubf":
+            raise ValueError(f"loss_fn_inputs[{key!r}] must be a rectangular list of numbers")
+        return TensorData(array, INPUT_DTYPES.get(key, "float32"))
+    raise TypeError(
+        f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
+    )
+
+
+def _token_tensor_data(key: str, value: Any) -> TensorData:
+    """Token ids as int64 `TensorData`, from any form `to_tensor_data` takes; never from bools or floats."""
+    tinker_tensor_data = _tinker_class("TensorData")
+    if isinstance(value, TensorData) or (
+        tinker_tensor_data is not None and isinstance(value, tinker_tensor_data)
+    ):
+        array = value.to_numpy()
+    elif isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy()
+    elif isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple)):
+        try:
+            return TensorData(np.asarray(to_token_ids(value), dtype=np.int64), "int64")
+        except ValueError as error:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
+    else:
+        raise TypeError(
+            f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
+        )
+    if array.dtype.kind not in "iu":
+        try:
+            to_token_ids(array.tolist())  # names the first value that is not an integer
+        except ValueError as error:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
+        raise ValueError(f"loss_fn_inputs[{key!r}]: token ids must be integers, got {array.dtype} values")
+    return TensorData(array, "int64")
+
+
+def to_model_input(value: Any) -> ModelInput:
+    """Turn a `ModelInput` (ours or the SDK's), a list of token ids, or a dict with `chunks` into ours.
+
+    Malformed input raises ValueError saying what is wrong (the caller names the field).
+    """
+    if isinstance(value, ModelInput):
+        return value
+    tinker_model_input = _tinker_class("ModelInput")
+    if tinker_model_input is not None and isinstance(value, tinker_model_input):
+        return ModelInput.from_ints(value.to_ints())
+    if isinstance(value, Mapping):
+        given = value.get("chunks", ())
+        if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
+            raise ValueError(f"'chunks' must be a list of chunks, got {given!r}")
+        chunks = []
+        for index, chunk in enumerate(given):
+            if not isinstance(chunk, Mapping) or "tokens" not in chunk:
+                raise ValueError(
+                    f"chunk {index} must be a dict with 'tokens' (a list of token ids), got {chunk!r}"
+                )
+            kind = chunk.get("type", "encoded_text")
+            if kind != "encoded_text":
+                raise ValueError(f"only text chunks are supported, got a {kind!r} chunk")
+            try:
+                chunks.append(EncodedTextChunk(tokens=chunk["tokens"]))
+            except ValueError as error:
+                raise ValueError(f"chunk {index}: {error}") from None
+        return ModelInput(chunks=tuple(chunks))
+    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
+        return ModelInput.from_ints(value)
+    raise TypeError(f"model_input must be a ModelInput or a list of token ids, got {type(value).__name__}")
+
+
+_DATUM_KEYS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
+
+
+def to_datum(value: Any) -> Datum:
+    """Turn a `Datum` (ours or the SDK's, provenance spans included) or a dict with `model_input`,
+    `loss_fn_inputs` and optionally the two span lists into ours."""
+    if isinstance(value, Datum):
+        return value
+    tinker_datum = _tinker_class("Datum")
+    if tinker_datum is not None and isinstance(value, tinker_datum):
+        return Datum(
+            model_input=value.model_input,
+            loss_fn_inputs=dict(value.loss_fn_inputs),
+            model_input_spans=value.model_input_spans,
+            loss_fn_input_spans=value.loss_fn_input_spans,
+        )
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(_DATUM_KEYS)
+        if unknown or "model_input" not in value:
+            raise ValueError(
+                f"a datum dict has keys {list(_DATUM_KEYS)} (spans optional), got {sorted(value)}"
+            )
+        return Datum(
+            model_input=value["model_input"],
+            loss_fn_inputs=value.get("loss_fn_inputs", {}),
+            model_input_spans=value.get("model_input_spans"),
+            loss_fn_input_spans=value.get("loss_fn_input_spans"),
+        )
+    raise TypeError(f"a datum must be a Datum or a dict, got {type(value).__name__}")
+
+
+def to_provenance_span(value: Any) -> ProvenanceSpan:
+    """Turn a provenance span (ours or the SDK's `PromptProvenanceSpan` / `SampledProvenanceSpan`) into ours."""
+    if isinstance(value, (PromptProvenanceSpan, SampledProvenanceSpan)):
+        return value
+    for ours in (PromptProvenanceSpan, SampledProvenanceSpan):
+        sdk_class = _tinker_class(ours.__name__)
+        if sdk_class is not None and isinstance(value, sdk_class):
+            return ours(sequence_id=value.sequence_id, offset=value.offset, length=value.length)
+    raise TypeError(
+        f"a provenance span must be a PromptProvenanceSpan or a SampledProvenanceSpan, got {type(value).__name__}"
+    )
+
+
+def _dataclass_from(cls: type, value: Any, sdk_name: str) -> Any:
+    """Build our config dataclass `cls` from itself, the SDK's same-named object, or a dict."""
+    if isinstance(value, cls):
+        return value
+    sdk_class = _tinker_class(sdk_name)
+    if sdk_class is not None and isinstance(value, sdk_class):
+        value = value.model_dump()
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**{k: v for k, v in value.items() if v is not None or k in ("seed", "stop", "max_tokens")})
+    raise TypeError(f"expected {cls.__name__}, the SDK's {sdk_name} or a dict, got {type(value).__name__}")
+
+
+def to_adam_params(value: Any) -> AdamParams:
+    return _dataclass_from(AdamParams, AdamParams() if value is None else value, "AdamParams")
+
+
+def to_sampling_params(value: Any) -> SamplingParams:
+    return _dataclass_from(SamplingParams, value, "SamplingParams")
+
+
+def to_lora_config(value: Any) -> LoraConfig:
+    return _dataclass_from(LoraConfig, value, "LoraConfig")
+
+
+# ---------------------------------------------------------------------------------------------- the SDK's
+
+
+def _sdk() -> Any:
+    """The SDK's types module (`tinker.types`), imported when a conversion to the SDK first needs it."""
+    from tinker import types
+
+    return types
+
+
+def to_sdk_model_input(model_input: ModelInput) -> sdk.ModelInput:
+    return _sdk().ModelInput.from_ints(model_input.to_ints())
+
+
+def to_sdk_tensor_data(value: TensorData) -> sdk.TensorData:
+    return _sdk().TensorData.from_numpy(value.array)
+
+
+def to_sdk_provenance_span(span: ProvenanceSpan) -> Any:
+    cls = (
+        _sdk().PromptProvenanceSpan
+        if isinstance(span, PromptProvenanceSpan)
+        else _sdk().SampledProvenanceSpan
+    )
+    return cls(sequence_id=span.sequence_id, offset=span.offset, length=span.length)
+
+
+def to_sdk_datum(datum: Datum) -> sdk.Datum:
+    spans = datum.model_input_spans, datum.loss_fn_input_spans
+    return _sdk().Datum(
+        model_input=to_sdk_model_input(datum.model_input),
+        loss_fn_inputs={key: to_sdk_tensor_data(value) for key, value in datum.loss_fn_inputs.items()},
+        model_input_spans=None if spans[0] is None else [to_sdk_provenance_span(s) for s in spans[0]],
+        loss_fn_input_spans=None if spans[1] is None else [to_sdk_provenance_span(s) for s in spans[1]],
+    )
+
+
+def to_sdk_sampling_params(params: SamplingParams) -> sdk.SamplingParams:
+    return _sdk().SamplingParams(
+        max_tokens=params.max_tokens,
+        seed=params.seed,
+        stop=params.stop,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+    )
+
+
+def to_sdk_adam_params(params: AdamParams) -> sdk.AdamParams:
+    return _sdk().AdamParams(**dataclasses.asdict(params))
+
+
+def from_sdk_forward_backward_output(output: sdk.ForwardBackwardOutput) -> ForwardBackwardOutput:
+    return ForwardBackwardOutput(
+        loss_fn_output_type=output.loss_fn_output_type,
+        loss_fn_outputs=[
+            {key: to_tensor_data(key, value) for key, value in item.items()}
+            for item in output.loss_fn_outputs
+        ],
+        metrics={key: float(value) for key, value in output.metrics.items()},
+    )
+
+
+def from_sdk_sampled_sequence(sequence: sdk.SampledSequence) -> SampledSequence:
+    return SampledSequence(
+        tokens=list(sequence.tokens),
+        logprobs=list(sequence.logprobs or []),
+        stop_reason=sequence.stop_reason,
+        sequence_id=sequence.sequence_id,
+    )
