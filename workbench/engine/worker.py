@@ -12,6 +12,11 @@ for it, such as releasing the weights a collected sampling client had pinned.
 
 Every future resolves: with the operation's result or exception, or with `SessionClosedError` for an
 operation that was still queued when the worker stopped.
+
+At interpreter exit every worker still running finishes its queued operations and stops before the
+interpreter tears down (`_close_live_workers`). A daemon thread that is still inside torch then would be
+killed when it next takes the GIL, by unwinding through C++ frames that must not unwind: the process
+aborts ("terminate called without an active exception", exit code 134) after the script has succeeded.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -60,6 +66,7 @@ class Worker:
         self._submitting = threading.Lock()  # orders submissions against close(): none lands after the stop
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _live_workers.add(self)
 
     @property
     def thread(self) -> threading.Thread:
@@ -199,3 +206,22 @@ class Worker:
                 job.future.set_exception(result)
             else:
                 job.future.set_result(result)
+
+
+_live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+"""Every worker whose thread may still run (its thread holds it, so it stays here until the thread ends)."""
+
+
+def _close_live_workers() -> None:
+    """Let every live worker finish its queued operations and stop, before the interpreter tears down.
+
+    Registered with `threading._register_atexit`, as `concurrent.futures` registers its own pools: these
+    callbacks run when the main thread finishes, before the non-daemon threads are joined and before any
+    `atexit` function (W&B finishes its runs in one of those), while every thread can still run normally.
+    """
+    for worker in list(_live_workers):
+        worker.close()
+
+
+# The stdlib's hook for exactly this (what concurrent.futures uses); it has no public spelling.
+threading._register_atexit(_close_live_workers)  # noqa: SLF001

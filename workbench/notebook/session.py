@@ -14,12 +14,18 @@ Tinker-compatible service (`workbench serve` on a GPU machine, SkyRL, hosted Tin
 The session's own state is only which run it speaks for; everything else (the critic, the counters,
 the config) is read from the engine, so an interrupted call can never leave the session and the
 engine disagreeing.
+
+A script may end without `close()`: at interpreter exit every open session is closed
+(`_close_open_sessions`), so its run stops after the current step, its servers stop and its queued
+operations finish while every thread can still run, and the process exits with the script's status.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -182,6 +188,7 @@ class Session:
         """The servers `serve()` started (stopped ones included), newest last."""
         engine.history.sinks.append(JsonlSink(self.run_dir / "history.jsonl"))
         self.wandb_run = self._open_wandb(wandb)
+        _open_sessions.add(self)
 
     def _open_wandb(self, setting: WandbSetting) -> WandbSink | None:
         """Start the session's W&B run; a W&B failure leaves W&B off with a warning, never the session."""
@@ -502,3 +509,28 @@ class Session:
             return f"Session({config.base_model!r}, closed)"
         where = self.engine.endpoint or f"{config.device}/{config.dtype}"
         return f"Session({config.base_model!r}, rank={self.config.lora.rank}, {where}, step {self.step})"
+
+
+_open_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+"""Every session not yet freed (a closed one stays until freed; closing it again does nothing)."""
+
+
+def _close_open_sessions() -> None:
+    """Close every open session when the main thread finishes: its run stops after the current step (a
+    step function may run torch on the run's thread), its servers stop, its worker finishes its queue.
+
+    Registered with `threading._register_atexit` after the workers' own exit hook (this module imports
+    `workbench.engine.worker` first), so it runs before that hook: runs stop before their workers do.
+    A session that fails to close is reported and the others are still closed.
+    """
+    for session in list(_open_sessions):
+        try:
+            session.close()
+        except Exception as error:
+            warnings.warn(
+                f"{session!r} did not close cleanly at exit: {error!r}", RuntimeWarning, stacklevel=1
+            )
+
+
+# The stdlib's hook for exactly this (what concurrent.futures uses); it has no public spelling.
+threading._register_atexit(_close_open_sessions)  # noqa: SLF001

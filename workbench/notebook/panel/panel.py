@@ -15,6 +15,10 @@ The panel holds its session weakly. ipywidgets keeps every widget alive until it
 holding its session would keep the model in memory after the notebook let go of it (re-running the
 cell that made both); instead the session is freed then, the panel says so, and its timer ends. Keep a
 reference to the session (`sess = wb.Session(...)`) for as long as its panel is used.
+
+At interpreter exit every panel's timer is stopped before the interpreter tears down
+(`_stop_live_timers`): a redraw still running then could be inside matplotlib or torch when the
+interpreter kills daemon threads, which aborts the process.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class Panel(ipywidgets.VBox):
         self.refresh()
         self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
         self._timer.start()
+        _live_panels.add(self)
 
     @property
     def session(self) -> Session:
@@ -119,9 +124,30 @@ class Panel(ipywidgets.VBox):
         """True while the timer thread redraws the panel."""
         return self._timer.is_alive()
 
-    def close(self) -> None:
-        """Stop the timer and close the widgets."""
+    def stop_polling(self) -> None:
+        """Stop the timer (after the redraw in progress); the widgets stay as they are."""
         self._closing.set()
         if threading.current_thread() is not self._timer:
             self._timer.join()
+
+    def close(self) -> None:
+        """Stop the timer and close the widgets."""
+        self.stop_polling()
         super().close()
+
+
+_live_panels: weakref.WeakSet[Panel] = weakref.WeakSet()
+"""Every panel not yet freed (a polling panel's timer thread holds it)."""
+
+
+def _stop_live_timers() -> None:
+    """Stop every panel's timer when the main thread finishes, while threads can still run normally.
+
+    Registered with `threading._register_atexit` (see `workbench.engine.worker._close_live_workers`).
+    """
+    for panel in list(_live_panels):
+        panel.stop_polling()
+
+
+# The stdlib's hook for exactly this (what concurrent.futures uses); it has no public spelling.
+threading._register_atexit(_stop_live_timers)  # noqa: SLF001
