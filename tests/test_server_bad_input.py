@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -350,4 +351,95 @@ def test_a_request_reusing_a_seq_id_with_other_content_is_a_conflict(
         **{"content-type": "application/x-protobuf"},
     )
     assert other.status_code == 409 and "already used by a different request" in other.json()["error"]
+    unchanged.check()
+
+
+# ---------------------------------------------------------------------------------------------- ordering after a refusal
+
+
+def test_a_refused_request_consumes_its_seq_id(
+    sess: wb.Session, srv: TinkerServer, remote: tinker.TrainingClient
+) -> None:
+    path = remote.save_state("a").result().path
+    with pytest.raises(tinker.BadRequestError, match="weights_access_token"), pytest.warns(FutureWarning):
+        remote.load_state(path, weights_access_token="tok").result()
+    # the SDK counted the refused request: the server must not wait for it
+    assert remote.forward_backward([datum(TOKENS)], "cross_entropy").result(timeout=60).metrics
+    # raw refusals that name a model and a seq_id: schema errors, bad protobuf data, a body too large
+    seq = 5  # fixture's forward_backward 1, save_state 2, load_state 3, forward_backward 4
+    proto = {"content-type": "application/x-protobuf"}
+    bad_schema = post(
+        srv, "optim_step", {"model_id": remote.model_id, "seq_id": seq, "adam_params": {"lr": 1}}
+    )
+    assert bad_schema.status_code == 400 and "adam_params.lr" in bad_schema.json()["error"]
+    wrong_type = post(
+        srv,
+        "forward_backward",
+        fwdbwd_proto(remote.model_id, seq + 1, b""),
+        **{"content-type": "application/json"},
+    )
+    assert wrong_type.status_code == 415
+    big = fwdbwd_proto(remote.model_id, seq + 2, b"") + b"\0" * (65 * 2**20)  # over 64 MiB unpacked
+    zstd = {"content-encoding": "zstd", **proto}
+    too_large = post(srv, "forward_backward", zstandard.ZstdCompressor().compress(big), **zstd)
+    assert too_large.status_code == 413 and "limit" in too_large.json()["error"]
+    ok = post(
+        srv,
+        "forward_backward",
+        fwdbwd_proto(remote.model_id, seq + 3, np.array(TOKENS[:-1], dtype="<i4").tobytes()),
+        **proto,
+    )
+    assert ok.status_code == 200
+    done = httpx.post(
+        f"{srv.url}/api/v1/retrieve_future", json={"request_id": ok.json()["request_id"]}, timeout=60
+    ).json()
+    assert done.get("type") != "try_again" and "target_tokens" in done["error"], done
+
+
+def test_an_op_on_a_model_whose_session_expired_is_refused(sess: wb.Session) -> None:
+    server = TinkerServer(sess.engine, ServerConfig(session_timeout_s=1.0))
+    try:
+        session_id = post(server, "create_session", {"tags": []}).json()["session_id"]
+        body = {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}
+        request_id = post(server, "create_model", body).json()["request_id"]
+        model_id = post(server, "retrieve_future", {"request_id": request_id}).json()["model_id"]
+        step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+        assert post(server, "optim_step", step).status_code == 200
+        deadline = time.monotonic() + 20
+        while model_id in sess.engine.model_ids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        unchanged = Unchanged(sess)
+        late = post(server, "optim_step", {**step, "seq_id": 2})
+        assert late.status_code == 404 and "no model" in late.json()["error"], late.text
+        assert late.json()["category"] == "user"
+        unchanged.check()
+    finally:
+        server.stop()
+
+
+def raw_sampler(srv: TinkerServer) -> str:
+    """A sampling session of the base model, made over raw HTTP."""
+    session_id = post(srv, "create_session", {"tags": []}).json()["session_id"]
+    body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": "tiny"}
+    return post(srv, "create_sampling_session", body).json()["sampling_session_id"]
+
+
+@pytest.mark.parametrize("num_samples", [3_000_000, 10**9, -5])
+def test_a_sample_count_is_checked_before_anything_is_sized_by_it(
+    sess: wb.Session, srv: TinkerServer, num_samples: int
+) -> None:
+    sampler_id = raw_sampler(srv)
+    unchanged = Unchanged(sess)
+    body = {
+        "sampling_session_id": sampler_id,
+        "seq_id": 0,
+        "num_samples": num_samples,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]},
+        "sampling_params": {"max_tokens": 2},
+    }
+    started = time.monotonic()
+    taken = post(srv, "asample", body)
+    assert time.monotonic() - started < 5 and len(taken.content) < 1000, len(taken.content)
+    failed = post(srv, "retrieve_future", {"request_id": taken.json()["request_id"]}).json()
+    assert "num_samples must be an integer in [1, 128]" in failed["error"] and failed["category"] == "user"
     unchanged.check()

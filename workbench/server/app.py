@@ -35,7 +35,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workbench.server import schemas, wire
-from workbench.server.errors import RequestError, error_body
+from workbench.server.errors import ENVELOPE_BYTES, BodyTooLarge, RequestError, error_body
 from workbench.server.service import SampleResult, TinkerService
 from workbench.storage.archive import export_archive
 from workbench.types import ForwardBackwardOutput
@@ -90,21 +90,24 @@ def create_app(service: TinkerService) -> FastAPI:
         return run
 
     async def body_of(request: Request) -> bytes:
-        """The request body, decompressed, within the size limit."""
+        """The request body, decompressed, within the size limit. A body over the limit is refused with
+        `BodyTooLarge`, which keeps its first `max_body_bytes` (they name the request's model and seq_id)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise RequestError(
-                f"the request body ({declared} bytes) exceeds the limit of {config.max_body_bytes}", 413
+            raise BodyTooLarge(
+                f"the request body ({declared} bytes) exceeds the limit of {config.max_body_bytes}",
+                await head_of(request),
             )
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > config.max_body_bytes:
-                raise RequestError(
-                    f"the request body exceeds the limit of {config.max_body_bytes} bytes", 413
-                )
             chunks.append(chunk)
+            if size > config.max_body_bytes:
+                raise BodyTooLarge(
+                    f"the request body exceeds the limit of {config.max_body_bytes} bytes",
+                    b"".join(chunks),
+                )
         body = b"".join(chunks)
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding == "zstd":
@@ -113,18 +116,51 @@ def create_app(service: TinkerService) -> FastAPI:
             raise RequestError(f"unsupported Content-Encoding {encoding!r} (zstd or none)", 415)
         return body
 
-    def post(path: str, schema: type[schemas.StrictBody], handle: Callable[[Any, bytes], Any]) -> None:
-        """A JSON POST endpoint whose handler answers at once."""
+    async def head_of(request: Request) -> bytes:
+        """The first `ENVELOPE_BYTES` of a body that will be refused."""
+        head = b""
+        async for chunk in request.stream():
+            head += chunk
+            if len(head) >= ENVELOPE_BYTES:
+                break
+        return head[:ENVELOPE_BYTES]
 
-        async def route(request: Request) -> Response:
-            raw = await body_of(request)
+    def ordered(route: Callable[[Request, bytes], Awaitable[Response]]) -> Route:
+        """A route of a model's ordered operations: a request refused before its seq_id was taken still
+        takes it (`TinkerService.refused`), since the client counted it."""
+
+        async def run(request: Request) -> Response:
+            raw = b""
+            try:
+                raw = await body_of(request)
+                return await route(request, raw)
+            except Exception as error:
+                service.refused(error.head if isinstance(error, BodyTooLarge) else raw, error)
+                raise
+
+        run.__name__ = route.__name__
+        return run
+
+    def post(
+        path: str,
+        schema: type[schemas.StrictBody],
+        handle: Callable[[Any, bytes], Any],
+        in_order: bool = False,
+    ) -> None:
+        """A JSON POST endpoint whose handler answers at once; `in_order` for a model's ordered ops."""
+
+        async def parsed(request: Request, raw: bytes) -> Response:
             result = handle(schemas.parse_body(schema, raw), raw)
             if asyncio.iscoroutine(result):
                 result = await result
             return _json(result if result is not None else {})
 
-        route.__name__ = path.rsplit("/", 1)[-1]
-        app.post(path)(guarded(route))
+        async def route(request: Request) -> Response:
+            return await parsed(request, await body_of(request))
+
+        chosen = ordered(parsed) if in_order else route
+        chosen.__name__ = path.rsplit("/", 1)[-1]
+        app.post(path)(guarded(chosen))
 
     # ------------------------------------------------------------------------------------------ sessions
 
@@ -150,14 +186,15 @@ def create_app(service: TinkerService) -> FastAPI:
 
     post("/api/v1/create_model", schemas.CreateModelRequest, service.create_model)
     post("/api/v1/get_info", schemas.GetInfoRequest, lambda r, _b: service.get_info(r))
-    post("/api/v1/optim_step", schemas.OptimStepRequest, service.optim_step)
-    post("/api/v1/save_weights", schemas.SaveWeightsRequest, service.save_weights)
+    post("/api/v1/optim_step", schemas.OptimStepRequest, service.optim_step, in_order=True)
+    post("/api/v1/save_weights", schemas.SaveWeightsRequest, service.save_weights, in_order=True)
     post(
         "/api/v1/save_weights_for_sampler",
         schemas.SaveWeightsForSamplerRequest,
         service.save_weights_for_sampler,
+        in_order=True,
     )
-    post("/api/v1/load_weights", schemas.LoadWeightsRequest, service.load_weights)
+    post("/api/v1/load_weights", schemas.LoadWeightsRequest, service.load_weights, in_order=True)
     post("/api/v1/weights_info", schemas.WeightsInfoRequest, lambda r, _b: service.weights_info(r))
     post(
         "/api/v1/create_sampling_session",
@@ -168,8 +205,8 @@ def create_app(service: TinkerService) -> FastAPI:
 
     @app.post("/api/v1/forward_backward")
     @guarded
-    async def forward_backward(request: Request) -> Response:
-        raw = await body_of(request)
+    @ordered
+    async def forward_backward(request: Request, raw: bytes) -> Response:
         if wire.PROTOBUF not in request.headers.get("content-type", ""):
             raise RequestError(
                 "forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: application/x-protobuf), "

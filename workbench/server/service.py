@@ -32,9 +32,10 @@ from workbench.engine.interface import Restore
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.engine.roles import Role
+from workbench.engine.samplers.requests import check_num_samples
 from workbench.futures import APIFuture
 from workbench.losses import LOSSES
-from workbench.server import schemas
+from workbench.server import schemas, wire
 from workbench.server.config import ServerConfig
 from workbench.server.errors import RequestError, message_of
 from workbench.server.future_table import FutureTable, PendingResult
@@ -316,7 +317,10 @@ class TinkerService:
         payload: bytes,
         submit: Callable[[ServedModel], tuple[APIFuture[Any], Callable[[Any], Any]]],
     ) -> dict[str, Any]:
-        """Take a model's request: it is handed to the engine after every lower seq_id."""
+        """Take a model's request: it is handed to the engine after every lower seq_id. A request for a
+        model that is not (or no longer) served is refused: no seq_id of it will ever come again."""
+        if model_id not in self.models:
+            raise RequestError(f"no model {model_id!r} on this server (its session may have ended)", 404)
 
         def start(entry: PendingResult) -> None:
             try:
@@ -330,6 +334,22 @@ class TinkerService:
             model_id, seq_id, payload, lambda: self.futures.add(op, model_id), start
         )
         return {"request_id": request_id, "model_id": model_id}
+
+    def refused(self, payload: bytes, error: BaseException) -> None:
+        """A request to a model's ordered endpoint was refused before its seq_id was taken (its body too
+        large, not valid, a field wrong): the SDK counted that seq_id, so it is taken here by an operation
+        that fails with the same error, and the model's later requests run rather than wait for it."""
+        named = wire.envelope(payload)
+        if named is None or named[0] not in self.models:
+            return
+        model_id, seq_id = named
+        self.sequencer.consume(
+            model_id,
+            seq_id,
+            payload,
+            lambda: self.futures.add("refused", model_id),
+            lambda entry: self.futures.fail(entry, error),
+        )
 
     def forward_backward(self, call: ForwardBackwardCall, payload: bytes) -> dict[str, Any]:
         def submit(model: ServedModel) -> tuple[APIFuture[ForwardBackwardOutput], Callable[[Any], Any]]:
@@ -523,6 +543,7 @@ class TinkerService:
                     )
                 sampler = self.sampler(request.sampling_session_id or "")
                 params = SamplingParams(**request.sampling_params.model_dump())
+                check_num_samples(request.num_samples, self.engine.config.max_samples_per_request)
                 ids = _sequence_ids(entry.request_id, request.num_samples)
                 future = self.engine.sample(
                     sampler.pin,
@@ -547,9 +568,11 @@ class TinkerService:
             start,
             ordered=False,
         )
+        counted = 1 <= request.num_samples <= self.engine.config.max_samples_per_request
         return {
             "request_id": request_id,
-            "sample_sequence_ids": _sequence_ids(request_id, request.num_samples),
+            # a count out of range fails the request (above); no ids are made for it
+            "sample_sequence_ids": _sequence_ids(request_id, request.num_samples) if counted else [],
         }
 
     # ------------------------------------------------------------------------------------------ runs and checkpoints
@@ -724,7 +747,7 @@ class TinkerService:
 def _sequence_ids(request_id: str, num_samples: int) -> list[str]:
     """The ids of a sample request's sequences, known when it is taken (the SDK needs them then), unique
     in the engine (request ids are 96 random bits)."""
-    return [f"{request_id}:{i}" for i in range(max(num_samples, 0))]
+    return [f"{request_id}:{i}" for i in range(num_samples)]
 
 
 def _same(result: Any) -> Any:
