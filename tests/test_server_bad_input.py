@@ -403,13 +403,12 @@ def test_an_op_on_a_model_whose_session_expired_is_refused(sess: wb.Session) -> 
         body = {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}
         request_id = post(server, "create_model", body).json()["request_id"]
         model_id = post(server, "retrieve_future", {"request_id": request_id}).json()["model_id"]
-        step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
-        assert post(server, "optim_step", step).status_code == 200
+        step = {"model_id": model_id, "adam_params": {"learning_rate": 1e-3}}
         deadline = time.monotonic() + 20
         while model_id in sess.engine.model_ids() and time.monotonic() < deadline:
             time.sleep(0.2)
         unchanged = Unchanged(sess)
-        late = post(server, "optim_step", {**step, "seq_id": 2})
+        late = post(server, "optim_step", {**step, "seq_id": 2})  # after seq_id 1 (not waited for)
         assert late.status_code == 404 and "no model" in late.json()["error"], late.text
         assert late.json()["category"] == "user"
         unchanged.check()
@@ -443,3 +442,31 @@ def test_a_sample_count_is_checked_before_anything_is_sized_by_it(
     failed = post(srv, "retrieve_future", {"request_id": taken.json()["request_id"]}).json()
     assert "num_samples must be an integer in [1, 128]" in failed["error"] and failed["category"] == "user"
     unchanged.check()
+
+
+def test_one_clients_input_cannot_break_the_listings(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, remote: tinker.TrainingClient
+) -> None:
+    unchanged = Unchanged(sess)
+    with pytest.raises(tinker.RequestFailedError, match="ttl_seconds must be"):
+        remote.save_state("forever", ttl_seconds=10**30).result()
+    tagged = post(srv, "create_session", {"tags": ["\ud800"], "user_metadata": {"\udfff": 1}})
+    assert tagged.status_code == 400 and "tags.0" in tagged.json()["error"]
+    unchanged.check()
+    # a checkpoint whose files went bad on disk is left out of the listings, which still answer
+    remote.save_state("good").result()
+    bad = remote.save_state("bad").result()  # seq_id 4
+    odd = {"model_id": remote.model_id, "seq_id": 5, "path": "odd", "user_metadata": {"k": "\ud800"}}
+    refused = post(srv, "save_weights", odd)  # the SDK cannot send it; a raw client can
+    assert refused.status_code == 400 and "user_metadata.k: " in refused.json()["error"]
+    info_file = sess.engine.checkpoint_folder(bad.path, "state") / "config.json"
+    info_file.write_text(json.dumps({**json.loads(info_file.read_text()), "expires_at": 1e300}))
+    rest = client.create_rest_client()
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
+        listed = rest.list_checkpoints(remote.model_id).result().checkpoints
+        assert [c.checkpoint_id for c in listed] == ["weights/good"]
+        assert [c.checkpoint_id for c in rest.list_user_checkpoints().result().checkpoints] == [
+            "weights/good"
+        ]
+        assert rest.get_training_run(remote.model_id).result().last_checkpoint.checkpoint_id == "weights/good"
+        assert httpx.get(f"{srv.url}/api/v1/training_runs").status_code == 200

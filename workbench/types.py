@@ -50,6 +50,16 @@ MAX_LEARNING_RATE = 1.0
 beyond 1 that dwarfs the weights themselves (1e30 turns the model's outputs to NaN in one step)."""
 
 
+def check_text(text: str, where: str) -> str:
+    """A string that can be written out: valid Unicode, which a lone surrogate ("\\ud800", which JSON can
+    carry) is not; stored, it would break every listing that shows it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where} is not valid Unicode (it holds a lone surrogate): {text!r}") from None
+    return text
+
+
 def _tinker_class(name: str) -> type | None:
     """The `tinker` SDK's class of that name if the SDK is loaded, else None."""
     module = sys.modules.get("tinker")

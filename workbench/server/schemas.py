@@ -29,14 +29,39 @@ def _where(location: tuple[Any, ...]) -> str:
     return ".".join(str(part) for part in location) or "body"
 
 
+def _check_strings(value: Any, location: tuple[Any, ...]) -> None:
+    """Every string in a parsed body, keys included, is valid Unicode: JSON can carry a lone surrogate
+    ("\\ud800"), which no response could then write out."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(
+                f"{_where(location)}: the string is not valid Unicode (it holds a lone surrogate)"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, (*location, "(key)"))
+            _check_strings(item, (*location, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_strings(item, (*location, index))
+
+
 def parse_body(schema: type[Body], raw: bytes) -> Body:
     """Parse a JSON body against its schema; a `RequestError` names every field that is wrong."""
     try:
         data = json.loads(raw or b"{}")
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RequestError(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        _check_strings(data, ())
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
     try:
         return schema.model_validate(data)
     except ValidationError as error:

@@ -650,10 +650,20 @@ class TinkerService:
         created.update({run_id: run.created_at for run_id, run in self.ended_runs.items()})
         return sorted(created, key=created.__getitem__, reverse=True)
 
+    def _listed_run(self, run_id: str) -> dict[str, Any] | None:
+        """A run as a listing shows it, or None (with a warning in the log) when it cannot be read: one
+        run's bad files must not break the listing for everyone."""
+        try:
+            return self.training_run(run_id)
+        except (OSError, ValueError, KeyError, TypeError, OverflowError) as error:
+            log.warning("listing leaves out run %s: %s", run_id, error)
+            return None
+
     def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
         run_ids = self._all_runs()
+        listed = [self._listed_run(run_id) for run_id in run_ids[offset : offset + limit]]
         return {
-            "training_runs": [self.training_run(run_id) for run_id in run_ids[offset : offset + limit]],
+            "training_runs": [run for run in listed if run is not None],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(run_ids)},
         }
 

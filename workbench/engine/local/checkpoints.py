@@ -48,12 +48,22 @@ def known_runs(state: EngineState) -> dict[str, Path]:
     return {model_id: run.run_dir for model_id, run in list(state.runs.items())}
 
 
+MAX_TTL_SECONDS = 100 * 365 * 24 * 3600
+"""The longest time to live a checkpoint may be given (a hundred years; None keeps it until deleted):
+an expiry past what a date can hold would break every listing that shows it."""
+
+
 def _expires_at(ttl_seconds: int | None) -> float | None:
     if ttl_seconds is None:
         return None
-    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds < 1:
+    if (
+        isinstance(ttl_seconds, bool)
+        or not isinstance(ttl_seconds, int)
+        or not 1 <= ttl_seconds <= MAX_TTL_SECONDS
+    ):
         raise ValueError(
-            f"ttl_seconds must be a positive integer (or None: kept until deleted), got {ttl_seconds!r}"
+            f"ttl_seconds must be a positive integer up to {MAX_TTL_SECONDS} (a hundred years), or None "
+            f"to keep the checkpoint until deleted; got {ttl_seconds!r}"
         )
     return time.time() + ttl_seconds
 
