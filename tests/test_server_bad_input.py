@@ -470,3 +470,59 @@ def test_one_clients_input_cannot_break_the_listings(
         ]
         assert rest.get_training_run(remote.model_id).result().last_checkpoint.checkpoint_id == "weights/good"
         assert httpx.get(f"{srv.url}/api/v1/training_runs").status_code == 200
+
+
+@pytest.mark.parametrize("kind", ["state", "sampler"])
+def test_a_sampling_client_of_an_altered_checkpoint_is_refused(
+    sess: wb.Session, client: tinker.ServiceClient, remote: tinker.TrainingClient, kind: str
+) -> None:
+    saved = remote.save_state("s") if kind == "state" else remote.save_weights_for_sampler("s")
+    path = saved.result().path
+    folder = sess.engine.checkpoint_folder(path, kind)
+    weights = folder / ("policy" if kind == "state" else "") / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(wb.CorruptCheckpointError, match=r"adapter_model\.safetensors"):
+        sess.engine.pin_sampler_checkpoint(path).result()
+    with pytest.raises(tinker.BadRequestError, match=r"adapter_model\.safetensors"):
+        client.create_sampling_client(model_path=path).result()
+
+
+def test_over_http_checkpoints_are_named_by_tinker_path_only(
+    sess: wb.Session,
+    srv: TinkerServer,
+    client: tinker.ServiceClient,
+    remote: tinker.TrainingClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = remote.save_state("s").result().path  # seq_id 2
+    sampler = remote.save_weights_for_sampler("w").result().path  # seq_id 3
+    folders = [
+        str(sess.engine.checkpoint_folder(state, "state")),
+        str(sess.engine.checkpoint_folder(sampler, "sampler")),
+        "~/s",
+    ]
+    monkeypatch.setenv("HOME", str(sess.engine.checkpoint_folder(state, "state").parent))
+    unchanged = Unchanged(sess)
+    session_id = client.holder.get_session_id()
+    for seq, folder in enumerate(folders, start=4):
+        loads = [
+            (
+                "load_weights",
+                {"model_id": remote.model_id, "seq_id": seq, "path": folder, "optimizer": False},
+            ),
+            (
+                "load_weights",
+                {"session_id": session_id, "model_seq_id": 90 + seq, "path": folder, "optimizer": False},
+            ),
+            (
+                "create_sampling_session",
+                {"session_id": session_id, "sampling_session_seq_id": 90 + seq, "model_path": folder},
+            ),
+        ]
+        for route, body in loads:
+            refused = post(srv, route, body)
+            assert refused.status_code == 400, (route, refused.text)
+            assert "tinker://" in refused.json()["error"] and folder not in refused.json()["error"]
+    unchanged.check()

@@ -44,7 +44,7 @@ from workbench.server.sessions import ClientSession, ServedModel, ServedSampler,
 from workbench.server.wire import ForwardBackwardCall
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
-from workbench.storage.run_folders import CheckpointAddress
+from workbench.storage.run_folders import TINKER_SCHEME, CheckpointAddress
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
 
 EPHEMERAL_SAMPLERS_KEPT = 4
@@ -85,6 +85,18 @@ def _string_metadata(metadata: dict[str, Any] | None, where: str) -> dict[str, s
     if bad:
         raise RequestError(f"{where}.user_metadata values must be strings; {bad} are not")
     return dict(metadata)
+
+
+def _checkpoint_path(path: str, where: str) -> str:
+    """A checkpoint a client names: by its `tinker://` path only. A folder of this machine (absolute,
+    relative or `~`) is an in-process convenience; over HTTP it would let a client read any folder the
+    server can, and learn where things are."""
+    if not path.startswith(TINKER_SCHEME):
+        raise RequestError(
+            f"{where}: name a checkpoint by its tinker:// path (as save_state and "
+            "save_weights_for_sampler return it); this server does not load folders for remote clients"
+        )
+    return path
 
 
 def _check_optimizer(config: schemas.OptimizerConfigBody | None, where: str) -> None:
@@ -419,6 +431,7 @@ class TinkerService:
 
     def load_weights(self, request: schemas.LoadWeightsRequest, payload: bytes) -> dict[str, Any]:
         restore = Restore.WITH_OPTIMIZER if request.optimizer else Restore.WEIGHTS
+        _checkpoint_path(request.path, "load_weights.path")
         if request.weights_access_token is not None:
             raise RequestError("weights_access_token: this server has no other accounts to read weights from")
         if request.model_id is None:
@@ -509,6 +522,8 @@ class TinkerService:
         if sampler_id not in self.samplers:
             if request.base_model is not None:
                 self.check_base_model(request.base_model, "create_sampling_session")
+            if request.model_path is not None:
+                _checkpoint_path(request.model_path, "create_sampling_session.model_path")
             try:
                 pin = (
                     self.engine.pin_sampler(None)

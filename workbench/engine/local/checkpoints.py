@@ -181,12 +181,17 @@ def resolve(
 def adapter_folder(state: EngineState, path: str | Path) -> Path:
     """The peft adapter folder a sampling client of `path` loads: sampler weights
     (`tinker://<run>/sampler_weights/<name>` or their folder), or the policy of a state checkpoint
-    (`tinker://<run>/weights/<name>` or its folder)."""
+    (`tinker://<run>/weights/<name>` or its folder), verified against its manifest.
+
+    Raises:
+        CorruptCheckpointError: a file of the checkpoint is missing, extra or altered.
+    """
     if isinstance(path, str) and path.startswith(TINKER_SCHEME):
         kind = CheckpointAddress.parse(path).kind
     else:
         kind = "sampler" if (Path(path).expanduser() / ADAPTER_CONFIG).is_file() else "state"
     folder = resolve(state, None, path, kind)
+    checkpoint_store.read_verified(folder)  # every load verifies the manifest's hashes, as load_state does
     return folder if kind == "sampler" else folder / Role.POLICY.value
 
 
