@@ -526,3 +526,74 @@ def test_over_http_checkpoints_are_named_by_tinker_path_only(
             assert refused.status_code == 400, (route, refused.text)
             assert "tinker://" in refused.json()["error"] and folder not in refused.json()["error"]
     unchanged.check()
+
+
+def test_error_messages_name_what_the_client_sent_not_server_folders(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, remote: tinker.TrainingClient
+) -> None:
+    corrupt = remote.save_state("corrupt").result().path  # seq_id 2
+    (sess.engine.checkpoint_folder(corrupt, "state") / "policy" / "adapter_model.safetensors").write_bytes(
+        b"x"
+    )
+    missing = f"tinker://{remote.model_id}/weights/none"
+    missing_sampler = f"tinker://{remote.model_id}/sampler_weights/none"
+    session_id = client.holder.get_session_id()
+    run = f"{srv.url}/api/v1/training_runs/{remote.model_id}"
+    answers = [
+        post(srv, "create_model", {"session_id": session_id, "model_seq_id": 50, "base_model": "other"}),
+        post(
+            srv,
+            "load_weights",
+            {"session_id": session_id, "model_seq_id": 51, "path": missing, "optimizer": False},
+        ),
+        post(
+            srv,
+            "load_weights",
+            {"session_id": session_id, "model_seq_id": 52, "path": corrupt, "optimizer": True},
+        ),
+        post(
+            srv,
+            "load_weights",
+            {"model_id": remote.model_id, "seq_id": 3, "path": missing, "optimizer": False},
+        ),
+        post(
+            srv,
+            "load_weights",
+            {"model_id": remote.model_id, "seq_id": 4, "path": corrupt, "optimizer": False},
+        ),
+        post(
+            srv,
+            "create_sampling_session",
+            {"session_id": session_id, "sampling_session_seq_id": 50, "model_path": missing_sampler},
+        ),
+        post(
+            srv,
+            "create_sampling_session",
+            {"session_id": session_id, "sampling_session_seq_id": 51, "model_path": corrupt},
+        ),
+        post(
+            srv,
+            "create_sampling_session",
+            {"session_id": session_id, "sampling_session_seq_id": 52, "base_model": "other"},
+        ),
+        post(srv, "weights_info", {"tinker_path": missing}),
+        post(srv, "weights_info", {"tinker_path": missing_sampler}),
+        httpx.get(f"{run}/checkpoints/weights/none/archive"),
+        httpx.delete(f"{run}/checkpoints/sampler_weights/none"),
+    ]
+    messages = []
+    for answer in answers:
+        body = answer.json()
+        if "request_id" in body:
+            body = post(srv, "retrieve_future", {"request_id": body["request_id"]}).json()
+        assert body.get("category") == "user", body
+        messages.append(body["error"])
+    server_folders = [
+        os.environ["WORKBENCH_RUNS"],
+        str(sess.run_dir),
+        sess.base_info.path,
+        str(Path.home()),
+    ]
+    for message in messages:
+        assert not [folder for folder in server_folders if folder in message], message
+    assert all("none" in m or "corrupt" in m or "other" in m for m in messages), messages

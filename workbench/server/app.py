@@ -56,16 +56,19 @@ def _json(body: Any, status: int = 200) -> JSONResponse:
     return TinkerJSONResponse(body, status_code=status)
 
 
-def _refusal(error: BaseException) -> JSONResponse:
-    status = error.status if isinstance(error, RequestError) else 400
-    return _json(error_body(error), status)
-
-
 def create_app(service: TinkerService) -> FastAPI:
     """The ASGI app serving `service`."""
     config = service.config
     secret = secrets.token_bytes(32)
     app = FastAPI(title="workbench Tinker server", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def answer_for(error: BaseException) -> dict[str, str]:
+        body = error_body(error)
+        return {**body, "error": service.client_message(body["error"])}
+
+    def _refusal(error: BaseException) -> JSONResponse:
+        status = error.status if isinstance(error, RequestError) else 400
+        return _json(answer_for(error), status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -228,7 +231,7 @@ def create_app(service: TinkerService) -> FastAPI:
             return _json({"type": "try_again", "request_id": entry.request_id, "queue_state": "active"})
         entry.retrieved_at = time.monotonic()
         if entry.error is not None:
-            return _json(error_body(entry.error))
+            return _json(answer_for(entry.error))
         proto = wire.PROTOBUF in request.headers.get("accept", "")
         result = entry.result
         if isinstance(result, ForwardBackwardOutput):

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -44,7 +45,7 @@ from workbench.server.sessions import ClientSession, ServedModel, ServedSampler,
 from workbench.server.wire import ForwardBackwardCall
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
-from workbench.storage.run_folders import TINKER_SCHEME, CheckpointAddress
+from workbench.storage.run_folders import TINKER_SCHEME, CheckpointAddress, runs_root
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
 
 EPHEMERAL_SAMPLERS_KEPT = 4
@@ -155,9 +156,30 @@ class TinkerService:
         served = {self.base_model, self.model_name}
         if name in served or resolve_model_path(name) in served:
             return
-        raise RequestError(
-            f"{where}: this server serves {self.base_model!r} ({self.model_name}), not {name!r}"
-        )
+        raise RequestError(f"{where}: this server serves {self.base_model!r}, not {name!r}")
+
+    def client_message(self, text: str) -> str:
+        """An error message as a client may read it: a checkpoint's folder named by its tinker:// path,
+        a run's folder by its run, and the runs root, the base model's folder and the home folder by what
+        they are, so that no answer tells a client where things are on this machine."""
+        runs = {run_id: self.engine.run_status(run_id).run_dir for run_id in self.engine.model_ids()}
+        runs.update({run_id: record.run_dir for run_id, record in self.ended_runs.items()})
+        for run_id, run_dir in sorted(runs.items(), key=lambda item: -len(str(item[1]))):
+            for kind, segment in (("state", "weights"), ("sampler", "sampler_weights")):
+                folder = re.escape(str(checkpoint_store.kind_dir(run_dir, kind)))
+                text = re.sub(
+                    folder + r"/([A-Za-z0-9._-]+)",
+                    lambda found, segment=segment, run_id=run_id: f"tinker://{run_id}/{segment}/{found[1]}",
+                    text,
+                )
+            text = text.replace(str(run_dir), f"tinker://{run_id}")
+        for folder, name in (
+            (str(runs_root()), "<runs folder>"),
+            (self.model_name, self.base_model),
+            (str(Path.home()), "~"),
+        ):
+            text = text.replace(folder, name)
+        return text
 
     def client_config(self) -> dict[str, Any]:
         return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": self.config.compress_requests}
