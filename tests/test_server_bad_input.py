@@ -597,3 +597,76 @@ def test_error_messages_name_what_the_client_sent_not_server_folders(
     for message in messages:
         assert not [folder for folder in server_folders if folder in message], message
     assert all("none" in m or "corrupt" in m or "other" in m for m in messages), messages
+
+
+def sparse_fwdbwd_proto(model_id: str, seq_id: int, shape: list[int]) -> bytes:
+    message = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    item = message.data.add()
+    item.model_input.add().encoded_text.tokens = np.array(TOKENS[:-1], dtype="<i4").tobytes()
+    tensor = item.loss_fn_inputs["weights"]
+    tensor.dtype = pb.DTYPE_FLOAT32
+    tensor.shape.extend(shape)
+    tensor.sparse_csr.crow_indices = np.zeros(shape[0] + 1, dtype="<i8").tobytes()
+    return message.SerializeToString()
+
+
+def test_client_mistakes_are_the_users_in_our_error_shape(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, remote: tinker.TrainingClient
+) -> None:
+    unchanged = Unchanged(sess)
+    session_id = client.holder.get_session_id()
+    deep = b'{"tags": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    deep_op = (
+        b'{"model_id": "'
+        + remote.model_id.encode()
+        + b'", "seq_id": 9, "x": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}"
+    )
+    model = {"session_id": session_id, "base_model": "tiny"}
+    answers = [
+        post(srv, "create_session", deep),
+        post(srv, "optim_step", deep_op),
+        post(srv, "create_model", {**model, "model_seq_id": 60, "lora_config": {"rank": 2**40}}),
+        post(srv, "create_model", {**model, "model_seq_id": 10**300}),
+        post(srv, "create_model", {**model, "model_seq_id": 61, "lora_config": {"rank": 4, "seed": 10**300}}),
+        post(srv, "optim_step", {"model_id": remote.model_id, "seq_id": 10**300}),
+        post(
+            srv,
+            "forward_backward",
+            sparse_fwdbwd_proto(remote.model_id, 2, [6, 2**42]),
+            **{"content-type": "application/x-protobuf"},
+        ),
+        post(
+            srv,
+            "forward_backward",
+            sparse_fwdbwd_proto(remote.model_id, 3, [6, -2]),
+            **{"content-type": "application/x-protobuf"},
+        ),
+        httpx.get(f"{srv.url}/api/v1/training_runs?limit=abc"),
+        httpx.get(f"{srv.url}/api/v1/checkpoints?offset=1e400"),
+        httpx.get(f"{srv.url}/api/v1/archives/a/weights/b?expires=soon&signature=x"),
+    ]
+    for answer in answers:
+        body = answer.json()
+        if "request_id" in body:
+            body = post(srv, "retrieve_future", {"request_id": body["request_id"]}).json()
+        assert set(body) == {"error", "category"} and body["category"] == "user", body
+    unchanged.check()
+    # the refused forward_backwards used seq_ids 2 and 3: the model's next request runs
+    tokens = np.array(TOKENS[:-1], dtype="<i4").tobytes()
+    proto = {"content-type": "application/x-protobuf"}
+    taken = post(srv, "forward_backward", fwdbwd_proto(remote.model_id, 4, tokens), **proto).json()
+    done = post(srv, "retrieve_future", {"request_id": taken["request_id"]}).json()
+    assert done.get("type") != "try_again" and "target_tokens" in done["error"], done
+
+
+def test_query_parameters_are_read_after_the_key_check(sess: wb.Session) -> None:
+    server = sess.serve(api_key="tml-test-key-0123")
+    keyless = httpx.get(f"{server.url}/api/v1/training_runs?limit=abc")
+    assert keyless.status_code == 401 and keyless.json()["category"] == "user"
+    keyed = httpx.get(
+        f"{server.url}/api/v1/training_runs?limit=abc", headers={"X-API-Key": "tml-test-key-0123"}
+    )
+    assert keyed.status_code == 400 and "limit" in keyed.json()["error"]

@@ -298,3 +298,17 @@ def test_one_unreadable_checkpoint_does_not_break_the_listing(tiny: wb.Session) 
         with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
             assert [c.name for c in tiny.list_checkpoints()] == ["good"]
     assert bad.path
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"rank": 2**40}, "rank must be a positive integer up to 1024"),
+        ({"rank": 0}, "rank must be a positive integer"),
+        ({"seed": 10**300}, "seed must be None or an integer"),
+        ({"train_mlp": "yes"}, "train_mlp must be True or False"),
+    ],
+)
+def test_lora_settings_are_bounded(arguments: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        wb.LoraConfig(**arguments)

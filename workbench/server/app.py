@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,6 +57,17 @@ def _json(body: Any, status: int = 200) -> JSONResponse:
     return TinkerJSONResponse(body, status_code=status)
 
 
+def _query_int(request: Request, name: str, default: int) -> int:
+    """A query parameter that is a count (limit, offset, expires): a non-negative integer, read inside
+    the route, after the key check."""
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or len(text) > 18:
+        raise RequestError(f"query parameter {name} must be a non-negative integer, got {text[:40]!r}")
+    return int(text)
+
+
 def create_app(service: TinkerService) -> FastAPI:
     """The ASGI app serving `service`."""
     config = service.config
@@ -69,6 +81,11 @@ def create_app(service: TinkerService) -> FastAPI:
     def _refusal(error: BaseException) -> JSONResponse:
         status = error.status if isinstance(error, RequestError) else 400
         return _json(answer_for(error), status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+        # routes read their own parameters after the key check; this answers whatever slips past
+        return _json({"error": "invalid request parameters", "category": "user"}, 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -263,8 +280,9 @@ def create_app(service: TinkerService) -> FastAPI:
 
     @app.get("/api/v1/training_runs")
     @guarded
-    async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> Response:
-        return _json(service.training_runs(max(limit, 0), max(offset, 0)))
+    async def training_runs(request: Request) -> Response:
+        limit, offset = _query_int(request, "limit", 20), _query_int(request, "offset", 0)
+        return _json(service.training_runs(limit, offset))
 
     @app.get("/api/v1/training_runs/{run_id}")
     @guarded
@@ -278,8 +296,9 @@ def create_app(service: TinkerService) -> FastAPI:
 
     @app.get("/api/v1/checkpoints")
     @guarded
-    async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> Response:
-        return _json(service.user_checkpoints(max(limit, 0), max(offset, 0)))
+    async def user_checkpoints(request: Request) -> Response:
+        limit, offset = _query_int(request, "limit", 100), _query_int(request, "offset", 0)
+        return _json(service.user_checkpoints(limit, offset))
 
     @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}")
     @guarded
@@ -305,10 +324,9 @@ def create_app(service: TinkerService) -> FastAPI:
         )
 
     @app.get("/api/v1/archives/{run_id}/{segment}/{name}")
-    async def archive_download(
-        request: Request, run_id: str, segment: str, name: str, expires: int = 0
-    ) -> Response:
+    async def archive_download(request: Request, run_id: str, segment: str, name: str) -> Response:
         try:
+            expires = _query_int(request, "expires", 0)
             path = f"api/v1/archives/{run_id}/{segment}/{name}"
             given = request.query_params.get("signature", "")
             if expires < time.time() or not hmac.compare_digest(given, signature(path, expires)):

@@ -45,6 +45,9 @@ from workbench.types import (
 )
 
 PROTOBUF = "application/x-protobuf"
+MAX_TENSOR_ELEMENTS = 2**24
+"""The most values one loss input may hold: a sparse tensor is expanded to its dense shape, so its shape,
+not its size on the wire, is what it costs (2**24 is a [4096, 4096] tensor, 64 MiB of float32)."""
 
 _DTYPES: dict[int, tuple[np.dtype, str]] = {
     pb.DTYPE_FLOAT32: (np.dtype("<f4"), "float32"),
@@ -142,6 +145,11 @@ def _tensor(message: pb.Tensor, where: str) -> TensorData:
         raise RequestError(f"{where}: unsupported dtype {message.dtype} (float32 or int64)")
     dtype, name = _DTYPES[message.dtype]
     shape = [int(n) for n in message.shape]
+    if any(n < 0 for n in shape) or math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise RequestError(
+            f"{where}: shape {shape} is not a tensor this server takes (sizes >= 0, at most "
+            f"{MAX_TENSOR_ELEMENTS} values)"
+        )
     if message.WhichOneof("encoding") == "sparse_csr":
         csr = message.sparse_csr
         values = _array(csr.values, dtype, where)
