@@ -46,6 +46,20 @@ MAX_LEARNING_RATE = 1.0
 """The largest learning rate: an AdamW step moves each weight by up to about the learning rate, and
 beyond 1 that dwarfs the weights themselves (1e30 turns the model's outputs to NaN in one step)."""
 
+MAX_LORA_RANK = 1024
+"""The largest LoRA rank: far above what post-training uses (Tinker's models take up to 128 or so), and
+low enough that a mistyped rank is refused instead of allocating matrices the size of the machine."""
+
+
+def check_text(text: str, where: str) -> str:
+    """A string that can be written out: valid Unicode, which a lone surrogate ("\\ud800", which JSON can
+    carry) is not; stored, it would break every listing that shows it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where} is not valid Unicode (it holds a lone surrogate): {text!r}") from None
+    return text
+
 
 # ---------------------------------------------------------------------------------------------- inputs
 
@@ -345,8 +359,21 @@ class LoraConfig:
     alpha: float = 32.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoraConfig.rank must be a positive integer, got {self.rank!r}")
+        if (
+            isinstance(self.rank, bool)
+            or not isinstance(self.rank, int)
+            or not 1 <= self.rank <= MAX_LORA_RANK
+        ):
+            raise ValueError(
+                f"LoraConfig.rank must be a positive integer up to {MAX_LORA_RANK}, got {self.rank!r}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):
+            raise ValueError(f"LoraConfig.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("train_unembed", "train_mlp", "train_attn"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LoraConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.train_unembed or self.train_mlp or self.train_attn):
             raise ValueError(
                 "LoraConfig trains nothing: set at least one of train_attn, train_mlp, train_unembed"

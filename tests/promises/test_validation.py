@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import workbench as wb
@@ -267,3 +269,46 @@ def test_custom_loss_must_return_a_differentiable_scalar(tiny: wb.Session) -> No
     with pytest.raises(ValueError, match="needs a function"):
         tiny.policy.forward_backward_custom(data, "cross_entropy")
     assert tiny.state_digest() == before
+
+
+def test_a_checkpoints_lifetime_and_metadata_are_checked_before_saving(tiny: wb.Session) -> None:
+    before = tiny.state_digest()
+    for bad, message in (
+        ({"ttl_seconds": 10**30}, "ttl_seconds must be"),
+        ({"ttl_seconds": 1.5}, "ttl_seconds must be"),
+        ({"user_metadata": {"k": "\ud800"}}, r"user_metadata\['k'\]"),
+        ({"user_metadata": {"\udfff": "v"}}, "user_metadata"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tiny.policy.save_state("c", **bad)
+        with pytest.raises(ValueError, match=message):
+            tiny.policy.save_weights_for_sampler("c", **bad)
+    with pytest.raises(ValueError, match="user_metadata"):
+        tiny.engine.create_model(wb.LoraConfig(rank=4), user_metadata={"k": "\ud800"})
+    assert tiny.state_digest() == before and tiny.list_checkpoints() == []
+
+
+def test_one_unreadable_checkpoint_does_not_break_the_listing(tiny: wb.Session) -> None:
+    tiny.policy.save_state("good").result()
+    bad = tiny.policy.save_state("bad").result()
+    info_file = tiny.run_dir / "checkpoints" / "bad" / "config.json"
+    info = json.loads(info_file.read_text())
+    for broken in ({"expires_at": 1e300}, {"user_metadata": {"k": "\ud800"}}):
+        info_file.write_text(json.dumps({**info, **broken}))
+        with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
+            assert [c.name for c in tiny.list_checkpoints()] == ["good"]
+    assert bad.path
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"rank": 2**40}, "rank must be a positive integer up to 1024"),
+        ({"rank": 0}, "rank must be a positive integer"),
+        ({"seed": 10**300}, "seed must be None or an integer"),
+        ({"train_mlp": "yes"}, "train_mlp must be True or False"),
+    ],
+)
+def test_lora_settings_are_bounded(arguments: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        wb.LoraConfig(**arguments)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -351,3 +352,321 @@ def test_a_request_reusing_a_seq_id_with_other_content_is_a_conflict(
     )
     assert other.status_code == 409 and "already used by a different request" in other.json()["error"]
     unchanged.check()
+
+
+# ---------------------------------------------------------------------------------------------- ordering after a refusal
+
+
+def test_a_refused_request_consumes_its_seq_id(
+    sess: wb.Session, srv: TinkerServer, remote: tinker.TrainingClient
+) -> None:
+    path = remote.save_state("a").result().path
+    with pytest.raises(tinker.BadRequestError, match="weights_access_token"), pytest.warns(FutureWarning):
+        remote.load_state(path, weights_access_token="tok").result()
+    # the SDK counted the refused request: the server must not wait for it
+    assert remote.forward_backward([datum(TOKENS)], "cross_entropy").result(timeout=60).metrics
+    # raw refusals that name a model and a seq_id: schema errors, bad protobuf data, a body too large
+    seq = 5  # fixture's forward_backward 1, save_state 2, load_state 3, forward_backward 4
+    proto = {"content-type": "application/x-protobuf"}
+    bad_schema = post(
+        srv, "optim_step", {"model_id": remote.model_id, "seq_id": seq, "adam_params": {"lr": 1}}
+    )
+    assert bad_schema.status_code == 400 and "adam_params.lr" in bad_schema.json()["error"]
+    wrong_type = post(
+        srv,
+        "forward_backward",
+        fwdbwd_proto(remote.model_id, seq + 1, b""),
+        **{"content-type": "application/json"},
+    )
+    assert wrong_type.status_code == 415
+    big = fwdbwd_proto(remote.model_id, seq + 2, b"") + b"\0" * (65 * 2**20)  # over 64 MiB unpacked
+    zstd = {"content-encoding": "zstd", **proto}
+    too_large = post(srv, "forward_backward", zstandard.ZstdCompressor().compress(big), **zstd)
+    assert too_large.status_code == 413 and "limit" in too_large.json()["error"]
+    ok = post(
+        srv,
+        "forward_backward",
+        fwdbwd_proto(remote.model_id, seq + 3, np.array(TOKENS[:-1], dtype="<i4").tobytes()),
+        **proto,
+    )
+    assert ok.status_code == 200
+    done = httpx.post(
+        f"{srv.url}/api/v1/retrieve_future", json={"request_id": ok.json()["request_id"]}, timeout=60
+    ).json()
+    assert done.get("type") != "try_again" and "target_tokens" in done["error"], done
+
+
+def test_an_op_on_a_model_whose_session_expired_is_refused(sess: wb.Session) -> None:
+    server = TinkerServer(sess.engine, ServerConfig(session_timeout_s=1.0))
+    try:
+        session_id = post(server, "create_session", {"tags": []}).json()["session_id"]
+        body = {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}
+        request_id = post(server, "create_model", body).json()["request_id"]
+        model_id = post(server, "retrieve_future", {"request_id": request_id}).json()["model_id"]
+        step = {"model_id": model_id, "adam_params": {"learning_rate": 1e-3}}
+        deadline = time.monotonic() + 20
+        while model_id in sess.engine.model_ids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        unchanged = Unchanged(sess)
+        late = post(server, "optim_step", {**step, "seq_id": 2})  # after seq_id 1 (not waited for)
+        assert late.status_code == 404 and "no model" in late.json()["error"], late.text
+        assert late.json()["category"] == "user"
+        unchanged.check()
+    finally:
+        server.stop()
+
+
+def raw_sampler(srv: TinkerServer) -> str:
+    """A sampling session of the base model, made over raw HTTP."""
+    session_id = post(srv, "create_session", {"tags": []}).json()["session_id"]
+    body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": "tiny"}
+    return post(srv, "create_sampling_session", body).json()["sampling_session_id"]
+
+
+@pytest.mark.parametrize("num_samples", [3_000_000, 10**9, -5])
+def test_a_sample_count_is_checked_before_anything_is_sized_by_it(
+    sess: wb.Session, srv: TinkerServer, num_samples: int
+) -> None:
+    sampler_id = raw_sampler(srv)
+    unchanged = Unchanged(sess)
+    body = {
+        "sampling_session_id": sampler_id,
+        "seq_id": 0,
+        "num_samples": num_samples,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]},
+        "sampling_params": {"max_tokens": 2},
+    }
+    started = time.monotonic()
+    taken = post(srv, "asample", body)
+    assert time.monotonic() - started < 5 and len(taken.content) < 1000, len(taken.content)
+    failed = post(srv, "retrieve_future", {"request_id": taken.json()["request_id"]}).json()
+    assert "num_samples must be an integer in [1, 128]" in failed["error"] and failed["category"] == "user"
+    unchanged.check()
+
+
+def test_one_clients_input_cannot_break_the_listings(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, remote: tinker.TrainingClient
+) -> None:
+    unchanged = Unchanged(sess)
+    with pytest.raises(tinker.RequestFailedError, match="ttl_seconds must be"):
+        remote.save_state("forever", ttl_seconds=10**30).result()
+    tagged = post(srv, "create_session", {"tags": ["\ud800"], "user_metadata": {"\udfff": 1}})
+    assert tagged.status_code == 400 and "tags.0" in tagged.json()["error"]
+    unchanged.check()
+    # a checkpoint whose files went bad on disk is left out of the listings, which still answer
+    remote.save_state("good").result()
+    bad = remote.save_state("bad").result()  # seq_id 4
+    odd = {"model_id": remote.model_id, "seq_id": 5, "path": "odd", "user_metadata": {"k": "\ud800"}}
+    refused = post(srv, "save_weights", odd)  # the SDK cannot send it; a raw client can
+    assert refused.status_code == 400 and "user_metadata.k: " in refused.json()["error"]
+    info_file = sess.engine.checkpoint_folder(bad.path, "state") / "config.json"
+    info_file.write_text(json.dumps({**json.loads(info_file.read_text()), "expires_at": 1e300}))
+    rest = client.create_rest_client()
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
+        listed = rest.list_checkpoints(remote.model_id).result().checkpoints
+        assert [c.checkpoint_id for c in listed] == ["weights/good"]
+        assert [c.checkpoint_id for c in rest.list_user_checkpoints().result().checkpoints] == [
+            "weights/good"
+        ]
+        assert rest.get_training_run(remote.model_id).result().last_checkpoint.checkpoint_id == "weights/good"
+        assert httpx.get(f"{srv.url}/api/v1/training_runs").status_code == 200
+
+
+@pytest.mark.parametrize("kind", ["state", "sampler"])
+def test_a_sampling_client_of_an_altered_checkpoint_is_refused(
+    sess: wb.Session, client: tinker.ServiceClient, remote: tinker.TrainingClient, kind: str
+) -> None:
+    saved = remote.save_state("s") if kind == "state" else remote.save_weights_for_sampler("s")
+    path = saved.result().path
+    folder = sess.engine.checkpoint_folder(path, kind)
+    weights = folder / ("policy" if kind == "state" else "") / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(wb.CorruptCheckpointError, match=r"adapter_model\.safetensors"):
+        sess.engine.pin_sampler_checkpoint(path).result()
+    with pytest.raises(tinker.BadRequestError, match=r"adapter_model\.safetensors"):
+        client.create_sampling_client(model_path=path).result()
+
+
+def test_over_http_checkpoints_are_named_by_tinker_path_only(
+    sess: wb.Session,
+    srv: TinkerServer,
+    client: tinker.ServiceClient,
+    remote: tinker.TrainingClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = remote.save_state("s").result().path  # seq_id 2
+    sampler = remote.save_weights_for_sampler("w").result().path  # seq_id 3
+    folders = [
+        str(sess.engine.checkpoint_folder(state, "state")),
+        str(sess.engine.checkpoint_folder(sampler, "sampler")),
+        "~/s",
+    ]
+    monkeypatch.setenv("HOME", str(sess.engine.checkpoint_folder(state, "state").parent))
+    unchanged = Unchanged(sess)
+    session_id = client.holder.get_session_id()
+    for seq, folder in enumerate(folders, start=4):
+        loads = [
+            (
+                "load_weights",
+                {"model_id": remote.model_id, "seq_id": seq, "path": folder, "optimizer": False},
+            ),
+            (
+                "load_weights",
+                {"session_id": session_id, "model_seq_id": 90 + seq, "path": folder, "optimizer": False},
+            ),
+            (
+                "create_sampling_session",
+                {"session_id": session_id, "sampling_session_seq_id": 90 + seq, "model_path": folder},
+            ),
+        ]
+        for route, body in loads:
+            refused = post(srv, route, body)
+            assert refused.status_code == 400, (route, refused.text)
+            assert "tinker://" in refused.json()["error"] and folder not in refused.json()["error"]
+    unchanged.check()
+
+
+def test_error_messages_name_what_the_client_sent_not_server_folders(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, remote: tinker.TrainingClient
+) -> None:
+    corrupt = remote.save_state("corrupt").result().path  # seq_id 2
+    (sess.engine.checkpoint_folder(corrupt, "state") / "policy" / "adapter_model.safetensors").write_bytes(
+        b"x"
+    )
+    missing = f"tinker://{remote.model_id}/weights/none"
+    missing_sampler = f"tinker://{remote.model_id}/sampler_weights/none"
+    session_id = client.holder.get_session_id()
+    run = f"{srv.url}/api/v1/training_runs/{remote.model_id}"
+    answers = [
+        post(srv, "create_model", {"session_id": session_id, "model_seq_id": 50, "base_model": "other"}),
+        post(
+            srv,
+            "load_weights",
+            {"session_id": session_id, "model_seq_id": 51, "path": missing, "optimizer": False},
+        ),
+        post(
+            srv,
+            "load_weights",
+            {"session_id": session_id, "model_seq_id": 52, "path": corrupt, "optimizer": True},
+        ),
+        post(
+            srv,
+            "load_weights",
+            {"model_id": remote.model_id, "seq_id": 3, "path": missing, "optimizer": False},
+        ),
+        post(
+            srv,
+            "load_weights",
+            {"model_id": remote.model_id, "seq_id": 4, "path": corrupt, "optimizer": False},
+        ),
+        post(
+            srv,
+            "create_sampling_session",
+            {"session_id": session_id, "sampling_session_seq_id": 50, "model_path": missing_sampler},
+        ),
+        post(
+            srv,
+            "create_sampling_session",
+            {"session_id": session_id, "sampling_session_seq_id": 51, "model_path": corrupt},
+        ),
+        post(
+            srv,
+            "create_sampling_session",
+            {"session_id": session_id, "sampling_session_seq_id": 52, "base_model": "other"},
+        ),
+        post(srv, "weights_info", {"tinker_path": missing}),
+        post(srv, "weights_info", {"tinker_path": missing_sampler}),
+        httpx.get(f"{run}/checkpoints/weights/none/archive"),
+        httpx.delete(f"{run}/checkpoints/sampler_weights/none"),
+    ]
+    messages = []
+    for answer in answers:
+        body = answer.json()
+        if "request_id" in body:
+            body = post(srv, "retrieve_future", {"request_id": body["request_id"]}).json()
+        assert body.get("category") == "user", body
+        messages.append(body["error"])
+    server_folders = [
+        os.environ["WORKBENCH_RUNS"],
+        str(sess.run_dir),
+        sess.base_info.path,
+        str(Path.home()),
+    ]
+    for message in messages:
+        assert not [folder for folder in server_folders if folder in message], message
+    assert all("none" in m or "corrupt" in m or "other" in m for m in messages), messages
+
+
+def sparse_fwdbwd_proto(model_id: str, seq_id: int, shape: list[int]) -> bytes:
+    message = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    item = message.data.add()
+    item.model_input.add().encoded_text.tokens = np.array(TOKENS[:-1], dtype="<i4").tobytes()
+    tensor = item.loss_fn_inputs["weights"]
+    tensor.dtype = pb.DTYPE_FLOAT32
+    tensor.shape.extend(shape)
+    tensor.sparse_csr.crow_indices = np.zeros(shape[0] + 1, dtype="<i8").tobytes()
+    return message.SerializeToString()
+
+
+def test_client_mistakes_are_the_users_in_our_error_shape(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, remote: tinker.TrainingClient
+) -> None:
+    unchanged = Unchanged(sess)
+    session_id = client.holder.get_session_id()
+    deep = b'{"tags": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    deep_op = (
+        b'{"model_id": "'
+        + remote.model_id.encode()
+        + b'", "seq_id": 9, "x": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}"
+    )
+    model = {"session_id": session_id, "base_model": "tiny"}
+    answers = [
+        post(srv, "create_session", deep),
+        post(srv, "optim_step", deep_op),
+        post(srv, "create_model", {**model, "model_seq_id": 60, "lora_config": {"rank": 2**40}}),
+        post(srv, "create_model", {**model, "model_seq_id": 10**300}),
+        post(srv, "create_model", {**model, "model_seq_id": 61, "lora_config": {"rank": 4, "seed": 10**300}}),
+        post(srv, "optim_step", {"model_id": remote.model_id, "seq_id": 10**300}),
+        post(
+            srv,
+            "forward_backward",
+            sparse_fwdbwd_proto(remote.model_id, 2, [6, 2**42]),
+            **{"content-type": "application/x-protobuf"},
+        ),
+        post(
+            srv,
+            "forward_backward",
+            sparse_fwdbwd_proto(remote.model_id, 3, [6, -2]),
+            **{"content-type": "application/x-protobuf"},
+        ),
+        httpx.get(f"{srv.url}/api/v1/training_runs?limit=abc"),
+        httpx.get(f"{srv.url}/api/v1/checkpoints?offset=1e400"),
+        httpx.get(f"{srv.url}/api/v1/archives/a/weights/b?expires=soon&signature=x"),
+    ]
+    for answer in answers:
+        body = answer.json()
+        if "request_id" in body:
+            body = post(srv, "retrieve_future", {"request_id": body["request_id"]}).json()
+        assert set(body) == {"error", "category"} and body["category"] == "user", body
+    unchanged.check()
+    # the refused forward_backwards used seq_ids 2 and 3: the model's next request runs
+    tokens = np.array(TOKENS[:-1], dtype="<i4").tobytes()
+    proto = {"content-type": "application/x-protobuf"}
+    taken = post(srv, "forward_backward", fwdbwd_proto(remote.model_id, 4, tokens), **proto).json()
+    done = post(srv, "retrieve_future", {"request_id": taken["request_id"]}).json()
+    assert done.get("type") != "try_again" and "target_tokens" in done["error"], done
+
+
+def test_query_parameters_are_read_after_the_key_check(sess: wb.Session) -> None:
+    server = sess.serve(api_key="tml-test-key-0123")
+    keyless = httpx.get(f"{server.url}/api/v1/training_runs?limit=abc")
+    assert keyless.status_code == 401 and keyless.json()["category"] == "user"
+    keyed = httpx.get(
+        f"{server.url}/api/v1/training_runs?limit=abc", headers={"X-API-Key": "tml-test-key-0123"}
+    )
+    assert keyed.status_code == 400 and "limit" in keyed.json()["error"]

@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workbench.server import schemas, wire
-from workbench.server.errors import RequestError, error_body
+from workbench.server.errors import ENVELOPE_BYTES, BodyTooLarge, RequestError, error_body
 from workbench.server.service import SampleResult, TinkerService
 from workbench.storage.archive import export_archive
 from workbench.types import ForwardBackwardOutput
@@ -56,9 +57,15 @@ def _json(body: Any, status: int = 200) -> JSONResponse:
     return TinkerJSONResponse(body, status_code=status)
 
 
-def _refusal(error: BaseException) -> JSONResponse:
-    status = error.status if isinstance(error, RequestError) else 400
-    return _json(error_body(error), status)
+def _query_int(request: Request, name: str, default: int) -> int:
+    """A query parameter that is a count (limit, offset, expires): a non-negative integer, read inside
+    the route, after the key check."""
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or len(text) > 18:
+        raise RequestError(f"query parameter {name} must be a non-negative integer, got {text[:40]!r}")
+    return int(text)
 
 
 def create_app(service: TinkerService) -> FastAPI:
@@ -66,6 +73,19 @@ def create_app(service: TinkerService) -> FastAPI:
     config = service.config
     secret = secrets.token_bytes(32)
     app = FastAPI(title="workbench Tinker server", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def answer_for(error: BaseException) -> dict[str, str]:
+        body = error_body(error)
+        return {**body, "error": service.client_message(body["error"])}
+
+    def _refusal(error: BaseException) -> JSONResponse:
+        status = error.status if isinstance(error, RequestError) else 400
+        return _json(answer_for(error), status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+        # routes read their own parameters after the key check; this answers whatever slips past
+        return _json({"error": "invalid request parameters", "category": "user"}, 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -90,21 +110,24 @@ def create_app(service: TinkerService) -> FastAPI:
         return run
 
     async def body_of(request: Request) -> bytes:
-        """The request body, decompressed, within the size limit."""
+        """The request body, decompressed, within the size limit. A body over the limit is refused with
+        `BodyTooLarge`, which keeps its first `max_body_bytes` (they name the request's model and seq_id)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise RequestError(
-                f"the request body ({declared} bytes) exceeds the limit of {config.max_body_bytes}", 413
+            raise BodyTooLarge(
+                f"the request body ({declared} bytes) exceeds the limit of {config.max_body_bytes}",
+                await head_of(request),
             )
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > config.max_body_bytes:
-                raise RequestError(
-                    f"the request body exceeds the limit of {config.max_body_bytes} bytes", 413
-                )
             chunks.append(chunk)
+            if size > config.max_body_bytes:
+                raise BodyTooLarge(
+                    f"the request body exceeds the limit of {config.max_body_bytes} bytes",
+                    b"".join(chunks),
+                )
         body = b"".join(chunks)
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding == "zstd":
@@ -113,18 +136,51 @@ def create_app(service: TinkerService) -> FastAPI:
             raise RequestError(f"unsupported Content-Encoding {encoding!r} (zstd or none)", 415)
         return body
 
-    def post(path: str, schema: type[schemas.StrictBody], handle: Callable[[Any, bytes], Any]) -> None:
-        """A JSON POST endpoint whose handler answers at once."""
+    async def head_of(request: Request) -> bytes:
+        """The first `ENVELOPE_BYTES` of a body that will be refused."""
+        head = b""
+        async for chunk in request.stream():
+            head += chunk
+            if len(head) >= ENVELOPE_BYTES:
+                break
+        return head[:ENVELOPE_BYTES]
 
-        async def route(request: Request) -> Response:
-            raw = await body_of(request)
+    def ordered(route: Callable[[Request, bytes], Awaitable[Response]]) -> Route:
+        """A route of a model's ordered operations: a request refused before its seq_id was taken still
+        takes it (`TinkerService.refused`), since the client counted it."""
+
+        async def run(request: Request) -> Response:
+            raw = b""
+            try:
+                raw = await body_of(request)
+                return await route(request, raw)
+            except Exception as error:
+                service.refused(error.head if isinstance(error, BodyTooLarge) else raw, error)
+                raise
+
+        run.__name__ = route.__name__
+        return run
+
+    def post(
+        path: str,
+        schema: type[schemas.StrictBody],
+        handle: Callable[[Any, bytes], Any],
+        in_order: bool = False,
+    ) -> None:
+        """A JSON POST endpoint whose handler answers at once; `in_order` for a model's ordered ops."""
+
+        async def parsed(request: Request, raw: bytes) -> Response:
             result = handle(schemas.parse_body(schema, raw), raw)
             if asyncio.iscoroutine(result):
                 result = await result
             return _json(result if result is not None else {})
 
-        route.__name__ = path.rsplit("/", 1)[-1]
-        app.post(path)(guarded(route))
+        async def route(request: Request) -> Response:
+            return await parsed(request, await body_of(request))
+
+        chosen = ordered(parsed) if in_order else route
+        chosen.__name__ = path.rsplit("/", 1)[-1]
+        app.post(path)(guarded(chosen))
 
     # ------------------------------------------------------------------------------------------ sessions
 
@@ -150,14 +206,15 @@ def create_app(service: TinkerService) -> FastAPI:
 
     post("/api/v1/create_model", schemas.CreateModelRequest, service.create_model)
     post("/api/v1/get_info", schemas.GetInfoRequest, lambda r, _b: service.get_info(r))
-    post("/api/v1/optim_step", schemas.OptimStepRequest, service.optim_step)
-    post("/api/v1/save_weights", schemas.SaveWeightsRequest, service.save_weights)
+    post("/api/v1/optim_step", schemas.OptimStepRequest, service.optim_step, in_order=True)
+    post("/api/v1/save_weights", schemas.SaveWeightsRequest, service.save_weights, in_order=True)
     post(
         "/api/v1/save_weights_for_sampler",
         schemas.SaveWeightsForSamplerRequest,
         service.save_weights_for_sampler,
+        in_order=True,
     )
-    post("/api/v1/load_weights", schemas.LoadWeightsRequest, service.load_weights)
+    post("/api/v1/load_weights", schemas.LoadWeightsRequest, service.load_weights, in_order=True)
     post("/api/v1/weights_info", schemas.WeightsInfoRequest, lambda r, _b: service.weights_info(r))
     post(
         "/api/v1/create_sampling_session",
@@ -168,8 +225,8 @@ def create_app(service: TinkerService) -> FastAPI:
 
     @app.post("/api/v1/forward_backward")
     @guarded
-    async def forward_backward(request: Request) -> Response:
-        raw = await body_of(request)
+    @ordered
+    async def forward_backward(request: Request, raw: bytes) -> Response:
         if wire.PROTOBUF not in request.headers.get("content-type", ""):
             raise RequestError(
                 "forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: application/x-protobuf), "
@@ -191,7 +248,7 @@ def create_app(service: TinkerService) -> FastAPI:
             return _json({"type": "try_again", "request_id": entry.request_id, "queue_state": "active"})
         entry.retrieved_at = time.monotonic()
         if entry.error is not None:
-            return _json(error_body(entry.error))
+            return _json(answer_for(entry.error))
         proto = wire.PROTOBUF in request.headers.get("accept", "")
         result = entry.result
         if isinstance(result, ForwardBackwardOutput):
@@ -223,8 +280,9 @@ def create_app(service: TinkerService) -> FastAPI:
 
     @app.get("/api/v1/training_runs")
     @guarded
-    async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> Response:
-        return _json(service.training_runs(max(limit, 0), max(offset, 0)))
+    async def training_runs(request: Request) -> Response:
+        limit, offset = _query_int(request, "limit", 20), _query_int(request, "offset", 0)
+        return _json(service.training_runs(limit, offset))
 
     @app.get("/api/v1/training_runs/{run_id}")
     @guarded
@@ -238,8 +296,9 @@ def create_app(service: TinkerService) -> FastAPI:
 
     @app.get("/api/v1/checkpoints")
     @guarded
-    async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> Response:
-        return _json(service.user_checkpoints(max(limit, 0), max(offset, 0)))
+    async def user_checkpoints(request: Request) -> Response:
+        limit, offset = _query_int(request, "limit", 100), _query_int(request, "offset", 0)
+        return _json(service.user_checkpoints(limit, offset))
 
     @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}")
     @guarded
@@ -265,10 +324,9 @@ def create_app(service: TinkerService) -> FastAPI:
         )
 
     @app.get("/api/v1/archives/{run_id}/{segment}/{name}")
-    async def archive_download(
-        request: Request, run_id: str, segment: str, name: str, expires: int = 0
-    ) -> Response:
+    async def archive_download(request: Request, run_id: str, segment: str, name: str) -> Response:
         try:
+            expires = _query_int(request, "expires", 0)
             path = f"api/v1/archives/{run_id}/{segment}/{name}"
             given = request.query_params.get("signature", "")
             if expires < time.time() or not hmac.compare_digest(given, signature(path, expires)):

@@ -57,3 +57,15 @@ def message_of(error: BaseException) -> str:
 def error_body(error: BaseException) -> dict[str, str]:
     """The JSON a failed request or operation is reported with."""
     return {"error": message_of(error), "category": category_of(error)}
+
+
+ENVELOPE_BYTES = 64 * 1024
+"""How much of a body over the size limit is kept, for the model and seq_id it names."""
+
+
+class BodyTooLarge(RequestError):
+    """A body over the size limit, refused with 413; `head` is its beginning (`ENVELOPE_BYTES`)."""
+
+    def __init__(self, message: str, head: bytes):
+        super().__init__(message, 413)
+        self.head = head[:ENVELOPE_BYTES]

@@ -16,6 +16,7 @@ Sampling requests use the same retry rule, without the ordering (each sample is 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,6 +81,11 @@ class Sequencer:
             return earlier.request_id
         if ordered and seq_id < state.next_seq:
             raise RequestError(f"seq_id {seq_id} of {stream!r} is older than the requests kept for retries")
+        if ordered and seq_id >= state.next_seq + RETRY_WINDOW:
+            raise RequestError(
+                f"seq_id {seq_id} of {stream!r} is more than {RETRY_WINDOW} ahead of the next one the "
+                f"server expects ({state.next_seq})"
+            )
         entry = new_entry()
         state.taken[seq_id] = _Taken(digest, entry.request_id)
         for old in [s for s in state.taken if s < seq_id - RETRY_WINDOW]:
@@ -92,6 +98,20 @@ class Sequencer:
             state.waiting.pop(state.next_seq)()
             state.next_seq += 1
         return entry.request_id
+
+    def consume(
+        self,
+        stream: str,
+        seq_id: int,
+        payload: bytes,
+        new_entry: Callable[[], PendingResult],
+        fail: Callable[[PendingResult], None],
+    ) -> None:
+        """Take a refused request's seq_id with an operation that fails (`fail`), so that the stream's
+        later requests do not wait for it: the client counted it. A seq_id already taken, or one the
+        stream could not take, is left as it is."""
+        with contextlib.suppress(RequestError):
+            self.take(stream, seq_id, payload, new_entry, fail)
 
     def waiting_for(self, stream: str) -> list[int]:
         """The seq_ids of `stream` that arrived before a lower one, still held back."""

@@ -10,13 +10,17 @@ anything but their default. The forward_backward body is protobuf and is read by
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workbench.server.errors import RequestError
 
 Body = TypeVar("Body", bound="StrictBody")
+
+Counter = Annotated[int, Field(ge=0, lt=2**63)]
+"""A client's count (seq_id, model_seq_id, ...): what a 64-bit id holds, never a number that sizes
+anything on the server."""
 
 
 class StrictBody(BaseModel):
@@ -29,14 +33,39 @@ def _where(location: tuple[Any, ...]) -> str:
     return ".".join(str(part) for part in location) or "body"
 
 
+def _check_strings(value: Any, location: tuple[Any, ...]) -> None:
+    """Every string in a parsed body, keys included, is valid Unicode: JSON can carry a lone surrogate
+    ("\\ud800"), which no response could then write out."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(
+                f"{_where(location)}: the string is not valid Unicode (it holds a lone surrogate)"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, (*location, "(key)"))
+            _check_strings(item, (*location, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_strings(item, (*location, index))
+
+
 def parse_body(schema: type[Body], raw: bytes) -> Body:
     """Parse a JSON body against its schema; a `RequestError` names every field that is wrong."""
     try:
         data = json.loads(raw or b"{}")
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RequestError(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        _check_strings(data, ())
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
     try:
         return schema.model_validate(data)
     except ValidationError as error:
@@ -98,7 +127,7 @@ class OptimizerConfigBody(StrictBody):
 
 class CreateModelRequest(StrictBody):
     session_id: str
-    model_seq_id: int
+    model_seq_id: Counter
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfigBody | None = None
@@ -128,7 +157,7 @@ class AdamParamsBody(StrictBody):
 
 class OptimStepRequest(StrictBody):
     model_id: str
-    seq_id: int
+    seq_id: Counter
     adam_params: AdamParamsBody | None = None
     optimizer_params: dict[str, Any] | None = None  # another optimizer's (Dimuon): refused
     type: Literal["optim_step"] = "optim_step"
@@ -137,7 +166,7 @@ class OptimStepRequest(StrictBody):
 class SaveWeightsRequest(StrictBody):
     model_id: str
     path: str | None = None
-    seq_id: int
+    seq_id: Counter
     ttl_seconds: int | None = None
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
@@ -147,9 +176,9 @@ class SaveWeightsRequest(StrictBody):
 class SaveWeightsForSamplerRequest(StrictBody):
     model_id: str
     path: str | None = None  # None: an ephemeral sampler of the current weights
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: Counter | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    seq_id: int
+    seq_id: Counter
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
@@ -160,9 +189,9 @@ class LoadWeightsRequest(StrictBody):
     `model_seq_id`: SDK 0.38's `create_training_client_from_state*`)."""
 
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Counter | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: Counter | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     path: str
@@ -181,7 +210,7 @@ class WeightsInfoRequest(StrictBody):
 
 class CreateSamplingSessionRequest(StrictBody):
     session_id: str
-    sampling_session_seq_id: int
+    sampling_session_seq_id: Counter
     base_model: str | None = None
     model_path: str | None = None
     type: Literal["create_sampling_session"] = "create_sampling_session"
@@ -227,7 +256,7 @@ class SampleRequest(StrictBody):
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Counter | None = None
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -32,9 +33,10 @@ from workbench.engine.interface import Restore
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.engine.roles import Role
+from workbench.engine.samplers.requests import check_num_samples
 from workbench.futures import APIFuture
 from workbench.losses import LOSSES
-from workbench.server import schemas
+from workbench.server import schemas, wire
 from workbench.server.config import ServerConfig
 from workbench.server.errors import RequestError, message_of
 from workbench.server.future_table import FutureTable, PendingResult
@@ -43,7 +45,7 @@ from workbench.server.sessions import ClientSession, ServedModel, ServedSampler,
 from workbench.server.wire import ForwardBackwardCall
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
-from workbench.storage.run_folders import CheckpointAddress
+from workbench.storage.run_folders import TINKER_SCHEME, CheckpointAddress, runs_root
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
 
 EPHEMERAL_SAMPLERS_KEPT = 4
@@ -84,6 +86,18 @@ def _string_metadata(metadata: dict[str, Any] | None, where: str) -> dict[str, s
     if bad:
         raise RequestError(f"{where}.user_metadata values must be strings; {bad} are not")
     return dict(metadata)
+
+
+def _checkpoint_path(path: str, where: str) -> str:
+    """A checkpoint a client names: by its `tinker://` path only. A folder of this machine (absolute,
+    relative or `~`) is an in-process convenience; over HTTP it would let a client read any folder the
+    server can, and learn where things are."""
+    if not path.startswith(TINKER_SCHEME):
+        raise RequestError(
+            f"{where}: name a checkpoint by its tinker:// path (as save_state and "
+            "save_weights_for_sampler return it); this server does not load folders for remote clients"
+        )
+    return path
 
 
 def _check_optimizer(config: schemas.OptimizerConfigBody | None, where: str) -> None:
@@ -142,9 +156,30 @@ class TinkerService:
         served = {self.base_model, self.model_name}
         if name in served or resolve_model_path(name) in served:
             return
-        raise RequestError(
-            f"{where}: this server serves {self.base_model!r} ({self.model_name}), not {name!r}"
-        )
+        raise RequestError(f"{where}: this server serves {self.base_model!r}, not {name!r}")
+
+    def client_message(self, text: str) -> str:
+        """An error message as a client may read it: a checkpoint's folder named by its tinker:// path,
+        a run's folder by its run, and the runs root, the base model's folder and the home folder by what
+        they are, so that no answer tells a client where things are on this machine."""
+        runs = {run_id: self.engine.run_status(run_id).run_dir for run_id in self.engine.model_ids()}
+        runs.update({run_id: record.run_dir for run_id, record in self.ended_runs.items()})
+        for run_id, run_dir in sorted(runs.items(), key=lambda item: -len(str(item[1]))):
+            for kind, segment in (("state", "weights"), ("sampler", "sampler_weights")):
+                folder = re.escape(str(checkpoint_store.kind_dir(run_dir, kind)))
+                text = re.sub(
+                    folder + r"/([A-Za-z0-9._-]+)",
+                    lambda found, segment=segment, run_id=run_id: f"tinker://{run_id}/{segment}/{found[1]}",
+                    text,
+                )
+            text = text.replace(str(run_dir), f"tinker://{run_id}")
+        for folder, name in (
+            (str(runs_root()), "<runs folder>"),
+            (self.model_name, self.base_model),
+            (str(Path.home()), "~"),
+        ):
+            text = text.replace(folder, name)
+        return text
 
     def client_config(self) -> dict[str, Any]:
         return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": self.config.compress_requests}
@@ -316,7 +351,10 @@ class TinkerService:
         payload: bytes,
         submit: Callable[[ServedModel], tuple[APIFuture[Any], Callable[[Any], Any]]],
     ) -> dict[str, Any]:
-        """Take a model's request: it is handed to the engine after every lower seq_id."""
+        """Take a model's request: it is handed to the engine after every lower seq_id. A request for a
+        model that is not (or no longer) served is refused: no seq_id of it will ever come again."""
+        if model_id not in self.models:
+            raise RequestError(f"no model {model_id!r} on this server (its session may have ended)", 404)
 
         def start(entry: PendingResult) -> None:
             try:
@@ -330,6 +368,22 @@ class TinkerService:
             model_id, seq_id, payload, lambda: self.futures.add(op, model_id), start
         )
         return {"request_id": request_id, "model_id": model_id}
+
+    def refused(self, payload: bytes, error: BaseException) -> None:
+        """A request to a model's ordered endpoint was refused before its seq_id was taken (its body too
+        large, not valid, a field wrong): the SDK counted that seq_id, so it is taken here by an operation
+        that fails with the same error, and the model's later requests run rather than wait for it."""
+        named = wire.envelope(payload)
+        if named is None or named[0] not in self.models:
+            return
+        model_id, seq_id = named
+        self.sequencer.consume(
+            model_id,
+            seq_id,
+            payload,
+            lambda: self.futures.add("refused", model_id),
+            lambda entry: self.futures.fail(entry, error),
+        )
 
     def forward_backward(self, call: ForwardBackwardCall, payload: bytes) -> dict[str, Any]:
         def submit(model: ServedModel) -> tuple[APIFuture[ForwardBackwardOutput], Callable[[Any], Any]]:
@@ -399,6 +453,7 @@ class TinkerService:
 
     def load_weights(self, request: schemas.LoadWeightsRequest, payload: bytes) -> dict[str, Any]:
         restore = Restore.WITH_OPTIMIZER if request.optimizer else Restore.WEIGHTS
+        _checkpoint_path(request.path, "load_weights.path")
         if request.weights_access_token is not None:
             raise RequestError("weights_access_token: this server has no other accounts to read weights from")
         if request.model_id is None:
@@ -489,6 +544,8 @@ class TinkerService:
         if sampler_id not in self.samplers:
             if request.base_model is not None:
                 self.check_base_model(request.base_model, "create_sampling_session")
+            if request.model_path is not None:
+                _checkpoint_path(request.model_path, "create_sampling_session.model_path")
             try:
                 pin = (
                     self.engine.pin_sampler(None)
@@ -523,6 +580,7 @@ class TinkerService:
                     )
                 sampler = self.sampler(request.sampling_session_id or "")
                 params = SamplingParams(**request.sampling_params.model_dump())
+                check_num_samples(request.num_samples, self.engine.config.max_samples_per_request)
                 ids = _sequence_ids(entry.request_id, request.num_samples)
                 future = self.engine.sample(
                     sampler.pin,
@@ -547,9 +605,11 @@ class TinkerService:
             start,
             ordered=False,
         )
+        counted = 1 <= request.num_samples <= self.engine.config.max_samples_per_request
         return {
             "request_id": request_id,
-            "sample_sequence_ids": _sequence_ids(request_id, request.num_samples),
+            # a count out of range fails the request (above); no ids are made for it
+            "sample_sequence_ids": _sequence_ids(request_id, request.num_samples) if counted else [],
         }
 
     # ------------------------------------------------------------------------------------------ runs and checkpoints
@@ -627,10 +687,20 @@ class TinkerService:
         created.update({run_id: run.created_at for run_id, run in self.ended_runs.items()})
         return sorted(created, key=created.__getitem__, reverse=True)
 
+    def _listed_run(self, run_id: str) -> dict[str, Any] | None:
+        """A run as a listing shows it, or None (with a warning in the log) when it cannot be read: one
+        run's bad files must not break the listing for everyone."""
+        try:
+            return self.training_run(run_id)
+        except (OSError, ValueError, KeyError, TypeError, OverflowError) as error:
+            log.warning("listing leaves out run %s: %s", run_id, error)
+            return None
+
     def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
         run_ids = self._all_runs()
+        listed = [self._listed_run(run_id) for run_id in run_ids[offset : offset + limit]]
         return {
-            "training_runs": [self.training_run(run_id) for run_id in run_ids[offset : offset + limit]],
+            "training_runs": [run for run in listed if run is not None],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(run_ids)},
         }
 
@@ -724,7 +794,7 @@ class TinkerService:
 def _sequence_ids(request_id: str, num_samples: int) -> list[str]:
     """The ids of a sample request's sequences, known when it is taken (the SDK needs them then), unique
     in the engine (request ids are 96 random bits)."""
-    return [f"{request_id}:{i}" for i in range(max(num_samples, 0))]
+    return [f"{request_id}:{i}" for i in range(num_samples)]
 
 
 def _same(result: Any) -> Any:

@@ -21,6 +21,8 @@ Clients that ask for JSON (SDKs before 0.25 did) get the JSON shapes instead.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,7 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from workbench.server.errors import RequestError
+from workbench.server.errors import BodyTooLarge, RequestError
 from workbench.types import (
     Datum,
     ForwardBackwardOutput,
@@ -43,6 +45,9 @@ from workbench.types import (
 )
 
 PROTOBUF = "application/x-protobuf"
+MAX_TENSOR_ELEMENTS = 2**24
+"""The most values one loss input may hold: a sparse tensor is expanded to its dense shape, so its shape,
+not its size on the wire, is what it costs (2**24 is a [4096, 4096] tensor, 64 MiB of float32)."""
 
 _DTYPES: dict[int, tuple[np.dtype, str]] = {
     pb.DTYPE_FLOAT32: (np.dtype("<f4"), "float32"),
@@ -78,10 +83,55 @@ def decompress(body: bytes, max_bytes: int) -> bytes:
     except zstandard.ZstdError as error:
         raise RequestError(f"the request body is not valid zstd: {error}") from None
     if len(data) > max_bytes:
-        raise RequestError(
-            f"the decompressed request body exceeds the server's limit of {max_bytes} bytes", 413
+        raise BodyTooLarge(
+            f"the decompressed request body exceeds the server's limit of {max_bytes} bytes", data
         )
     return data
+
+
+def _varint(body: bytes, at: int) -> tuple[int, int]:
+    """The protobuf varint at `at` and the position after it; IndexError past the end."""
+    value = shift = 0
+    while True:
+        byte = body[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def envelope(body: bytes) -> tuple[str, int] | None:
+    """The `(model_id, seq_id)` a request body names, read from as much of it as there is (a body over
+    the size limit is cut short), or None when it names none. For a refused request, whose seq_id the
+    client counted all the same: JSON as the SDK sends it, or a protobuf `ForwardBackwardRequest`
+    (model_id is field 1 and seq_id field 2, which the SDK writes first)."""
+    with contextlib.suppress(ValueError, RecursionError):
+        data = json.loads(body)
+        if isinstance(data, dict):
+            model_id, seq_id = data.get("model_id"), data.get("seq_id")
+            if isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool):
+                return model_id, seq_id
+            return None
+    model_id, seq_id, at = None, None, 0
+    with contextlib.suppress(IndexError, ValueError, UnicodeDecodeError):
+        while at < len(body) and (model_id is None or seq_id is None):
+            tag, at = _varint(body, at)
+            field, kind = tag >> 3, tag & 7
+            if kind == 0:
+                value, at = _varint(body, at)
+                if field == 2:
+                    seq_id = value
+            elif kind == 2:
+                size, at = _varint(body, at)
+                if field == 1:
+                    model_id = body[at : at + size].decode()
+                at += size
+            else:
+                break
+    return (model_id, seq_id) if model_id and seq_id is not None else None
 
 
 def _array(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
@@ -95,6 +145,11 @@ def _tensor(message: pb.Tensor, where: str) -> TensorData:
         raise RequestError(f"{where}: unsupported dtype {message.dtype} (float32 or int64)")
     dtype, name = _DTYPES[message.dtype]
     shape = [int(n) for n in message.shape]
+    if any(n < 0 for n in shape) or math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise RequestError(
+            f"{where}: shape {shape} is not a tensor this server takes (sizes >= 0, at most "
+            f"{MAX_TENSOR_ELEMENTS} values)"
+        )
     if message.WhichOneof("encoding") == "sparse_csr":
         csr = message.sparse_csr
         values = _array(csr.values, dtype, where)

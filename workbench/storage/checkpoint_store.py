@@ -27,6 +27,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -266,7 +267,11 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
                 expires_at = info.get("expires_at")
                 if expires_at is not None and float(expires_at) < time.time():
                     continue
+                if expires_at is not None:
+                    datetime.fromtimestamp(float(expires_at), UTC)  # a listing shows it as a date
                 metadata = {str(k): str(v) for k, v in dict(info.get("user_metadata") or {}).items()}
+                for text in (*metadata, *metadata.values()):
+                    text.encode("utf-8")  # a listing writes it out
                 infos.append(
                     CheckpointInfo(
                         folder.name,
@@ -279,7 +284,7 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
                         metadata,
                     )
                 )
-            except (OSError, KeyError, TypeError, ValueError) as error:
+            except (OSError, KeyError, TypeError, ValueError, OverflowError) as error:
                 warnings.warn(f"skipping checkpoint {folder}: {error}", RuntimeWarning, stacklevel=2)
     return sorted(infos, key=lambda info: (info.time, info.name))
 

@@ -48,12 +48,22 @@ def known_runs(state: EngineState) -> dict[str, Path]:
     return {model_id: run.run_dir for model_id, run in list(state.runs.items())}
 
 
+MAX_TTL_SECONDS = 100 * 365 * 24 * 3600
+"""The longest time to live a checkpoint may be given (a hundred years; None keeps it until deleted):
+an expiry past what a date can hold would break every listing that shows it."""
+
+
 def _expires_at(ttl_seconds: int | None) -> float | None:
     if ttl_seconds is None:
         return None
-    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds < 1:
+    if (
+        isinstance(ttl_seconds, bool)
+        or not isinstance(ttl_seconds, int)
+        or not 1 <= ttl_seconds <= MAX_TTL_SECONDS
+    ):
         raise ValueError(
-            f"ttl_seconds must be a positive integer (or None: kept until deleted), got {ttl_seconds!r}"
+            f"ttl_seconds must be a positive integer up to {MAX_TTL_SECONDS} (a hundred years), or None "
+            f"to keep the checkpoint until deleted; got {ttl_seconds!r}"
         )
     return time.time() + ttl_seconds
 
@@ -171,12 +181,17 @@ def resolve(
 def adapter_folder(state: EngineState, path: str | Path) -> Path:
     """The peft adapter folder a sampling client of `path` loads: sampler weights
     (`tinker://<run>/sampler_weights/<name>` or their folder), or the policy of a state checkpoint
-    (`tinker://<run>/weights/<name>` or its folder)."""
+    (`tinker://<run>/weights/<name>` or its folder), verified against its manifest.
+
+    Raises:
+        CorruptCheckpointError: a file of the checkpoint is missing, extra or altered.
+    """
     if isinstance(path, str) and path.startswith(TINKER_SCHEME):
         kind = CheckpointAddress.parse(path).kind
     else:
         kind = "sampler" if (Path(path).expanduser() / ADAPTER_CONFIG).is_file() else "state"
     folder = resolve(state, None, path, kind)
+    checkpoint_store.read_verified(folder)  # every load verifies the manifest's hashes, as load_state does
     return folder if kind == "sampler" else folder / Role.POLICY.value
 
 

@@ -20,7 +20,7 @@ from workbench.engine.model.weight_versions import WeightSnapshots
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
 from workbench.storage.run_folders import write_run_info
-from workbench.types import LoraConfig
+from workbench.types import LoraConfig, check_text
 
 
 def check_metadata(user_metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -31,6 +31,9 @@ def check_metadata(user_metadata: Mapping[str, str] | None) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in user_metadata.items()
     ):
         raise ValueError(f"user_metadata must be a dict of strings to strings, got {user_metadata!r}")
+    for key, value in user_metadata.items():
+        check_text(key, f"user_metadata key {key!r}")
+        check_text(value, f"user_metadata[{key!r}]")
     return dict(user_metadata)
 
 

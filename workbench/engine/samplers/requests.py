@@ -78,6 +78,20 @@ def stop_conditions(
     return frozenset(int(s) for s in stop), ()
 
 
+def check_num_samples(num_samples: object, max_samples_per_request: int) -> int:
+    """`num_samples` checked before anything is sized by it."""
+    if (
+        isinstance(num_samples, bool)
+        or not isinstance(num_samples, int)
+        or not 1 <= num_samples <= max_samples_per_request
+    ):
+        raise ValueError(
+            f"num_samples must be an integer in [1, {max_samples_per_request}] "
+            f"(the session's max_samples_per_request), got {num_samples!r}"
+        )
+    return num_samples
+
+
 def prepare_request(
     prompt: ModelInput,
     num_samples: int,
@@ -105,15 +119,7 @@ def prepare_request(
             raise ValueError(
                 f"prompt token {token} at position {position} is outside the vocabulary [0, {vocab_size})"
             )
-    if (
-        isinstance(num_samples, bool)
-        or not isinstance(num_samples, int)
-        or not 1 <= num_samples <= max_samples_per_request
-    ):
-        raise ValueError(
-            f"num_samples must be an integer in [1, {max_samples_per_request}] "
-            f"(the session's max_samples_per_request), got {num_samples!r}"
-        )
+    check_num_samples(num_samples, max_samples_per_request)
     room = max_length - len(tokens)
     if room < 1:
         raise ValueError(
