@@ -5,7 +5,7 @@ Shared by training (the loss inputs) and sampling (prompt logprobs), so that bot
 number the same way: the output layer's logits in fp32, `log_softmax`, then a gather of the target ids.
 
 Notation: N positions (a micro-batch's B × T flattened), H hidden size, V vocabulary, C positions in a
-chunk.
+chunk, K targets per position (soft targets: `target_tokens` of shape (N, K); one target: no K axis).
 
 A (B, T, V) logit tensor is the largest thing a training step makes (T = 2048 and V = 151,936: 1.2 GB
 per sequence in fp32, again for its `log_softmax` and again for the gradient), and almost all of it is
@@ -41,9 +41,12 @@ def chunk_positions(vocab_size: int) -> int:
 def _chunk_logprobs(
     output_layer: OutputLayer, hidden_C_H: Tensor, targets_C: Tensor, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """The targets' logprobs (with autograd when it is on) and, when asked, the detached entropy."""
+    """The targets' logprobs (with autograd when it is on) and, when asked, the detached entropy.
+
+    `targets_C` is (C,) or (C, K); the logprobs have its shape."""
     logprobs_C_V = torch.log_softmax(output_layer(hidden_C_H).float(), dim=-1)
-    logprobs_C = logprobs_C_V.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+    targets_C_K = targets_C if targets_C.dim() == 2 else targets_C.unsqueeze(-1)
+    logprobs_C = logprobs_C_V.gather(-1, targets_C_K).reshape(targets_C.shape)
     if not with_entropy:
         return logprobs_C, None
     with torch.no_grad():
@@ -127,6 +130,8 @@ def target_logprobs(
     """log p(target_t | prefix) for every position from the final hidden states, and, when asked, the
     entropy of each next-token distribution, H_t = −Σ_v p_v log p_v.
 
+    `targets_B_T` is (B, T) or, for K targets per position, (B, T, K); the logprobs have its shape.
+
     The logprobs carry gradients (to the hidden states and the output layer's trainable parameters)
     when grad mode is on; the entropy is a diagnostic and does not. It costs a pass over each chunk's
     distribution (a few percent of a training step), so only the losses that report it ask.
@@ -136,7 +141,7 @@ def target_logprobs(
     """
     batch, length, hidden_size = hidden_B_T_H.shape
     hidden_N_H = hidden_B_T_H.reshape(batch * length, hidden_size)
-    targets_N = targets_B_T.reshape(-1)
+    targets_N = targets_B_T.reshape(batch * length, *targets_B_T.shape[2:])
     chunk = chunk_positions(vocab_size)
     kept = hidden_N_H.shape[0] if not torch.is_grad_enabled() else min(kept_positions, hidden_N_H.shape[0])
     pieces = [
@@ -152,7 +157,7 @@ def target_logprobs(
                 hidden_N_H[kept:], targets_N[kept:], output_layer, chunk, with_entropy, *trainable
             )
         )
-    logprobs_B_T = torch.cat([logprobs for logprobs, _ in pieces]).reshape(batch, length)
+    logprobs_B_T = torch.cat([logprobs for logprobs, _ in pieces]).reshape(targets_B_T.shape)
     if not with_entropy:
         return logprobs_B_T, None
     return logprobs_B_T, torch.cat([entropy for _, entropy in pieces]).reshape(batch, length)
