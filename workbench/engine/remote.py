@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import numpy as np
 import tinker
 import torch
 from tinker import types as sdk
@@ -57,6 +58,7 @@ from workbench.types import (
     LoraConfig,
     ModelInput,
     OptimStepResponse,
+    PromptAltTokens,
     PromptProvenanceSpan,
     SampledSequence,
     SampleResponse,
@@ -125,6 +127,13 @@ def _to_sdk_tensor(value: TensorData) -> sdk.TensorData:
 def _to_sdk_span(span: Any) -> Any:
     cls = sdk.PromptProvenanceSpan if isinstance(span, PromptProvenanceSpan) else sdk.SampledProvenanceSpan
     return cls(sequence_id=span.sequence_id, offset=span.offset, length=span.length)
+
+
+def _int64_array(value: Any) -> np.ndarray:
+    """Token ids (ours `TensorData`, a tensor, an array or nested lists) as an int64 numpy array."""
+    if isinstance(value, TensorData):
+        return value.to_numpy().astype(np.int64)
+    return torch.as_tensor(value).cpu().numpy().astype(np.int64)
 
 
 def _to_sdk_datum(datum: Datum) -> sdk.Datum:
@@ -584,8 +593,13 @@ class RemoteEngine:
         prompt_logprobs_last_n: int | None = None,
         record_stability_info: bool = False,
         sequence_ids: Sequence[str] | None = None,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Any = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> APIFuture[SampleResponse]:
-        """Sample on the service; the response reports the weights version its client pinned."""
+        """Sample on the service; the response reports the weights version its client pinned. The SDK's
+        top-k, target-id and prompt-draw fields go to the service as they are."""
         if record_stability_info or sequence_ids is not None:
             raise RemoteUnsupportedError(
                 "stability records and caller-chosen sequence ids are kept by a local engine only"
@@ -594,6 +608,13 @@ class RemoteEngine:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
         model_input = sdk.ModelInput.from_ints(to_model_input(prompt).to_ints())
         params = _to_sdk_sampling_params(to_sampling_params(sampling_params))
+        targets = None
+        if target_prompt_logprobs is not None:
+            targets = (
+                target_prompt_logprobs
+                if isinstance(target_prompt_logprobs, sdk.TensorData)
+                else sdk.TensorData.from_numpy(_int64_array(target_prompt_logprobs))
+            )
         sampler = self._sampler(pin)
 
         def send_with(held: _Sampler) -> tuple[_Sampler, Any, float]:
@@ -603,6 +624,10 @@ class RemoteEngine:
                 params,
                 include_prompt_logprobs=include_prompt_logprobs,
                 prompt_logprobs_last_n=prompt_logprobs_last_n,
+                topk_prompt_logprobs=topk_prompt_logprobs,
+                topk_sample_logprobs=topk_sample_logprobs,
+                target_prompt_logprobs=targets,
+                prompt_alt_tokens_k=prompt_alt_tokens_k,
             )
             return held, sent, time.perf_counter()
 
@@ -621,14 +646,26 @@ class RemoteEngine:
                     logprobs=list(s.logprobs or []),
                     stop_reason=s.stop_reason,
                     sequence_id=s.sequence_id,
+                    topk_logprobs=s.topk_logprobs,
                 )
                 for s in response.sequences
             ]
             self._record_sample(held.pin, sequences, seconds)
+            alt = response.prompt_alt_tokens
             return SampleResponse(
                 sequences=sequences,
                 weights_version=held.pin.version,
                 prompt_logprobs=response.prompt_logprobs if include_prompt_logprobs else None,
+                topk_prompt_logprobs=response.topk_prompt_logprobs,
+                target_prompt_logprobs=None
+                if response.target_prompt_logprobs is None
+                else TensorData(response.target_prompt_logprobs.to_numpy(), "float32"),
+                prompt_alt_tokens=None
+                if alt is None
+                else PromptAltTokens(
+                    tokens=TensorData(alt.tokens.to_numpy(), "int64"),
+                    logprobs=TensorData(alt.logprobs.to_numpy(), "float32"),
+                ),
             )
 
         return self._submit(send, finish)

@@ -178,6 +178,11 @@ def submit_sample(
     prompt_logprobs_last_n: int | None = None,
     record_stability_info: bool = False,
     sequence_ids: Sequence[str] | None = None,
+    *,
+    topk_prompt_logprobs: int = 0,
+    topk_sample_logprobs: int = 0,
+    target_prompt_logprobs: Any = None,
+    prompt_alt_tokens_k: int = 0,
 ) -> APIFuture[SampleResponse]:
     state.check_open()
     request = prepare_request(
@@ -192,6 +197,10 @@ def submit_sample(
         prompt_logprobs_last_n=prompt_logprobs_last_n,
         record_stability_info=record_stability_info,
         sequence_ids=sequence_ids,
+        topk_prompt_logprobs=topk_prompt_logprobs,
+        topk_sample_logprobs=topk_sample_logprobs,
+        target_prompt_logprobs=target_prompt_logprobs,
+        prompt_alt_tokens_k=prompt_alt_tokens_k,
     )
     return state.submit_batchable(
         "sample", (pin_future, request), lambda items: run_sample_batch(state, items)
@@ -248,7 +257,20 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
             for name, data in files.items():
                 (folder / name).write_bytes(data)
 
-        return vllm_engine(state).generate(requests, key, write_adapter)
+        results = vllm_engine(state).generate(requests, key, write_adapter)
+        if not any(request.scores_prompt for request in requests):
+            return results
+        # what vLLM has no option for is scored by the training model, under the same weights
+        with pinned_weights(state, held):
+            return [
+                dataclasses.replace(
+                    result,
+                    prompt_scores=state.hf_sampler.score_prompt(request)[1],
+                )
+                if request.scores_prompt
+                else result
+                for request, result in zip(requests, results, strict=True)
+            ]
     with pinned_weights(state, held):
         return state.hf_sampler.generate(requests)
 
@@ -351,4 +373,7 @@ def sample_response(
         if result.prompt_logprobs is None
         else keep_last_logprobs(result.prompt_logprobs, request.prompt_logprobs_last_n),
         sync_ms=sync_ms,
+        topk_prompt_logprobs=result.prompt_scores.topk_prompt_logprobs,
+        target_prompt_logprobs=result.prompt_scores.target_prompt_logprobs,
+        prompt_alt_tokens=result.prompt_scores.prompt_alt_tokens,
     )
