@@ -350,3 +350,31 @@ def test_sparse_target_tensors_on_the_wire_keep_their_layout() -> None:
         }
     )
     assert np.array_equal(dense, ids.numpy()) and layout is not None
+
+
+def test_sequences_rescored_by_the_training_model_follow_the_temperature_rule(sess: wb.Session) -> None:
+    """What the vLLM path does at a temperature other than 1 (vLLM reports raw logprobs): score the
+    sampled tokens again with the training model; here checked against the HF sampler's own numbers."""
+    from workbench.engine.samplers.requests import prepare_request
+
+    state = sess.engine._state
+    params = wb.SamplingParams(max_tokens=6, temperature=0.6, seed=2)
+    sampled = sess.sampling_client().sample(PROMPT, 1, params, topk_sample_logprobs=5).result()
+    request = prepare_request(
+        wb.ModelInput.from_ints(PROMPT),
+        1,
+        params,
+        False,
+        tokenizer=state.tokenizer,
+        vocab_size=sess.base_info.vocab_size,
+        max_length=sess.base_info.max_length,
+        max_samples_per_request=8,
+        topk_sample_logprobs=5,
+    )
+    sequence = sampled.sequences[0]
+    raw = wb.SampledSequence(sequence.tokens, [0.0] * len(sequence.tokens), sequence.stop_reason)
+    rescored = state.hf_sampler.rescore_sequence(request, raw)
+    assert rescored.logprobs == pytest.approx(sequence.logprobs, abs=2e-5)
+    for ours, theirs in zip(rescored.topk_logprobs, sequence.topk_logprobs, strict=True):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert [v for _, v in ours] == pytest.approx([v for _, v in theirs], abs=2e-5)

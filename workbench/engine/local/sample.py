@@ -258,21 +258,30 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
                 (folder / name).write_bytes(data)
 
         results = vllm_engine(state).generate(requests, key, write_adapter)
-        if not any(request.scores_prompt for request in requests):
+        if not any(_needs_training_model(request) for request in requests):
             return results
-        # what vLLM has no option for is scored by the training model, under the same weights
+        # what vLLM reports differently (raw logprobs at a temperature other than 1) or not at all (the
+        # prompt's scores) is computed by the training model, under the same weights
         with pinned_weights(state, held):
             return [
-                dataclasses.replace(
-                    result,
-                    prompt_scores=state.hf_sampler.score_prompt(request)[1],
-                )
-                if request.scores_prompt
-                else result
+                _complete(state, request, result) if _needs_training_model(request) else result
                 for request, result in zip(requests, results, strict=True)
             ]
     with pinned_weights(state, held):
         return state.hf_sampler.generate(requests)
+
+
+def _needs_training_model(request: SampleRequest) -> bool:
+    return request.scores_prompt or request.params.temperature not in (0.0, 1.0)
+
+
+def _complete(state: EngineState, request: SampleRequest, result: RequestResult) -> RequestResult:
+    """A vLLM result with its sequences' logprobs under the temperature rule and the prompt's scores."""
+    sequences = result.sequences
+    if request.params.temperature not in (0.0, 1.0):
+        sequences = [state.hf_sampler.rescore_sequence(request, sequence) for sequence in sequences]
+    scores = state.hf_sampler.score_prompt(request)[1] if request.scores_prompt else result.prompt_scores
+    return dataclasses.replace(result, sequences=sequences, prompt_scores=scores)
 
 
 def run_sample_batch(

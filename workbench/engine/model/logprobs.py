@@ -220,12 +220,15 @@ def score_positions(
     draws: int = 0,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    scores_at_temperature: bool = False,
 ) -> PositionScores:
     """Scores of T next-token distributions from their features, a chunk of C positions at a time, so
     that no (T, V) tensor exists at once whatever K is: the targets' logprobs, the `topk` most likely
     tokens, the logprobs of `chosen_ids_T_J` (−1: none), and `draws` tokens drawn from
     softmax(logits / temperature) (argmax at temperature 0) with their logprobs under it (the model's
-    own at temperature 0). Everything but the draws is the model's distribution (temperature 1)."""
+    own at temperature 0). The targets' and top-k logprobs are those of log_softmax(logits / temperature)
+    for `scores_at_temperature` (a sampled sequence's, by the temperature rule), else the model's own;
+    the chosen ids' are always the model's own."""
     chunk = chunk_positions(vocab_size)
     pieces: dict[str, list[Tensor]] = {}
 
@@ -236,10 +239,13 @@ def score_positions(
         stop = start + chunk
         logits_C_V = output_layer(features_T_F[start:stop]).float()
         logprobs_C_V = torch.log_softmax(logits_C_V, dim=-1)
+        scored_C_V = logprobs_C_V
+        if scores_at_temperature and temperature not in (0.0, 1.0):
+            scored_C_V = torch.log_softmax(logits_C_V / temperature, dim=-1)
         targets_C = targets_T[start:stop].to(logprobs_C_V.device)
-        keep("logprobs", logprobs_C_V.gather(-1, targets_C[:, None]).squeeze(-1))
+        keep("logprobs", scored_C_V.gather(-1, targets_C[:, None]).squeeze(-1))
         if topk:
-            values_C_K, ids_C_K = torch.topk(logprobs_C_V, topk, dim=-1)
+            values_C_K, ids_C_K = torch.topk(scored_C_V, topk, dim=-1)
             keep("topk_ids", ids_C_K)
             keep("topk_logprobs", values_C_K)
         if chosen_ids_T_J is not None:

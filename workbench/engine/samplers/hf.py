@@ -17,6 +17,7 @@ when every row has.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -323,6 +324,36 @@ class HFSampler:
             )
             start += request.num_samples
         return results
+
+    @torch.no_grad()
+    def rescore_sequence(self, request: SampleRequest, sequence: SampledSequence) -> SampledSequence:
+        """`sequence` with its logprobs (and, when the request asks, top-k) computed here under the
+        temperature rule: for an engine that reports the model's raw logprobs (vLLM) where the rule wants
+        the tempered distribution's, or has no top-k of that distribution. One pass of the model over
+        the prompt and the sequence; the output layer runs chunk by chunk."""
+        if not sequence.tokens:
+            return sequence
+        full = torch.tensor([*request.prompt_tokens, *sequence.tokens], dtype=torch.long, device=self.device)
+        features_1_T_F, output_layer = final_features(
+            self.adapted.module,
+            full[None, :-1],
+            torch.ones_like(full[None, :-1]),
+            logits_from_hidden_states=self.logits_from_hidden_states,
+        )
+        start = request.prompt_length - 1
+        scores = score_positions(
+            features_1_T_F[0, start:],
+            output_layer,
+            full[start + 1 :],
+            vocab_size=self.vocab_size,
+            topk=request.topk_sample_logprobs,
+            temperature=request.params.temperature or 1.0,
+            scores_at_temperature=True,
+        )
+        topk = None
+        if scores.topk_ids_T_K is not None and scores.topk_logprobs_T_K is not None:
+            topk = topk_entries(scores.topk_ids_T_K, scores.topk_logprobs_T_K)
+        return dataclasses.replace(sequence, logprobs=scores.logprobs_T.tolist(), topk_logprobs=topk)
 
     @torch.no_grad()
     def score_prompt(self, request: SampleRequest) -> tuple[list[float | None], PromptScores]:
