@@ -110,3 +110,36 @@ def test_the_cookbook_sdft_recipe_distils_with_top_k_soft_targets_over_http(
     server = sess.serve()
     _run_sdft(tmp_path, server.url)
     _check_the_student_learned(sess, tmp_path / "log")
+
+
+def test_the_cookbook_sdft_reverse_kl_path_runs_its_custom_loss_on_n_by_k_logprobs_over_http(
+    sess: wb.Session, tmp_path: Path
+) -> None:
+    """`reverse=True`: the recipe's analytical reverse KL over the teacher's top-K, a custom loss the SDK
+    runs on the (N, K) logprobs the server's `forward` returns for (N, K) `target_tokens`."""
+    server = sess.serve()
+    config = sdft_train.CLIConfig(
+        model_name=resolve_model_path("tiny"),
+        renderer_name="qwen3_instruct",
+        dataset="toolalpaca",
+        toolalpaca_data_path=str(_toolalpaca_file(tmp_path / "data")),
+        lora_rank=4,
+        group_size=2,
+        groups_per_batch=2,
+        learning_rate=3e-3,
+        max_tokens=8,
+        topk=20,
+        reverse=True,
+        eval_every=0,
+        save_every=0,
+        log_path=str(tmp_path / "log"),
+        behavior_if_log_dir_exists="delete",
+        max_steps=2,
+        base_url=server.url,
+    )
+    asyncio.run(sdft_train.cli_main(config))
+    metrics = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(row["sdft/reverse_kl_positions"] > 0 and row["sdft/reverse_kl_mean"] >= 0 for row in metrics)
+    ops = [row["op"] for row in sess.history if row["model"] != "policy" and row["op"].startswith("forward")]
+    assert ops == ["forward", "forward_backward"] * 2  # the SDK's custom-loss path, once a step
