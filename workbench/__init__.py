@@ -59,6 +59,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "ModelData",
         "ModelInput",
         "OptimStepResponse",
+        "PromptAltTokens",
         "PromptProvenanceSpan",
         "SampledProvenanceSpan",
         "SampledSequence",

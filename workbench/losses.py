@@ -10,7 +10,8 @@ schemes, you can include that in the advantage tensor computation" (Tinker docs)
 
 | loss                 | needs                                   | config (Tinker default)                        |
 |----------------------|-----------------------------------------|------------------------------------------------|
-| cross_entropy        | target_tokens, [weights=1]              | -                                              |
+| cross_entropy        | target_tokens, [weights=1]; both (N,)   | -                                              |
+|                      | or both (N, K) (soft targets)           |                                                |
 | importance_sampling  | target_tokens, logprobs, advantages     | -                                              |
 | ppo                  | target_tokens, logprobs, advantages     | clip_low_threshold 0.8, clip_high_threshold 1.2 |
 | cispo                | target_tokens, logprobs, advantages     | clip_low_threshold 0.0, clip_high_threshold 4.0 |
@@ -71,7 +72,8 @@ class LossSpec:
     `check_datum` returns what is wrong with one datum's inputs beyond their shapes (None when nothing
     is). `uses_sampling_records` marks a loss that trains on what the engine recorded at sampling time:
     its datums name the sampled sequences with provenance spans, and the engine adds
-    `recorded_logprobs` and `sampled` to their inputs.
+    `recorded_logprobs` and `sampled` to their inputs. `soft_targets` marks a loss that also takes K
+    targets per position: `target_tokens` and `weights` of shape (N, K), its logprobs then (B, T, K).
     """
 
     fn: LossFn
@@ -84,6 +86,7 @@ class LossSpec:
     reports_entropy: bool = False
     check_datum: Callable[[Mapping[str, Tensor]], str | None] | None = None
     uses_sampling_records: bool = False
+    soft_targets: bool = False
 
 
 def cross_entropy(
@@ -93,7 +96,23 @@ def cross_entropy(
 
     loss = Σ_t −w_t · log p_θ(x_t). Weights are usually 0 on the prompt and 1 on the completion; any
     float works (negative weights push probability down).
+
+    Soft targets (Tinker's multi-target form, used for top-K distillation): with K targets per position,
+    `target_tokens` and `weights` of shape (N, K) and the logprobs (B, T, K),
+
+        loss = Σ_t Σ_k −w_{t,k} · log p_θ(x_{t,k} | prefix_t),
+
+    the cross-entropy from the target distribution w_t (e.g. a teacher's renormalised top-K
+    probabilities) to the model, i.e. the forward KL(w_t ‖ p_θ) up to w_t's entropy, which does not
+    depend on θ. Nothing is normalised: a position's loss is its weighted sum over its K targets, and
+    (target 0, weight 0) pads a row that has fewer than K. A position's elementwise loss is that sum.
     """
+    if logprobs_B_T.dim() == 3:
+        weights_B_T_K = inputs["weights"] * mask_B_T[..., None]
+        return LossOutput(
+            elementwise_loss_B_T=-(logprobs_B_T * weights_B_T_K).sum(dim=-1),
+            active_B_T=(weights_B_T_K != 0).any(dim=-1),
+        )
     weights_B_T = inputs["weights"] * mask_B_T
     return LossOutput(
         elementwise_loss_B_T=-logprobs_B_T * weights_B_T,
@@ -331,7 +350,7 @@ _POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(
-        cross_entropy, "logprobs", ("target_tokens",), optional_inputs={"weights": 1.0}
+        cross_entropy, "logprobs", ("target_tokens",), optional_inputs={"weights": 1.0}, soft_targets=True
     ),
     "importance_sampling": LossSpec(importance_sampling, "logprobs", _POLICY_INPUTS, reports_entropy=True),
     "ppo": LossSpec(

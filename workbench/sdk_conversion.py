@@ -33,6 +33,7 @@ from workbench.types import (
     ForwardBackwardOutput,
     LoraConfig,
     ModelInput,
+    PromptAltTokens,
     PromptProvenanceSpan,
     ProvenanceSpan,
     SampledProvenanceSpan,
@@ -263,6 +264,14 @@ def to_sdk_sampling_params(params: SamplingParams) -> sdk.SamplingParams:
     )
 
 
+def to_sdk_token_ids(value: Any) -> sdk.TensorData:
+    """Token ids as the SDK's int64 `TensorData`, from its own, ours, a tensor, an array or nested lists."""
+    if isinstance(value, _sdk().TensorData):
+        return value
+    array = value.to_numpy() if isinstance(value, TensorData) else torch.as_tensor(value).cpu().numpy()
+    return _sdk().TensorData.from_numpy(array.astype(np.int64))
+
+
 def to_sdk_adam_params(params: AdamParams) -> sdk.AdamParams:
     return _sdk().AdamParams(**dataclasses.asdict(params))
 
@@ -284,4 +293,14 @@ def from_sdk_sampled_sequence(sequence: sdk.SampledSequence) -> SampledSequence:
         logprobs=list(sequence.logprobs or []),
         stop_reason=sequence.stop_reason,
         sequence_id=sequence.sequence_id,
+        topk_logprobs=sequence.topk_logprobs,
+    )
+
+
+def from_sdk_prompt_alt_tokens(alt: sdk.PromptAltTokens | None) -> PromptAltTokens | None:
+    if alt is None:
+        return None
+    return PromptAltTokens(
+        tokens=TensorData(alt.tokens.to_numpy(), "int64"),
+        logprobs=TensorData(alt.logprobs.to_numpy(), "float32"),
     )

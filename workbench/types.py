@@ -485,15 +485,39 @@ class OptimStepResponse:
     skipped_reason: str | None = None
 
 
+TopkEntries = list[list[tuple[int, float]] | None]
+"""Top-k logprobs per position, as the SDK's lists: up to k (token id, logprob) pairs, most likely first,
+or None where nothing was computed."""
+
+
 @dataclass(frozen=True)
 class SampledSequence:
     """One sampled continuation: its tokens (the stop token included), the logprob of each, why it
-    ended, and `sequence_id`, unique within the engine, which training data names in its provenance."""
+    ended, and `sequence_id`, unique within the engine, which training data names in its provenance.
+
+    Temperature rule: `logprobs` and `topk_logprobs` are log-probabilities under the distribution the
+    tokens were drawn from, log_softmax(logits / τ) at the request's temperature τ (before top-k and
+    top-p truncation), the rule hosted Tinker's samples follow; at τ = 1 that is the model's own
+    logprob, what `forward` and `compute_logprobs` report. At τ = 0 (greedy) they are the model's (τ = 1)
+    logprobs. `topk_logprobs` (with `topk_sample_logprobs=k`) has the k most likely tokens at each
+    generated position."""
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
     sequence_id: str = ""
+    topk_logprobs: TopkEntries | None = None
+
+
+@dataclass(frozen=True)
+class PromptAltTokens:
+    """`prompt_alt_tokens_k` draws at every prompt position after the first: (P − 1, k) `tokens` (int64)
+    drawn with replacement from the next-token distribution at the request's temperature, and their
+    `logprobs` (float32) under that distribution (the sampled-token rule of `SampledSequence`); row i is
+    for prompt position i + 1."""
+
+    tokens: TensorData
+    logprobs: TensorData
 
 
 @dataclass(frozen=True)
@@ -501,13 +525,22 @@ class SampleResponse:
     """Sampled sequences, the prompt's logprobs when asked for (first entry None), the policy weight
     version that produced them (None: the base model), and the milliseconds it took to push that
     version to the sampler engine (0 when the engine samples the live weights in place).
-    `prompt_cache_hit_tokens` is always 0: nothing is billed, and no prompt is served from a cache."""
+    `prompt_cache_hit_tokens` is always 0: nothing is billed, and no prompt is served from a cache.
+
+    What the prompt scores is the model's own distribution (τ = 1, as `forward`): `prompt_logprobs`,
+    `topk_prompt_logprobs` (the k most likely tokens at every prompt position; None at the first and,
+    with `prompt_logprobs_last_n`, before the last N) and `target_prompt_logprobs` ((P − 1, K) float32,
+    the logprob of each requested id, 0.0 where the request had −1). `prompt_alt_tokens` are draws at
+    the request's temperature (see `PromptAltTokens`)."""
 
     sequences: list[SampledSequence]
     weights_version: int | None
     prompt_logprobs: list[float | None] | None = None
     sync_ms: float = 0.0
     prompt_cache_hit_tokens: int = 0
+    topk_prompt_logprobs: TopkEntries | None = None
+    target_prompt_logprobs: TensorData | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
 
 
 @dataclass(frozen=True)

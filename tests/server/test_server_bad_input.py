@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+import torch
 import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
@@ -187,9 +188,27 @@ def test_bad_sampling_fails_with_our_message_and_changes_nothing(
                 types.ModelInput.from_ints(TOKENS),
                 1,
                 types.SamplingParams(max_tokens=2),
-                topk_prompt_logprobs=3,
+                topk_prompt_logprobs=10**6,
             ),
-            "does not compute topk_prompt_logprobs",
+            r"topk_prompt_logprobs must be an integer in \[0, 934\]",
+        ),
+        (
+            lambda: sampler.sample(
+                types.ModelInput.from_ints(TOKENS),
+                1,
+                types.SamplingParams(max_tokens=2),
+                target_prompt_logprobs=types.TensorData.from_torch(torch.full((len(TOKENS) - 1, 2), -1)),
+            ),
+            "names no token id",
+        ),
+        (
+            lambda: sampler.sample(
+                types.ModelInput.from_ints(TOKENS),
+                1,
+                types.SamplingParams(max_tokens=2),
+                target_prompt_logprobs=types.TensorData.from_torch(torch.zeros((2, 2), dtype=torch.long)),
+            ),
+            r"must have shape \[len\(prompt\) - 1, K\]",
         ),
         (
             lambda: sampler.sample(

@@ -125,9 +125,9 @@ def test_sample_responses_carry_sequence_ids_and_cache_hits(service: wb.ServiceC
             lambda s, t: (
                 t.save_weights_and_get_sampling_client()
                 .result()
-                .sample([1, 2], 1, tinker.SamplingParams(max_tokens=1), topk_sample_logprobs=5)
+                .sample([1, 2], 1, tinker.SamplingParams(max_tokens=1), topk_sample_logprobs=-5)
             ),
-            "topk_sample_logprobs is not available locally",
+            "topk_sample_logprobs must be an integer in",
         ),
         (
             lambda s, t: (

@@ -197,6 +197,10 @@ class EngineInterface(Protocol):
         prompt_logprobs_last_n: int | None = None,
         record_stability_info: bool = False,
         sequence_ids: Sequence[str] | None = None,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Any = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> APIFuture[SampleResponse]: ...
 
     def compute_logprobs(

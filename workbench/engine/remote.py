@@ -50,6 +50,7 @@ from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
 from workbench.sdk_conversion import (
     from_sdk_forward_backward_output,
+    from_sdk_prompt_alt_tokens,
     from_sdk_sampled_sequence,
     to_adam_params,
     to_datum,
@@ -59,6 +60,7 @@ from workbench.sdk_conversion import (
     to_sdk_datum,
     to_sdk_model_input,
     to_sdk_sampling_params,
+    to_sdk_token_ids,
 )
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
 from workbench.storage.run_folders import new_run_id, runs_root
@@ -73,6 +75,7 @@ from workbench.types import (
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    TensorData,
 )
 
 T = TypeVar("T")
@@ -528,8 +531,13 @@ class RemoteEngine:
         prompt_logprobs_last_n: int | None = None,
         record_stability_info: bool = False,
         sequence_ids: Sequence[str] | None = None,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Any = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> APIFuture[SampleResponse]:
-        """Sample on the service; the response reports the weights version its client pinned."""
+        """Sample on the service; the response reports the weights version its client pinned. The SDK's
+        top-k, target-id and prompt-draw fields go to the service as they are."""
         if record_stability_info or sequence_ids is not None:
             raise RemoteUnsupportedError(
                 "stability records and caller-chosen sequence ids are kept by a local engine only"
@@ -538,6 +546,7 @@ class RemoteEngine:
             raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
         model_input = to_sdk_model_input(to_model_input(prompt))
         params = to_sdk_sampling_params(to_sampling_params(sampling_params))
+        targets = None if target_prompt_logprobs is None else to_sdk_token_ids(target_prompt_logprobs)
         sampler = self._sampler(pin)
 
         def send_with(held: _Sampler) -> tuple[_Sampler, Any, float]:
@@ -547,6 +556,10 @@ class RemoteEngine:
                 params,
                 include_prompt_logprobs=include_prompt_logprobs,
                 prompt_logprobs_last_n=prompt_logprobs_last_n,
+                topk_prompt_logprobs=topk_prompt_logprobs,
+                topk_sample_logprobs=topk_sample_logprobs,
+                target_prompt_logprobs=targets,
+                prompt_alt_tokens_k=prompt_alt_tokens_k,
             )
             return held, sent, time.perf_counter()
 
@@ -565,6 +578,11 @@ class RemoteEngine:
                 sequences=sequences,
                 weights_version=held.pin.version,
                 prompt_logprobs=response.prompt_logprobs if include_prompt_logprobs else None,
+                topk_prompt_logprobs=response.topk_prompt_logprobs,
+                target_prompt_logprobs=None
+                if response.target_prompt_logprobs is None
+                else TensorData(response.target_prompt_logprobs.to_numpy(), "float32"),
+                prompt_alt_tokens=from_sdk_prompt_alt_tokens(response.prompt_alt_tokens),
             )
 
         return self._submit(send, finish)

@@ -42,7 +42,9 @@ def check_logprob_agreement(
     """Sample from each prompt, score the same tokens with the policy's `forward`, and compare.
 
     `sampling_client` defaults to one for the policy's current weights (it must be for the current
-    weights: `forward` scores with those). Prints the report and returns it.
+    weights: `forward` scores with those). Prints the report and returns it. The sampling temperature
+    must be 1 (or 0, greedy): at another τ a sampled token's logprob is under the tempered distribution
+    it was drawn from (the temperature rule of `SampledSequence`), which `forward` does not compute.
     """
     client = sampling_client or session.sampling_client()
     if client.weights_version != session.policy.weights_version:
@@ -50,6 +52,11 @@ def check_logprob_agreement(
             "the sampling client must be for the policy's current weights, which forward scores with"
         )
     params = sampling_params or SamplingParams(max_tokens=32, temperature=1.0)
+    if params.temperature not in (0.0, 1.0):
+        raise ValueError(
+            f"sample at temperature 1 (or 0) to compare with forward, got {params.temperature}: at another "
+            "temperature sampled logprobs are those of the tempered distribution, log_softmax(logits / τ)"
+        )
     futures = [client.sample(prompt, num_samples, params) for prompt in prompts]
     data: list[Datum] = []
     sampled: list[list[float]] = []

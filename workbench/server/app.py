@@ -257,7 +257,10 @@ def create_app(service: TinkerService) -> FastAPI:
             return _json(wire.forward_backward_output_json(result))
         if isinstance(result, SampleResult):
             if proto:
-                return Response(wire.sample_response_proto(result.response), media_type=wire.PROTOBUF)
+                return Response(
+                    wire.sample_response_proto(result.response, result.target_layout),
+                    media_type=wire.PROTOBUF,
+                )
             return _json(wire.sample_response_json(result.response))
         return _json(result)
 

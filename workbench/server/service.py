@@ -61,6 +61,7 @@ class SampleResult:
 
     response: SampleResponse
     sequence_ids: list[str]
+    target_layout: wire.SparseLayout | None = None  # a sparse target_prompt_logprobs request's layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +106,6 @@ def _check_optimizer(config: schemas.OptimizerConfigBody | None, where: str) -> 
         raise RequestError(
             f"{where}: optimizer {config.type!r} is not available here; this server trains with AdamW"
         )
-
-
-def _unsupported(request: schemas.SampleRequest) -> list[str]:
-    """Sampling options the client set that this server does not compute."""
-    options = {
-        "topk_prompt_logprobs": request.topk_prompt_logprobs != 0,
-        "topk_sample_logprobs": request.topk_sample_logprobs != 0,
-        "target_prompt_logprobs": request.target_prompt_logprobs is not None,
-        "prompt_alt_tokens_k": request.prompt_alt_tokens_k != 0,
-    }
-    return [name for name, set_ in options.items() if set_]
 
 
 class TinkerService:
@@ -572,12 +562,11 @@ class TinkerService:
             raise RequestError("asample needs a seq_id")
 
         def start(entry: PendingResult) -> None:
+            layout: wire.SparseLayout | None = None
             try:
-                unsupported = _unsupported(request)
-                if unsupported:
-                    raise ValueError(
-                        f"this server does not compute {', '.join(unsupported)}; leave them unset"
-                    )
+                target_ids = None
+                if request.target_prompt_logprobs is not None:
+                    target_ids, layout = wire.target_ids(request.target_prompt_logprobs)
                 sampler = self.sampler(request.sampling_session_id or "")
                 params = SamplingParams(**request.sampling_params.model_dump())
                 check_num_samples(request.num_samples, self.engine.config.max_samples_per_request)
@@ -591,11 +580,17 @@ class TinkerService:
                     prompt_logprobs_last_n=request.prompt_logprobs_last_n,
                     record_stability_info=bool(request.record_stability_info),
                     sequence_ids=ids,
+                    topk_prompt_logprobs=request.topk_prompt_logprobs,
+                    topk_sample_logprobs=request.topk_sample_logprobs,
+                    target_prompt_logprobs=target_ids,
+                    prompt_alt_tokens_k=request.prompt_alt_tokens_k,
                 )
             except BaseException as error:
                 self.futures.fail(entry, error)
                 return
-            self.futures.resolve_with(entry, future.future(), lambda response: SampleResult(response, ids))
+            self.futures.resolve_with(
+                entry, future.future(), lambda response: SampleResult(response, ids, layout)
+            )
 
         request_id = self.sequencer.take(
             request.sampling_session_id,

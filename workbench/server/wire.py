@@ -12,7 +12,12 @@ write and read them:
 * a result's per-datum outputs are one `ArrayRecord`: for each output name a `BatchedTensor` with every
   datum's array concatenated and `offsets`, the n+1 byte offsets of the datums' slices;
 * sampled tokens are int32 bytes, logprobs float32 bytes, the prompt's logprobs float32 with NaN where
-  nothing predicts the token (its first).
+  nothing predicts the token (its first);
+* top-k logprobs (of the prompt, of each sequence) are a `TopkLogprobs`: (length, k) int32 token ids and
+  float32 logprobs, a position without any (None) filled with id 0 and logprob −99999;
+* `target_prompt_logprobs` comes in as the SDK's JSON tensor (dense, or sparse CSR whose unlisted cells
+  are −1) and goes back as a float32 `Tensor` of the same shape and layout; `prompt_alt_tokens` as two
+  dense `Tensor`s.
 
 Everything read from the wire is checked (sizes agree with dtypes and shapes, values are what the field
 holds) and a `RequestError` names the datum and field that is wrong; nothing reaches the engine unread.
@@ -48,6 +53,7 @@ PROTOBUF = "application/x-protobuf"
 MAX_TENSOR_ELEMENTS = 2**24
 """The most values one loss input may hold: a sparse tensor is expanded to its dense shape, so its shape,
 not its size on the wire, is what it costs (2**24 is a [4096, 4096] tensor, 64 MiB of float32)."""
+TOPK_MASK_LOGPROB = -99999.0  # the SDK's `MASK_LOGPROB`: a top-k row with nothing in it
 
 _DTYPES: dict[int, tuple[np.dtype, str]] = {
     pb.DTYPE_FLOAT32: (np.dtype("<f4"), "float32"),
@@ -307,29 +313,116 @@ def _prompt_logprobs_array(prompt_logprobs: list[float | None]) -> np.ndarray:
     return np.array([math.nan if lp is None else lp for lp in prompt_logprobs], dtype="<f4")
 
 
-def sample_response_proto(response: SampleResponse) -> bytes:
-    message = pb.SampleResponse(
-        sequences=[
-            pb.SampledSequence(
-                stop_reason=_STOP_REASONS[sequence.stop_reason],
-                tokens=np.asarray(sequence.tokens, dtype="<i4").tobytes(),
-                logprobs=np.asarray(sequence.logprobs, dtype="<f4").tobytes(),
-            )
-            for sequence in response.sequences
-        ],
-        prompt_cache_hit_tokens=0,
-    )
+@dataclass(frozen=True)
+class SparseLayout:
+    """The CSR layout of a sparse `target_prompt_logprobs` request, which its answer keeps."""
+
+    crow_indices: np.ndarray
+    col_indices: np.ndarray
+
+
+def target_ids(body: dict[str, Any]) -> tuple[np.ndarray, SparseLayout | None]:
+    """A `target_prompt_logprobs` request tensor (the SDK's JSON `TensorData`) as dense int64 ids, −1 in
+    every cell a sparse one leaves out, and its sparse layout (None when dense)."""
+    where = "target_prompt_logprobs"
+    if not isinstance(body, dict) or body.get("dtype") != "int64":
+        raise RequestError(f"{where} must be an int64 tensor of token ids")
+    shape = body.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 2
+        or not all(isinstance(n, int) and n >= 0 for n in shape)
+    ):
+        raise RequestError(f"{where} must be 2-D, [len(prompt) - 1, K], got shape {shape!r}")
+    try:
+        values = np.asarray(body.get("data", []), dtype=np.int64).reshape(-1)
+        crow, col = body.get("sparse_crow_indices"), body.get("sparse_col_indices")
+        if (crow is None) != (col is None):
+            raise RequestError(f"{where}: sparse_crow_indices and sparse_col_indices come together")
+        if crow is None:
+            if len(values) != shape[0] * shape[1]:
+                raise RequestError(f"{where}: {len(values)} values do not fill shape {shape}")
+            return values.reshape(shape), None
+        rows = np.asarray(crow, dtype=np.int64).reshape(-1)
+        columns = np.asarray(col, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise RequestError(f"{where}: data and indices must be lists of integers") from None
+    if (
+        len(rows) != shape[0] + 1
+        or len(columns) != len(values)
+        or rows[0] != 0
+        or rows[-1] != len(values)
+        or np.any(np.diff(rows) < 0)
+        or np.any((columns < 0) | (columns >= shape[1]))
+    ):
+        raise RequestError(f"{where}: sparse indices do not match shape {shape}")
+    dense = np.full(shape, -1, dtype=np.int64)
+    dense[np.repeat(np.arange(shape[0]), np.diff(rows)), columns] = values
+    return dense, SparseLayout(rows, columns)
+
+
+def _topk_proto(entries: list[list[tuple[int, float]] | None]) -> pb.TopkLogprobs:
+    k = max((len(row) for row in entries if row is not None), default=0)
+    ids = np.zeros((len(entries), k), dtype="<i4")
+    logprobs = np.full((len(entries), k), TOPK_MASK_LOGPROB, dtype="<f4")
+    for position, row in enumerate(entries):
+        for column, (token, logprob) in enumerate(row or ()):
+            ids[position, column] = token
+            logprobs[position, column] = logprob
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(entries))
+
+
+def _tensor_proto(tensor: TensorData, layout: SparseLayout | None = None) -> pb.Tensor:
+    integer = tensor.dtype == "int64"
+    dtype = np.dtype("<i8") if integer else np.dtype("<f4")
+    array = np.ascontiguousarray(tensor.to_numpy(), dtype=dtype)
+    message = pb.Tensor(dtype=pb.DTYPE_INT64 if integer else pb.DTYPE_FLOAT32, shape=list(array.shape))
+    if layout is None:
+        message.dense = array.tobytes()
+        return message
+    rows = np.repeat(np.arange(array.shape[0]), np.diff(layout.crow_indices))
+    message.sparse_csr.values = np.ascontiguousarray(array[rows, layout.col_indices]).tobytes()
+    message.sparse_csr.crow_indices = layout.crow_indices.astype("<i8").tobytes()
+    message.sparse_csr.col_indices = layout.col_indices.astype("<i8").tobytes()
+    return message
+
+
+def sample_response_proto(response: SampleResponse, target_layout: SparseLayout | None = None) -> bytes:
+    """The SDK's `SampleResponse`; `target_layout` is the sparse layout its target ids came in."""
+    sequences = []
+    for sequence in response.sequences:
+        item = pb.SampledSequence(
+            stop_reason=_STOP_REASONS[sequence.stop_reason],
+            tokens=np.asarray(sequence.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(sequence.logprobs, dtype="<f4").tobytes(),
+        )
+        if sequence.topk_logprobs is not None:
+            item.topk_sampled_logprobs.CopyFrom(_topk_proto(sequence.topk_logprobs))
+        sequences.append(item)
+    message = pb.SampleResponse(sequences=sequences, prompt_cache_hit_tokens=0)
     if response.prompt_logprobs is not None:
         message.prompt_logprobs = _prompt_logprobs_array(response.prompt_logprobs).tobytes()
+    if response.topk_prompt_logprobs is not None:
+        message.topk_prompt_logprobs.CopyFrom(_topk_proto(response.topk_prompt_logprobs))
+    if response.target_prompt_logprobs is not None:
+        message.target_prompt_logprobs.CopyFrom(_tensor_proto(response.target_prompt_logprobs, target_layout))
+    if response.prompt_alt_tokens is not None:
+        message.prompt_alt_tokens.tokens.CopyFrom(_tensor_proto(response.prompt_alt_tokens.tokens))
+        message.prompt_alt_tokens.logprobs.CopyFrom(_tensor_proto(response.prompt_alt_tokens.logprobs))
     return message.SerializeToString()
 
 
 def sample_response_json(response: SampleResponse) -> dict[str, Any]:
-    return {
+    """The JSON shape older SDKs read (sampled tokens and logprobs, prompt logprobs, top-k lists)."""
+    body: dict[str, Any] = {
         "type": "sample",
         "sequences": [
             {"tokens": list(s.tokens), "logprobs": list(s.logprobs), "stop_reason": s.stop_reason}
+            | ({} if s.topk_logprobs is None else {"topk_logprobs": s.topk_logprobs})
             for s in response.sequences
         ],
         "prompt_logprobs": response.prompt_logprobs,
     }
+    if response.topk_prompt_logprobs is not None:
+        body["topk_prompt_logprobs"] = response.topk_prompt_logprobs
+    return body

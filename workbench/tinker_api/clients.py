@@ -446,21 +446,16 @@ class SamplingClient:
 
         With `include_prompt_logprobs`, the response's `prompt_logprobs` has one entry per prompt token
         (the first is None: nothing predicts it; with `prompt_logprobs_last_n`, all but the last N).
-        Concurrent calls are generated together. The top-k, target and alternative-token logprobs of
-        the SDK are not computed locally: asking for them raises a `ValueError`.
+        `topk_prompt_logprobs=k`: the k most likely tokens at every prompt position
+        (`response.topk_prompt_logprobs`); `topk_sample_logprobs=k`: at every generated position
+        (`sequence.topk_logprobs`); `target_prompt_logprobs`: a (len(prompt) − 1, K) int tensor of ids to
+        score at prompt positions 1.. (−1: nothing; dense or the SDK's sparse CSR), answered as a float32
+        tensor of the same shape; `prompt_alt_tokens_k=k`: k draws at the request's temperature at every
+        prompt position after the first (`response.prompt_alt_tokens`). k is capped by the vocabulary
+        only. Sampled tokens' logprobs follow the temperature rule of `workbench.types.SampledSequence`
+        (the tempered distribution they were drawn from); prompt scores and `compute_logprobs` are the
+        model's own (τ = 1). Concurrent calls are generated together.
         """
-        asked = {
-            "topk_prompt_logprobs": topk_prompt_logprobs != 0,
-            "topk_sample_logprobs": topk_sample_logprobs != 0,
-            "target_prompt_logprobs": target_prompt_logprobs is not None,
-            "prompt_alt_tokens_k": prompt_alt_tokens_k != 0,
-        }
-        for name, is_asked in asked.items():
-            if is_asked:
-                raise ValueError(
-                    f"{name} is not available locally (the sampler returns the logprobs of the chosen tokens "
-                    "and, on request, of the prompt); leave it at its default"
-                )
         return self._engine.sample(
             self._pin,
             prompt,
@@ -469,6 +464,10 @@ class SamplingClient:
             include_prompt_logprobs,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
             record_stability_info=self._record_stability_info,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
 
     async def sample_async(
@@ -500,7 +499,8 @@ class SamplingClient:
         self, prompt: ModelInput | Sequence[int], prompt_logprobs_last_n: int | None = None
     ) -> APIFuture[list[float | None]]:
         """The logprob of every token of `prompt` given the ones before it (first entry None; with
-        `prompt_logprobs_last_n`, every entry before the last N)."""
+        `prompt_logprobs_last_n`, every entry before the last N), under the model's own distribution
+        (τ = 1: what `forward` computes, whatever temperature a sample used)."""
         return self._engine.compute_logprobs(self._pin, prompt, prompt_logprobs_last_n=prompt_logprobs_last_n)
 
     async def compute_logprobs_async(

@@ -39,8 +39,9 @@ def _snapshot_bytes(sess: wb.Session) -> int:
 
 
 def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(tiny: wb.Session) -> None:
+    """At temperature 1, whatever top-k and top-p truncate: the model's logprob, what forward computes."""
     sc = tiny.sampling_client()
-    params = wb.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, stop=[])
+    params = wb.SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, stop=[])
     futures = [sc.sample(_ids(tiny, p), 3, params) for p in PROMPTS]  # different prompt lengths, one batch
     worst = 0.0
     for prompt, future in zip(PROMPTS, futures, strict=True):

@@ -415,6 +415,10 @@ class Engine:
         prompt_logprobs_last_n: int | None = None,
         record_stability_info: bool = False,
         sequence_ids: Sequence[str] | None = None,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Any = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> APIFuture[SampleResponse]:
         """Sample `num_samples` continuations of `prompt` from the pinned weights, with logprobs.
 
@@ -423,7 +427,9 @@ class Engine:
         in `sequence_ids`, and keeps them unique. With `prompt_logprobs_last_n`, only
         the prompt's last N tokens are scored (earlier entries None). With `record_stability_info`, the
         engine keeps each sequence (prompt, tokens, the sampler's logprobs, the weights) for a day, for
-        `stable_reinforce` training data that names it.
+        `stable_reinforce` training data that names it. The SDK's other fields (top-k prompt and sample
+        logprobs, target ids' prompt logprobs, prompt draws) are as `workbench.types.SampleResponse` says;
+        K is capped by the vocabulary only.
         """
         return sampling.submit_sample(
             self._state,
@@ -435,6 +441,10 @@ class Engine:
             prompt_logprobs_last_n,
             record_stability_info,
             sequence_ids,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
 
     def compute_logprobs(

@@ -80,6 +80,7 @@ def prepare(
     required: Sequence[str],
     optional: Mapping[str, float | None],
     strict: bool = True,
+    soft_targets: bool = False,
 ) -> list[PreparedDatum]:
     """Validate a batch against the engine's vocabulary and context (caller's thread)."""
     info = state.base_info
@@ -90,6 +91,7 @@ def prepare(
         vocab_size=info.vocab_size,
         max_length=info.max_length,
         strict=strict,
+        soft_targets=soft_targets,
     )
 
 
@@ -126,7 +128,7 @@ def submit(
     optional: dict[str, float | None] = dict(spec.optional_inputs)
     if not backward:
         optional.update(dict.fromkeys(spec.training_inputs))
-    batch = prepare(state, data, required, optional)
+    batch = prepare(state, data, required, optional, soft_targets=spec.soft_targets)
     if spec.check_datum is not None:
         for index, item in enumerate(batch):
             problem = spec.check_datum(item.inputs)
@@ -158,7 +160,7 @@ def submit_custom(
         raise ValueError(
             f"forward_backward_custom needs a function fn(data, logprobs_list) -> (loss, metrics), got {loss_fn!r}"
         )
-    batch = prepare(state, data, ("target_tokens",), {}, strict=False)
+    batch = prepare(state, data, ("target_tokens",), {}, strict=False, soft_targets=True)
     user_data = list(data)
     return state.submit(lambda: run_custom(state, state.run(model_id), role, batch, loss_fn, user_data))
 
@@ -302,7 +304,8 @@ def run_custom(
 def scatter_outputs(
     outputs: list[dict[str, TensorData]], micro: MicroBatch, per_position: Mapping[str, Tensor]
 ) -> None:
-    """Cut each (B, T) tensor back into one length-N_d `TensorData` per datum, in input order."""
+    """Cut each (B, T) or (B, T, K) tensor back into one (N_d,) or (N_d, K) `TensorData` per datum, in
+    input order."""
     arrays = {name: tensor_B_T.detach().float().cpu().numpy() for name, tensor_B_T in per_position.items()}
     for row, index in enumerate(micro.indices):
         n = micro.lengths[row]

@@ -179,6 +179,11 @@ def submit_sample(
     prompt_logprobs_last_n: int | None = None,
     record_stability_info: bool = False,
     sequence_ids: Sequence[str] | None = None,
+    *,
+    topk_prompt_logprobs: int = 0,
+    topk_sample_logprobs: int = 0,
+    target_prompt_logprobs: Any = None,
+    prompt_alt_tokens_k: int = 0,
 ) -> APIFuture[SampleResponse]:
     state.check_open()
     request = prepare_request(
@@ -193,6 +198,10 @@ def submit_sample(
         prompt_logprobs_last_n=prompt_logprobs_last_n,
         record_stability_info=record_stability_info,
         sequence_ids=sequence_ids,
+        topk_prompt_logprobs=topk_prompt_logprobs,
+        topk_sample_logprobs=topk_sample_logprobs,
+        target_prompt_logprobs=target_prompt_logprobs,
+        prompt_alt_tokens_k=prompt_alt_tokens_k,
     )
     return state.submit_batchable(
         "sample", (pin_future, request), lambda items: run_sample_batch(state, items)
@@ -249,9 +258,31 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
             for name, data in files.items():
                 (folder / name).write_bytes(data)
 
-        return vllm_engine(state).generate(requests, key, write_adapter)
+        results = vllm_engine(state).generate(requests, key, write_adapter)
+        if not any(_needs_training_model(request) for request in requests):
+            return results
+        # what vLLM reports differently (raw logprobs at a temperature other than 1) or not at all (the
+        # prompt's scores) is computed by the training model, under the same weights
+        with pinned_weights(state, held):
+            return [
+                _complete(state, request, result) if _needs_training_model(request) else result
+                for request, result in zip(requests, results, strict=True)
+            ]
     with pinned_weights(state, held):
         return state.hf_sampler.generate(requests)
+
+
+def _needs_training_model(request: SampleRequest) -> bool:
+    return request.scores_prompt or request.params.temperature not in (0.0, 1.0)
+
+
+def _complete(state: EngineState, request: SampleRequest, result: RequestResult) -> RequestResult:
+    """A vLLM result with its sequences' logprobs under the temperature rule and the prompt's scores."""
+    sequences = result.sequences
+    if request.params.temperature not in (0.0, 1.0):
+        sequences = [state.hf_sampler.rescore_sequence(request, sequence) for sequence in sequences]
+    scores = state.hf_sampler.score_prompt(request)[1] if request.scores_prompt else result.prompt_scores
+    return dataclasses.replace(result, sequences=sequences, prompt_scores=scores)
 
 
 def run_sample_batch(
@@ -352,4 +383,7 @@ def sample_response(
         if result.prompt_logprobs is None
         else keep_last_logprobs(result.prompt_logprobs, request.prompt_logprobs_last_n),
         sync_ms=sync_ms,
+        topk_prompt_logprobs=result.prompt_scores.topk_prompt_logprobs,
+        target_prompt_logprobs=result.prompt_scores.target_prompt_logprobs,
+        prompt_alt_tokens=result.prompt_scores.prompt_alt_tokens,
     )

@@ -1,6 +1,7 @@
 """From a list of datums to padded micro-batches, and back.
 
-Notation: D datums; a micro-batch of B datums padded to length T; N_d positions in datum d.
+Notation: D datums; a micro-batch of B datums padded to length T; N_d positions in datum d; K targets per
+position where a loss takes soft targets (`target_tokens` and `weights` of shape (N, K)).
 
 `prepare_batch` validates every datum in the caller's thread, before anything is queued, and raises a
 `ValueError` naming the datum index and the field. `plan_microbatches` groups datums by length under a
@@ -28,10 +29,14 @@ MICROBATCH_OVERHEAD_TOKENS = 128
 # 2048-token micro-batch takes its step from 1.0 to 1.44).
 RECOMPUTE_COST = 0.4
 
+PER_TARGET_INPUTS = ("target_tokens", "weights")
+"""The inputs that hold one value per target: (N,) for one target per position, (N, K) for K (soft targets)."""
+
 
 @dataclass(frozen=True)
 class PreparedDatum:
-    """One validated datum as tensors on the CPU: `tokens_N` and each loss input as a length-N tensor."""
+    """One validated datum as tensors on the CPU: `tokens_N` and each loss input as a length-N tensor
+    ((N, K) for the `PER_TARGET_INPUTS` of a datum with K targets per position)."""
 
     tokens_N: torch.Tensor
     inputs: dict[str, torch.Tensor]
@@ -48,7 +53,7 @@ class MicroBatch:
     indices: list[int]
     input_ids_B_T: torch.Tensor
     attention_mask_B_T: torch.Tensor  # 1 on real positions
-    inputs: dict[str, torch.Tensor]  # each (B, T), zero on padding
+    inputs: dict[str, torch.Tensor]  # each (B, T) or, for K targets per position, (B, T, K); zero on padding
     lengths: list[int]
 
     @property
@@ -57,20 +62,48 @@ class MicroBatch:
 
 
 def _check_tokens(where: str, array: np.ndarray, vocab_size: int) -> None:
+    """Token ids: integers in the vocabulary. `array` is (N,) or (N, K); a bad cell is named by its
+    position (and its column k for (N, K))."""
+
+    def cell(flat_index: int) -> str:
+        if array.ndim < 2:
+            return f"position {flat_index}"
+        row, column = np.unravel_index(flat_index, array.shape)
+        return f"position {int(row)}, target {int(column)}"
+
+    flat = array.reshape(-1)
     if array.dtype.kind == "f":
-        if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
-            bad = int(np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))[0])
-            raise ValueError(
-                f"{where}: token ids must be integers, got {array[bad].item()!r} at position {bad}"
-            )
+        if not np.all(np.isfinite(flat)) or not np.all(flat == np.round(flat)):
+            bad = int(np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))[0])
+            raise ValueError(f"{where}: token ids must be integers, got {flat[bad].item()!r} at {cell(bad)}")
     elif array.dtype.kind not in "iu":
         raise ValueError(f"{where}: token ids must be integers, got dtype {array.dtype}")
-    out_of_range = (array < 0) | (array >= vocab_size)
+    out_of_range = (flat < 0) | (flat >= vocab_size)
     if out_of_range.any():
         bad = int(np.flatnonzero(out_of_range)[0])
         raise ValueError(
-            f"{where}: token id {int(array[bad])} at position {bad} is outside the vocabulary [0, {vocab_size})"
+            f"{where}: token id {int(flat[bad])} at {cell(bad)} is outside the vocabulary [0, {vocab_size})"
         )
+
+
+def _per_target_shape(where: str, datum: Datum, n: int, soft_targets: bool) -> tuple[int, ...]:
+    """The shape the `PER_TARGET_INPUTS` must have: (N,), or (N, K) where `target_tokens` is (N, K) and
+    the loss takes soft targets."""
+    target = datum.loss_fn_inputs.get("target_tokens")
+    shape = (n,) if target is None else tuple(target.to_numpy().shape)
+    if len(shape) != 2 or shape[0] != n:
+        return (n,)
+    if not soft_targets:
+        raise ValueError(
+            f"{where}: loss_fn_inputs['target_tokens'] has shape {list(shape)}: K targets per position "
+            f"(soft targets) are for 'cross_entropy' and forward_backward_custom; this loss takes one target "
+            f"per position ({n},)"
+        )
+    if shape[1] == 0:
+        raise ValueError(
+            f"{where}: loss_fn_inputs['target_tokens'] has shape {list(shape)}: K must be at least 1"
+        )
+    return shape
 
 
 def prepare_datum(
@@ -82,13 +115,15 @@ def prepare_datum(
     vocab_size: int,
     max_length: int,
     strict: bool = True,
+    soft_targets: bool = False,
 ) -> PreparedDatum:
     """Validate one datum against the loss's inputs and the model's vocabulary and context.
 
     Optional inputs the datum leaves out are filled with their default value at every position (or left
     out, where the default is None).
     Unknown input keys are an error when `strict`, and left out otherwise (custom losses read their own
-    inputs from the datums themselves).
+    inputs from the datums themselves). With `soft_targets`, `target_tokens` may be (N, K), and then the
+    other `PER_TARGET_INPUTS` must be (N, K) too (Tinker's multi-target cross-entropy).
     """
     where = f"datum {index}"
     try:
@@ -122,14 +157,22 @@ def prepare_datum(
             f"{where}: loss_fn_inputs has unknown key(s) {unknown}; this loss uses {sorted(required)}"
             + (f" and optionally {sorted(optional)}" if optional else "")
         )
+    per_target = _per_target_shape(where, datum, n, soft_targets)
     for key, value in datum.loss_fn_inputs.items():
         if key in unknown:
             continue
         array = value.to_numpy()
-        if array.shape != (n,):
+        expected = per_target if key in PER_TARGET_INPUTS else (n,)
+        if array.shape != expected and len(expected) == 2:
+            raise ValueError(
+                f"{where}: loss_fn_inputs[{key!r}] has shape {list(array.shape)}, but target_tokens has shape "
+                f"{list(expected)}: with K targets per position, {key!r} needs one value per target {expected}"
+            )
+        if array.shape != expected:
             raise ValueError(
                 f"{where}: loss_fn_inputs[{key!r}] has shape {list(array.shape)}, but model_input has {n} "
                 f"tokens: each input needs exactly one value per position ({n},)"
+                + (" or, for soft targets, (N, K) target_tokens and weights" if soft_targets else "")
             )
         if key == "target_tokens":
             _check_tokens(f"{where}: loss_fn_inputs['target_tokens']", array, vocab_size)
@@ -147,7 +190,8 @@ def prepare_datum(
             inputs[key] = torch.from_numpy(array.astype(np.float32))
     for key, default in optional.items():
         if key not in inputs and default is not None:
-            inputs[key] = torch.full((n,), default, dtype=torch.float32)
+            shape = per_target if key in PER_TARGET_INPUTS else (n,)
+            inputs[key] = torch.full(shape, default, dtype=torch.float32)
     return PreparedDatum(tokens_N=torch.from_numpy(tokens.astype(np.int64)), inputs=inputs)
 
 
@@ -159,13 +203,17 @@ def prepare_batch(
     vocab_size: int,
     max_length: int,
     strict: bool = True,
+    soft_targets: bool = False,
 ) -> list[PreparedDatum]:
-    """Validate every datum; raises `ValueError` naming the first bad datum and field."""
+    """Validate every datum; raises `ValueError` naming the first bad datum and field.
+
+    With `soft_targets`, every datum of the batch has the same number K of targets per position (one
+    (N, K) output per datum, as the wire's batched outputs need)."""
     if isinstance(data, (Datum, dict)) or not isinstance(data, Sequence):
         raise ValueError(f"data must be a list of datums, got {type(data).__name__}")
     if len(data) == 0:
         raise ValueError("data is empty: pass at least one datum")
-    return [
+    batch = [
         prepare_datum(
             i,
             raw,
@@ -174,9 +222,22 @@ def prepare_batch(
             vocab_size=vocab_size,
             max_length=max_length,
             strict=strict,
+            soft_targets=soft_targets,
         )
         for i, raw in enumerate(data)
     ]
+    widths = [
+        tuple(item.inputs["target_tokens"].shape[1:]) for item in batch if "target_tokens" in item.inputs
+    ]
+    for index, width in enumerate(widths):
+        if width != widths[0]:
+            first = f"K={widths[0][0]} targets per position" if widths[0] else "one target per position"
+            this = f"K={width[0]}" if width else "one"
+            raise ValueError(
+                f"datum {index}: loss_fn_inputs['target_tokens'] has {this} target(s) per position but datum 0 "
+                f"has {first}: every datum of one call needs the same K"
+            )
+    return batch
 
 
 def plan_microbatches(
@@ -231,7 +292,10 @@ def collate(
     input_ids = torch.full((count, longest), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((count, longest), dtype=torch.long)
     keys = items[0].inputs.keys()
-    inputs = {key: torch.zeros((count, longest), dtype=items[0].inputs[key].dtype) for key in keys}
+    inputs = {
+        key: torch.zeros((count, longest, *items[0].inputs[key].shape[1:]), dtype=items[0].inputs[key].dtype)
+        for key in keys
+    }
     for row, item in enumerate(items):
         n = item.length
         input_ids[row, :n] = item.tokens_N

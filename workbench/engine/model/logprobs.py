@@ -1,11 +1,12 @@
 """Per-token log-probabilities of the targets, computed from a decoder's final hidden states without the
-full-vocabulary logits.
+full-vocabulary logits; and, for sampling requests, the other scores of a prompt's positions (top-K
+tokens, requested ids, draws) computed the same chunked way (`score_positions`).
 
 Shared by training (the loss inputs) and sampling (prompt logprobs), so that both compute the same
 number the same way: the output layer's logits in fp32, `log_softmax`, then a gather of the target ids.
 
 Notation: N positions (a micro-batch's B × T flattened), H hidden size, V vocabulary, C positions in a
-chunk.
+chunk, K targets per position (soft targets: `target_tokens` of shape (N, K); one target: no K axis).
 
 A (B, T, V) logit tensor is the largest thing a training step makes (T = 2048 and V = 151,936: 1.2 GB
 per sequence in fp32, again for its `log_softmax` and again for the gradient), and almost all of it is
@@ -22,6 +23,7 @@ one included), so an adapter on it trains as before.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -41,9 +43,12 @@ def chunk_positions(vocab_size: int) -> int:
 def _chunk_logprobs(
     output_layer: OutputLayer, hidden_C_H: Tensor, targets_C: Tensor, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """The targets' logprobs (with autograd when it is on) and, when asked, the detached entropy."""
+    """The targets' logprobs (with autograd when it is on) and, when asked, the detached entropy.
+
+    `targets_C` is (C,) or (C, K); the logprobs have its shape."""
     logprobs_C_V = torch.log_softmax(output_layer(hidden_C_H).float(), dim=-1)
-    logprobs_C = logprobs_C_V.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+    targets_C_K = targets_C if targets_C.dim() == 2 else targets_C.unsqueeze(-1)
+    logprobs_C = logprobs_C_V.gather(-1, targets_C_K).reshape(targets_C.shape)
     if not with_entropy:
         return logprobs_C, None
     with torch.no_grad():
@@ -127,6 +132,8 @@ def target_logprobs(
     """log p(target_t | prefix) for every position from the final hidden states, and, when asked, the
     entropy of each next-token distribution, H_t = −Σ_v p_v log p_v.
 
+    `targets_B_T` is (B, T) or, for K targets per position, (B, T, K); the logprobs have its shape.
+
     The logprobs carry gradients (to the hidden states and the output layer's trainable parameters)
     when grad mode is on; the entropy is a diagnostic and does not. It costs a pass over each chunk's
     distribution (a few percent of a training step), so only the losses that report it ask.
@@ -136,7 +143,7 @@ def target_logprobs(
     """
     batch, length, hidden_size = hidden_B_T_H.shape
     hidden_N_H = hidden_B_T_H.reshape(batch * length, hidden_size)
-    targets_N = targets_B_T.reshape(-1)
+    targets_N = targets_B_T.reshape(batch * length, *targets_B_T.shape[2:])
     chunk = chunk_positions(vocab_size)
     kept = hidden_N_H.shape[0] if not torch.is_grad_enabled() else min(kept_positions, hidden_N_H.shape[0])
     pieces = [
@@ -152,7 +159,7 @@ def target_logprobs(
                 hidden_N_H[kept:], targets_N[kept:], output_layer, chunk, with_entropy, *trainable
             )
         )
-    logprobs_B_T = torch.cat([logprobs for logprobs, _ in pieces]).reshape(batch, length)
+    logprobs_B_T = torch.cat([logprobs for logprobs, _ in pieces]).reshape(targets_B_T.shape)
     if not with_entropy:
         return logprobs_B_T, None
     return logprobs_B_T, torch.cat([entropy for _, entropy in pieces]).reshape(batch, length)
@@ -176,16 +183,9 @@ def language_model_logprobs(
     result (`logits_from_hidden_states` False: a soft cap or a scale after the output layer, see
     `workbench.engine.model.base_model.logits_from_hidden_states`) runs whole, and its logits are read in chunks.
     """
-    if logits_from_hidden_states:
-        features_B_T_F = model.get_decoder()(
-            input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False
-        ).last_hidden_state
-        output_layer = model.get_output_embeddings()
-    else:
-        features_B_T_F = model(
-            input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False
-        ).logits
-        output_layer = nn.Identity()
+    features_B_T_F, output_layer = final_features(
+        model, input_ids_B_T, attention_mask_B_T, logits_from_hidden_states=logits_from_hidden_states
+    )
     return target_logprobs(
         features_B_T_F,
         output_layer,
@@ -194,3 +194,97 @@ def language_model_logprobs(
         kept_positions=kept_positions,
         with_entropy=with_entropy,
     )
+
+
+@dataclass(frozen=True)
+class PositionScores:
+    """What `score_positions` computes for T positions (each None unless asked), on the CPU."""
+
+    logprobs_T: Tensor  # log p(target_t)
+    topk_ids_T_K: Tensor | None = None  # the K most likely tokens, most likely first
+    topk_logprobs_T_K: Tensor | None = None
+    chosen_logprobs_T_J: Tensor | None = None  # log p of each requested id; 0.0 where the id is −1
+    draws_T_A: Tensor | None = None  # A draws at the temperature, with replacement
+    draw_logprobs_T_A: Tensor | None = None  # their logprobs under the tempered distribution
+
+
+@torch.no_grad()
+def score_positions(
+    features_T_F: Tensor,
+    output_layer: OutputLayer,
+    targets_T: Tensor,
+    *,
+    vocab_size: int,
+    topk: int = 0,
+    chosen_ids_T_J: Tensor | None = None,
+    draws: int = 0,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    scores_at_temperature: bool = False,
+) -> PositionScores:
+    """Scores of T next-token distributions from their features, a chunk of C positions at a time, so
+    that no (T, V) tensor exists at once whatever K is: the targets' logprobs, the `topk` most likely
+    tokens, the logprobs of `chosen_ids_T_J` (−1: none), and `draws` tokens drawn from
+    softmax(logits / temperature) (argmax at temperature 0) with their logprobs under it (the model's
+    own at temperature 0). The targets' and top-k logprobs are those of log_softmax(logits / temperature)
+    for `scores_at_temperature` (a sampled sequence's, by the temperature rule), else the model's own;
+    the chosen ids' are always the model's own."""
+    chunk = chunk_positions(vocab_size)
+    pieces: dict[str, list[Tensor]] = {}
+
+    def keep(name: str, value: Tensor) -> None:
+        pieces.setdefault(name, []).append(value.cpu())
+
+    for start in range(0, features_T_F.shape[0], chunk):
+        stop = start + chunk
+        logits_C_V = output_layer(features_T_F[start:stop]).float()
+        logprobs_C_V = torch.log_softmax(logits_C_V, dim=-1)
+        scored_C_V = logprobs_C_V
+        if scores_at_temperature and temperature not in (0.0, 1.0):
+            scored_C_V = torch.log_softmax(logits_C_V / temperature, dim=-1)
+        targets_C = targets_T[start:stop].to(logprobs_C_V.device)
+        keep("logprobs", scored_C_V.gather(-1, targets_C[:, None]).squeeze(-1))
+        if topk:
+            values_C_K, ids_C_K = torch.topk(scored_C_V, topk, dim=-1)
+            keep("topk_ids", ids_C_K)
+            keep("topk_logprobs", values_C_K)
+        if chosen_ids_T_J is not None:
+            ids_C_J = chosen_ids_T_J[start:stop].to(logprobs_C_V.device)
+            chosen_C_J = logprobs_C_V.gather(-1, ids_C_J.clamp_min(0))
+            keep("chosen", torch.where(ids_C_J >= 0, chosen_C_J, torch.zeros_like(chosen_C_J)))
+        if draws:
+            if temperature == 0:
+                ids_C_A = logprobs_C_V.argmax(dim=-1, keepdim=True).expand(-1, draws)
+                tempered_C_V = logprobs_C_V
+            else:
+                tempered_C_V = torch.log_softmax(logits_C_V / temperature, dim=-1)
+                ids_C_A = torch.multinomial(tempered_C_V.exp(), draws, replacement=True, generator=generator)
+            keep("draws", ids_C_A)
+            keep("draw_logprobs", tempered_C_V.gather(-1, ids_C_A))
+
+    def joined(name: str) -> Tensor | None:
+        return torch.cat(pieces[name]) if name in pieces else None
+
+    return PositionScores(
+        logprobs_T=torch.cat(pieces["logprobs"]) if pieces else torch.zeros(0),
+        topk_ids_T_K=joined("topk_ids"),
+        topk_logprobs_T_K=joined("topk_logprobs"),
+        chosen_logprobs_T_J=joined("chosen"),
+        draws_T_A=joined("draws"),
+        draw_logprobs_T_A=joined("draw_logprobs"),
+    )
+
+
+def final_features(
+    model: nn.Module, input_ids_B_T: Tensor, attention_mask_B_T: Tensor, *, logits_from_hidden_states: bool
+) -> tuple[Tensor, nn.Module]:
+    """The features the output layer turns into logits, and that layer: the decoder's final hidden
+    states and the output embeddings, or, for a model whose logits are more than that layer's result,
+    the logits themselves and the identity."""
+    if logits_from_hidden_states:
+        features_B_T_F = model.get_decoder()(
+            input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False
+        ).last_hidden_state
+        return features_B_T_F, model.get_output_embeddings()
+    features_B_T_F = model(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False).logits
+    return features_B_T_F, nn.Identity()

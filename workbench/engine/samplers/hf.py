@@ -8,14 +8,16 @@ left-padded (HF derives position ids from the attention mask); each request's pr
 and its KV cache repeated for its `num_samples` rows. Token choice happens in our own logits processor,
 so that each request keeps its own sampling parameters and its own seeded generator inside a shared
 batch (same seed, same tokens, whatever else is in the batch), and so that the logprob of each chosen
-token is read from the unprocessed distribution: log_softmax of the model's logits, the same number
-`forward` computes for that token. The processor returns scores that leave `generate` (run greedy)
+token (and, with `topk_sample_logprobs`, the top-k) is read from the distribution it was drawn from
+before truncation: log_softmax(logits / τ), which at τ = 1 is the number `forward` computes for that
+token (the temperature rule of `workbench.types.SampledSequence`; τ = 0 reports the model's own). The processor returns scores that leave `generate` (run greedy)
 exactly one choice per row. Rows end at their own stop token, stop string or `max_tokens`; the call ends
 when every row has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -33,14 +35,31 @@ from transformers import (
 
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.batching import PreparedDatum, collate
-from workbench.engine.model.logprobs import language_model_logprobs
-from workbench.engine.samplers.requests import RequestResult, SampleRequest
-from workbench.types import SampledSequence, SamplingParams, StopReason
+from workbench.engine.model.logprobs import final_features, language_model_logprobs, score_positions
+from workbench.engine.samplers.requests import PromptScores, RequestResult, SampleRequest
+from workbench.types import (
+    PromptAltTokens,
+    SampledSequence,
+    SamplingParams,
+    StopReason,
+    TensorData,
+    TopkEntries,
+)
 
 # Rows per `generate` call: bounds the KV cache; a request is never split across calls.
 MAX_ROWS_PER_GENERATE = 256
 # Tokens of a row's tail decoded to look for stop strings (plus the longest stop string's length).
 _STOP_STRING_TAIL_TOKENS = 8
+# Mixed into a request's seed for its prompt draws, so they do not repeat its samples' random numbers.
+PROMPT_DRAWS_SEED_OFFSET = 0x5EED_A17
+
+
+def topk_entries(ids_L_K: Tensor, logprobs_L_K: Tensor) -> TopkEntries:
+    """Top-k matrices as the SDK's lists: per position, (token id, logprob) pairs, most likely first."""
+    return [
+        list(zip(ids, values, strict=True))
+        for ids, values in zip(ids_L_K.tolist(), logprobs_L_K.tolist(), strict=True)
+    ]
 
 
 def _outside_nucleus(sorted_R_V: Tensor, top_p: float) -> Tensor:
@@ -106,7 +125,13 @@ class _ChooseTokens(LogitsProcessor):
     rows); only the draw is per request, from the request's own generator.
     """
 
-    def __init__(self, requests: list[tuple[slice, SamplingParams, torch.Generator]], device: torch.device):
+    def __init__(
+        self,
+        requests: list[tuple[slice, SamplingParams, torch.Generator]],
+        device: torch.device,
+        topk_widths: dict[int, int] | None = None,
+    ):
+        topk_widths = topk_widths or {}  # first row of a request -> its topk_sample_logprobs
         by_params: dict[SamplingParams, list[tuple[slice, torch.Generator]]] = {}
         for rows, params, generator in requests:
             by_params.setdefault(params, []).append((rows, generator))
@@ -120,8 +145,18 @@ class _ChooseTokens(LogitsProcessor):
                 local.append((slice(offset, offset + rows.stop - rows.start), generator))
                 offset += rows.stop - rows.start
             self.groups.append((params, rows_G, local))
+        # each row's logprob temperature (τ, or 1 for greedy rows) and top-k width
+        temperatures, widths = [], []
+        for rows, params, _ in requests:
+            temperatures += [params.temperature or 1.0] * (rows.stop - rows.start)
+            widths += [topk_widths.get(rows.start, 0)] * (rows.stop - rows.start)
+        self.temperature_N_1 = torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None]
+        self.tempered = bool((self.temperature_N_1 != 1).any())
+        self.topk = max(widths, default=0)
         self.tokens: list[Tensor] = []  # per step, (N,)
         self.logprobs: list[Tensor] = []  # per step, (N,)
+        self.topk_ids: list[Tensor] = []  # per step, (N, topk), when a request asks
+        self.topk_logprobs: list[Tensor] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         logits_N_V = scores.float()
@@ -131,10 +166,16 @@ class _ChooseTokens(LogitsProcessor):
             tokens_N = torch.empty(logits_N_V.shape[0], dtype=torch.long, device=logits_N_V.device)
             for params, rows_G, requests in self.groups:
                 tokens_N[rows_G] = self._choose(logits_N_V.index_select(0, rows_G), params, requests)
+        scaled_N_V = logits_N_V / self.temperature_N_1 if self.tempered else logits_N_V
         # log softmax at the chosen token only: logit − logsumexp(logits)
-        logprobs_N = logits_N_V.gather(1, tokens_N[:, None]).squeeze(1) - torch.logsumexp(logits_N_V, dim=-1)
+        normalizer_N = torch.logsumexp(scaled_N_V, dim=-1)
+        logprobs_N = scaled_N_V.gather(1, tokens_N[:, None]).squeeze(1) - normalizer_N
         self.tokens.append(tokens_N)
         self.logprobs.append(logprobs_N)
+        if self.topk:
+            values_N_K, ids_N_K = torch.topk(scaled_N_V, self.topk, dim=-1)
+            self.topk_ids.append(ids_N_K)
+            self.topk_logprobs.append(values_N_K - normalizer_N[:, None])
         return scores.fill_(-math.inf).scatter_(1, tokens_N[:, None], 0.0)  # `scores` is generate's own copy
 
     @staticmethod
@@ -218,12 +259,14 @@ class HFSampler:
             torch.arange(len(requests)), torch.tensor([request.num_samples for request in requests])
         ).to(self.device)
         groups = []
+        topk_widths: dict[int, int] = {}
         start = 0
         for request in requests:
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
             groups.append((slice(start, start + request.num_samples), request.params, generator))
+            topk_widths[start] = request.topk_sample_logprobs
             start += request.num_samples
-        chooser = _ChooseTokens(groups, self.device)
+        chooser = _ChooseTokens(groups, self.device, topk_widths)
         stops = _RowStops(row_requests, chooser, self.tokenizer)
         config = GenerationConfig(
             max_new_tokens=max(request.max_tokens for request in requests),
@@ -242,29 +285,123 @@ class HFSampler:
         )
         tokens_S_N = torch.stack(chooser.tokens).cpu()
         logprobs_S_N = torch.stack(chooser.logprobs).cpu()
+        topk_ids_S_N_K = torch.stack(chooser.topk_ids).cpu() if chooser.topk else None
+        topk_logprobs_S_N_K = torch.stack(chooser.topk_logprobs).cpu() if chooser.topk else None
         rows: list[SampledSequence] = []
-        for row in range(len(row_requests)):
+        for row, request in enumerate(row_requests):
             end = stops.ended[row] or (tokens_S_N.shape[0], "length")
             length, reason = end
+            topk = None
+            if request.topk_sample_logprobs:
+                assert topk_ids_S_N_K is not None and topk_logprobs_S_N_K is not None
+                k = request.topk_sample_logprobs
+                topk = topk_entries(topk_ids_S_N_K[:length, row, :k], topk_logprobs_S_N_K[:length, row, :k])
             rows.append(
                 SampledSequence(
-                    tokens_S_N[:length, row].tolist(), logprobs_S_N[:length, row].tolist(), reason
+                    tokens_S_N[:length, row].tolist(),
+                    logprobs_S_N[:length, row].tolist(),
+                    reason,
+                    topk_logprobs=topk,
                 )
             )
-        prompt_logprobs = self.prompt_logprobs(
-            [r.prompt_tokens for r in requests if r.include_prompt_logprobs]
-        )
+        plain = [r for r in requests if r.include_prompt_logprobs and not r.scores_prompt]
+        prompt_logprobs = self.prompt_logprobs([r.prompt_tokens for r in plain])
         results = []
         start = 0
         for request in requests:
+            scores = PromptScores()
+            logprobs: list[float | None] | None = None
+            if request.scores_prompt:
+                logprobs, scores = self.score_prompt(request)
+            elif request.include_prompt_logprobs:
+                logprobs = prompt_logprobs.pop(0)
             results.append(
                 RequestResult(
                     sequences=rows[start : start + request.num_samples],
-                    prompt_logprobs=prompt_logprobs.pop(0) if request.include_prompt_logprobs else None,
+                    prompt_logprobs=logprobs if request.include_prompt_logprobs else None,
+                    prompt_scores=scores,
                 )
             )
             start += request.num_samples
         return results
+
+    @torch.no_grad()
+    def rescore_sequence(self, request: SampleRequest, sequence: SampledSequence) -> SampledSequence:
+        """`sequence` with its logprobs (and, when the request asks, top-k) computed here under the
+        temperature rule: for an engine that reports the model's raw logprobs (vLLM) where the rule wants
+        the tempered distribution's, or has no top-k of that distribution. One pass of the model over
+        the prompt and the sequence; the output layer runs chunk by chunk."""
+        if not sequence.tokens:
+            return sequence
+        full = torch.tensor([*request.prompt_tokens, *sequence.tokens], dtype=torch.long, device=self.device)
+        features_1_T_F, output_layer = final_features(
+            self.adapted.module,
+            full[None, :-1],
+            torch.ones_like(full[None, :-1]),
+            logits_from_hidden_states=self.logits_from_hidden_states,
+        )
+        start = request.prompt_length - 1
+        scores = score_positions(
+            features_1_T_F[0, start:],
+            output_layer,
+            full[start + 1 :],
+            vocab_size=self.vocab_size,
+            topk=request.topk_sample_logprobs,
+            temperature=request.params.temperature or 1.0,
+            scores_at_temperature=True,
+        )
+        topk = None
+        if scores.topk_ids_T_K is not None and scores.topk_logprobs_T_K is not None:
+            topk = topk_entries(scores.topk_ids_T_K, scores.topk_logprobs_T_K)
+        return dataclasses.replace(sequence, logprobs=scores.logprobs_T.tolist(), topk_logprobs=topk)
+
+    @torch.no_grad()
+    def score_prompt(self, request: SampleRequest) -> tuple[list[float | None], PromptScores]:
+        """The prompt's logprobs and what else the request asks of its positions after the first: top-k
+        (model's distribution; None before `prompt_logprobs_last_n`'s last N), the requested ids' logprobs,
+        and `prompt_alt_tokens_k` draws at the request's temperature (from a generator seeded by the
+        request's seed, so a seeded request draws the same tokens again). One decoder pass; the output
+        layer runs chunk by chunk (`score_positions`)."""
+        tokens = torch.tensor(request.prompt_tokens, dtype=torch.long, device=self.device)
+        features_1_T_F, output_layer = final_features(
+            self.adapted.module,
+            tokens[None, :-1],
+            torch.ones_like(tokens[None, :-1]),
+            logits_from_hidden_states=self.logits_from_hidden_states,
+        )
+        generator = None
+        if request.prompt_alt_tokens_k and request.params.temperature > 0:
+            generator = torch.Generator(device=self.device).manual_seed(
+                (request.seed or 0) ^ PROMPT_DRAWS_SEED_OFFSET
+            )
+        scores = score_positions(
+            features_1_T_F[0],
+            output_layer,
+            tokens[1:],
+            vocab_size=self.vocab_size,
+            topk=request.topk_prompt_logprobs,
+            chosen_ids_T_J=request.target_prompt_ids,
+            draws=request.prompt_alt_tokens_k,
+            temperature=request.params.temperature,
+            generator=generator,
+        )
+        topk = None
+        if scores.topk_ids_T_K is not None and scores.topk_logprobs_T_K is not None:
+            scored = topk_entries(scores.topk_ids_T_K, scores.topk_logprobs_T_K)
+            last_n = request.prompt_logprobs_last_n or len(scored)
+            topk = [None] * (len(scored) + 1 - last_n) + scored[len(scored) - last_n :]
+        return [None, *scores.logprobs_T.tolist()], PromptScores(
+            topk_prompt_logprobs=topk,
+            target_prompt_logprobs=None
+            if scores.chosen_logprobs_T_J is None
+            else TensorData(scores.chosen_logprobs_T_J.numpy(), "float32"),
+            prompt_alt_tokens=None
+            if scores.draws_T_A is None or scores.draw_logprobs_T_A is None
+            else PromptAltTokens(
+                tokens=TensorData(scores.draws_T_A.numpy(), "int64"),
+                logprobs=TensorData(scores.draw_logprobs_T_A.numpy(), "float32"),
+            ),
+        )
 
     def _left_padded(self, requests: list[SampleRequest]) -> tuple[Tensor, Tensor]:
         """Each request's prompt once, left-padded to the longest (HF derives position ids from the mask):

@@ -12,14 +12,24 @@ one the operations before the save left.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from workbench.sdk_conversion import to_model_input, to_sampling_params
-from workbench.types import ModelInput, SampledSequence, SamplingParams
+from workbench.types import (
+    ModelInput,
+    PromptAltTokens,
+    SampledSequence,
+    SamplingParams,
+    TensorData,
+    TopkEntries,
+)
 
 
 @dataclass(frozen=True)
@@ -37,10 +47,22 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None  # score only the prompt's last N tokens (others None)
     record_stability_info: bool = False  # keep the sampled sequences for stable_reinforce
     sequence_ids: tuple[str, ...] | None = None  # the ids the caller named for the sequences, in order
+    topk_prompt_logprobs: int = 0  # k most likely tokens at every prompt position
+    topk_sample_logprobs: int = 0  # k most likely tokens at every generated position
+    # (P − 1, K) int64 ids to score at prompt positions 1.., −1 where nothing is asked
+    target_prompt_ids: torch.Tensor | None = field(default=None, compare=False)
+    prompt_alt_tokens_k: int = 0  # draws at every prompt position after the first
 
     @property
     def prompt_length(self) -> int:
         return len(self.prompt_tokens)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request asks for anything of the prompt beyond its plain logprobs."""
+        return bool(
+            self.topk_prompt_logprobs or self.target_prompt_ids is not None or self.prompt_alt_tokens_k
+        )
 
     def seeded(self, generator: torch.Generator) -> SampleRequest:
         """The request with its seed fixed: its own, else the next draw from `generator`."""
@@ -50,12 +72,22 @@ class SampleRequest:
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """What a request asks of its prompt beyond the plain logprobs (each None unless asked)."""
+
+    topk_prompt_logprobs: TopkEntries | None = None
+    target_prompt_logprobs: TensorData | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
+
+
+@dataclass(frozen=True)
 class RequestResult:
     """What an engine returns for one request: its sampled sequences (stop token included) and, when
-    asked for, the prompt's logprobs."""
+    asked for, the prompt's logprobs and scores."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None
+    prompt_scores: PromptScores = PromptScores()
 
 
 def stop_conditions(
@@ -105,6 +137,10 @@ def prepare_request(
     prompt_logprobs_last_n: int | None = None,
     record_stability_info: bool = False,
     sequence_ids: Sequence[str] | None = None,
+    topk_prompt_logprobs: int = 0,
+    topk_sample_logprobs: int = 0,
+    target_prompt_logprobs: Any = None,
+    prompt_alt_tokens_k: int = 0,
 ) -> SampleRequest:
     """Validate a sampling call against the model; raises ValueError naming the problem."""
     params = to_sampling_params(sampling_params)
@@ -136,6 +172,22 @@ def prepare_request(
         if bad:
             raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab_size})")
     check_prompt_logprobs_last_n(prompt_logprobs_last_n, include_prompt_logprobs, len(tokens))
+    for name, value in (
+        ("topk_prompt_logprobs", topk_prompt_logprobs),
+        ("topk_sample_logprobs", topk_sample_logprobs),
+        ("prompt_alt_tokens_k", prompt_alt_tokens_k),
+    ):
+        check_width(name, value, vocab_size)
+    if (topk_prompt_logprobs or prompt_alt_tokens_k) and len(tokens) < 2:
+        raise ValueError(
+            "topk_prompt_logprobs and prompt_alt_tokens_k score prompt positions after the first: "
+            "the prompt needs at least 2 tokens"
+        )
+    target_ids = (
+        None
+        if target_prompt_logprobs is None
+        else to_target_ids(target_prompt_logprobs, len(tokens), vocab_size)
+    )
     if sequence_ids is not None:
         sequence_ids = tuple(sequence_ids)
         if (
@@ -159,7 +211,56 @@ def prepare_request(
         prompt_logprobs_last_n=prompt_logprobs_last_n,
         record_stability_info=bool(record_stability_info),
         sequence_ids=sequence_ids,
+        topk_prompt_logprobs=topk_prompt_logprobs,
+        topk_sample_logprobs=topk_sample_logprobs,
+        target_prompt_ids=target_ids,
+        prompt_alt_tokens_k=prompt_alt_tokens_k,
     )
+
+
+def check_width(name: str, value: Any, vocab_size: int) -> None:
+    """A top-k width or a number of draws: an integer from 0 (off) to the vocabulary size (no other cap:
+    the scores are computed chunk by chunk, never as a whole (P, V) tensor)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= vocab_size:
+        raise ValueError(
+            f"{name} must be an integer in [0, {vocab_size}] (the vocabulary size), got {value!r}"
+        )
+
+
+def to_target_ids(value: Any, prompt_length: int, vocab_size: int) -> torch.Tensor:
+    """`target_prompt_logprobs` as a dense (P − 1, K) int64 tensor, −1 where nothing is asked.
+
+    Takes ours or the SDK's `TensorData` (dense, or sparse CSR: unlisted cells ask for nothing), a torch
+    tensor, a numpy array or a nested list. Row i is scored at prompt position i + 1."""
+    sdk = sys.modules.get("tinker")
+    if sdk is not None and isinstance(value, sdk.TensorData):
+        if value.dtype != "int64":
+            raise ValueError(f"target_prompt_logprobs must be int64 token ids, got {value.dtype}")
+        array = value.to_numpy(pad_value=-1)
+    elif isinstance(value, TensorData):
+        array = value.to_numpy()
+    elif isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy()
+    else:
+        array = np.asarray(value)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"target_prompt_logprobs must hold integer token ids, got {array.dtype} values")
+    rows = prompt_length - 1
+    if array.ndim != 2 or array.shape[0] != rows or array.shape[1] < 1:
+        raise ValueError(
+            f"target_prompt_logprobs must have shape [len(prompt) - 1, K] = [{rows}, K] with K >= 1, "
+            f"got {list(array.shape)}"
+        )
+    bad = (array < -1) | (array >= vocab_size)
+    if bad.any():
+        row, column = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"target_prompt_logprobs[{row}][{column}] = {int(array[row, column])} is neither -1 (nothing) "
+            f"nor a token id in [0, {vocab_size})"
+        )
+    if not (array >= 0).any():
+        raise ValueError("target_prompt_logprobs names no token id (every cell is -1)")
+    return torch.from_numpy(array.astype(np.int64))
 
 
 def check_prompt_logprobs_last_n(

@@ -8,7 +8,11 @@ training model. The time this takes is those weights' `sync_ms`, reported with e
 The base model samples with no LoRA request.
 
 Logprobs are vLLM's raw logprobs of the sampled tokens (before temperature and top-k/top-p), the same
-quantity the HF sampler and `forward` report. When GPU memory is short (less than `SLEEP_BELOW_FREE`
+quantity the HF sampler and `forward` report at temperature 1; `topk_sample_logprobs=k` is vLLM's own
+`logprobs=k`. At another temperature the temperature rule (`workbench.types.SampledSequence`) wants the
+tempered distribution's logprobs, which vLLM's raw mode does not give: the engine then scores the
+sequences again with the training model (`workbench.engine.local.sample`), as it does the prompt scores
+vLLM has no option for (target ids, prompt draws, top-k of the prompt). When GPU memory is short (less than `SLEEP_BELOW_FREE`
 of it free after sampling), vLLM sleeps between sample calls (weights offloaded, KV cache dropped) and
 wakes for the next one, leaving the memory to training.
 
@@ -130,7 +134,7 @@ class VLLMSampler:
             stop_token_ids=sorted(request.stop_token_ids) or None,
             ignore_eos=not request.stop_token_ids and not request.stop_strings,
             include_stop_str_in_output=True,
-            logprobs=0,
+            logprobs=request.topk_sample_logprobs,
             prompt_logprobs=0 if request.include_prompt_logprobs else None,
             detokenize=bool(request.stop_strings),
         )
@@ -143,9 +147,21 @@ class VLLMSampler:
             logprobs = [
                 position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)
             ]
+            topk = None
+            if request.topk_sample_logprobs:  # vLLM adds the sampled token to its top-k: keep the k best
+                topk = [
+                    [
+                        (int(token), float(entry.logprob))
+                        for token, entry in sorted(position.items(), key=lambda item: -item[1].logprob)
+                    ][: request.topk_sample_logprobs]
+                    for position in completion.logprobs
+                ]
             rows.append(
                 SampledSequence(
-                    tokens, logprobs, "length" if completion.finish_reason == "length" else "stop"
+                    tokens,
+                    logprobs,
+                    "length" if completion.finish_reason == "length" else "stop",
+                    topk_logprobs=topk,
                 )
             )
         prompt_logprobs = None

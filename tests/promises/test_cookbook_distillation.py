@@ -1,0 +1,145 @@
+"""tinker-cookbook's distillation code, unmodified, on the `tiny` model: the SDFT recipe
+(`recipes/sdft/train.py`, `distillation/sdft.py`) with its top-K path, in-process and over `workbench
+serve`.
+
+SDFT (Shenfeld et al. 2026, https://arxiv.org/abs/2601.19897): the student samples answers on-policy; the
+teacher (here the base model with adapters off, the recipe's static teacher) reads the question with a
+golden answer as a demonstration, scores the student's answer with `topk_prompt_logprobs=K`, and the
+student trains with `cross_entropy` on (N, K) soft targets (the teacher's renormalised top-K). The data
+is a local file in the recipe's ToolAlpaca format (`load_from_disk` of `prompt` / `golden_response`
+columns). The only patches: `tinker.ServiceClient` is ours on the test's session engine (in-process), and
+the cookbook's pricing download answers "no pricing".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import pytest
+import tinker
+from tinker_cookbook.recipes.sdft import train as sdft_train
+from tinker_cookbook.utils import cost_estimation
+
+import workbench as wb
+from workbench.engine.model.base_model import resolve_model_path
+
+QUESTION = "Name a fruit."
+GOLDEN = "apple apple apple"
+STEPS = 5
+
+
+@pytest.fixture
+def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session]:
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
+    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
+    yield session
+    session.close()
+
+
+def _toolalpaca_file(folder: Path) -> Path:
+    """A small dataset in the format the recipe's `toolalpaca_data_path` reads (Arrow, `load_from_disk`)."""
+    rows = {"prompt": [QUESTION] * 16, "golden_response": [[GOLDEN]] * 16}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(folder))
+    return folder
+
+
+def _run_sdft(tmp_path: Path, base_url: str | None) -> None:
+    config = sdft_train.CLIConfig(
+        model_name=resolve_model_path("tiny"),
+        renderer_name="qwen3_instruct",
+        dataset="toolalpaca",
+        toolalpaca_data_path=str(_toolalpaca_file(tmp_path / "data")),
+        lora_rank=4,
+        group_size=2,
+        groups_per_batch=2,
+        learning_rate=3e-3,
+        max_tokens=8,
+        topk=20,
+        eval_every=0,
+        save_every=0,
+        log_path=str(tmp_path / "log"),
+        behavior_if_log_dir_exists="delete",
+        max_steps=STEPS,
+        base_url=base_url,
+    )
+    asyncio.run(sdft_train.cli_main(config))
+
+
+def _student_losses(session: wb.Session) -> list[float]:
+    """The soft-target loss per scored position of each training step, from the session's history."""
+    rows = [
+        row
+        for row in session.history
+        if row["op"] == "forward_backward" and row["model"] != "policy" and row.get("num_tokens:sum")
+    ]
+    return [row["loss:sum"] / row["num_tokens:sum"] for row in rows]
+
+
+def _check_the_student_learned(session: wb.Session, log_path: Path) -> None:
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["sdft/topk"] for row in metrics] == [20.0] * STEPS  # the recipe's top-K path ran
+    assert all(0 < row["sdft/mean_teacher_entropy"] <= math.log(20) for row in metrics)
+    losses = _student_losses(session)
+    assert len(losses) == STEPS
+    print("soft-target loss per position, by step:", [round(loss, 3) for loss in losses])
+    # the student moves towards the teacher's top-K: the loss on its own fresh samples falls
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.05
+    teacher_scores = [row for row in session.history if row["op"] == "sample" and row["model"] == "reference"]
+    assert teacher_scores  # the teacher (the base, adapters off) scored the student's answers
+
+
+def test_the_cookbook_sdft_recipe_distils_with_top_k_soft_targets_in_process(
+    sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tinker, "ServiceClient", functools.partial(wb.ServiceClient, engine=sess.engine))
+    _run_sdft(tmp_path, None)
+    _check_the_student_learned(sess, tmp_path / "log")
+
+
+def test_the_cookbook_sdft_recipe_distils_with_top_k_soft_targets_over_http(
+    sess: wb.Session, tmp_path: Path
+) -> None:
+    server = sess.serve()
+    _run_sdft(tmp_path, server.url)
+    _check_the_student_learned(sess, tmp_path / "log")
+
+
+def test_the_cookbook_sdft_reverse_kl_path_runs_its_custom_loss_on_n_by_k_logprobs_over_http(
+    sess: wb.Session, tmp_path: Path
+) -> None:
+    """`reverse=True`: the recipe's analytical reverse KL over the teacher's top-K, a custom loss the SDK
+    runs on the (N, K) logprobs the server's `forward` returns for (N, K) `target_tokens`."""
+    server = sess.serve()
+    config = sdft_train.CLIConfig(
+        model_name=resolve_model_path("tiny"),
+        renderer_name="qwen3_instruct",
+        dataset="toolalpaca",
+        toolalpaca_data_path=str(_toolalpaca_file(tmp_path / "data")),
+        lora_rank=4,
+        group_size=2,
+        groups_per_batch=2,
+        learning_rate=3e-3,
+        max_tokens=8,
+        topk=20,
+        reverse=True,
+        eval_every=0,
+        save_every=0,
+        log_path=str(tmp_path / "log"),
+        behavior_if_log_dir_exists="delete",
+        max_steps=2,
+        base_url=server.url,
+    )
+    asyncio.run(sdft_train.cli_main(config))
+    metrics = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(row["sdft/reverse_kl_positions"] > 0 and row["sdft/reverse_kl_mean"] >= 0 for row in metrics)
+    ops = [row["op"] for row in sess.history if row["model"] != "policy" and row["op"].startswith("forward")]
+    assert ops == ["forward", "forward_backward"] * 2  # the SDK's custom-loss path, once a step
