@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import workbench as wb
+from tests.datums import unweighted_datum
 from workbench.engine.samplers.hf import HFSampler, draw_tokens
 
 PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
@@ -20,9 +21,7 @@ def _ids(sess: wb.Session, text: str) -> list[int]:
 
 def _forward_logprobs(sess: wb.Session, prompt: list[int], tokens: list[int]) -> list[float]:
     full = prompt + tokens
-    out = sess.policy.forward(
-        [wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy"
-    ).result()
+    out = sess.policy.forward([unweighted_datum(full)], "cross_entropy").result()
     return out.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
 
 
@@ -275,7 +274,7 @@ def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> 
 
 def test_close_releases_the_pinned_weights_before_it_returns(tiny: wb.Session) -> None:
     prompt = _ids(tiny, PROMPTS[1])
-    data = [wb.Datum(model_input=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:]})]
+    data = [unweighted_datum(prompt)]
     pinned = tiny.sampling_client()
     assert pinned.weights_version == 0
     tiny.policy.forward_backward(data, "cross_entropy").result()
@@ -290,7 +289,7 @@ def test_close_releases_the_pinned_weights_before_it_returns(tiny: wb.Session) -
 
 def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
     prompt = _ids(tiny, PROMPTS[0])
-    data = [wb.Datum(model_input=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:]})]
+    data = [unweighted_datum(prompt)]
     tiny.policy.forward_backward(data, "cross_entropy").result()
     tiny.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
     base = tiny.sampling_client(base=True)
@@ -298,9 +297,7 @@ def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
     assert response.weights_version is None
     for seq in response.sequences:
         full = prompt + seq.tokens
-        ref = tiny.reference.forward(
-            [wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy"
-        ).result()
+        ref = tiny.reference.forward([unweighted_datum(full)], "cross_entropy").result()
         assert ref.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :] == pytest.approx(
             seq.logprobs, abs=1e-5
         )
@@ -319,7 +316,7 @@ def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypat
     tokens = _ids(tiny, PROMPTS[0])
     # a training op keeps the worker busy while the sample calls queue up behind it
     tiny.policy.forward_backward(
-        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64,
+        [unweighted_datum(tokens)] * 64,
         "cross_entropy",
     )
     futures = [sc.sample(_ids(tiny, p), 2, wb.SamplingParams(max_tokens=4)) for p in PROMPTS * 3]
@@ -332,9 +329,7 @@ def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypat
 def test_sample_history_reports_versions_and_staleness(tiny: wb.Session) -> None:
     sc = tiny.sampling_client()
     tokens = _ids(tiny, PROMPTS[0])
-    tiny.policy.forward_backward(
-        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
-    ).result()
+    tiny.policy.forward_backward([unweighted_datum(tokens)], "cross_entropy").result()
     tiny.policy.optim_step().result()
     sc.sample(tokens, 1, wb.SamplingParams(max_tokens=3)).result()
     row = tiny.history.rows[-1]
@@ -426,7 +421,7 @@ def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, monkey
     try:
         tokens = prompts[0]
         busy = tiny.policy.forward(  # keeps the worker busy while the requests queue up as one batch
-            [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64,
+            [unweighted_datum(tokens)] * 64,
             "cross_entropy",
         )
         futures = [client.sample(prompt, 2, params) for prompt in prompts[:2]]
