@@ -303,7 +303,9 @@ def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
         )
 
 
-def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypatch) -> None:
+@pytest.fixture
+def generate_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many requests each of the HF sampler's generate calls served, in order."""
     calls: list[int] = []
     real = HFSampler._generate_chunk
 
@@ -312,6 +314,10 @@ def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypat
         return real(self, requests)
 
     monkeypatch.setattr(HFSampler, "_generate_chunk", counting)
+    return calls
+
+
+def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, generate_calls: list[int]) -> None:
     sc = tiny.sampling_client()
     tokens = _ids(tiny, PROMPTS[0])
     # a training op keeps the worker busy while the sample calls queue up behind it
@@ -321,7 +327,7 @@ def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypat
     )
     futures = [sc.sample(_ids(tiny, p), 2, wb.SamplingParams(max_tokens=4)) for p in PROMPTS * 3]
     assert all(len(f.result().sequences) == 2 for f in futures)
-    assert calls == [9]
+    assert generate_calls == [9]
     rows = [row for row in tiny.history if row["op"] == "sample"]
     assert len(rows) == 9 and all(row["num_samples:sum"] == 2 for row in rows)
 
@@ -393,7 +399,7 @@ def _sequences_drawn(future: wb.APIFuture[wb.SampleResponse]) -> list[tuple[list
     return [(seq.tokens, seq.logprobs, seq.stop_reason) for seq in future.result().sequences]
 
 
-def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, monkeypatch) -> None:
+def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, generate_calls: list[int]) -> None:
     """Requests queued together run as one generate call; when that call fails, each request runs again
     on its own, so only the one that fails by itself reports the failure. The failure is injected where
     a real one would arise, in the model's forward pass (a prompt holding the POISON token fails)."""
@@ -408,14 +414,7 @@ def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, monkey
         if input_ids is not None and bool((input_ids == poison).any()):
             raise RuntimeError("injected failure for the poisoned prompt")
 
-    calls: list[int] = []
-    real = HFSampler._generate_chunk
-
-    def counting(self, requests):
-        calls.append(len(requests))
-        return real(self, requests)
-
-    monkeypatch.setattr(HFSampler, "_generate_chunk", counting)
+    generate_calls.clear()  # count the calls from here on
     generating_model = tiny.engine.torch_model.get_base_model()  # what generate runs
     hook = generating_model.register_forward_pre_hook(fail_on_poison, with_kwargs=True)
     try:
@@ -431,7 +430,7 @@ def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, monkey
         with pytest.raises(RuntimeError, match="injected failure"):
             poisoned.result()
         assert [_sequences_drawn(future) for future in futures] == alone
-        assert calls == [4, 1, 1, 1, 1]  # one batch, then each request on its own
+        assert generate_calls == [4, 1, 1, 1, 1]  # one batch, then each request on its own
     finally:
         hook.remove()
 
