@@ -18,6 +18,8 @@ if "WORKBENCH_RUNS" not in os.environ:  # session folders go to a scratch area, 
 
     os.environ["WORKBENCH_RUNS"] = tempfile.mkdtemp(prefix="workbench-test-runs-")
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -35,9 +37,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def tiny() -> wb.Session:
-    """A fresh session on the tiny model (rank 4), closed after the test."""
+def tiny() -> Iterator[wb.Session]:
+    """A fresh session on the tiny model (rank 4, seed 0), closed after the test."""
     session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0)
+    yield session
+    session.close()
+
+
+@pytest.fixture
+def tiny_no_wandb() -> Iterator[wb.Session]:
+    """The same session with no W&B run at all (`wandb=False`), closed after the test."""
+    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
     yield session
     session.close()
 

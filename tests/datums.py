@@ -1,8 +1,10 @@
-"""Builders for the datums the tests train on."""
+"""Builders for the datums the tests train on: every test builds its datums here."""
 
 from __future__ import annotations
 
 import random
+
+from tinker import types
 
 import workbench as wb
 
@@ -23,14 +25,29 @@ def random_tokens(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-def ce_datum(tokens: list[int], weights: list[float] | None = None) -> wb.Datum:
-    n = len(tokens) - 1
+def ce_inputs(tokens: list[int], **inputs: object) -> dict[str, object]:
+    """A cross-entropy datum's loss inputs for `tokens`: the next token as target and weight 1 at every
+    position, with `inputs` added or replacing those (a value of None leaves the input out)."""
+    loss_fn_inputs = {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1), **inputs}
+    return {key: value for key, value in loss_fn_inputs.items() if value is not None}
+
+
+def ce_datum(tokens: list[int], **inputs: object) -> wb.Datum:
+    """A cross-entropy datum that trains on every next token of `tokens` (see `ce_inputs`)."""
     return wb.Datum(
-        model_input=wb.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": tokens[1:],
-            "weights": weights if weights is not None else [1.0] * n,
-        },
+        model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=ce_inputs(tokens, **inputs)
+    )
+
+
+def unweighted_datum(tokens: list[int]) -> wb.Datum:
+    """`tokens` with their next-token targets and no weights (cross_entropy then weighs every position 1)."""
+    return ce_datum(tokens, weights=None)
+
+
+def sdk_ce_datum(tokens: list[int], **inputs: object) -> types.Datum:
+    """The same datum built with the `tinker` SDK's own types, as an SDK user sends it."""
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=ce_inputs(tokens, **inputs)
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import workbench as wb
+from tests.datums import unweighted_datum
 from workbench.engine.samplers import vllm_unavailable_reason
 
 PROMPTS = ["The quick brown fox", "User: Hello! How are you", "17 + 25 ="]
@@ -16,9 +17,7 @@ PROMPTS = ["The quick brown fox", "User: Hello! How are you", "17 + 25 ="]
 
 def _train_one_step(sess: wb.Session) -> None:
     tokens = sess.tokenizer("Red, orange, yellow, green, blue, indigo and violet").input_ids
-    sess.policy.forward_backward(
-        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
-    ).result()
+    sess.policy.forward_backward([unweighted_datum(tokens)], "cross_entropy").result()
     assert sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result().applied
 
 
@@ -48,7 +47,7 @@ def test_real_out_of_memory_leaves_the_session_usable() -> None:
         # enough rows that the logits alone exceed the free memory
         rows = int(free / (511 * sess.base_info.vocab_size * 4)) + 1
         tokens = list(range(1, 512))
-        data = [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * rows
+        data = [unweighted_datum(tokens)] * rows
         with pytest.raises(torch.OutOfMemoryError):
             sess.policy.forward_backward(data, "cross_entropy").result()
         assert sess.state_digest() == before

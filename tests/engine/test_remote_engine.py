@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
+from tests.datums import ce_datum
 from workbench.engine.interface import EngineInterface
 from workbench.engine.remote import SDK_LOSSES
 
@@ -68,15 +69,8 @@ def _environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
 
 
-def datum(tokens: list[int]) -> wb.Datum:
-    return wb.Datum(
-        model_input=wb.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
-
-
 def sft_step(sess: wb.Session, i: int) -> dict[str, float]:
-    backward = sess.policy.forward_backward([datum(t) for t in TOKENS], "cross_entropy")
+    backward = sess.policy.forward_backward([ce_datum(t) for t in TOKENS], "cross_entropy")
     sess.policy.optim_step(sess.current_run.adam_params).result()
     sample = sess.sampling_client().sample(PROMPT, 2, {"max_tokens": 4, "seed": 10 + i}).result()
     return {
@@ -171,18 +165,18 @@ def test_remote_session_views_and_checkpoints(server: Server) -> None:
     """Panel status names the engine's URL (no local memory); plots, token views, checkpoint listing
     and save/load by tinker:// path work."""
     with wb.Session.connect(server.url, base_model="tiny", lora=LORA, wandb=False) as sess:
-        sess.policy.forward_backward([datum(TOKENS[0])], "cross_entropy").result()
+        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
         sess.policy.optim_step({"learning_rate": 1e-2}).result()
         saved = sess.policy.save_state("one").result()
         assert saved.path.startswith("tinker://")
         listed = sess.list_checkpoints()
         assert [(c.name, c.kind, c.step, c.tinker_path) for c in listed] == [("one", "state", 1, saved.path)]
-        before = sess.policy.forward([datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+        before = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
         sess.policy.optim_step({"learning_rate": 1e-1}).result()  # no gradient: weights stay, version moves
-        sess.policy.forward_backward([datum(TOKENS[1])], "cross_entropy").result()
+        sess.policy.forward_backward([ce_datum(TOKENS[1])], "cross_entropy").result()
         sess.policy.optim_step({"learning_rate": 1e-1}).result()
         sess.load_state(saved.path)
-        after = sess.policy.forward([datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+        after = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
         assert after == pytest.approx(before, rel=1e-6)
         assert sess.step == 1 and sess.policy.weights_version == 4
 
@@ -206,7 +200,7 @@ def test_what_the_remote_engine_cannot_do_is_refused_before_sending(server: Serv
         assert local_only  # the local engine has losses the protocol cannot name
         assert set(sess.engine.losses) == set(SDK_LOSSES) & set(wb.LOSSES)  # as the server lists them
         cases = [
-            (lambda: sess.policy.forward_backward([datum(TOKENS[0])], local_only[0]), "accepts"),
+            (lambda: sess.policy.forward_backward([ce_datum(TOKENS[0])], local_only[0]), "accepts"),
             (lambda: sess.create_critic(), "no critic"),
             (lambda: sess.state_digest(), "state_digest"),
             (lambda: sess.load_state(str(sess.run_dir)), "tinker://"),
@@ -223,7 +217,7 @@ def test_what_the_remote_engine_cannot_do_is_refused_before_sending(server: Serv
                 call()
         assert sess.history.rows == [] and sess.step == 0 and sess.critic is None
         # nothing half-sent: the session goes on
-        sess.policy.forward_backward([datum(TOKENS[0])], "cross_entropy").result()
+        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
         assert op_rows(sess.history) == [("forward_backward", "policy", 0)]
     with pytest.raises(wb.RemoteUnsupportedError, match="serves \\['tiny'\\]"):
         wb.Session.connect(server.url, base_model="smollm2-135m", wandb=False)
@@ -253,7 +247,7 @@ def test_server_killed_mid_run(tmp_path: Path) -> None:
             if i == 2:
                 doomed.process.kill()
                 doomed.process.wait()
-            s.policy.forward_backward([datum(TOKENS[0])], "cross_entropy").result()
+            s.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
             s.policy.optim_step({"learning_rate": 1e-2}).result()
             completed.append(i)
 
@@ -272,7 +266,7 @@ def test_server_killed_mid_run(tmp_path: Path) -> None:
         ]
         started = time.monotonic()
         with pytest.raises(wb.EngineUnreachableError):
-            sess.policy.forward([datum(TOKENS[0])], "cross_entropy").result(timeout=30)
+            sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result(timeout=30)
         assert time.monotonic() - started < 10
         assert sess.plot("loss:sum").axes and len(sess.history.rows) == 4
     finally:
@@ -295,8 +289,10 @@ def test_custom_loss_matches_a_local_session(server: Server) -> None:
         wb.Session.connect(server.url, base_model="tiny", lora=LORA, seed=0, wandb=False),
     ):
         with sess:
-            out = sess.policy.forward_backward_custom([datum(t) for t in TOKENS], negative_logprob).result()
+            out = sess.policy.forward_backward_custom(
+                [ce_datum(t) for t in TOKENS], negative_logprob
+            ).result()
             sess.policy.optim_step({"learning_rate": 1e-2}).result()
-            after = sess.policy.forward([datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+            after = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
             results.append((out.metrics["custom"], out.metrics["loss:sum"], after))
     assert results[1] == pytest.approx(results[0], rel=1e-5)

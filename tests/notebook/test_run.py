@@ -273,10 +273,9 @@ def test_bad_arguments_raise_in_the_callers_thread(tiny: wb.Session) -> None:
     assert tiny.current_run is None
 
 
-def test_closing_the_session_stops_a_paused_run() -> None:
-    sess = wb.Session("tiny", wb.LoraConfig(rank=4))
-    run = sess.run(lambda s, i: None, steps=3, paused=True)
-    sess.close()
+def test_closing_the_session_stops_a_paused_run(tiny: wb.Session) -> None:
+    run = tiny.run(lambda s, i: None, steps=3, paused=True)
+    tiny.close()
     assert run.wait(WAIT_S) is RunState.STOPPED and run.i == 0
     with pytest.raises(wb.SessionClosedError):
-        sess.run(lambda s, i: None, steps=1)
+        tiny.run(lambda s, i: None, steps=1)

@@ -232,10 +232,9 @@ def test_the_panel_redraws_itself_until_closed(tiny: wb.Session) -> None:
     assert not panel.polling
 
 
-def test_closing_the_session_ends_the_panel_timer() -> None:
-    sess = wb.Session("tiny", wb.LoraConfig(rank=4))
-    panel = sess.panel()
-    sess.close()
+def test_closing_the_session_ends_the_panel_timer(tiny: wb.Session) -> None:
+    panel = tiny.panel()
+    tiny.close()
     panel._timer.join(WAIT_S)
     assert not panel.polling
     assert "closed" in panel.status.widget.value

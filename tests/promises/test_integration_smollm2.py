@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import workbench as wb
+from tests.datums import sft_datum
 
 pytestmark = pytest.mark.integration
 
@@ -17,17 +18,11 @@ EXAMPLES = [
 
 
 def chat_datum(tokenizer, question: str, answer: str) -> wb.Datum:
+    """An SFT datum in SmolLM2's chat format: the templated question, then the answer and its end of turn."""
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
     )
-    prompt_ids = tokenizer(prompt).input_ids
-    answer_ids = tokenizer(answer + "<|im_end|>").input_ids
-    tokens = prompt_ids + answer_ids
-    weights = [0.0] * len(prompt_ids) + [1.0] * len(answer_ids)
-    return wb.Datum(
-        model_input=wb.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
-    )
+    return sft_datum(tokenizer, prompt, answer + "<|im_end|>")
 
 
 def test_sft_loss_falls_on_smollm2() -> None:

@@ -15,53 +15,46 @@ import pytest
 import torch
 
 import workbench as wb
+from tests.datums import unweighted_datum
 
 PROMPT = [5, 6, 7]
 GREEDY = wb.SamplingParams(max_tokens=3, temperature=0.0)
 
 
-def _datum(target: int) -> wb.Datum:
-    return wb.Datum(
-        model_input=wb.ModelInput.from_ints([5, 6, 7, 8]), loss_fn_inputs={"target_tokens": [6, 7, 8, target]}
-    )
-
-
-def test_pipelined_steps_then_a_sampler_sample_the_weights_after_every_step() -> None:
+def test_pipelined_steps_then_a_sampler_sample_the_weights_after_every_step(
+    tiny_no_wandb: wb.Session,
+) -> None:
     """200 pipelined iterations (forward_backward, optim_step, save_weights_and_get_sampling_client, sample),
     none waited on: each sample reports the version after the steps submitted before its client, and its
     greedy tokens equal those of a client made once those steps were known to be done."""
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        iterations = 200
-        futures = []
-        for i in range(iterations):
-            sess.policy.forward_backward([_datum(9 + i % 7)], "cross_entropy")
-            sess.policy.optim_step(wb.AdamParams(learning_rate=2e-2))
-            client = sess.policy.save_weights_and_get_sampling_client()
-            futures.append((i, client, client.sample(PROMPT, 1, GREEDY)))
-        for i, client, future in futures:
-            response = future.result()
-            assert response.weights_version == i + 1, (
-                f"iteration {i} sampled version {response.weights_version}"
-            )
-            assert client.result().weights_version == i + 1
-        # the last responses' tokens are those of the final weights, sampled afresh
-        final = sess.sampling_client().sample(PROMPT, 1, GREEDY).result()
-        assert futures[-1][2].result().sequences[0].tokens == final.sequences[0].tokens
-        # and an early client still samples its own (older) weights, not the final ones
-        first_client = futures[0][1].result()
-        again = first_client.sample(PROMPT, 1, GREEDY).result()
-        assert again.weights_version == 1
-        assert again.sequences[0].tokens == futures[0][2].result().sequences[0].tokens
+    iterations = 200
+    futures = []
+    for i in range(iterations):
+        tiny_no_wandb.policy.forward_backward([unweighted_datum([5, 6, 7, 8, 9 + i % 7])], "cross_entropy")
+        tiny_no_wandb.policy.optim_step(wb.AdamParams(learning_rate=2e-2))
+        client = tiny_no_wandb.policy.save_weights_and_get_sampling_client()
+        futures.append((i, client, client.sample(PROMPT, 1, GREEDY)))
+    for i, client, future in futures:
+        response = future.result()
+        assert response.weights_version == i + 1, f"iteration {i} sampled version {response.weights_version}"
+        assert client.result().weights_version == i + 1
+    # the last responses' tokens are those of the final weights, sampled afresh
+    final = tiny_no_wandb.sampling_client().sample(PROMPT, 1, GREEDY).result()
+    assert futures[-1][2].result().sequences[0].tokens == final.sequences[0].tokens
+    # and an early client still samples its own (older) weights, not the final ones
+    first_client = futures[0][1].result()
+    again = first_client.sample(PROMPT, 1, GREEDY).result()
+    assert again.weights_version == 1
+    assert again.sequences[0].tokens == futures[0][2].result().sequences[0].tokens
 
 
-def test_a_session_sampling_client_made_behind_queued_steps_waits_for_them() -> None:
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        for _ in range(5):
-            sess.policy.forward_backward([_datum(9)], "cross_entropy")
-            sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2))
-        client = sess.sampling_client()
-        assert client.weights_version == 5
-        assert client.sample(PROMPT, 1, GREEDY).result().weights_version == 5
+def test_a_session_sampling_client_made_behind_queued_steps_waits_for_them(tiny_no_wandb: wb.Session) -> None:
+    for _ in range(5):
+        tiny_no_wandb.policy.forward_backward([unweighted_datum([5, 6, 7, 8, 9])], "cross_entropy")
+        tiny_no_wandb.policy.optim_step(wb.AdamParams(learning_rate=1e-2))
+    client = tiny_no_wandb.sampling_client()
+    assert client.weights_version == 5
+    assert client.sample(PROMPT, 1, GREEDY).result().weights_version == 5
 
 
 def test_a_slow_optimizer_step_never_releases_weights_a_client_was_promised(
@@ -101,7 +94,7 @@ def test_a_slow_optimizer_step_never_releases_weights_a_client_was_promised(
         try:
             results = []
             for i in range(60):
-                sess.policy.forward_backward([_datum(9 + i % 5)], "cross_entropy")
+                sess.policy.forward_backward([unweighted_datum([5, 6, 7, 8, 9 + i % 5])], "cross_entropy")
                 sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2))
                 client = sess.policy.save_weights_and_get_sampling_client()
                 results.append((i, client.sample(PROMPT, 1, GREEDY)))
@@ -118,22 +111,22 @@ def test_a_slow_optimizer_step_never_releases_weights_a_client_was_promised(
     assert not errors, errors[:3]
 
 
-def test_a_dropped_client_releases_its_weights_once_the_worker_gets_there() -> None:
+def test_a_dropped_client_releases_its_weights_once_the_worker_gets_there(tiny_no_wandb: wb.Session) -> None:
     """Dropping the last reference to a client (or its future) releases its pin: no copy of its weights
     outlives it, whether it came from the session or from save_weights_and_get_sampling_client."""
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        for make in (
-            sess.sampling_client,
-            lambda: sess.policy.save_weights_and_get_sampling_client().result(),
-        ):
-            client = make()
-            version = client.weights_version
-            sess.policy.forward_backward([_datum(9)], "cross_entropy")
-            sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-            assert (
-                version in sess.live_versions() and sess.engine.run_status(sess.model_id).snapshot_bytes > 0
-            )
-            del client
-            sess.state_digest()  # an operation after the release: the worker has processed it
-            assert sess.live_versions() == [version + 1]
-            assert sess.engine.run_status(sess.model_id).snapshot_bytes == 0
+    for make in (
+        tiny_no_wandb.sampling_client,
+        lambda: tiny_no_wandb.policy.save_weights_and_get_sampling_client().result(),
+    ):
+        client = make()
+        version = client.weights_version
+        tiny_no_wandb.policy.forward_backward([unweighted_datum([5, 6, 7, 8, 9])], "cross_entropy")
+        tiny_no_wandb.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        assert (
+            version in tiny_no_wandb.live_versions()
+            and tiny_no_wandb.engine.run_status(tiny_no_wandb.model_id).snapshot_bytes > 0
+        )
+        del client
+        tiny_no_wandb.state_digest()  # an operation after the release: the worker has processed it
+        assert tiny_no_wandb.live_versions() == [version + 1]
+        assert tiny_no_wandb.engine.run_status(tiny_no_wandb.model_id).snapshot_bytes == 0

@@ -25,17 +25,13 @@ import pytest
 import torch
 
 import workbench as wb
+from tests.datums import unweighted_datum
 from workbench.engine.local import model_lifecycle
 from workbench.engine.worker import Worker
 
 WAIT_S = 60.0
+TOKENS = [5, 6, 7, 8, 9]
 PACKAGE_DIR = os.path.dirname(wb.__file__) + os.sep
-
-
-def _datum(target: int = 9) -> wb.Datum:
-    return wb.Datum(
-        model_input=wb.ModelInput.from_ints([5, 6, 7, 8]), loss_fn_inputs={"target_tokens": [6, 7, 8, target]}
-    )
 
 
 def _session(**kwargs: object) -> wb.Session:
@@ -55,7 +51,7 @@ class Blocker:
         return -logprobs[0].sum(), {}
 
     def hold(self, sess: wb.Session) -> wb.APIFuture:
-        future = sess.policy.forward_backward_custom([_datum()], self)
+        future = sess.policy.forward_backward_custom([unweighted_datum(TOKENS)], self)
         assert self.started.wait(WAIT_S)
         return future
 
@@ -110,7 +106,7 @@ def test_a_custom_loss_that_waits_for_another_operation_raises_instead_of_deadlo
     forever, and every later operation and close() with it. It raises ReentrantWaitError instead, the
     call fails whole, and the session carries on."""
     with _session() as sess:
-        sess.policy.forward_backward([_datum()], "cross_entropy").result()
+        sess.policy.forward_backward([unweighted_datum(TOKENS)], "cross_entropy").result()
         before = sess.state_digest()
 
         def waits_for_the_reference(data: list[wb.Datum], logprobs: list[torch.Tensor]) -> tuple:
@@ -123,7 +119,7 @@ def test_a_custom_loss_that_waits_for_another_operation_raises_instead_of_deadlo
 
         for loss in (waits_for_the_reference, waits_for_a_sampler):
             with pytest.raises(wb.ReentrantWaitError, match="from inside another operation"):
-                sess.policy.forward_backward_custom([_datum()], loss).result(timeout=WAIT_S)
+                sess.policy.forward_backward_custom([unweighted_datum(TOKENS)], loss).result(timeout=WAIT_S)
             assert sess.state_digest() == before
         assert sess.policy.optim_step().result(timeout=WAIT_S).applied
     assert sess.closed
@@ -156,7 +152,7 @@ def test_a_client_collected_inside_the_copy_on_write_does_not_hang_the_worker(
         try:
             del client
             monkeypatch.setattr(torch.Tensor, "clone", clone_then_collect)
-            sess.policy.forward_backward([_datum()], "cross_entropy")
+            sess.policy.forward_backward([unweighted_datum(TOKENS)], "cross_entropy")
             step = sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result(timeout=WAIT_S)
             monkeypatch.undo()
         finally:
@@ -217,7 +213,7 @@ def test_closing_a_session_while_another_thread_submits_resolves_every_future() 
         def submit(sess: wb.Session = sess, futures: list = futures, submitted=submitted) -> None:
             while len(futures) < 30:
                 try:
-                    futures.append(sess.policy.forward([_datum()], "cross_entropy"))
+                    futures.append(sess.policy.forward([unweighted_datum(TOKENS)], "cross_entropy"))
                 except wb.SessionClosedError:
                     return
                 if len(futures) == 5:
@@ -260,7 +256,7 @@ def test_ctrl_c_while_create_critic_waits_behind_queued_work_leaves_no_trace() -
         critic = sess.create_critic()  # the retry works
         assert sess.critic is critic and sess.config.critic is not None
         assert _adapters(sess) == ["policy", "critic"]
-        values = critic.forward([_datum()], "ppo_critic").result(timeout=WAIT_S)
+        values = critic.forward([unweighted_datum(TOKENS)], "ppo_critic").result(timeout=WAIT_S)
         assert len(values.loss_fn_outputs[0]["values"]) == 4
         saved = sess.policy.save_state("after-ctrl-c").result(timeout=WAIT_S)
         with wb.Session.from_checkpoint(saved.path, wandb=False) as resumed:
@@ -294,7 +290,7 @@ def test_ctrl_c_once_create_critic_runs_lets_it_complete(monkeypatch: pytest.Mon
         assert _adapters(sess) == ["policy", "critic"]
         with pytest.raises(ValueError, match="already has a critic"):
             sess.create_critic()
-        sess.critic.forward([_datum()], "ppo_critic").result(timeout=WAIT_S)
+        sess.critic.forward([unweighted_datum(TOKENS)], "ppo_critic").result(timeout=WAIT_S)
         saved = sess.policy.save_state("critic-made").result(timeout=WAIT_S)
         sess.load_state(saved.path)
     finally:
@@ -331,7 +327,7 @@ def test_ctrl_c_during_close_then_close_again_frees_the_session() -> None:
         sess.close()
     assert sess.closed
     with pytest.raises(wb.SessionClosedError):
-        sess.policy.forward([_datum()], "cross_entropy")
+        sess.policy.forward([unweighted_datum(TOKENS)], "cross_entropy")
     blocker.release()
     assert held.result(timeout=WAIT_S).metrics["loss:sum"] > 0  # queued work still finishes
     sess.close()  # the retry frees what the interrupted call did not
@@ -366,7 +362,7 @@ def _worker_threads() -> int:
 
 
 def _trained(sess: wb.Session) -> None:
-    sess.policy.forward_backward([_datum()], "cross_entropy").result()
+    sess.policy.forward_backward([unweighted_datum(TOKENS)], "cross_entropy").result()
     sess.policy.optim_step().result()
     sess.sampling_client().sample([5, 6, 7], 2, wb.SamplingParams(max_tokens=3)).result()
 
@@ -380,15 +376,19 @@ def _with_dropped_clients(sess: wb.Session) -> Path:
 
 
 def _after_a_finished_run(sess: wb.Session) -> None:
-    assert sess.run(wb.train_step([_datum()]), 2).wait(WAIT_S) is wb.RunState.FINISHED
+    assert sess.run(wb.train_step([unweighted_datum(TOKENS)]), 2).wait(WAIT_S) is wb.RunState.FINISHED
 
 
 def _with_a_paused_run(sess: wb.Session) -> None:
-    assert sess.run(wb.train_step([_datum()]), 5, paused=True).wait(WAIT_S) is wb.RunState.PAUSED
+    assert (
+        sess.run(wb.train_step([unweighted_datum(TOKENS)]), 5, paused=True).wait(WAIT_S) is wb.RunState.PAUSED
+    )
 
 
 def _with_a_panel(sess: wb.Session) -> wb.Panel:
-    return sess.panel(train_data=[_datum()])  # ipywidgets keeps every widget until it is closed
+    return sess.panel(
+        train_data=[unweighted_datum(TOKENS)]
+    )  # ipywidgets keeps every widget until it is closed
 
 
 @pytest.mark.parametrize(
@@ -425,7 +425,7 @@ def test_a_session_dropped_without_close_is_freed(use: Callable[[wb.Session], ob
 
 def test_a_paused_run_of_a_dropped_session_ends_its_thread() -> None:
     sess = _session()
-    run = sess.run(wb.train_step([_datum()]), 5, paused=True)
+    run = sess.run(wb.train_step([unweighted_datum(TOKENS)]), 5, paused=True)
     thread = run._thread
     engine, model = weakref.ref(sess.engine), weakref.ref(sess.engine.torch_model)
     del sess, run
@@ -440,7 +440,7 @@ def test_what_still_holds_a_session_keeps_it() -> None:
     sess = _session()
     engine, model = weakref.ref(sess.engine), weakref.ref(sess.engine.torch_model)
     client = sess.sampling_client()
-    run = sess.run(wb.train_step([_datum()]), 3, paused=True)
+    run = sess.run(wb.train_step([unweighted_datum(TOKENS)]), 3, paused=True)
     del sess
     gc.collect()
     assert engine() is not None
@@ -454,7 +454,7 @@ def test_what_still_holds_a_session_keeps_it() -> None:
 def test_a_dropped_session_closes_its_wandb_run(no_wandb_credentials) -> None:
     sess = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=None)
     assert sess.wandb_run is not None and sess.wandb_run.mode == "offline"
-    sess.policy.forward_backward([_datum()], "cross_entropy").result()
+    sess.policy.forward_backward([unweighted_datum(TOKENS)], "cross_entropy").result()
     folder = sess.wandb_run.directory
     engine, model = weakref.ref(sess.engine), weakref.ref(sess.engine.torch_model)
     del sess
@@ -470,7 +470,7 @@ def test_rss_stays_flat_over_ten_dropped_smollm2_sessions() -> None:
     import psutil
 
     process = psutil.Process()
-    data = [_datum()]
+    data = [unweighted_datum(TOKENS)]
     rss_mib: list[float] = []
     for _ in range(10):
         sess = wb.Session("smollm2-135m", wb.LoraConfig(rank=8), seed=0, wandb=False)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,13 +29,10 @@ CONVERSATIONS = Path(cookbook.__file__).parent / "example_data" / "conversations
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[wb.Session, str]]:
+def served(monkeypatch: pytest.MonkeyPatch, tiny_no_wandb: wb.Session) -> tuple[wb.Session, str]:
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
-    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
-    server = session.serve()
-    yield session, server.url
-    session.close()
+    return tiny_no_wandb, tiny_no_wandb.serve().url
 
 
 def _metrics(log_path: Path) -> list[dict]:

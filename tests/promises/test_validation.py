@@ -7,37 +7,20 @@ import json
 import pytest
 
 import workbench as wb
-from tests.datums import ce_datum
+from tests.datums import ce_datum, ce_inputs
 
 GOOD = [5, 17, 42, 99, 100, 7]
 
 
-def _d(tokens=GOOD, **inputs) -> wb.Datum:
-    n = len(tokens) - 1
-    loss_inputs = {"target_tokens": tokens[1:], "weights": [1.0] * n}
-    loss_inputs.update(inputs)
-    return wb.Datum(
-        model_input=wb.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={k: v for k, v in loss_inputs.items() if v is not None},
-    )
-
-
 def _raw(model_input=GOOD[:-1], **inputs) -> dict:
     """A datum as a plain dict, so that what `wb.Datum(...)` would refuse at once reaches the call."""
-    n = len(GOOD) - 1
-    loss_inputs = {"target_tokens": GOOD[1:], "weights": [1.0] * n}
-    loss_inputs.update(inputs)
-    return {"model_input": model_input, "loss_fn_inputs": loss_inputs}
+    return {"model_input": model_input, "loss_fn_inputs": ce_inputs(GOOD, **inputs)}
 
 
 def _rl(**overrides) -> wb.Datum:
+    """An RL datum on GOOD: sampler logprob -1 and advantage 0.5 at every position, no weights."""
     n = len(GOOD) - 1
-    inputs = {"target_tokens": GOOD[1:], "logprobs": [-1.0] * n, "advantages": [0.5] * n}
-    inputs.update(overrides)
-    return wb.Datum(
-        model_input=wb.ModelInput.from_ints(GOOD[:-1]),
-        loss_fn_inputs={k: v for k, v in inputs.items() if v is not None},
-    )
+    return ce_datum(GOOD, **{"weights": None, "logprobs": [-1.0] * n, "advantages": [0.5] * n, **overrides})
 
 
 CASES = [
@@ -57,7 +40,7 @@ CASES = [
     ),
     (
         "target out of range",
-        lambda v: [_d(target_tokens=[1, 2, 3, v, 5])],
+        lambda v: [ce_datum(GOOD, target_tokens=[1, 2, 3, v, 5])],
         "cross_entropy",
         None,
         r"datum 0: loss_fn_inputs\['target_tokens'\]: token id \d+ at position 3",
@@ -129,14 +112,14 @@ CASES = [
     ),
     (
         "misaligned weights",
-        lambda v: [_d(weights=[1.0, 1.0])],
+        lambda v: [ce_datum(GOOD, weights=[1.0, 1.0])],
         "cross_entropy",
         None,
         r"datum 0: loss_fn_inputs\['weights'\] has shape \[2\], but model_input has 5 tokens",
     ),
     (
         "misaligned targets",
-        lambda v: [ce_datum(GOOD), _d(target_tokens=[1, 2, 3, 4, 5, 6])],
+        lambda v: [ce_datum(GOOD), ce_datum(GOOD, target_tokens=[1, 2, 3, 4, 5, 6])],
         "cross_entropy",
         None,
         r"datum 1: loss_fn_inputs\['target_tokens'\] has shape \[6\]",
@@ -150,7 +133,7 @@ CASES = [
     ),
     (
         "missing targets",
-        lambda v: [_d(target_tokens=None)],
+        lambda v: [ce_datum(GOOD, target_tokens=None)],
         "cross_entropy",
         None,
         r"datum 0: loss_fn_inputs is missing \['target_tokens'\]",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,47 +24,11 @@ from tinker import types
 from tinker.lib.public_interfaces.training_client import fetch_training_info
 
 import workbench as wb
+from tests.datums import ce_datum, sdk_ce_datum
 from workbench.server import ServerConfig, TinkerServer
 
 API_KEY = "tml-test-key-0123"
 TOKENS = [[5, 17, 33, 48, 60, 71, 2], [9, 21, 40, 11, 3], [44, 45, 46, 47, 48, 49, 50, 51]]
-
-
-@pytest.fixture
-def sess(monkeypatch: pytest.MonkeyPatch) -> Iterator[wb.Session]:
-    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
-    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, max_models=6)
-    yield session
-    session.close()
-
-
-@pytest.fixture
-def srv(sess: wb.Session) -> TinkerServer:
-    return sess.serve()
-
-
-@pytest.fixture
-def client(srv: TinkerServer) -> Iterator[tinker.ServiceClient]:
-    service_client = tinker.ServiceClient(base_url=srv.url)
-    yield service_client
-    if srv.running:
-        service_client.close("success").result()
-
-
-def sdk_datum(tokens: list[int]) -> types.Datum:
-    n = len(tokens) - 1
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n},
-    )
-
-
-def our_datum(tokens: list[int]) -> wb.Datum:
-    n = len(tokens) - 1
-    return wb.Datum(
-        model_input=wb.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n},
-    )
 
 
 def twin(sess: wb.Session) -> wb.TrainingClient:
@@ -116,11 +79,11 @@ def test_training_through_the_server_matches_in_process(
         batch = TOKENS if step == 0 else TOKENS[::-1]
         # submitted back to back before waiting, as the cookbook does: the server keeps seq_id order
         futures = (
-            remote.forward_backward([sdk_datum(t) for t in batch], "cross_entropy"),
+            remote.forward_backward([sdk_ce_datum(t) for t in batch], "cross_entropy"),
             remote.optim_step(types.AdamParams(**ADAM)),
         )
         theirs, their_step = (f.result() for f in futures)
-        ours = local.forward_backward([our_datum(t) for t in batch], "cross_entropy").result()
+        ours = local.forward_backward([ce_datum(t) for t in batch], "cross_entropy").result()
         our_step = local.optim_step(ADAM).result()
         assert theirs.metrics == ours.metrics
         for their_out, our_out in zip(theirs.loss_fn_outputs, ours.loss_fn_outputs, strict=True):
@@ -129,8 +92,8 @@ def test_training_through_the_server_matches_in_process(
                 their_out["elementwise_loss"].to_numpy(), our_out["elementwise_loss"].to_numpy()
             )
         assert their_step.metrics == our_step.metrics
-    held_out = remote.forward([sdk_datum(TOKENS[0])], "cross_entropy").result()
-    assert held_out.metrics == local.forward([our_datum(TOKENS[0])], "cross_entropy").result().metrics
+    held_out = remote.forward([sdk_ce_datum(TOKENS[0])], "cross_entropy").result()
+    assert held_out.metrics == local.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics
     # the history names the model each row was for, remote ones included
     adapters = {
         sess.engine.run_status(remote.model_id).adapter,
@@ -145,9 +108,9 @@ def test_sampling_through_the_server_matches_in_process(
 ) -> None:
     remote = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
     local = twin(sess)
-    remote.forward_backward([sdk_datum(TOKENS[0])], "cross_entropy")
+    remote.forward_backward([sdk_ce_datum(TOKENS[0])], "cross_entropy")
     remote.optim_step(types.AdamParams(**ADAM)).result()
-    local.forward_backward([our_datum(TOKENS[0])], "cross_entropy")
+    local.forward_backward([ce_datum(TOKENS[0])], "cross_entropy")
     local.optim_step(ADAM).result()
     prompt = TOKENS[1]
     params = {"max_tokens": 6, "seed": 123, "temperature": 1.0}
@@ -184,7 +147,7 @@ def test_several_models_share_the_base_up_to_the_limit(
     # a base-model sampler takes no slot
     client.create_sampling_client(base_model="tiny").result()
     assert all(
-        m.forward([sdk_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"] > 0 for m in models
+        m.forward([sdk_ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"] > 0 for m in models
     )
     client.close("success").result()  # the session's models are freed; their files stay
     assert sess.engine.model_ids() == [sess.model_id]
@@ -196,11 +159,11 @@ def test_several_models_share_the_base_up_to_the_limit(
 def test_checkpoints_through_the_server(sess: wb.Session, client: tinker.ServiceClient) -> None:
     remote = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
     local = twin(sess)
-    remote.forward_backward([sdk_datum(t) for t in TOKENS], "cross_entropy")
+    remote.forward_backward([sdk_ce_datum(t) for t in TOKENS], "cross_entropy")
     remote.optim_step(types.AdamParams(**ADAM))
     state = remote.save_state("s1").result()
     sampler_path = remote.save_weights_for_sampler("w1").result().path
-    local.forward_backward([our_datum(t) for t in TOKENS], "cross_entropy")
+    local.forward_backward([ce_datum(t) for t in TOKENS], "cross_entropy")
     local.optim_step(ADAM)
     ours = local.save_weights_for_sampler("w1").result()
     assert state.path == f"tinker://{remote.model_id}/weights/s1"
@@ -214,7 +177,7 @@ def test_checkpoints_through_the_server(sess: wb.Session, client: tinker.Service
     with torch.no_grad():
         logits = loaded(input_ids=torch.tensor([TOKENS[0][:-1]])).logits[0]
     logprobs = torch.log_softmax(logits, -1)[torch.arange(len(TOKENS[0]) - 1), torch.tensor(TOKENS[0][1:])]
-    after = local.forward([our_datum(TOKENS[0])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    after = local.forward([ce_datum(TOKENS[0])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
     torch.testing.assert_close(logprobs, after.to_torch(), atol=1e-5, rtol=0)
 
     # a sampler of the saved weights samples what the in-process one does
@@ -237,7 +200,7 @@ def test_checkpoints_through_the_server(sess: wb.Session, client: tinker.Service
     resumed = client.create_training_client_from_state_with_optimizer(state.path).result()
     weights_only = client.create_training_client_from_state(state.path).result()
     assert resumed.model_id != remote.model_id and resumed.get_info().lora_rank == 4
-    step = [sdk_datum(TOKENS[2])]
+    step = [sdk_ce_datum(TOKENS[2])]
     original = [remote.forward_backward(step, "cross_entropy"), remote.optim_step(types.AdamParams(**ADAM))]
     again = [resumed.forward_backward(step, "cross_entropy"), resumed.optim_step(types.AdamParams(**ADAM))]
     fresh = [
@@ -249,7 +212,7 @@ def test_checkpoints_through_the_server(sess: wb.Session, client: tinker.Service
     fresh[1].result()
     assert sess.engine.run_status(weights_only.model_id).step == 1  # a fresh optimizer
     assert sess.engine.run_status(resumed.model_id).step == sess.engine.run_status(remote.model_id).step == 2
-    check = [sdk_datum(TOKENS[0])]
+    check = [sdk_ce_datum(TOKENS[0])]
     assert (
         remote.forward(check, "cross_entropy").result().metrics
         == resumed.forward(check, "cross_entropy").result().metrics
@@ -353,10 +316,10 @@ def test_zstd_bodies_and_json_results_for_clients_that_ask(sess: wb.Session) -> 
         service_client = tinker.ServiceClient(base_url=server.url)
         remote = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         local = twin(sess)
-        theirs = remote.forward_backward([sdk_datum(t) for t in TOKENS], "cross_entropy").result()
+        theirs = remote.forward_backward([sdk_ce_datum(t) for t in TOKENS], "cross_entropy").result()
         assert (
             theirs.metrics
-            == local.forward_backward([our_datum(t) for t in TOKENS], "cross_entropy").result().metrics
+            == local.forward_backward([ce_datum(t) for t in TOKENS], "cross_entropy").result().metrics
         )
         service_client.close("success").result()
     finally:
@@ -479,12 +442,12 @@ def test_the_server_runs_beside_a_busy_kernel_thread(sess: wb.Session, client: t
     results: list[float] = []
     worker = threading.Thread(
         target=lambda: results.extend(
-            remote.forward([sdk_datum(t)], "cross_entropy").result().metrics["loss:sum"] for t in TOKENS
+            remote.forward([sdk_ce_datum(t)], "cross_entropy").result().metrics["loss:sum"] for t in TOKENS
         )
     )
     worker.start()
     for t in TOKENS:
-        sess.policy.forward([our_datum(t)], "cross_entropy").result()
+        sess.policy.forward([ce_datum(t)], "cross_entropy").result()
     worker.join(60)
     assert len(results) == 3
 
@@ -515,7 +478,7 @@ def test_the_panel_shows_remote_models_and_their_operations_live(
     status = panel.status.widget.value
     assert '"models"><b>models</b> policy</span>' in status and srv.url in status
     remote = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
-    remote.forward_backward([sdk_datum(TOKENS[0])], "cross_entropy")
+    remote.forward_backward([sdk_ce_datum(TOKENS[0])], "cross_entropy")
     remote.optim_step(types.AdamParams(**ADAM)).result()
     panel.refresh()
     status = panel.status.widget.value
@@ -553,11 +516,9 @@ def test_long_polls_answer_try_again_and_the_sdk_polls_on(
         local = twin(sess)
         batch = [TOKENS[i % 3] * 30 for i in range(96)]  # long enough to outlast a 10 ms poll
         with caplog.at_level("WARNING", logger="tinker"):
-            theirs = remote.forward([sdk_datum(t) for t in batch], "cross_entropy").result()
+            theirs = remote.forward([sdk_ce_datum(t) for t in batch], "cross_entropy").result()
         assert any("try_again" in record.getMessage() for record in caplog.records)
-        assert (
-            theirs.metrics == local.forward([our_datum(t) for t in batch], "cross_entropy").result().metrics
-        )
+        assert theirs.metrics == local.forward([ce_datum(t) for t in batch], "cross_entropy").result().metrics
         service_client.close("success").result()
     finally:
         server.stop()

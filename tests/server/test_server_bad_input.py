@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,42 +23,19 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 import workbench as wb
+from tests.datums import sdk_ce_datum
 from workbench.server import ServerConfig, TinkerServer
 
 TOKENS = [5, 17, 33, 48, 60, 71, 2]
 
 
 @pytest.fixture
-def sess(monkeypatch: pytest.MonkeyPatch) -> Iterator[wb.Session]:
-    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
-    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
-    yield session
-    session.close()
-
-
-@pytest.fixture
-def srv(sess: wb.Session) -> TinkerServer:
-    return sess.serve()
-
-
-@pytest.fixture
-def client(srv: TinkerServer) -> Iterator[tinker.ServiceClient]:
-    service_client = tinker.ServiceClient(base_url=srv.url)
-    yield service_client
-    service_client.close("success").result()
-
-
-@pytest.fixture
 def remote(client: tinker.ServiceClient) -> tinker.TrainingClient:
     model = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
-    model.forward_backward([datum(TOKENS)], "cross_entropy").result()  # gradients pending: they must survive
+    model.forward_backward(
+        [sdk_ce_datum(TOKENS)], "cross_entropy"
+    ).result()  # gradients pending: they must survive
     return model
-
-
-def datum(tokens: list[int], **inputs: object) -> types.Datum:
-    n = len(tokens) - 1
-    loss_fn_inputs = {"target_tokens": tokens[1:], "weights": [1.0] * n, **inputs}
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=loss_fn_inputs)
 
 
 def files_under(root: Path) -> list[str]:
@@ -96,10 +72,13 @@ def fwdbwd_proto(model_id: str, seq_id: int, tokens_bytes: bytes) -> bytes:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda m: m.forward_backward([datum([5, 6, 10_000, 7])], "cross_entropy"), "outside the vocabulary"),
-        (lambda m: m.forward_backward([datum(TOKENS)], "nope"), "unknown loss 'nope'"),
         (
-            lambda m: m.forward_backward([datum(TOKENS, advantages=[1.0] * 6)], "cross_entropy"),
+            lambda m: m.forward_backward([sdk_ce_datum([5, 6, 10_000, 7])], "cross_entropy"),
+            "outside the vocabulary",
+        ),
+        (lambda m: m.forward_backward([sdk_ce_datum(TOKENS)], "nope"), "unknown loss 'nope'"),
+        (
+            lambda m: m.forward_backward([sdk_ce_datum(TOKENS, advantages=[1.0] * 6)], "cross_entropy"),
             "advantages",
         ),
         (
@@ -114,7 +93,7 @@ def fwdbwd_proto(model_id: str, seq_id: int, tokens_bytes: bytes) -> bytes:
             ),
             "target_tokens",
         ),
-        (lambda m: m.forward_backward([datum(TOKENS)], "ppo", {"clip_low_threshold": "x"}), "text"),
+        (lambda m: m.forward_backward([sdk_ce_datum(TOKENS)], "ppo", {"clip_low_threshold": "x"}), "text"),
         (lambda m: m.optim_step(types.AdamParams(learning_rate=-1.0)), "learning_rate must be >= 0"),
         (lambda m: m.optim_step(types.AdamParams(beta1=1.5)), r"beta1 must be in \[0, 1\)"),
         (lambda m: m.save_state("../escape"), "invalid checkpoint name"),
@@ -383,7 +362,7 @@ def test_a_refused_request_consumes_its_seq_id(
     with pytest.raises(tinker.BadRequestError, match="weights_access_token"), pytest.warns(FutureWarning):
         remote.load_state(path, weights_access_token="tok").result()
     # the SDK counted the refused request: the server must not wait for it
-    assert remote.forward_backward([datum(TOKENS)], "cross_entropy").result(timeout=60).metrics
+    assert remote.forward_backward([sdk_ce_datum(TOKENS)], "cross_entropy").result(timeout=60).metrics
     # raw refusals that name a model and a seq_id: schema errors, bad protobuf data, a body too large
     seq = 5  # fixture's forward_backward 1, save_state 2, load_state 3, forward_backward 4
     proto = {"content-type": "application/x-protobuf"}

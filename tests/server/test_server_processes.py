@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
+from tests.datums import ce_datum
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK_025 = ROOT / ".cache" / "tinker-0.25"
@@ -28,13 +29,7 @@ def expected() -> dict:
     engine = wb.Engine("tiny", sampler="hf")
     try:
         model = wb.TrainingClient(engine, engine.create_model(wb.LoraConfig(rank=4, seed=0)).result())
-        data = [
-            wb.Datum(
-                model_input=wb.ModelInput.from_ints(t[:-1]),
-                loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)},
-            )
-            for t in TOKENS
-        ]
+        data = [ce_datum(t) for t in TOKENS]
         losses = []
         for _ in range(2):
             losses.append(model.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
@@ -116,10 +111,9 @@ def test_workbench_serve_in_a_subprocess(tmp_path: Path) -> None:
 @pytest.mark.skipif(
     not SDK_025.is_dir(), reason="tinker 0.25 is installed in .cache/tinker-0.25 by `make env`"
 )
-def test_sdk_0_25_drives_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sdk_0_25_drives_the_server(tiny_no_wandb: wb.Session, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        server = sess.serve()
-        got = run_client(server.url, [SDK_025, ROOT])
+    server = tiny_no_wandb.serve()
+    got = run_client(server.url, [SDK_025, ROOT])
     assert got["sdk"] == "0.25.0"
     check(got, expected())

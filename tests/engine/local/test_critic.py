@@ -88,47 +88,46 @@ def test_critic_and_policy_do_not_disturb_each_other(with_critic: wb.Session) ->
     assert with_critic.critic.step == 3 and with_critic.policy.step == 2
 
 
-def test_creating_and_deleting_a_critic_leaves_the_policy_alone() -> None:
+def test_creating_and_deleting_a_critic_leaves_the_policy_alone(tiny: wb.Session) -> None:
     tokens = list(range(60, 80))
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
-        sess.policy.forward_backward([ce_datum(tokens)], "cross_entropy").result()
-        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-        sess.policy.forward_backward([ce_datum(tokens)], "cross_entropy").result()
-        before = sess.state_digest("policy")
-        logprobs = (
-            sess.policy.forward([ce_datum(tokens)], "cross_entropy")
-            .result()
-            .loss_fn_outputs[0]["logprobs"]
-            .tolist()
-        )
-        heads_before = {id(o) for o in gc.get_objects() if type(o) is ValueHead}
-        critic = sess.create_critic(wb.LoraConfig(rank=2, train_unembed=False))
-        critic.forward_backward([_critic_datum(tokens, [0.0] * 19, [2.0] * 19)], "ppo_critic").result()
-        critic.optim_step().result()
-        new_heads = [o for o in gc.get_objects() if type(o) is ValueHead and id(o) not in heads_before]
-        assert len(new_heads) == 1  # the critic's value head
-        head = weakref.ref(new_heads.pop())
-        critic_lora = [p for name, p in sess.engine.torch_model.named_parameters() if ".critic." in name]
-        assert critic_lora and len(critic_lora) == sum(
-            1 for name in sess.engine.inspect(sess.model_id, wb.Role.CRITIC).parameters if "lora_" in name
-        )
-        critic_param = weakref.ref(critic_lora[0])
-        del critic_lora
-        sess.delete_critic()
-        gc.collect()
-        assert sess.critic is None and sess.config.critic is None
-        assert sess.engine.run_status(sess.model_id).critic_lora is None
-        assert head() is None and critic_param() is None, "the critic's tensors are still referenced"
-        assert not any(".critic." in name for name, _ in sess.engine.torch_model.named_parameters())
-        assert sess.state_digest("policy") == before
-        again = (
-            sess.policy.forward([ce_datum(tokens)], "cross_entropy")
-            .result()
-            .loss_fn_outputs[0]["logprobs"]
-            .tolist()
-        )
-        assert again == logprobs
-        assert sess.policy.optim_step().result().applied
+    tiny.policy.forward_backward([ce_datum(tokens)], "cross_entropy").result()
+    tiny.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    tiny.policy.forward_backward([ce_datum(tokens)], "cross_entropy").result()
+    before = tiny.state_digest("policy")
+    logprobs = (
+        tiny.policy.forward([ce_datum(tokens)], "cross_entropy")
+        .result()
+        .loss_fn_outputs[0]["logprobs"]
+        .tolist()
+    )
+    heads_before = {id(o) for o in gc.get_objects() if type(o) is ValueHead}
+    critic = tiny.create_critic(wb.LoraConfig(rank=2, train_unembed=False))
+    critic.forward_backward([_critic_datum(tokens, [0.0] * 19, [2.0] * 19)], "ppo_critic").result()
+    critic.optim_step().result()
+    new_heads = [o for o in gc.get_objects() if type(o) is ValueHead and id(o) not in heads_before]
+    assert len(new_heads) == 1  # the critic's value head
+    head = weakref.ref(new_heads.pop())
+    critic_lora = [p for name, p in tiny.engine.torch_model.named_parameters() if ".critic." in name]
+    assert critic_lora and len(critic_lora) == sum(
+        1 for name in tiny.engine.inspect(tiny.model_id, wb.Role.CRITIC).parameters if "lora_" in name
+    )
+    critic_param = weakref.ref(critic_lora[0])
+    del critic_lora
+    tiny.delete_critic()
+    gc.collect()
+    assert tiny.critic is None and tiny.config.critic is None
+    assert tiny.engine.run_status(tiny.model_id).critic_lora is None
+    assert head() is None and critic_param() is None, "the critic's tensors are still referenced"
+    assert not any(".critic." in name for name, _ in tiny.engine.torch_model.named_parameters())
+    assert tiny.state_digest("policy") == before
+    again = (
+        tiny.policy.forward([ce_datum(tokens)], "cross_entropy")
+        .result()
+        .loss_fn_outputs[0]["logprobs"]
+        .tolist()
+    )
+    assert again == logprobs
+    assert tiny.policy.optim_step().result().applied
 
 
 def test_critic_shares_the_base_weights(with_critic: wb.Session) -> None:

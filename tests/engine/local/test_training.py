@@ -388,7 +388,8 @@ def test_a_non_finite_gradient_fails_its_call_and_keeps_the_accumulated_one() ->
         ):
             sess.policy.forward_backward_custom(data, _poisoned).result()
         overflowing = [
-            ce_datum([*d.model_input.to_ints(), 5], [3e38] * len(d.model_input.to_ints())) for d in data
+            ce_datum([*d.model_input.to_ints(), 5], weights=[3e38] * len(d.model_input.to_ints()))
+            for d in data
         ]
         with pytest.raises(
             wb.NonFiniteGradientError,

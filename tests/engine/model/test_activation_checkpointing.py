@@ -109,15 +109,14 @@ def test_a_long_training_microbatch_checkpoints_layers_and_gives_the_same_number
         torch.testing.assert_close(gradient, alone_gradients[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_the_tiny_model_trains_4096_tokens_in_one_pass_without_recomputation() -> None:
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess, _mlp_calls(sess) as calls:
-        sess.policy.forward_backward(_data(32, 128), "importance_sampling").result()
+def test_the_tiny_model_trains_4096_tokens_in_one_pass_without_recomputation(tiny: wb.Session) -> None:
+    with _mlp_calls(tiny) as calls:
+        tiny.policy.forward_backward(_data(32, 128), "importance_sampling").result()
     assert calls == [1, 1]
 
 
-def test_forward_passes_never_checkpoint() -> None:
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
-        sess.engine._state.model.full_activation_limit = SMOLLM2_LIMIT  # 1200 tokens are past it
-        with _mlp_calls(sess) as calls:
-            sess.policy.forward(_data(6, 200), "importance_sampling").result()
+def test_forward_passes_never_checkpoint(tiny: wb.Session) -> None:
+    tiny.engine._state.model.full_activation_limit = SMOLLM2_LIMIT  # 1200 tokens are past it
+    with _mlp_calls(tiny) as calls:
+        tiny.policy.forward(_data(6, 200), "importance_sampling").result()
     assert calls[0] == 1

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import workbench as wb
+from tests.datums import unweighted_datum
 from workbench.engine.model import logprobs
 from workbench.engine.model.base_model import load_tokenizer, logits_from_hidden_states
 from workbench.engine.model.logprobs import language_model_logprobs, target_logprobs
@@ -111,7 +112,7 @@ def test_a_soft_capped_model_trains_on_its_real_logits(tmp_path) -> None:
     tokens = list(range(5, 45))
     with wb.Session(str(folder), wb.LoraConfig(rank=4), seed=0) as sess:
         assert not sess.base_info.logits_from_hidden_states
-        datum = wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})
+        datum = unweighted_datum(tokens)
         got = sess.policy.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
         with torch.no_grad():
             logits_T_V = model(input_ids=torch.tensor([tokens[:-1]])).logits[0]

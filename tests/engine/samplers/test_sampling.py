@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import workbench as wb
+from tests.datums import unweighted_datum
 from workbench.engine.samplers.hf import HFSampler, draw_tokens
 
 PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
@@ -20,9 +21,7 @@ def _ids(sess: wb.Session, text: str) -> list[int]:
 
 def _forward_logprobs(sess: wb.Session, prompt: list[int], tokens: list[int]) -> list[float]:
     full = prompt + tokens
-    out = sess.policy.forward(
-        [wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy"
-    ).result()
+    out = sess.policy.forward([unweighted_datum(full)], "cross_entropy").result()
     return out.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
 
 
@@ -276,7 +275,7 @@ def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> 
 
 def test_close_releases_the_pinned_weights_before_it_returns(tiny: wb.Session) -> None:
     prompt = _ids(tiny, PROMPTS[1])
-    data = [wb.Datum(model_input=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:]})]
+    data = [unweighted_datum(prompt)]
     pinned = tiny.sampling_client()
     assert pinned.weights_version == 0
     tiny.policy.forward_backward(data, "cross_entropy").result()
@@ -291,7 +290,7 @@ def test_close_releases_the_pinned_weights_before_it_returns(tiny: wb.Session) -
 
 def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
     prompt = _ids(tiny, PROMPTS[0])
-    data = [wb.Datum(model_input=prompt[:-1], loss_fn_inputs={"target_tokens": prompt[1:]})]
+    data = [unweighted_datum(prompt)]
     tiny.policy.forward_backward(data, "cross_entropy").result()
     tiny.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
     base = tiny.sampling_client(base=True)
@@ -299,15 +298,15 @@ def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
     assert response.weights_version is None
     for seq in response.sequences:
         full = prompt + seq.tokens
-        ref = tiny.reference.forward(
-            [wb.Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy"
-        ).result()
+        ref = tiny.reference.forward([unweighted_datum(full)], "cross_entropy").result()
         assert ref.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :] == pytest.approx(
             seq.logprobs, abs=1e-5
         )
 
 
-def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypatch) -> None:
+@pytest.fixture
+def generate_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many requests each of the HF sampler's generate calls served, in order."""
     calls: list[int] = []
     real = HFSampler._generate_chunk
 
@@ -316,16 +315,20 @@ def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypat
         return real(self, requests)
 
     monkeypatch.setattr(HFSampler, "_generate_chunk", counting)
+    return calls
+
+
+def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, generate_calls: list[int]) -> None:
     sc = tiny.sampling_client()
     tokens = _ids(tiny, PROMPTS[0])
     # a training op keeps the worker busy while the sample calls queue up behind it
     tiny.policy.forward_backward(
-        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64,
+        [unweighted_datum(tokens)] * 64,
         "cross_entropy",
     )
     futures = [sc.sample(_ids(tiny, p), 2, wb.SamplingParams(max_tokens=4)) for p in PROMPTS * 3]
     assert all(len(f.result().sequences) == 2 for f in futures)
-    assert calls == [9]
+    assert generate_calls == [9]
     rows = [row for row in tiny.history if row["op"] == "sample"]
     assert len(rows) == 9 and all(row["num_samples:sum"] == 2 for row in rows)
 
@@ -333,9 +336,7 @@ def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypat
 def test_sample_history_reports_versions_and_staleness(tiny: wb.Session) -> None:
     sc = tiny.sampling_client()
     tokens = _ids(tiny, PROMPTS[0])
-    tiny.policy.forward_backward(
-        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
-    ).result()
+    tiny.policy.forward_backward([unweighted_datum(tokens)], "cross_entropy").result()
     tiny.policy.optim_step().result()
     sc.sample(tokens, 1, wb.SamplingParams(max_tokens=3)).result()
     row = tiny.history.rows[-1]
@@ -399,7 +400,7 @@ def _sequences_drawn(future: wb.APIFuture[wb.SampleResponse]) -> list[tuple[list
     return [(seq.tokens, seq.logprobs, seq.stop_reason) for seq in future.result().sequences]
 
 
-def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, monkeypatch) -> None:
+def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, generate_calls: list[int]) -> None:
     """Requests queued together run as one generate call; when that call fails, each request runs again
     on its own, so only the one that fails by itself reports the failure. The failure is injected where
     a real one would arise, in the model's forward pass (a prompt holding the POISON token fails)."""
@@ -414,20 +415,13 @@ def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, monkey
         if input_ids is not None and bool((input_ids == poison).any()):
             raise RuntimeError("injected failure for the poisoned prompt")
 
-    calls: list[int] = []
-    real = HFSampler._generate_chunk
-
-    def counting(self, requests):
-        calls.append(len(requests))
-        return real(self, requests)
-
-    monkeypatch.setattr(HFSampler, "_generate_chunk", counting)
+    generate_calls.clear()  # count the calls from here on
     generating_model = tiny.engine.torch_model.get_base_model()  # what generate runs
     hook = generating_model.register_forward_pre_hook(fail_on_poison, with_kwargs=True)
     try:
         tokens = prompts[0]
         busy = tiny.policy.forward(  # keeps the worker busy while the requests queue up as one batch
-            [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64,
+            [unweighted_datum(tokens)] * 64,
             "cross_entropy",
         )
         futures = [client.sample(prompt, 2, params) for prompt in prompts[:2]]
@@ -437,7 +431,7 @@ def test_a_request_that_fails_on_the_worker_fails_alone(tiny: wb.Session, monkey
         with pytest.raises(RuntimeError, match="injected failure"):
             poisoned.result()
         assert [_sequences_drawn(future) for future in futures] == alone
-        assert calls == [4, 1, 1, 1, 1]  # one batch, then each request on its own
+        assert generate_calls == [4, 1, 1, 1, 1]  # one batch, then each request on its own
     finally:
         hook.remove()
 
