@@ -77,7 +77,7 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
         if array.dtype == object or array.dtype.kind not in "iubf":
             raise ValueError(f"loss_fn_inputs[{key!r}] must be a rectangular list of numbers")
         return TensorData(array, INPUT_DTYPES.get(key, "float32"))
-    raise TypeError(
+    raise ValueError(
         f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
     )
 
@@ -99,7 +99,7 @@ def _token_tensor_data(key: str, value: Any) -> TensorData:
         except ValueError as error:
             raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
     else:
-        raise TypeError(
+        raise ValueError(
             f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
         )
     if array.dtype.kind not in "iu":
@@ -141,7 +141,7 @@ def to_model_input(value: Any) -> ModelInput:
         return ModelInput(chunks=tuple(chunks))
     if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
         return ModelInput.from_ints(value)
-    raise TypeError(f"model_input must be a ModelInput or a list of token ids, got {type(value).__name__}")
+    raise ValueError(f"model_input must be a ModelInput or a list of token ids, got {type(value).__name__}")
 
 
 _DATUM_KEYS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
@@ -172,7 +172,7 @@ def to_datum(value: Any) -> Datum:
             model_input_spans=value.get("model_input_spans"),
             loss_fn_input_spans=value.get("loss_fn_input_spans"),
         )
-    raise TypeError(f"a datum must be a Datum or a dict, got {type(value).__name__}")
+    raise ValueError(f"a datum must be a Datum or a dict, got {type(value).__name__}")
 
 
 def to_provenance_span(value: Any) -> ProvenanceSpan:
@@ -183,12 +183,12 @@ def to_provenance_span(value: Any) -> ProvenanceSpan:
         sdk_class = _tinker_class(ours.__name__)
         if sdk_class is not None and isinstance(value, sdk_class):
             return ours(sequence_id=value.sequence_id, offset=value.offset, length=value.length)
-    raise TypeError(
+    raise ValueError(
         f"a provenance span must be a PromptProvenanceSpan or a SampledProvenanceSpan, got {type(value).__name__}"
     )
 
 
-def _dataclass_from(cls: type, value: Any, sdk_name: str) -> Any:
+def _dataclass_from(cls: type, value: Any, sdk_name: str, argument: str) -> Any:
     """Build our config dataclass `cls` from itself, the SDK's same-named object, or a dict."""
     if isinstance(value, cls):
         return value
@@ -200,20 +200,22 @@ def _dataclass_from(cls: type, value: Any, sdk_name: str) -> Any:
         unknown = set(value) - names
         if unknown:
             raise ValueError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; known: {sorted(names)}")
-        return cls(**{k: v for k, v in value.items() if v is not None or k in ("seed", "stop", "max_tokens")})
-    raise TypeError(f"expected {cls.__name__}, the SDK's {sdk_name} or a dict, got {type(value).__name__}")
+        return cls(**value)  # a None is passed on: the dataclass refuses it where it means nothing
+    raise ValueError(
+        f"{argument} must be a {cls.__name__}, the SDK's {sdk_name} or a dict, got {type(value).__name__}"
+    )
 
 
 def to_adam_params(value: Any) -> AdamParams:
-    return _dataclass_from(AdamParams, AdamParams() if value is None else value, "AdamParams")
+    return _dataclass_from(AdamParams, AdamParams() if value is None else value, "AdamParams", "adam_params")
 
 
 def to_sampling_params(value: Any) -> SamplingParams:
-    return _dataclass_from(SamplingParams, value, "SamplingParams")
+    return _dataclass_from(SamplingParams, value, "SamplingParams", "sampling_params")
 
 
 def to_lora_config(value: Any) -> LoraConfig:
-    return _dataclass_from(LoraConfig, value, "LoraConfig")
+    return _dataclass_from(LoraConfig, value, "LoraConfig", "lora")
 
 
 # ---------------------------------------------------------------------------------------------- the SDK's

@@ -259,8 +259,10 @@ def test_ctrl_c_while_create_critic_waits_behind_queued_work_leaves_no_trace() -
         values = critic.forward([unweighted_datum(TOKENS)], "ppo_critic").result(timeout=WAIT_S)
         assert len(values.loss_fn_outputs[0]["values"]) == 4
         saved = sess.policy.save_state("after-ctrl-c").result(timeout=WAIT_S)
+        digest = sess.state_digest()
+        sess.close()  # the resumed session continues in its run folder, which a live session holds
         with wb.Session.from_checkpoint(saved.path, wandb=False) as resumed:
-            assert resumed.critic is not None and resumed.state_digest() == sess.state_digest()
+            assert resumed.critic is not None and resumed.state_digest() == digest
     finally:
         sess.close()
 

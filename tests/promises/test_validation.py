@@ -295,3 +295,55 @@ def test_one_unreadable_checkpoint_does_not_break_the_listing(tiny: wb.Session) 
 def test_lora_settings_are_bounded(arguments: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         wb.LoraConfig(**arguments)
+
+
+def test_wrong_types_raise_a_value_error_naming_the_field_before_queueing(tiny: wb.Session) -> None:
+    tiny.policy.forward_backward([ce_datum(GOOD)], "cross_entropy").result()
+    saved = tiny.policy.save_state("good").result().path
+    before = tiny.state_digest()
+    sampler = tiny.sampling_client()
+    params = wb.SamplingParams(max_tokens=2)
+    service = tiny.service_client()
+    for call, field in (
+        (lambda: tiny.policy.optim_step(5), "adam_params"),
+        (lambda: tiny.policy.optim_step({"learning_rate": None}), "learning_rate"),
+        (lambda: sampler.sample(None, 1, params), "model_input"),
+        (lambda: sampler.sample(GOOD, 1, 5), "sampling_params"),
+        (lambda: sampler.sample(GOOD, 1, params, include_prompt_logprobs="yes"), "include_prompt_logprobs"),
+        (lambda: sampler.compute_logprobs(None), "model_input"),
+        (
+            lambda: tiny.policy.forward_backward(
+                [wb.Datum(model_input=5, loss_fn_inputs={})], "cross_entropy"
+            ),
+            "model_input",
+        ),
+        (lambda: tiny.policy.load_state(None), "path"),
+        (lambda: tiny.policy.load_state(5), "path"),
+        (lambda: service.create_sampling_client(5), "model_path"),
+        (lambda: tiny.policy.save_state("good", overwrite="yes"), "overwrite"),
+        (lambda: tiny.policy.save_state("good", overwrite=1), "overwrite"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            call()
+    assert tiny.state_digest() == before
+    assert tiny.policy.load_state(saved).result()  # the checkpoint was not overwritten
+    with pytest.raises(ValueError, match="learning_rate"):
+        wb.AdamParams(learning_rate=None)
+
+
+def test_a_base_model_that_is_neither_a_folder_nor_known_is_named_as_such() -> None:
+    with pytest.raises(ValueError, match="no such model folder"):
+        wb.Session("/nonexistent", wandb=False)
+    with pytest.raises(ValueError, match="no such model folder"):
+        wb.Session("./no/such/model", wandb=False)
+
+
+def test_a_live_sessions_run_folder_cannot_be_taken_by_another(tiny: wb.Session) -> None:
+    run_dir = tiny.run_dir
+    run_info = (run_dir / "run.json").read_bytes()
+    with pytest.raises(ValueError, match="in use"):
+        wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=False)
+    assert (run_dir / "run.json").read_bytes() == run_info
+    tiny.close()
+    again = wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=False)  # free once closed
+    again.close()

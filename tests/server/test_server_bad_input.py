@@ -668,3 +668,28 @@ def test_query_parameters_are_read_after_the_key_check(sess: wb.Session) -> None
         f"{server.url}/api/v1/training_runs?limit=abc", headers={"X-API-Key": "tml-test-key-0123"}
     )
     assert keyed.status_code == 400 and "limit" in keyed.json()["error"]
+
+
+def test_over_http_a_client_deletes_only_checkpoints_client_sessions_made(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, remote: tinker.TrainingClient
+) -> None:
+    host = sess.policy.save_state("host").result().path
+    unchanged = Unchanged(sess)
+    refused = httpx.delete(f"{srv.url}/api/v1/training_runs/{sess.model_id}/checkpoints/weights/host")
+    assert refused.status_code == 403 and refused.json()["category"] == "user", refused.text
+    assert "made by this server's own session" in refused.json()["error"]
+    unchanged.check()
+    assert sess.engine.checkpoint_folder(host, "state").is_dir()
+    rest = client.create_rest_client()
+    own = remote.save_state("own").result().path
+    rest.delete_checkpoint_from_tinker_path(own).result()
+    other = tinker.ServiceClient(base_url=srv.url)
+    model = other.create_lora_training_client(base_model="tiny", rank=4).result()
+    later = model.save_state("later").result().path
+    other.close("success").result()  # its session ended: what it made is still deletable
+    deleted = httpx.delete(f"{srv.url}/api/v1/training_runs/{model.model_id}/checkpoints/weights/later")
+    assert deleted.status_code == 204, deleted.text
+    with pytest.raises(wb.CheckpointError):
+        sess.engine.folder_of_checkpoint(later)
+    with pytest.raises(wb.CheckpointError):
+        sess.engine.folder_of_checkpoint(own)

@@ -48,6 +48,9 @@ from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
 from workbench.storage.run_folders import TINKER_SCHEME, CheckpointAddress, runs_root
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
 
+HOST_OWNER = "workbench"
+"""The owner the training-run endpoints give the serving session's own runs (and runs found on disk)."""
+
 EPHEMERAL_SAMPLERS_KEPT = 4
 """Ephemeral samplers (`save_weights_and_get_sampling_client`) a model keeps; older ones are released,
 so a loop that makes one per step holds a bounded number of weight snapshots."""
@@ -216,7 +219,7 @@ class TinkerService:
         policy_runs = {m.run_id for m in served if m.role is Role.POLICY}
         for run_id in policy_runs:
             with contextlib.suppress(ValueError):  # its creation failed: there is no run to remember
-                self.ended_runs[run_id] = self._run_record(run_id)
+                self.ended_runs[run_id] = self._run_record(run_id, owner=session.session_id)
         removals = [
             self.engine.delete_critic(m.run_id)
             for m in served
@@ -642,14 +645,17 @@ class TinkerService:
             "expires_at": _iso(info.expires_at),
         }
 
-    def _run_record(self, run_id: str) -> RunRecord:
-        """What a run on the engine is, as the training-run endpoints describe it."""
+    def _run_record(self, run_id: str, owner: str | None = None) -> RunRecord:
+        """What a run on the engine is, as the training-run endpoints describe it; `owner` for a run
+        whose model has already left the table (its session ending)."""
         status = self.engine.run_status(run_id)
         model = self.models.get(run_id)
         times = [m.last_request for m in self.models.values() if m.run_id == run_id]
+        if owner is None:
+            owner = model.session_id if model is not None else HOST_OWNER
         return RunRecord(
             run_dir=status.run_dir,
-            owner=model.session_id if model is not None else "workbench",
+            owner=owner,
             lora_rank=status.lora.rank,
             last_request=max(times, default=status.created_at),
             created_at=status.created_at,
@@ -731,9 +737,27 @@ class TinkerService:
         except CheckpointError as error:
             raise RequestError(str(error), 404) from None
 
+    def _made_by_a_client(self, run_id: str) -> bool:
+        """Whether a client session made the run (over HTTP), rather than this server's own session."""
+        model = self.models.get(run_id)
+        if model is not None:
+            return True
+        ended = self.ended_runs.get(run_id)
+        return ended is not None and ended.owner != HOST_OWNER
+
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
+        """Delete a checkpoint of a run a client session made. Every client holds the same key (one
+        account, as a Tinker API key is), so any of them may delete what any client session made; the
+        checkpoints of the serving session's own runs are read-only over HTTP (the notebook deletes
+        them with `Session.delete_checkpoint`)."""
         address = self.checkpoint_address(training_run_id, checkpoint_id)
         self.checkpoint_folder(address)
+        if not self._made_by_a_client(address.run_id):
+            raise RequestError(
+                f"{address.tinker_path} belongs to a run made by this server's own session, not by a "
+                "client: its checkpoints cannot be deleted over HTTP",
+                403,
+            )
         ended = self.ended_runs.get(address.run_id)
         if ended is not None:  # no operation of the run is left to race
             checkpoint_store.delete(ended.run_dir, address.name, address.kind)

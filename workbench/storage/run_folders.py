@@ -17,6 +17,7 @@ a run can be described (Tinker's `RestClient.get_training_run`) after the proces
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from workbench.storage.checkpoint_store import (
     CheckpointError,
@@ -43,6 +44,35 @@ TINKER_SCHEME = "tinker://"
 SEGMENTS: dict[CheckpointKind, str] = {"state": "weights", "sampler": "sampler_weights"}
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+
+
+IN_USE = ".in-use"
+"""The file a live run holds an advisory lock on (`hold_run_folder`)."""
+
+_held: dict[Path, IO[bytes]] = {}  # run folder -> the open lock file of its live run in this process
+
+
+def hold_run_folder(run_dir: Path) -> None:
+    """Mark `run_dir` as the folder of a live run until `release_run_folder` (or this process ends): an
+    exclusive `flock` on its `.in-use` file, which the system drops with the process, so a run killed
+    with `kill -9` leaves nothing to clean up. A second live run in the same folder, in this process or
+    another, would overwrite its run.json and mix its checkpoints and history: it is refused."""
+    handle = open(run_dir / IN_USE, "ab")  # noqa: SIM115 (held open until release)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ValueError(
+            f"run folder {run_dir} is in use by a live session (in this process or another); close it "
+            "first, or give another run_dir"
+        ) from None
+    _held[run_dir] = handle
+
+
+def release_run_folder(run_dir: Path) -> None:
+    handle = _held.pop(run_dir, None)
+    if handle is not None:
+        handle.close()
 
 
 def runs_root() -> Path:

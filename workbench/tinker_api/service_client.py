@@ -237,6 +237,8 @@ class ServiceClient:
         if model_path is None and base_model is None:
             raise ValueError("Either model_path or base_model must be provided")
         if model_path is not None:
+            if not isinstance(model_path, (str, Path)) or not model_path:
+                raise ValueError(f"model_path must be a tinker:// path or a folder, got {model_path!r}")
             engine = self._engine_for_checkpoint(model_path, base_model)
             pin = engine.pin_sampler_checkpoint(model_path)
         else:

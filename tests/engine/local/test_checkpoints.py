@@ -172,30 +172,33 @@ def test_from_checkpoint_restores_everything_exactly(sess: wb.Session, tmp_path:
     sess.policy.forward_backward(_data(sess), "cross_entropy").result()  # a pending gradient is saved too
     path = sess.policy.save_state("mid").result().folder  # a run outside the runs root: named by its folder
     random_draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    # what the resumed session must reproduce, taken before the original closes (a live session's run
+    # folder cannot be taken by another)
+    digest, config, run_dir = sess.state_digest(), sess.config, sess.run_dir.absolute()
+    critic_params = {k: v.clone() for k, v in _params(sess, "critic").items()}
+    prompt = sess.tokenizer("The quick brown fox").input_ids
+    unseeded = wb.SamplingParams(max_tokens=8, temperature=1.0)
+    ours = sess.sampling_client().sample(prompt, 2, unseeded).result()
+    sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    digest_after_step = sess.state_digest()
+    sess.close()
     with wb.Session.from_checkpoint(path, device="cpu") as resumed:
         # weights, grads, AdamW state, counters, versions, and the sampling generator's state
-        assert resumed.state_digest() == sess.state_digest()
-        assert resumed.config == sess.config
-        assert (
-            resumed.run_dir.absolute() == sess.run_dir.absolute()
-        )  # the same run folder, so the same W&B run
-        assert resumed.policy.weights_version == sess.policy.weights_version == 2
+        assert resumed.state_digest() == digest
+        assert resumed.config == config
+        assert resumed.run_dir.absolute() == run_dir  # the same run folder, so the same W&B run
+        assert resumed.policy.weights_version == 2
         assert resumed.critic is not None and resumed.critic.step == 2
-        assert _equal(_params(resumed, "critic"), _params(sess, "critic"))
+        assert _equal(_params(resumed, "critic"), critic_params)
         assert torch.equal(
-            _params(resumed, "critic")["value_head.linear.weight"],
-            _params(sess, "critic")["value_head.linear.weight"],
+            _params(resumed, "critic")["value_head.linear.weight"], critic_params["value_head.linear.weight"]
         )
         assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == random_draws
         # the sampling generator continues where it was: unseeded samples draw the same seeds
-        prompt = sess.tokenizer("The quick brown fox").input_ids
-        unseeded = wb.SamplingParams(max_tokens=8, temperature=1.0)
-        ours = sess.sampling_client().sample(prompt, 2, unseeded).result()
         theirs = resumed.sampling_client().sample(prompt, 2, unseeded).result()
         assert [s.tokens for s in theirs.sequences] == [s.tokens for s in ours.sequences]
         resumed.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-        assert resumed.state_digest() == sess.state_digest()
+        assert resumed.state_digest() == digest_after_step
 
 
 def test_from_checkpoint_outside_its_run_folder_continues_the_saved_run_id(

@@ -68,7 +68,18 @@ def _expires_at(ttl_seconds: int | None) -> float | None:
     return time.time() + ttl_seconds
 
 
+def check_path(path: object, argument: str = "path") -> str | Path:
+    """A checkpoint as a user names it: a `tinker://` path, a name of the run's own, or a folder."""
+    if isinstance(path, Path) or (isinstance(path, str) and path):
+        return path
+    raise ValueError(
+        f"{argument} must be a tinker:// path, a checkpoint name or a folder, got {type(path).__name__} {path!r}"
+    )
+
+
 def _target(state: EngineState, model_id: str, kind: CheckpointKind, name: str, overwrite: bool) -> Path:
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite must be True or False, got {overwrite!r}")
     target = (kind_dir(state.run(model_id).run_dir, kind) / check_name(name)).absolute()
     checkpoint_store.check_free(target, overwrite)
     return target
@@ -228,6 +239,7 @@ def load_state(
     `checkpoint_files.restore` for what each `Restore` level puts back and how versions are set)."""
     state.check_open()
     state.run(model_id)
+    check_path(path_or_name)
 
     def run() -> LoadWeightsResponse:
         folder = resolve(state, model_id, path_or_name)

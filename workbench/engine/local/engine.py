@@ -56,7 +56,13 @@ from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
-from workbench.storage.run_folders import new_run_id, read_run_info, resolve_checkpoint, runs_root
+from workbench.storage.run_folders import (
+    new_run_id,
+    read_run_info,
+    release_run_folder,
+    resolve_checkpoint,
+    runs_root,
+)
 from workbench.types import (
     ForwardBackwardOutput,
     LoadWeightsResponse,
@@ -228,6 +234,7 @@ class Engine:
         `user_metadata` is the one given; None keeps what the run's folder already says (a run
         continuing), else none."""
         self.check_open()
+        checkpoints.check_path(path)
         state = self._state
 
         def run() -> str:
@@ -390,6 +397,7 @@ class Engine:
         (`tinker://<run>/sampler_weights/<name>` or their folder) or the policy of a state checkpoint
         (`tinker://<run>/weights/<name>` or its folder). The live runs do not change it."""
         state = self._state
+        checkpoints.check_path(path, "model_path")
         return sampling.pin_checkpoint(state, lambda: checkpoints.adapter_folder(state, path))
 
     def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None:
@@ -598,6 +606,8 @@ class Engine:
         if state.vllm is not None:
             state.vllm.close()
             state.vllm = None
+        for training_run in state.runs.values():
+            release_run_folder(training_run.run_dir)
         state.runs.clear()
         state.loaded_adapters.clear()
         state.model.free()

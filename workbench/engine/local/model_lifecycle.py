@@ -19,7 +19,7 @@ from workbench.engine.model.value_head import ValueHead
 from workbench.engine.model.weight_versions import WeightSnapshots
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
-from workbench.storage.run_folders import write_run_info
+from workbench.storage.run_folders import hold_run_folder, release_run_folder, write_run_info
 from workbench.types import LoraConfig, check_text
 
 
@@ -69,6 +69,11 @@ def add_run(
     created_at = time.time()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        hold_run_folder(run_dir)
+    except BaseException:
+        state.model.delete_adapter(name)
+        raise
+    try:
         write_run_info(
             run_dir,
             {
@@ -81,6 +86,7 @@ def add_run(
             },
         )
     except BaseException:
+        release_run_folder(run_dir)
         state.model.delete_adapter(name)
         raise
     training_run = TrainingRun(
@@ -123,6 +129,7 @@ def remove_run(state: EngineState, model_id: str) -> None:
     for model in reversed(training_run.models()):
         state.model.delete_adapter(model.adapter)
     del state.runs[model_id]
+    release_run_folder(training_run.run_dir)
 
 
 def delete_run(state: EngineState, model_id: str) -> APIFuture[None]:

@@ -122,6 +122,13 @@ def load_base_model(
     """Load the frozen base model, its tokenizer and its identity."""
     path = resolve_model_path(name)
     local = Path(name).expanduser()
+    # an HF id is "name" or "org/name"; anything else that is not a folder here is a mistyped one
+    looks_local = local.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
+    if looks_local and not local.exists() and name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"base_model {name!r}: no such model folder, and not a known model; give an HF model "
+            f"folder, an HF id, or one of {sorted(BUILTIN_MODELS)}"
+        )
     if local.exists() and not (local / "config.json").is_file():
         raise ValueError(
             f"base_model {name!r} is not a model folder (no config.json); give an HF model folder, "

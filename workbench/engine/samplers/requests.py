@@ -156,6 +156,12 @@ def prepare_request(
                 f"prompt token {token} at position {position} is outside the vocabulary [0, {vocab_size})"
             )
     check_num_samples(num_samples, max_samples_per_request)
+    for argument, value in (
+        ("include_prompt_logprobs", include_prompt_logprobs),
+        ("record_stability_info", record_stability_info),
+    ):
+        if not isinstance(value, bool):
+            raise ValueError(f"{argument} must be True or False, got {value!r}")
     room = max_length - len(tokens)
     if room < 1:
         raise ValueError(
