@@ -296,3 +296,55 @@ def test_custom_loss_matches_a_local_session(server: Server) -> None:
             after = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
             results.append((out.metrics["custom"], out.metrics["loss:sum"], after))
     assert results[1] == pytest.approx(results[0], rel=1e-5)
+
+
+def test_sampling_fields_and_soft_targets_match_a_local_session(server: Server) -> None:
+    """The SDK's top-K, target-id and prompt-draw sampling fields, and (N, K) soft-target cross-entropy,
+    through the remote engine give what the local engine gives."""
+    import torch
+
+    prompt = [5, 17, 42, 99, 100, 7, 8]
+    ids = torch.full((len(prompt) - 1, 2), -1)
+    ids[0, 0], ids[3, 1] = 3, 10
+    soft = wb.Datum(
+        model_input=wb.ModelInput.from_ints(prompt),
+        loss_fn_inputs={"target_tokens": torch.arange(14).reshape(7, 2), "weights": torch.full((7, 2), 0.5)},
+    )
+    results = []
+    for sess in (
+        wb.Session("tiny", LORA, seed=0, sampler="hf", wandb=False),
+        wb.Session.connect(server.url, base_model="tiny", lora=LORA, seed=0, wandb=False),
+    ):
+        with sess:
+            response = (
+                sess.sampling_client()
+                .sample(
+                    prompt,
+                    2,
+                    wb.SamplingParams(max_tokens=3, temperature=0.5, seed=4),
+                    True,
+                    topk_prompt_logprobs=4,
+                    topk_sample_logprobs=2,
+                    target_prompt_logprobs=ids,
+                    prompt_alt_tokens_k=3,
+                )
+                .result()
+            )
+            out = sess.policy.forward([soft], "cross_entropy").result()
+            results.append((response, out))
+    (local, local_out), (remote, remote_out) = results
+    for ours, theirs in zip(local.topk_prompt_logprobs[1:], remote.topk_prompt_logprobs[1:], strict=True):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert [v for _, v in ours] == pytest.approx([v for _, v in theirs], abs=1e-5)
+    assert remote.target_prompt_logprobs.to_numpy() == pytest.approx(
+        local.target_prompt_logprobs.to_numpy(), abs=1e-5
+    )
+    assert remote.prompt_alt_tokens.tokens == local.prompt_alt_tokens.tokens
+    for ours, theirs in zip(local.sequences, remote.sequences, strict=True):
+        assert ours.tokens == theirs.tokens
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+        assert [[t for t, _ in row] for row in ours.topk_logprobs] == [
+            [t for t, _ in row] for row in theirs.topk_logprobs
+        ]
+    assert remote_out.loss_fn_outputs[0]["logprobs"].shape == [7, 2]
+    assert remote_out.metrics["loss:sum"] == pytest.approx(local_out.metrics["loss:sum"], rel=1e-5)
