@@ -129,9 +129,8 @@ class _ChooseTokens(LogitsProcessor):
         self,
         requests: list[tuple[slice, SamplingParams, torch.Generator]],
         device: torch.device,
-        topk_widths: dict[int, int] | None = None,
+        topk_widths: dict[int, int],  # first row of a request -> its topk_sample_logprobs
     ):
-        topk_widths = topk_widths or {}  # first row of a request -> its topk_sample_logprobs
         by_params: dict[SamplingParams, list[tuple[slice, torch.Generator]]] = {}
         for rows, params, generator in requests:
             by_params.setdefault(params, []).append((rows, generator))
