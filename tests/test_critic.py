@@ -117,7 +117,7 @@ def test_creating_and_deleting_a_critic_leaves_the_policy_alone() -> None:
         sess.delete_critic()
         gc.collect()
         assert sess.critic is None and sess.config.critic is None
-        assert sess.engine.run_status(sess.model_id).critic_lora is None
+        assert sess.engine.model_status(sess.model_id).critic_lora is None
         assert head() is None and critic_param() is None, "the critic's tensors are still referenced"
         assert not any(".critic." in name for name, _ in sess.engine.torch_model.named_parameters())
         assert sess.state_digest("policy") == before

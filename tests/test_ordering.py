@@ -131,9 +131,9 @@ def test_a_dropped_client_releases_its_weights_once_the_worker_gets_there() -> N
             sess.policy.forward_backward([_datum(9)], "cross_entropy")
             sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
             assert (
-                version in sess.live_versions() and sess.engine.run_status(sess.model_id).snapshot_bytes > 0
+                version in sess.live_versions() and sess.engine.model_status(sess.model_id).snapshot_bytes > 0
             )
             del client
             sess.state_digest()  # an operation after the release: the worker has processed it
             assert sess.live_versions() == [version + 1]
-            assert sess.engine.run_status(sess.model_id).snapshot_bytes == 0
+            assert sess.engine.model_status(sess.model_id).snapshot_bytes == 0

@@ -130,7 +130,7 @@ def test_bad_operations_fail_with_our_message_and_change_nothing(
     unchanged.check()
     # the failed request used its seq_id: the model's next request runs
     assert remote.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm"] > 0
-    assert sess.engine.run_status(remote.model_id).step == 1
+    assert sess.engine.model_status(remote.model_id).step == 1
 
 
 def test_bad_models_and_loads_are_refused(

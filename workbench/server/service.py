@@ -43,7 +43,7 @@ from workbench.server.sessions import ClientSession, ServedModel, ServedSampler,
 from workbench.server.wire import ForwardBackwardCall
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
-from workbench.storage.run_folders import CheckpointAddress
+from workbench.storage.model_folders import CheckpointAddress
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
 
 EPHEMERAL_SAMPLERS_KEPT = 4
@@ -65,7 +65,7 @@ class SampleResult:
 class RunRecord:
     """A run as the training-run endpoints describe it (kept for runs whose session ended)."""
 
-    run_dir: Path
+    model_dir: Path
     owner: str  # the client session that made it ("workbench": the serving session's own)
     lora_rank: int
     last_request: float
@@ -291,7 +291,7 @@ class TinkerService:
             model = self.served(request.model_id)
         except ValueError as error:
             raise RequestError(str(error), 404) from None
-        status = self.engine.run_status(model.run_id)
+        status = self.engine.model_status(model.run_id)
         lora = status.critic_lora if model.role is Role.CRITIC else status.lora
         return {
             "type": "get_info",
@@ -572,7 +572,7 @@ class TinkerService:
     def _run_checkpoints(self, run_id: str) -> list[CheckpointInfo]:
         if run_id in self.engine.model_ids():
             return self.engine.list_checkpoints(run_id)
-        return checkpoint_store.list_checkpoints(self.ended_runs[run_id].run_dir)
+        return checkpoint_store.list_checkpoints(self.ended_runs[run_id].model_dir)
 
     def checkpoint_json(self, run_id: str, info: CheckpointInfo) -> dict[str, Any]:
         address = CheckpointAddress(run_id, info.kind, info.name)
@@ -589,11 +589,11 @@ class TinkerService:
 
     def _run_record(self, run_id: str) -> RunRecord:
         """What a run on the engine is, as the training-run endpoints describe it."""
-        status = self.engine.run_status(run_id)
+        status = self.engine.model_status(run_id)
         model = self.models.get(run_id)
         times = [m.last_request for m in self.models.values() if m.run_id == run_id]
         return RunRecord(
-            run_dir=status.run_dir,
+            model_dir=status.model_dir,
             owner=model.session_id if model is not None else "workbench",
             lora_rank=status.lora.rank,
             last_request=max(times, default=status.created_at),
@@ -623,7 +623,7 @@ class TinkerService:
 
     def _all_runs(self) -> list[str]:
         """Every run the server knows, newest first."""
-        created = {run_id: self.engine.run_status(run_id).created_at for run_id in self.engine.model_ids()}
+        created = {run_id: self.engine.model_status(run_id).created_at for run_id in self.engine.model_ids()}
         created.update({run_id: run.created_at for run_id, run in self.ended_runs.items()})
         return sorted(created, key=created.__getitem__, reverse=True)
 
@@ -660,7 +660,7 @@ class TinkerService:
         try:
             if known is not None:
                 return checkpoint_store.require_checkpoint_folder(
-                    checkpoint_store.kind_dir(known.run_dir, address.kind) / address.name
+                    checkpoint_store.kind_dir(known.model_dir, address.kind) / address.name
                 )
             return self.engine.checkpoint_folder(address.tinker_path, address.kind)
         except CheckpointError as error:
@@ -671,7 +671,7 @@ class TinkerService:
         self.checkpoint_folder(address)
         ended = self.ended_runs.get(address.run_id)
         if ended is not None:  # no operation of the run is left to race
-            checkpoint_store.delete(ended.run_dir, address.name, address.kind)
+            checkpoint_store.delete(ended.model_dir, address.name, address.kind)
             return
         removal = self.engine.delete_checkpoint(address.run_id, address.name, address.kind)
         await asyncio.wrap_future(removal.future())
