@@ -44,8 +44,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-checkpoint-")) / "run"
-    sess = wb.Session(args.model, wb.LoraConfig(rank=args.rank), run_dir=run_dir, wandb=False)
+    model_dir = Path(tempfile.mkdtemp(prefix="bench-checkpoint-")) / "run"
+    sess = wb.Session(args.model, wb.LoraConfig(rank=args.rank), model_dir=model_dir, wandb=False)
     tokens = list(range(10, 138))
     data = [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 4
     sess.policy.forward_backward(data, "cross_entropy").result()
@@ -57,7 +57,7 @@ def main() -> None:
     load_weights_s = timed(lambda: sess.policy.load_state(path).result(), args.repeats)
     new_session_s = timed(
         lambda: wb.Session(
-            args.model, wb.LoraConfig(rank=args.rank), run_dir=run_dir.parent / "plain", wandb=False
+            args.model, wb.LoraConfig(rank=args.rank), model_dir=model_dir.parent / "plain", wandb=False
         ).close(),
         args.repeats,
     )

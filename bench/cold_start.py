@@ -73,7 +73,7 @@ def child(mode: str, model: str) -> dict[str, float]:
         import workbench as wb
 
         mark("import")
-        session = wb.Session(model, run_dir=tempfile.mkdtemp(prefix="workbench-cold-start-"))
+        session = wb.Session(model, model_dir=tempfile.mkdtemp(prefix="workbench-cold-start-"))
         mark("load")
         tokens = list(range(10, 139))
         datum = wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})

@@ -102,8 +102,8 @@ def measure(model: str, side: str, length: int) -> dict[str, float]:
         def step() -> None:
             raw.forward_backward([tokens])
     else:
-        run_dir = tempfile.mkdtemp(prefix="workbench-bench-memory-")
-        session = wb.Session(path, lora, seed=0, wandb=False, run_dir=run_dir)
+        model_dir = tempfile.mkdtemp(prefix="workbench-bench-memory-")
+        session = wb.Session(path, lora, seed=0, wandb=False, model_dir=model_dir)
         datum = wb.Datum(
             model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
         )

@@ -235,7 +235,7 @@ def workbench_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
         workbench_lora(),
         seed=0,
         wandb=False,
-        run_dir=tempfile.mkdtemp(prefix="workbench-peers-"),
+        model_dir=tempfile.mkdtemp(prefix="workbench-peers-"),
     )
     adam = wb.AdamParams(learning_rate=LEARNING_RATE, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
     tokenizer = session.tokenizer

@@ -1,7 +1,7 @@
 """What the checkpoint tests run in a fresh process, and the steps both sides of a resume take.
 
 python checkpoint_child.py resume <checkpoint> <out_dir> <steps>   # from_checkpoint, then `continue_run`
-python checkpoint_child.py killed-save <run_dir>           # save "a", then SIGKILL itself mid-save of "b"
+python checkpoint_child.py killed-save <model_dir>           # save "a", then SIGKILL itself mid-save of "b"
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ def continue_run(sess: wb.Session, steps: int, out_dir: Path) -> None:
     safetensors.torch.save_file(tensors, out_dir / "adapter.safetensors")
 
 
-def killed_save(run_dir: Path) -> None:
+def killed_save(model_dir: Path) -> None:
     from workbench.storage import checkpoint_store
 
-    sess = wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=False)
+    sess = wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=model_dir, wandb=False)
     train_step(sess)
     sess.policy.save_state("a").result()
     train_step(sess)

@@ -56,7 +56,7 @@ def tiny_no_wandb() -> Iterator[wb.Session]:
 def no_wandb_credentials(tmp_path, monkeypatch: pytest.MonkeyPatch):
     """No W&B key or mode anywhere W&B looks (env, netrc, settings), so runs are offline; every W&B path
     under `tmp_path`, which the fixture yields. `WANDB_DIR` is unset: it would win over the folder
-    workbench gives W&B (the run folder), which is what the tests check."""
+    workbench gives W&B (the model folder), which is what the tests check."""
     import wandb
 
     for name in (

@@ -10,6 +10,8 @@ first name that needs them, and ipywidgets, matplotlib and W&B only with a panel
 `from workbench import Session` and `wb.Session` work as with eager imports.
 
 The public names are declared once, in `_PUBLIC` below: `__all__` and the lazy lookup both come from it.
+Old names kept for code written against earlier versions are declared there too, marked deprecated;
+their modules warn with a DeprecationWarning when they are used.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from typing import Any
 
 # Each module and the public names it gives `workbench`.
 _PUBLIC: dict[str, tuple[str, ...]] = {
-    "workbench.engine.config": ("SessionConfig",),
-    "workbench.engine.interface": ("EngineInterface",),
+    # renames: off (SessionConfig and RunStatus: deprecated names of ModelConfig and ModelStatus)
+    "workbench.engine.config": ("ModelConfig", "SessionConfig"),
+    "workbench.engine.interface": ("EngineInterface", "ModelStatus", "RunStatus"),
+    # renames: on
     "workbench.engine.local.checkpoint_files": ("Restore",),
-    "workbench.engine.local.engine": ("Engine", "ModelTensors", "RunStatus"),
+    "workbench.engine.local.engine": ("Engine", "ModelTensors"),
     "workbench.engine.model.trainable_adapter": ("NonFiniteGradientError",),
     "workbench.engine.remote": ("EngineUnreachableError", "RemoteEngine", "RemoteUnsupportedError"),
     "workbench.engine.roles": ("Role",),

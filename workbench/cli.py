@@ -8,7 +8,7 @@ unmodified `tinker` SDK and tinker-cookbook scripts train on it:
     TINKER_API_KEY=tml-local python -m tinker_cookbook.recipes.sl_loop base_url=http://127.0.0.1:8000 ...
 
 It prints where it serves and the model, then one line per operation that clients run (`--quiet` keeps
-only the first lines). The session's run folder gets the history of every operation (`history.jsonl`)
+only the first lines). The session's model folder gets the history of every operation (`history.jsonl`)
 and its W&B run, as in the notebook. Binding anything but a loopback address requires an API key
 (`--api-key`, or `WORKBENCH_API_KEY` to keep it out of the process list).
 """
@@ -52,7 +52,13 @@ def _parser() -> argparse.ArgumentParser:
         help="LoRA models that may share the base at once",
     )
     serve.add_argument("--device", default=None, help="cuda, cpu, ... (default: CUDA when present)")
-    serve.add_argument("--run-dir", default=None, help="the session's folder (history, W&B files)")
+    serve.add_argument(
+        "--model-dir",
+        "--run-dir",  # renames: keep (the deprecated spelling, still accepted)
+        dest="model_dir",
+        default=None,
+        help="the session model's folder (history, W&B files)",
+    )
     serve.add_argument("--no-wandb", action="store_true", help="no W&B run")
     serve.add_argument("--quiet", action="store_true", help="no line per operation")
     return parser
@@ -65,7 +71,7 @@ def serve(args: argparse.Namespace) -> int:
         args.base_model,
         device=args.device,
         max_models=args.max_models,
-        run_dir=args.run_dir,
+        model_dir=args.model_dir,
         wandb=False if args.no_wandb else None,
     )
     stop = threading.Event()
@@ -77,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"workbench: serving the Tinker API at {server.url}", flush=True)
         print(
             f"workbench: base model {config.base_model} ({info.path}) on {config.device}/{config.dtype}, "
-            f"up to {config.max_models} models; history in {session.run_dir}",
+            f"up to {config.max_models} models; history in {session.model_dir}",
             flush=True,
         )
         wandb = session.wandb_run

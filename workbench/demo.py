@@ -41,7 +41,7 @@ def main() -> None:
             return loss, tokenizer.decode(answer.tokens, skip_special_tokens=True).strip()
 
         print(
-            f"workbench demo: {args.model}, LoRA rank 16, {len(train)} training conversations, run folder {sess.run_dir}"
+            f"workbench demo: {args.model}, LoRA rank 16, {len(train)} training conversations, model folder {sess.model_dir}"
         )
         loss_before, answer_before = evaluate()
         start = time.perf_counter()

@@ -170,7 +170,7 @@ class JsonlSink:
         self._file.flush()
 
     def log_event(self, name: str, payload: Mapping[str, Any]) -> None:
-        """The file holds metric rows only: events (saved checkpoints) are facts the run folder itself
+        """The file holds metric rows only: events (saved checkpoints) are facts the model folder itself
         keeps (its checkpoint folders)."""
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ def write(version: str) -> Path:
     with (
         tempfile.TemporaryDirectory() as tmp,
         wb.Session(
-            "tiny", wb.LoraConfig(rank=2), critic=True, seed=3, run_dir=Path(tmp) / "run", wandb=False
+            "tiny", wb.LoraConfig(rank=2), critic=True, seed=3, model_dir=Path(tmp) / "run", wandb=False
         ) as sess,
     ):
         batch = fixed_batch(sess.tokenizer)

@@ -37,7 +37,7 @@ class Server:
     def __init__(self, folder: Path):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "WORKBENCH_RUNS": str(folder / "server-runs")}
         command = [sys.executable, "-m", "workbench.cli", "serve", "--base-model", "tiny", "--port", "0"]
-        command += ["--device", "cpu", "--no-wandb", "--quiet", "--run-dir", str(folder / "server")]
+        command += ["--device", "cpu", "--no-wandb", "--quiet", "--model-dir", str(folder / "server")]
         self.process = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -150,7 +150,7 @@ def test_sft_and_rl_loops_match_a_local_session(server: Server) -> None:
             sft = [row for row in sess.history.rows if row["op"] == "run_step"]
             rl = rl_loop(sess, 2)
             results[where] = (sft, rl, op_rows(sess.history), sess.step, sess.policy.weights_version)
-            rows = (sess.run_dir / "history.jsonl").read_text().splitlines()
+            rows = (sess.model_dir / "history.jsonl").read_text().splitlines()
             assert len(rows) == len(sess.history.rows)  # the JSONL file is written here for both
     local, remote = results["local"], results["remote"]
     assert [r["loss"] for r in remote[0]] == pytest.approx([r["loss"] for r in local[0]], rel=1e-5)
@@ -203,8 +203,8 @@ def test_what_the_remote_engine_cannot_do_is_refused_before_sending(server: Serv
             (lambda: sess.policy.forward_backward([ce_datum(TOKENS[0])], local_only[0]), "accepts"),
             (lambda: sess.create_critic(), "no critic"),
             (lambda: sess.state_digest(), "state_digest"),
-            (lambda: sess.load_state(str(sess.run_dir)), "tinker://"),
-            (lambda: sess.export_merged(sess.run_dir / "merged"), "live on the engine"),
+            (lambda: sess.load_state(str(sess.model_dir)), "tinker://"),
+            (lambda: sess.export_merged(sess.model_dir / "merged"), "live on the engine"),
             (lambda: sess.serve(), "in this process"),
             (lambda: sess.service_client(), "in this process"),
             (lambda: sess.delete_critic(), "no critic"),

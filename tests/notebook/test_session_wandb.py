@@ -1,4 +1,4 @@
-"""Every step logged, at the Session level: the offline W&B run in the run folder, its id, resuming it,
+"""Every step logged, at the Session level: the offline W&B run in the model folder, its id, resuming it,
 the JSONL history next to it, and sinks that fail without breaking a step."""
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ def _reward_step(sess: wb.Session, i: int) -> dict[str, float]:
 
 
 def test_without_a_key_the_session_run_is_offline_in_its_run_folder(no_wandb_credentials: Path) -> None:
-    run_dir = no_wandb_credentials / "runs" / "tiny-offline-0001"
-    sess = wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=None)
+    model_dir = no_wandb_credentials / "runs" / "tiny-offline-0001"
+    sess = wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=model_dir, wandb=None)
     try:
         sink = sess.wandb_run
         assert sink is not None
-        assert (sink.mode, sink.run_id, sink.url) == ("offline", run_dir.name, None)
-        assert sink.directory.parent == run_dir / "wandb"
-        assert sink.directory.name.endswith(f"-{run_dir.name}")
+        assert (sink.mode, sink.run_id, sink.url) == ("offline", model_dir.name, None)
+        assert sink.directory.parent == model_dir / "wandb"
+        assert sink.directory.name.endswith(f"-{model_dir.name}")
         assert (
             sink._run.config["base_model"] == "tiny" and sink._run.config["lora"]["rank"] == 4
         )  # config, once
@@ -49,7 +49,7 @@ def test_without_a_key_the_session_run_is_offline_in_its_run_folder(no_wandb_cre
         panel = sess.panel()
         panel.refresh()
         assert (
-            f"offline {run_dir.name}" in panel.status.widget.value
+            f"offline {model_dir.name}" in panel.status.widget.value
             and "wandb sync" in panel.status.widget.value
         )
         panel.close()
@@ -76,26 +76,26 @@ def test_without_a_key_the_session_run_is_offline_in_its_run_folder(no_wandb_cre
 
 
 def test_a_resumed_session_continues_the_run_and_the_jsonl_history(no_wandb_credentials: Path) -> None:
-    run_dir = no_wandb_credentials / "runs" / "tiny-resume-0002"
+    model_dir = no_wandb_credentials / "runs" / "tiny-resume-0002"
     run_ids = []
     for _ in range(2):
-        sess = wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=None)
+        sess = wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=model_dir, wandb=None)
         assert sess.wandb_run is not None
         run_ids.append(sess.wandb_run.run_id)
         sess.run(_reward_step, steps=1).wait(WAIT_S)
         sess.close()
-    assert run_ids == [run_dir.name, run_dir.name]
-    rows = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert run_ids == [model_dir.name, model_dir.name]
+    rows = [json.loads(line) for line in (model_dir / "history.jsonl").read_text().splitlines()]
     assert [row["op"] for row in rows] == ["forward_backward", "optim_step", "run_step"] * 2
 
 
 def test_wandb_false_opens_no_run_and_still_writes_the_jsonl_history(no_wandb_credentials: Path) -> None:
-    run_dir = no_wandb_credentials / "runs" / "tiny-off"
-    with wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=False) as sess:
+    model_dir = no_wandb_credentials / "runs" / "tiny-off"
+    with wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=model_dir, wandb=False) as sess:
         assert sess.wandb_run is None
         sess.run(_reward_step, steps=1).wait(WAIT_S)
-    assert not (run_dir / "wandb").exists()
-    assert len((run_dir / "history.jsonl").read_text().splitlines()) == 3
+    assert not (model_dir / "wandb").exists()
+    assert len((model_dir / "history.jsonl").read_text().splitlines()) == 3
 
 
 class RaisingSink:
@@ -117,7 +117,7 @@ def test_a_sink_that_raises_does_not_break_a_step(tiny: wb.Session) -> None:
         run = tiny.run(_reward_step, steps=2)
         assert run.wait(WAIT_S) is wb.RunState.FINISHED
     assert tiny.history.series("reward:mean", op="run_step")[1] == [0.5, 1.5]
-    lines = (tiny.run_dir / "history.jsonl").read_text().splitlines()
+    lines = (tiny.model_dir / "history.jsonl").read_text().splitlines()
     assert len(lines) == len(tiny.history)  # the JSONL sink after the failing one still got every row
 
 

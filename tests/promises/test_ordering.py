@@ -124,9 +124,9 @@ def test_a_dropped_client_releases_its_weights_once_the_worker_gets_there(tiny_n
         tiny_no_wandb.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
         assert (
             version in tiny_no_wandb.live_versions()
-            and tiny_no_wandb.engine.run_status(tiny_no_wandb.model_id).snapshot_bytes > 0
+            and tiny_no_wandb.engine.model_status(tiny_no_wandb.model_id).snapshot_bytes > 0
         )
         del client
         tiny_no_wandb.state_digest()  # an operation after the release: the worker has processed it
         assert tiny_no_wandb.live_versions() == [version + 1]
-        assert tiny_no_wandb.engine.run_status(tiny_no_wandb.model_id).snapshot_bytes == 0
+        assert tiny_no_wandb.engine.model_status(tiny_no_wandb.model_id).snapshot_bytes == 0

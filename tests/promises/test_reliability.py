@@ -160,7 +160,7 @@ def test_a_client_collected_inside_the_copy_on_write_does_not_hang_the_worker(
         assert passes == [True], "the client was not collected inside the copy-on-write"
         assert step.applied
         assert sess.live_versions() == [pinned + 1]  # the release reached the worker, after the step
-        assert sess.engine.run_status(sess.model_id).snapshot_bytes == 0
+        assert sess.engine.model_status(sess.model_id).snapshot_bytes == 0
 
 
 @pytest.mark.timeout(120)
@@ -260,7 +260,7 @@ def test_ctrl_c_while_create_critic_waits_behind_queued_work_leaves_no_trace() -
         assert len(values.loss_fn_outputs[0]["values"]) == 4
         saved = sess.policy.save_state("after-ctrl-c").result(timeout=WAIT_S)
         digest = sess.state_digest()
-        sess.close()  # the resumed session continues in its run folder, which a live session holds
+        sess.close()  # the resumed session continues in its model folder, which a live session holds
         with wb.Session.from_checkpoint(saved.path, wandb=False) as resumed:
             assert resumed.critic is not None and resumed.state_digest() == digest
     finally:
@@ -374,7 +374,7 @@ def _with_dropped_clients(sess: wb.Session) -> Path:
     client.cycle = client  # type: ignore[attr-defined]
     client.sample([5, 6, 7], 1, wb.SamplingParams(max_tokens=2))  # still queued when the session goes
     sess.sampling_client(base=True)
-    return sess.run_dir / "history.jsonl"
+    return sess.model_dir / "history.jsonl"
 
 
 def _after_a_finished_run(sess: wb.Session) -> None:

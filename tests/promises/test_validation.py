@@ -274,7 +274,7 @@ def test_a_checkpoints_lifetime_and_metadata_are_checked_before_saving(tiny: wb.
 def test_one_unreadable_checkpoint_does_not_break_the_listing(tiny: wb.Session) -> None:
     tiny.policy.save_state("good").result()
     bad = tiny.policy.save_state("bad").result()
-    info_file = tiny.run_dir / "checkpoints" / "bad" / "config.json"
+    info_file = tiny.model_dir / "checkpoints" / "bad" / "config.json"
     info = json.loads(info_file.read_text())
     for broken in ({"expires_at": 1e300}, {"user_metadata": {"k": "\ud800"}}):
         info_file.write_text(json.dumps({**info, **broken}))
@@ -339,11 +339,11 @@ def test_a_base_model_that_is_neither_a_folder_nor_known_is_named_as_such() -> N
 
 
 def test_a_live_sessions_run_folder_cannot_be_taken_by_another(tiny: wb.Session) -> None:
-    run_dir = tiny.run_dir
-    run_info = (run_dir / "run.json").read_bytes()
+    model_dir = tiny.model_dir
+    run_info = (model_dir / "run.json").read_bytes()
     with pytest.raises(ValueError, match="in use"):
-        wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=False)
-    assert (run_dir / "run.json").read_bytes() == run_info
+        wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=model_dir, wandb=False)
+    assert (model_dir / "run.json").read_bytes() == run_info
     tiny.close()
-    again = wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir, wandb=False)  # free once closed
+    again = wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=model_dir, wandb=False)  # free once closed
     again.close()

@@ -96,8 +96,8 @@ def test_training_through_the_server_matches_in_process(
     assert held_out.metrics == local.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics
     # the history names the model each row was for, remote ones included
     adapters = {
-        sess.engine.run_status(remote.model_id).adapter,
-        sess.engine.run_status(local.model_id).adapter,
+        sess.engine.model_status(remote.model_id).adapter,
+        sess.engine.model_status(local.model_id).adapter,
     }
     rows = [row for row in sess.history if row["op"] == "forward_backward"]
     assert {row["model"] for row in rows} == adapters and len(rows) == 4
@@ -210,8 +210,10 @@ def test_checkpoints_through_the_server(sess: wb.Session, client: tinker.Service
     assert original[0].result().metrics == again[0].result().metrics == fresh[0].result().metrics
     assert original[1].result().metrics == again[1].result().metrics
     fresh[1].result()
-    assert sess.engine.run_status(weights_only.model_id).step == 1  # a fresh optimizer
-    assert sess.engine.run_status(resumed.model_id).step == sess.engine.run_status(remote.model_id).step == 2
+    assert sess.engine.model_status(weights_only.model_id).step == 1  # a fresh optimizer
+    assert (
+        sess.engine.model_status(resumed.model_id).step == sess.engine.model_status(remote.model_id).step == 2
+    )
     check = [sdk_ce_datum(TOKENS[0])]
     assert (
         remote.forward(check, "cross_entropy").result().metrics
@@ -293,11 +295,11 @@ def test_requests_run_in_seq_order_and_retries_get_the_same_future(
     optim = {"model_id": remote.model_id, "seq_id": 2, "adam_params": ADAM, "type": "optim_step"}
     late = post(srv, "optim_step", optim).json()  # seq 2 arrives first: it waits for seq 1
     time.sleep(0.3)
-    assert sess.engine.run_status(remote.model_id).step == 0
+    assert sess.engine.model_status(remote.model_id).step == 0
     early = post(srv, "forward_backward", fwdbwd(1), **{"content-type": "application/x-protobuf"}).json()
     step = retrieve(srv, late["request_id"]).json()
     assert step["metrics"]["grad_norm"] > 0  # the gradient of seq 1 was there
-    assert sess.engine.run_status(remote.model_id).step == 1
+    assert sess.engine.model_status(remote.model_id).step == 1
     assert (
         retrieve(srv, early["request_id"], "application/x-protobuf").headers["content-type"]
         == "application/x-protobuf"
@@ -346,7 +348,7 @@ def test_a_critic_through_the_server(
     model_id = retrieve(srv, created["request_id"]).json()["model_id"]
     info = holder.run_coroutine_threadsafe(fetch_training_info(holder, model_id)).result()
     critic = tinker.TrainingClient(holder, seq, model_id, info=info)
-    assert sess.engine.run_status(policy.model_id).critic_lora.rank == 4
+    assert sess.engine.model_status(policy.model_id).critic_lora.rank == 4
     local = twin(sess)
     sess.engine.create_critic(local.model_id, wb.LoraConfig(rank=4, seed=3, train_unembed=False)).result()
     local_critic = wb.TrainingClient(sess.engine, local.model_id, wb.Role.CRITIC)

@@ -111,7 +111,7 @@ def test_bad_operations_fail_with_our_message_and_change_nothing(
     unchanged.check()
     # the failed request used its seq_id: the model's next request runs
     assert remote.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm"] > 0
-    assert sess.engine.run_status(remote.model_id).step == 1
+    assert sess.engine.model_status(remote.model_id).step == 1
 
 
 def test_bad_models_and_loads_are_refused(
@@ -588,7 +588,7 @@ def test_error_messages_name_what_the_client_sent_not_server_folders(
         messages.append(body["error"])
     server_folders = [
         os.environ["WORKBENCH_RUNS"],
-        str(sess.run_dir),
+        str(sess.model_dir),
         sess.base_info.path,
         str(Path.home()),
     ]

@@ -72,8 +72,8 @@ def test_workbench_serve_in_a_subprocess(tmp_path: Path) -> None:
         "WANDB_MODE": "offline",
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
     }
-    run_dir = tmp_path / "server-session"
-    serve = ["serve", "--base-model", "tiny", "--port", "0", "--run-dir", str(run_dir)]
+    model_dir = tmp_path / "server-session"
+    serve = ["serve", "--base-model", "tiny", "--port", "0", "--model-dir", str(model_dir)]
     command = [sys.executable, "-m", "workbench.cli", *serve]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -100,9 +100,9 @@ def test_workbench_serve_in_a_subprocess(tmp_path: Path) -> None:
     for op in ("create_model", "forward_backward", "optim_step", "sample", "save_weights", "load_weights"):
         assert f"{op} " in printed, op
     assert "workbench: stopping" in printed
-    assert f"W&B run {run_dir.name}: offline in" in printed
-    assert any((run_dir / "wandb").glob("offline-run-*"))
-    rows = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert f"W&B run {model_dir.name}: offline in" in printed
+    assert any((model_dir / "wandb").glob("offline-run-*"))
+    rows = [json.loads(line) for line in (model_dir / "history.jsonl").read_text().splitlines()]
     assert {"forward_backward", "optim_step", "sample"} <= {
         row["op"] for row in rows if row["model"] == "policy_2"
     }

@@ -15,7 +15,7 @@ import workbench as wb
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("archive")
-    with wb.Session("tiny", wb.LoraConfig(rank=2), run_dir=root / "run") as sess:
+    with wb.Session("tiny", wb.LoraConfig(rank=2), model_dir=root / "run") as sess:
         return Path(sess.policy.save_state("step-0").result().folder)
 
 
@@ -36,7 +36,7 @@ def test_export_then_import_gives_the_same_checkpoint(checkpoint: Path, tmp_path
     assert [p.name for p in (tmp_path / "dest").iterdir()] == ["step-0"]  # no temporary folder left
     with pytest.raises(wb.CheckpointError, match="already exists"):
         wb.import_archive(tar_path, tmp_path / "dest")
-    with wb.Session.from_checkpoint(folder, run_dir=tmp_path / "resumed") as resumed:
+    with wb.Session.from_checkpoint(folder, model_dir=tmp_path / "resumed") as resumed:
         assert resumed.step == 0
     with pytest.raises(ValueError, match=r"\.tar, \.tar\.gz or \.tgz"):
         wb.export_archive(checkpoint, tmp_path / "run.zip")

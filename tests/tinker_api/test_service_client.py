@@ -265,7 +265,7 @@ def test_service_clients_open_no_wandb_run(no_wandb_credentials: Path) -> None:
         _train(client)
         client.save_state("s").result()
         assert wandb.run is None
-        assert not list(Path(client.engine.run_status(client.model_id).run_dir).rglob("*wandb*"))
+        assert not list(Path(client.engine.model_status(client.model_id).model_dir).rglob("*wandb*"))
 
 
 def test_a_sessions_service_client_trains_next_to_it_and_leaves_it_open(tiny: wb.Session) -> None:

@@ -1,12 +1,13 @@
-"""The settings that define an engine, and those that define one training run on it.
+"""The settings that define an engine, and those that define one model on it.
 
 `EngineConfig` is fixed for the engine's life: the base model, where and in what precision it runs, the
-micro-batch budget and the sampler. `SessionConfig` is what a state checkpoint records about the run it
-saves (the engine's settings plus the run's adapters and seed), and what rebuilds that run elsewhere.
+micro-batch budget and the sampler. `ModelConfig` is what a state checkpoint records about the model it
+saves (the engine's settings plus the model's adapters and seed), and what rebuilds that model elsewhere.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ class EngineConfig:
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
         sampler: `"hf"` or `"vllm"` (resolved).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
-        max_models: How many LoRA models (training runs) may share the base at once.
+        max_models: How many LoRA models may share the base at once.
     """
 
     base_model: str
@@ -56,9 +57,9 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class SessionConfig:
-    """Everything that defines a training run on an engine; saved with every state checkpoint and
-    logged to W&B."""
+class ModelConfig:
+    """Everything that defines a model (a LoRA policy and optional critic on a base model) on an engine;
+    saved with every state checkpoint and logged to W&B."""
 
     base_model: str
     lora: LoraConfig
@@ -72,3 +73,18 @@ class SessionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# renames: off
+_DEPRECATED = {"SessionConfig": "ModelConfig"}
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated names of this module's classes, with a DeprecationWarning."""
+    if name in _DEPRECATED:
+        warnings.warn(f"{name} is now {_DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
+        return globals()[_DEPRECATED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# renames: on

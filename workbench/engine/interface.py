@@ -16,6 +16,7 @@ operation both engines have, what its service cannot do (a loss it does not list
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from workbench.engine.config import EngineConfig, SessionConfig
+from workbench.engine.config import EngineConfig, ModelConfig
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
@@ -52,11 +53,11 @@ class Restore(enum.Enum):
 
 
 @dataclass(frozen=True)
-class RunStatus:
-    """A run as it stands (a snapshot: read it again for later values)."""
+class ModelStatus:
+    """A model as it stands (a snapshot: read it again for later values)."""
 
     model_id: str
-    run_dir: Path
+    model_dir: Path
     lora: LoraConfig
     critic_lora: LoraConfig | None
     seed: int
@@ -72,6 +73,15 @@ class RunStatus:
     critic_adapter: str | None
     snapshot_bytes: int  # memory held by copies of past policy versions that sampling clients pin
 
+    # renames: off
+    @property
+    def run_dir(self) -> Path:
+        """Deprecated: `model_dir`."""
+        warnings.warn("run_dir is now model_dir", DeprecationWarning, stacklevel=2)
+        return self.model_dir
+
+    # renames: on
+
 
 CustomLossFn = Callable[[list[Any], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
 """`fn(data, logprobs_list) -> (loss, metrics)`: a scalar loss of per-datum logprob tensors."""
@@ -79,7 +89,7 @@ CustomLossFn = Callable[[list[Any], list[Tensor]], tuple[Tensor, Mapping[str, fl
 
 @dataclass(frozen=True)
 class SamplerPin:
-    """The weights one sampling client samples: a run's policy at a version, a loaded sampler
+    """The weights one sampling client samples: a model's policy at a version, a loaded sampler
     checkpoint (an inference-only adapter), or the base model (neither)."""
 
     model_id: str | None = None
@@ -136,17 +146,17 @@ class EngineInterface(Protocol):
         *,
         seed: int = 0,
         model_id: str | None = None,
-        run_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[str]:
         """Add a LoRA model on the base; resolves to its model id."""
 
     def model_ids(self) -> list[str]: ...
 
-    def run_status(self, model_id: str) -> RunStatus:
+    def model_status(self, model_id: str) -> ModelStatus:
         """The model's counters and settings now (a snapshot)."""
 
-    def session_config(self, model_id: str) -> SessionConfig:
+    def model_config(self, model_id: str) -> ModelConfig:
         """What defines the model: what its checkpoints and W&B run record."""
 
     # training
@@ -248,3 +258,18 @@ class EngineInterface(Protocol):
 
     def close(self) -> None:
         """Finish the queued operations and free the models; safe to call again."""
+
+
+# renames: off
+_DEPRECATED = {"RunStatus": "ModelStatus"}
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated names of this module's classes, with a DeprecationWarning."""
+    if name in _DEPRECATED:
+        warnings.warn(f"{name} is now {_DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
+        return globals()[_DEPRECATED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# renames: on

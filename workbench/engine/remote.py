@@ -41,8 +41,8 @@ import tinker
 from tinker import types as sdk
 from transformers import PreTrainedTokenizerBase
 
-from workbench.engine.config import EngineConfig, SessionConfig
-from workbench.engine.interface import CustomLossFn, Restore, RunStatus, SamplerPin
+from workbench.engine.config import EngineConfig, ModelConfig
+from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, SamplerPin
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
 from workbench.engine.worker import SessionClosedError, Worker
@@ -63,7 +63,7 @@ from workbench.sdk_conversion import (
     to_sdk_token_ids,
 )
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
-from workbench.storage.run_folders import new_run_id, runs_root
+from workbench.storage.model_folders import new_model_id, runs_root
 from workbench.types import (
     ForwardBackwardOutput,
     LoadWeightsResponse,
@@ -81,7 +81,7 @@ from workbench.types import (
 T = TypeVar("T")
 
 POLICY_LABEL = "policy"
-"""The history's `model` column for the run's policy, as on a local engine."""
+"""The history's `model` column for the model's policy, as on a local engine."""
 
 REFERENCE_LABEL = "reference"
 """The history's `model` column for the base model with adapters off, as on a local engine."""
@@ -102,15 +102,15 @@ class EngineUnreachableError(ConnectionError):
 
 
 @dataclasses.dataclass
-class _RemoteRun:
-    """One training run on the service, and the counters kept here from its completed operations."""
+class _RemoteModel:
+    """One LoRA model on the service, and the counters kept here from its completed operations."""
 
     model_id: str  # this session's id for it: its local folder's name, the W&B run id
     remote_id: str  # the service's model id
     client: tinker.TrainingClient
     lora: LoraConfig
     seed: int
-    run_dir: Path
+    model_dir: Path
     user_metadata: dict[str, str]
     created_at: float
     step: int = 0
@@ -132,7 +132,7 @@ class RemoteEngine:
         url: The service's base URL (`http://gpu-box:8000`).
         base_model: The base model to train, as the service names it (its capabilities list them).
         api_key: The key the service expects; None lets the SDK read `TINKER_API_KEY`.
-        seed: Seeds each new run's LoRA initialisation when its `LoraConfig` gives no seed.
+        seed: Seeds each new model's LoRA initialisation when its `LoraConfig` gives no seed.
         probe_interval_s: How long an operation waits for its result before checking that the service
             still answers; a service that does not fails the operation with `EngineUnreachableError`.
     """
@@ -169,7 +169,7 @@ class RemoteEngine:
         self._config = EngineConfig(base_model=base_model, seed=seed, device=self._url, dtype="remote")
         self._history = MetricsHistory()
         self._submitting = threading.Lock()  # hands an op to the SDK and the worker as one step
-        self._runs: dict[str, _RemoteRun] = {}
+        self._models: dict[str, _RemoteModel] = {}
         self._samplers: weakref.WeakKeyDictionary[Any, _Sampler] = weakref.WeakKeyDictionary()
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._info: sdk.GetInfoResponse | None = None
@@ -195,14 +195,14 @@ class RemoteEngine:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The base model's tokenizer, as the SDK loads it (`TrainingClient.get_tokenizer`)."""
         if self._tokenizer is None:
-            self._tokenizer = self._any_run().client.get_tokenizer()
+            self._tokenizer = self._any_model().client.get_tokenizer()
         return self._tokenizer
 
     @property
     def base_info(self) -> BaseModelInfo:
         """What the service says of the base model (`get_info`); sizes it does not report are 0."""
         if self._info is None:
-            self._info = self._any_run().client.get_info()
+            self._info = self._any_model().client.get_info()
         data = self._info.model_data
         return BaseModelInfo(
             name=self._config.base_model,
@@ -261,26 +261,26 @@ class RemoteEngine:
             sent = send()
             return self._worker.submit(lambda: finish(sent))
 
-    def _run(self, model_id: str) -> _RemoteRun:
-        run = self._runs.get(model_id)
-        if run is None:
-            raise ValueError(f"no model {model_id!r} on this engine; it has {sorted(self._runs)}")
-        return run
+    def _model(self, model_id: str) -> _RemoteModel:
+        lora_model = self._models.get(model_id)
+        if lora_model is None:
+            raise ValueError(f"no model {model_id!r} on this engine; it has {sorted(self._models)}")
+        return lora_model
 
-    def _any_run(self) -> _RemoteRun:
-        if not self._runs:
+    def _any_model(self) -> _RemoteModel:
+        if not self._models:
             raise RuntimeError("create a model first: the tokenizer and model info come from one")
-        return next(iter(self._runs.values()))
+        return next(iter(self._models.values()))
 
-    def _policy(self, model_id: str, role: Role, what: str) -> _RemoteRun:
-        run = self._run(model_id)
+    def _policy(self, model_id: str, role: Role, what: str) -> _RemoteModel:
+        lora_model = self._model(model_id)
         if role is Role.CRITIC:
             raise RemoteUnsupportedError(f"{what}: the engine at {self._url} has no critic for {model_id!r}")
         if role is Role.REFERENCE:
             raise RemoteUnsupportedError(
                 f"{what}: the Tinker API has no reference model (adapters off); sample the base model instead"
             )
-        return run
+        return lora_model
 
     def _record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> None:
         self._history.record(op, label, step, metrics)
@@ -293,15 +293,15 @@ class RemoteEngine:
         *,
         seed: int = 0,
         model_id: str | None = None,
-        run_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[str]:
-        """Add a LoRA training run on the service; resolves to this engine's id for it (default: a fresh
+        """Add a LoRA model on the service; resolves to this engine's id for it (default: a fresh
         run id, whose local folder, for the history and W&B files, is `<runs root>/<model id>`)."""
-        model_id = model_id or new_run_id(self._config.base_model)
-        if model_id in self._runs:
+        model_id = model_id or new_model_id(self._config.base_model)
+        if model_id in self._models:
             raise ValueError(f"a model {model_id!r} already exists on this engine")
-        folder = (Path(run_dir) if run_dir is not None else runs_root() / model_id).absolute()
+        folder = (Path(model_dir) if model_dir is not None else runs_root() / model_id).absolute()
         metadata = {str(k): str(v) for k, v in (user_metadata or {}).items()}
         init_seed = lora.seed if lora.seed is not None else seed
 
@@ -319,7 +319,7 @@ class RemoteEngine:
         def finish(created: Any) -> str:
             client = self._wait("create_model", created)
             folder.mkdir(parents=True, exist_ok=True)
-            self._runs[model_id] = _RemoteRun(
+            self._models[model_id] = _RemoteModel(
                 model_id, client.model_id, client, lora, seed, folder, metadata, time.time()
             )
             return model_id
@@ -327,44 +327,44 @@ class RemoteEngine:
         return self._submit(send, finish)
 
     def model_ids(self) -> list[str]:
-        return list(self._runs)
+        return list(self._models)
 
-    def run_status(self, model_id: str) -> RunStatus:
-        run = self._run(model_id)
+    def model_status(self, model_id: str) -> ModelStatus:
+        lora_model = self._model(model_id)
         pinned = {s.pin.version for s in list(self._samplers.values()) if s.pin.model_id == model_id}
-        return RunStatus(
+        return ModelStatus(
             model_id=model_id,
-            run_dir=run.run_dir,
-            lora=run.lora,
+            model_dir=lora_model.model_dir,
+            lora=lora_model.lora,
             critic_lora=None,
-            seed=run.seed,
-            step=run.step,
-            weights_version=run.weights_version,
-            pending_backward_calls=run.pending_backward_calls,
+            seed=lora_model.seed,
+            step=lora_model.step,
+            weights_version=lora_model.weights_version,
+            pending_backward_calls=lora_model.pending_backward_calls,
             critic_step=None,
             critic_weights_version=None,
-            live_versions=sorted({v for v in pinned if v is not None} | {run.weights_version}),
-            user_metadata=dict(run.user_metadata),
-            created_at=run.created_at,
+            live_versions=sorted({v for v in pinned if v is not None} | {lora_model.weights_version}),
+            user_metadata=dict(lora_model.user_metadata),
+            created_at=lora_model.created_at,
             adapter=POLICY_LABEL,
             critic_adapter=None,
             snapshot_bytes=0,
         )
 
-    def session_config(self, model_id: str) -> SessionConfig:
-        run = self._run(model_id)
-        return SessionConfig(
+    def model_config(self, model_id: str) -> ModelConfig:
+        lora_model = self._model(model_id)
+        return ModelConfig(
             base_model=self._config.base_model,
-            lora=run.lora,
-            seed=run.seed,
+            lora=lora_model.lora,
+            seed=lora_model.seed,
             device=self._url,
             dtype="remote",
             sampler="remote",
         )
 
     def remote_model_id(self, model_id: str) -> str:
-        """The service's id for the run (what its `tinker://` paths start with)."""
-        return self._run(model_id).remote_id
+        """The service's id for the model (what its `tinker://` paths start with)."""
+        return self._model(model_id).remote_id
 
     # ------------------------------------------------------------------------------------------ training
 
@@ -383,19 +383,19 @@ class RemoteEngine:
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        run = self._policy(model_id, role, op)
+        lora_model = self._policy(model_id, role, op)
         self._check_loss(loss_fn)
         datums = [to_sdk_datum(to_datum(d)) for d in data]
         if not datums:
             raise ValueError(f"{op} needs at least one datum")
         config = None if loss_fn_config is None else {k: float(v) for k, v in loss_fn_config.items()}
-        method = run.client.forward_backward if op == "forward_backward" else run.client.forward
+        method = lora_model.client.forward_backward if op == "forward_backward" else lora_model.client.forward
 
         def finish(sent: Any) -> ForwardBackwardOutput:
             output = from_sdk_forward_backward_output(self._wait(op, sent))
             if op == "forward_backward":
-                run.pending_backward_calls += 1
-            self._record(op, POLICY_LABEL, run.step, output.metrics)
+                lora_model.pending_backward_calls += 1
+            self._record(op, POLICY_LABEL, lora_model.step, output.metrics)
             return output
 
         return self._submit(lambda: method(datums, loss_fn, config), finish)
@@ -427,39 +427,39 @@ class RemoteEngine:
     ) -> APIFuture[ForwardBackwardOutput]:
         """The SDK's custom loss: a forward pass on the service, the loss and its gradient with respect
         to the logprobs here, and a backward pass on the service with that gradient as weights."""
-        run = self._policy(model_id, role, "forward_backward_custom")
+        lora_model = self._policy(model_id, role, "forward_backward_custom")
         datums = [to_sdk_datum(to_datum(d)) for d in data]
 
         def finish(sent: Any) -> ForwardBackwardOutput:
             output = from_sdk_forward_backward_output(self._wait("forward_backward_custom", sent))
-            run.pending_backward_calls += 1
-            self._record("forward_backward_custom", POLICY_LABEL, run.step, output.metrics)
+            lora_model.pending_backward_calls += 1
+            self._record("forward_backward_custom", POLICY_LABEL, lora_model.step, output.metrics)
             return output
 
-        return self._submit(lambda: run.client.forward_backward_custom(datums, loss_fn), finish)
+        return self._submit(lambda: lora_model.client.forward_backward_custom(datums, loss_fn), finish)
 
     def optim_step(self, model_id: str, role: Role, adam_params: Any = None) -> APIFuture[OptimStepResponse]:
         """Apply the accumulated gradient with AdamW on the service; the step and weights version are
         counted here when it completes."""
-        run = self._policy(model_id, role, "optim_step")
+        lora_model = self._policy(model_id, role, "optim_step")
         params = to_adam_params(adam_params)
         sdk_params = to_sdk_adam_params(params)
 
         def finish(sent: Any) -> OptimStepResponse:
             response = self._wait("optim_step", sent)
             metrics = {key: float(value) for key, value in (response.metrics or {}).items()}
-            run.step += 1
-            run.weights_version += 1
-            run.pending_backward_calls = 0
+            lora_model.step += 1
+            lora_model.weights_version += 1
+            lora_model.pending_backward_calls = 0
             self._record(
                 "optim_step",
                 POLICY_LABEL,
-                run.step,
+                lora_model.step,
                 {**metrics, "learning_rate": params.learning_rate, "applied": 1.0},
             )
             return OptimStepResponse(metrics=metrics)
 
-        return self._submit(lambda: run.client.optim_step(sdk_params), finish)
+        return self._submit(lambda: lora_model.client.optim_step(sdk_params), finish)
 
     # ------------------------------------------------------------------------------------------ sampling
 
@@ -477,7 +477,7 @@ class RemoteEngine:
         return future
 
     def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
-        """A sampling client on the service for the run's current weights (as the operations queued
+        """A sampling client on the service for the model's current weights (as the operations queued
         before leave them), or the base model (`model_id=None`). Past versions live on the service only
         as saved checkpoints: `version` must be None or the version the queued operations reach."""
         if model_id is None:
@@ -487,15 +487,15 @@ class RemoteEngine:
                 lambda: self._service.create_sampling_client(base_model=self._config.base_model),
                 SamplerPin,
             )
-        run = self._run(model_id)
-        if version is not None and version != run.weights_version:
+        lora_model = self._model(model_id)
+        if version is not None and version != lora_model.weights_version:
             raise RemoteUnsupportedError(
-                f"weights version {version}: the engine at {self._url} samples a run's current weights "
-                f"(v{run.weights_version}) or saved checkpoints (save_weights_for_sampler), not past versions"
+                f"weights version {version}: the engine at {self._url} samples a model's current weights "
+                f"(v{lora_model.weights_version}) or saved checkpoints (save_weights_for_sampler), not past versions"
             )
         return self._pin(
-            run.client.save_weights_and_get_sampling_client,
-            lambda: SamplerPin(model_id=model_id, version=run.weights_version),
+            lora_model.client.save_weights_and_get_sampling_client,
+            lambda: SamplerPin(model_id=model_id, version=lora_model.weights_version),
         )
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
@@ -598,13 +598,13 @@ class RemoteEngine:
         }
         if tokens:
             metrics["logprob:mean"] = sum(sum(s.logprobs) for s in sequences) / tokens
-        run = self._runs.get(pin.model_id) if pin.model_id is not None else None
+        lora_model = self._models.get(pin.model_id) if pin.model_id is not None else None
         label = REFERENCE_LABEL if pin.is_base else (pin.adapter or "")
-        if run is not None and pin.version is not None:
+        if lora_model is not None and pin.version is not None:
             label = POLICY_LABEL
             metrics["weights_version"] = float(pin.version)
-            metrics["staleness"] = float(run.weights_version - pin.version)
-        self._record("sample", label, run.step if run is not None else 0, metrics)
+            metrics["staleness"] = float(lora_model.weights_version - pin.version)
+        self._record("sample", label, lora_model.step if lora_model is not None else 0, metrics)
 
     def compute_logprobs(
         self,
@@ -644,19 +644,21 @@ class RemoteEngine:
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
-        """Save the run's state on the service; `.path` is its `tinker://` path (no local folder)."""
-        run = self._run(model_id)
+        """Save the model's state on the service; `.path` is its `tinker://` path (no local folder)."""
+        lora_model = self._model(model_id)
         metadata = None if user_metadata is None else {str(k): str(v) for k, v in user_metadata.items()}
 
         def finish(sent: Any) -> SaveWeightsResponse:
             path = self._wait("save_state", sent).path
-            run.saved_steps[path] = run.step
-            self._record("save_state", POLICY_LABEL, run.step, {})
-            self._history.event("checkpoint", {"name": name, "kind": "state", "path": path, "step": run.step})
+            lora_model.saved_steps[path] = lora_model.step
+            self._record("save_state", POLICY_LABEL, lora_model.step, {})
+            self._history.event(
+                "checkpoint", {"name": name, "kind": "state", "path": path, "step": lora_model.step}
+            )
             return SaveWeightsResponse(path=path)
 
         return self._submit(
-            lambda: run.client.save_state(
+            lambda: lora_model.client.save_state(
                 name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=metadata
             ),
             finish,
@@ -672,22 +674,22 @@ class RemoteEngine:
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Save the policy's adapter for sampling on the service; `.path` is its `tinker://` path."""
-        run = self._run(model_id)
+        lora_model = self._model(model_id)
         if overwrite:
             raise RemoteUnsupportedError("the tinker SDK's save_weights_for_sampler has no overwrite")
         metadata = None if user_metadata is None else {str(k): str(v) for k, v in user_metadata.items()}
 
         def finish(sent: Any) -> SaveWeightsForSamplerResponse:
             path = self._wait("save_weights_for_sampler", sent).path
-            run.saved_steps[path] = run.step
-            self._record("save_weights_for_sampler", POLICY_LABEL, run.step, {})
+            lora_model.saved_steps[path] = lora_model.step
+            self._record("save_weights_for_sampler", POLICY_LABEL, lora_model.step, {})
             self._history.event(
-                "checkpoint", {"name": name, "kind": "sampler", "path": path, "step": run.step}
+                "checkpoint", {"name": name, "kind": "sampler", "path": path, "step": lora_model.step}
             )
             return SaveWeightsForSamplerResponse(path=path)
 
         return self._submit(
-            lambda: run.client.save_weights_for_sampler(
+            lambda: lora_model.client.save_weights_for_sampler(
                 name, ttl_seconds=ttl_seconds, user_metadata=metadata
             ),
             finish,
@@ -698,17 +700,21 @@ class RemoteEngine:
         weights and optimizer state (otherwise; what else a checkpoint holds is the service's to
         restore). The weights version moves on by one; the step becomes the saved one when this
         engine saved the checkpoint."""
-        run = self._run(model_id)
+        lora_model = self._model(model_id)
         tinker_path = self._tinker_path(path, "load_state")
-        method = run.client.load_state if restore is Restore.WEIGHTS else run.client.load_state_with_optimizer
+        method = (
+            lora_model.client.load_state
+            if restore is Restore.WEIGHTS
+            else lora_model.client.load_state_with_optimizer
+        )
 
         def finish(sent: Any) -> LoadWeightsResponse:
             self._wait("load_state", sent)
-            run.weights_version += 1
+            lora_model.weights_version += 1
             if restore is not Restore.WEIGHTS:
-                run.step = run.saved_steps.get(tinker_path, run.step)
-                run.pending_backward_calls = 0
-            self._record("load_state", POLICY_LABEL, run.step, {})
+                lora_model.step = lora_model.saved_steps.get(tinker_path, lora_model.step)
+                lora_model.pending_backward_calls = 0
+            self._record("load_state", POLICY_LABEL, lora_model.step, {})
             return LoadWeightsResponse(path=tinker_path)
 
         return self._submit(lambda: method(tinker_path), finish)
@@ -719,18 +725,18 @@ class RemoteEngine:
         return self._rest
 
     def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]:
-        """The run's checkpoints on the service, oldest first (`tinker_path` names each; `path` is its
+        """The model's checkpoints on the service, oldest first (`tinker_path` names each; `path` is its
         checkpoint id, since there is no local folder)."""
-        run = self._run(model_id)
+        lora_model = self._model(model_id)
         listed = self._wait_here(
-            "list_checkpoints", self._rest_client().list_checkpoints(training_run_id=run.remote_id)
+            "list_checkpoints", self._rest_client().list_checkpoints(training_run_id=lora_model.remote_id)
         )
         infos = [
             CheckpointInfo(
                 name=checkpoint.checkpoint_id.rsplit("/", 1)[-1],
                 path=Path(checkpoint.checkpoint_id),
                 kind="state" if checkpoint.checkpoint_type == "training" else "sampler",
-                step=run.saved_steps.get(checkpoint.tinker_path, 0),
+                step=lora_model.saved_steps.get(checkpoint.tinker_path, 0),
                 time=checkpoint.time.timestamp(),
                 size_bytes=checkpoint.size_bytes or 0,
                 expires_at=None if checkpoint.expires_at is None else checkpoint.expires_at.timestamp(),
@@ -747,13 +753,14 @@ class RemoteEngine:
         return self._wait(what, future)
 
     def delete_checkpoint(self, model_id: str, name: str, kind: CheckpointKind = "state") -> APIFuture[None]:
-        """Delete one of the run's checkpoints on the service, after the operations queued before."""
-        run = self._run(model_id)
+        """Delete one of the model's checkpoints on the service, after the operations queued before."""
+        lora_model = self._model(model_id)
         checkpoint_id = f"{'weights' if kind == 'state' else 'sampler_weights'}/{name}"
         return self._submit(
             lambda: None,
             lambda _: self._wait(
-                "delete_checkpoint", self._rest_client().delete_checkpoint(run.remote_id, checkpoint_id)
+                "delete_checkpoint",
+                self._rest_client().delete_checkpoint(lora_model.remote_id, checkpoint_id),
             ),
         )
 
@@ -774,10 +781,10 @@ class RemoteEngine:
             sink.close()
         self._history.sinks.clear()
         self._samplers.clear()
-        self._runs.clear()
+        self._models.clear()
         with contextlib.suppress(Exception):  # a service that is gone has nothing left to free
             self._service.close("success").result(timeout=HEALTH_TIMEOUT_S)
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{len(self._runs)} model(s)"
+        state = "closed" if self.closed else f"{len(self._models)} model(s)"
         return f"RemoteEngine({self._config.base_model!r} at {self._url}, {state})"

@@ -1,17 +1,17 @@
-"""The kernel-resident Session: the notebook's front door to one training run on an engine.
+"""The kernel-resident Session: the notebook's front door to one model on an engine.
 
-A Session makes an engine (the base model on the local GPU or CPU), one training run on it (a LoRA
-policy and, when asked, a critic), and the Tinker clients for them: `sess.policy` and `sess.critic`
-(`TrainingClient`s) and `sess.reference` (the base model with adapters off, forward only). Around the
-engine it adds what a notebook needs: the run's folder with a JSONL history and a W&B run, the
-background run loop (`run`), plots, the panel, checkpoints by name.
+A Session makes an engine (the base model on the local GPU or CPU), one model on it (a Tinker model:
+a LoRA policy and, when asked, a critic), and the Tinker clients for them: `sess.policy` and
+`sess.critic` (`TrainingClient`s) and `sess.reference` (the base model with adapters off, forward
+only). Around the engine it adds what a notebook needs: the model's folder with a JSONL history and a
+W&B run, the background training loop (`sess.run`, a `Run`), plots, the panel, checkpoints by name.
 
 Every operation goes through the engine's public interface (`workbench.engine.interface`): validated
 in the caller's thread, taking effect in submission order, returning an `APIFuture`. The engine is the
 local `Engine`, or, for a session made with `Session.connect(url, ...)`, a `RemoteEngine` that drives a
 Tinker-compatible service (`workbench serve` on a GPU machine, SkyRL, hosted Tinker) through the
 `tinker` SDK; everything else the session gives works the same over either.
-The session's own state is only which run it speaks for; everything else (the critic, the counters,
+The session's own state is only which model it speaks for; everything else (the critic, the counters,
 the config) is read from the engine, so an interrupted call can never leave the session and the
 engine disagreeing.
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_MICROBATCH, SessionConfig
+from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_MICROBATCH, ModelConfig
 from workbench.engine.interface import EngineInterface, Restore
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import BaseModelInfo
@@ -46,7 +46,7 @@ from workbench.notebook.run import Run, StepFn, start_run
 from workbench.sdk_conversion import to_lora_config
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
-from workbench.storage.run_folders import new_run_id, runs_root
+from workbench.storage.model_folders import new_model_id, runs_root
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
 from workbench.types import LoadWeightsResponse, LoraConfig
@@ -57,6 +57,20 @@ if TYPE_CHECKING:
     from workbench.notebook.panel import Panel
 
 WANDB_PROJECT = "workbench"
+
+
+# renames: off
+def _model_dir_from(model_dir: str | Path | None, run_dir: str | Path | None) -> str | Path | None:
+    """`model_dir`, or `run_dir`, its deprecated name, with a DeprecationWarning."""
+    if run_dir is None:
+        return model_dir
+    if model_dir is not None:
+        raise TypeError("pass model_dir, or run_dir (its deprecated name), not both")
+    warnings.warn("the run_dir argument is now model_dir", DeprecationWarning, stacklevel=3)
+    return run_dir
+
+
+# renames: on
 
 
 class Session:
@@ -75,9 +89,10 @@ class Session:
         max_samples_per_request: the largest `num_samples` one sample call may ask for; bounds memory.
         max_models: how many LoRA models may share the base (this session's run, and those that clients
             of `serve()` create).
-        run_dir: where the session writes its history (`history.jsonl`), checkpoints and W&B files;
-            default `$WORKBENCH_RUNS/<run id>` (`./runs` when unset). Its name is the run id: the Tinker
-            model id, the W&B run id and the first part of its `tinker://` checkpoint paths.
+        model_dir: the model's folder, where the session writes its history (`history.jsonl`),
+            checkpoints and W&B files; default `$WORKBENCH_RUNS/<model id>` (`./runs` when unset). Its
+            name is the model id: the Tinker model id, the W&B run id and the first part of its
+            `tinker://` checkpoint paths. (The argument's old name is still accepted, with a warning.)
         wandb: False for no W&B run; None/True for a run that is online when W&B credentials are
             configured and offline otherwise; a dict of extra `wandb.init` arguments (which win over
             W&B's environment variables, which win over workbench's defaults).
@@ -96,9 +111,11 @@ class Session:
         sampler: SamplerChoice = "auto",
         max_samples_per_request: int = 128,
         max_models: int = DEFAULT_MAX_MODELS,
-        run_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
+        run_dir: str | Path | None = None,  # renames: keep (deprecated name of model_dir)
     ):
+        model_dir = _model_dir_from(model_dir, run_dir)  # renames: keep
         lora_config = to_lora_config(lora if lora is not None else LoraConfig())
         critic_config = None if isinstance(critic, bool) else to_lora_config(critic)
         engine = Engine(
@@ -112,10 +129,12 @@ class Session:
             max_models=max_models,
             lora_hint=lora_config,
         )
-        folder = (Path(run_dir) if run_dir is not None else runs_root() / new_run_id(base_model)).absolute()
+        folder = (
+            Path(model_dir) if model_dir is not None else runs_root() / new_model_id(base_model)
+        ).absolute()
         try:
             model_id = engine.create_model(
-                lora_config, seed=seed, model_id=folder.name, run_dir=folder
+                lora_config, seed=seed, model_id=folder.name, model_dir=folder
             ).result()
             if critic is not False:
                 engine.create_critic(model_id, critic_config).result()
@@ -133,9 +152,10 @@ class Session:
         lora: LoraConfig | Mapping[str, Any] | None = None,
         api_key: str | None = None,
         seed: int = 0,
-        run_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
         probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
+        run_dir: str | Path | None = None,  # renames: keep (deprecated name of model_dir)
     ) -> Session:
         """A session whose model lives on a Tinker-compatible service, driven through the `tinker` SDK.
 
@@ -152,19 +172,22 @@ class Session:
             lora: The policy's adapter, as for `Session(...)`.
             api_key: The service's key; default `$TINKER_API_KEY` (read by the SDK).
             seed: Seeds the adapter's initialisation unless `lora.seed` is set.
-            run_dir: The local folder for the history and W&B files; default `<runs root>/<run id>`.
+            model_dir: The local folder for the history and W&B files; default `<runs root>/<run id>`.
             wandb: As for `Session(...)`.
             probe_interval_s: How long an operation waits before checking that the service answers.
         """
+        model_dir = _model_dir_from(model_dir, run_dir)  # renames: keep
         url = url or os.environ.get("TINKER_BASE_URL")
         if not url:
             raise ValueError("Session.connect needs the service's URL: pass url=... or set TINKER_BASE_URL")
         lora_config = to_lora_config(lora if lora is not None else LoraConfig())
         engine = RemoteEngine(url, base_model, api_key=api_key, seed=seed, probe_interval_s=probe_interval_s)
-        folder = (Path(run_dir) if run_dir is not None else runs_root() / new_run_id(base_model)).absolute()
+        folder = (
+            Path(model_dir) if model_dir is not None else runs_root() / new_model_id(base_model)
+        ).absolute()
         try:
             model_id = engine.create_model(
-                lora_config, seed=seed, model_id=folder.name, run_dir=folder
+                lora_config, seed=seed, model_id=folder.name, model_dir=folder
             ).result()
         except BaseException:
             engine.close()
@@ -186,7 +209,7 @@ class Session:
         `sess.current_run.adam_params`."""
         self.servers: list[TinkerServer] = []
         """The servers `serve()` started (stopped ones included), newest last."""
-        engine.history.sinks.append(JsonlSink(self.run_dir / "history.jsonl"))
+        engine.history.sinks.append(JsonlSink(self.model_dir / "history.jsonl"))
         self.wandb_run = self._open_wandb(wandb)
         _open_sessions.add(self)
 
@@ -198,7 +221,7 @@ class Session:
                 config=self.config.to_dict(),
                 run_id=self.model_id,
                 project=WANDB_PROJECT,
-                directory=self.run_dir,
+                directory=self.model_dir,
             )
         except Exception as error:
             warnings.warn(f"W&B is off for this session: {error!r}", RuntimeWarning, stacklevel=3)
@@ -213,24 +236,26 @@ class Session:
         path: str | Path,
         *,
         device: str | None = None,
-        run_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
+        run_dir: str | Path | None = None,  # renames: keep (deprecated name of model_dir)
     ) -> Session:
         """A new session that continues the run saved by `save_state` at `path` (a `tinker://` path or the
         checkpoint's folder), exactly: same config (base model, adapters, critic, seed, dtype), weights,
         optimizer state, counters, weight versions and RNG states.
 
-        It continues in the checkpoint's run folder (`<run_dir>` for a checkpoint at
-        `<run_dir>/checkpoints/<name>`) when that folder's name is the saved run id, else in
+        It continues in the checkpoint's model folder (`<model_dir>` for a checkpoint at
+        `<model_dir>/checkpoints/<name>`) when that folder's name is the saved run id, else in
         `<runs root>/<run id>`; the run id stays the same, so the W&B run resumes too. `device` (and with
-        it the sampler) follows this machine unless given; `run_dir` and `wandb` as for `Session(...)`.
+        it the sampler) follows this machine unless given; `model_dir` and `wandb` as for `Session(...)`.
         """
+        model_dir = _model_dir_from(model_dir, run_dir)  # renames: keep
         probe = Engine.folder_of_checkpoint(path)
         saved = Engine.parse_checkpoint(probe)
         arguments = saved.session_arguments
-        if run_dir is None:
+        if model_dir is None:
             own = probe.absolute().parent.parent
-            run_dir = (
+            model_dir = (
                 own
                 if probe.absolute().parent.name == STATE_DIR and own.name == saved.run_id
                 else runs_root() / saved.run_id
@@ -246,7 +271,7 @@ class Session:
         )
         try:
             model_id = engine.create_model_from_state(
-                probe, restore=Restore.EVERYTHING, model_id=saved.run_id, run_dir=run_dir
+                probe, restore=Restore.EVERYTHING, model_id=saved.run_id, model_dir=model_dir
             ).result()
         except BaseException:
             engine.close()
@@ -258,23 +283,33 @@ class Session:
     # ------------------------------------------------------------------------------------------ state
 
     @property
-    def config(self) -> SessionConfig:
-        """Everything that defines this session's run (what its checkpoints and W&B run record)."""
-        return self.engine.session_config(self.model_id)
+    def config(self) -> ModelConfig:
+        """Everything that defines this session's model (what its checkpoints and W&B run record)."""
+        return self.engine.model_config(self.model_id)
 
     @property
+    def model_dir(self) -> Path:
+        """The model's folder: its history, checkpoints and W&B files."""
+        return self.engine.model_status(self.model_id).model_dir
+
+    # renames: off
+    @property
     def run_dir(self) -> Path:
-        return self.engine.run_status(self.model_id).run_dir
+        """Deprecated: `model_dir`."""
+        warnings.warn("Session.run_dir is now Session.model_dir", DeprecationWarning, stacklevel=2)
+        return self.model_dir
+
+    # renames: on
 
     @property
     def critic(self) -> TrainingClient | None:
         """The critic's training client, or None while the run has no critic."""
-        return self._critic if self.engine.run_status(self.model_id).critic_lora is not None else None
+        return self._critic if self.engine.model_status(self.model_id).critic_lora is not None else None
 
     @property
     def step(self) -> int:
         """The policy's optimizer step count: the x-axis of the history."""
-        return self.engine.run_status(self.model_id).step
+        return self.engine.model_status(self.model_id).step
 
     @property
     def history(self) -> MetricsHistory:
@@ -371,7 +406,7 @@ class Session:
     def live_versions(self) -> list[int]:
         """The policy weight versions a sampling client can use now: the current one and those that live
         clients are pinned to."""
-        return self.engine.run_status(self.model_id).live_versions
+        return self.engine.model_status(self.model_id).live_versions
 
     # ------------------------------------------------------------------------------------------ checkpoints
 

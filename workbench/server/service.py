@@ -45,7 +45,7 @@ from workbench.server.sessions import ClientSession, ServedModel, ServedSampler,
 from workbench.server.wire import ForwardBackwardCall
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
-from workbench.storage.run_folders import TINKER_SCHEME, CheckpointAddress, runs_root
+from workbench.storage.model_folders import TINKER_SCHEME, CheckpointAddress, runs_root
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
 
 HOST_OWNER = "workbench"
@@ -71,7 +71,7 @@ class SampleResult:
 class RunRecord:
     """A run as the training-run endpoints describe it (kept for runs whose session ended)."""
 
-    run_dir: Path
+    model_dir: Path
     owner: str  # the client session that made it ("workbench": the serving session's own)
     lora_rank: int
     last_request: float
@@ -155,17 +155,17 @@ class TinkerService:
         """An error message as a client may read it: a checkpoint's folder named by its tinker:// path,
         a run's folder by its run, and the runs root, the base model's folder and the home folder by what
         they are, so that no answer tells a client where things are on this machine."""
-        runs = {run_id: self.engine.run_status(run_id).run_dir for run_id in self.engine.model_ids()}
-        runs.update({run_id: record.run_dir for run_id, record in self.ended_runs.items()})
-        for run_id, run_dir in sorted(runs.items(), key=lambda item: -len(str(item[1]))):
+        runs = {run_id: self.engine.model_status(run_id).model_dir for run_id in self.engine.model_ids()}
+        runs.update({run_id: record.model_dir for run_id, record in self.ended_runs.items()})
+        for run_id, model_dir in sorted(runs.items(), key=lambda item: -len(str(item[1]))):
             for kind, segment in (("state", "weights"), ("sampler", "sampler_weights")):
-                folder = re.escape(str(checkpoint_store.kind_dir(run_dir, kind)))
+                folder = re.escape(str(checkpoint_store.kind_dir(model_dir, kind)))
                 text = re.sub(
                     folder + r"/([A-Za-z0-9._-]+)",
                     lambda found, segment=segment, run_id=run_id: f"tinker://{run_id}/{segment}/{found[1]}",
                     text,
                 )
-            text = text.replace(str(run_dir), f"tinker://{run_id}")
+            text = text.replace(str(model_dir), f"tinker://{run_id}")
         for folder, name in (
             (str(runs_root()), "<runs folder>"),
             (self.model_name, self.base_model),
@@ -319,7 +319,7 @@ class TinkerService:
             model = self.served(request.model_id)
         except ValueError as error:
             raise RequestError(str(error), 404) from None
-        status = self.engine.run_status(model.run_id)
+        status = self.engine.model_status(model.run_id)
         lora = status.critic_lora if model.role is Role.CRITIC else status.lora
         return {
             "type": "get_info",
@@ -630,7 +630,7 @@ class TinkerService:
     def _run_checkpoints(self, run_id: str) -> list[CheckpointInfo]:
         if run_id in self.engine.model_ids():
             return self.engine.list_checkpoints(run_id)
-        return checkpoint_store.list_checkpoints(self.ended_runs[run_id].run_dir)
+        return checkpoint_store.list_checkpoints(self.ended_runs[run_id].model_dir)
 
     def checkpoint_json(self, run_id: str, info: CheckpointInfo) -> dict[str, Any]:
         address = CheckpointAddress(run_id, info.kind, info.name)
@@ -648,13 +648,13 @@ class TinkerService:
     def _run_record(self, run_id: str, owner: str | None = None) -> RunRecord:
         """What a run on the engine is, as the training-run endpoints describe it; `owner` for a run
         whose model has already left the table (its session ending)."""
-        status = self.engine.run_status(run_id)
+        status = self.engine.model_status(run_id)
         model = self.models.get(run_id)
         times = [m.last_request for m in self.models.values() if m.run_id == run_id]
         if owner is None:
             owner = model.session_id if model is not None else HOST_OWNER
         return RunRecord(
-            run_dir=status.run_dir,
+            model_dir=status.model_dir,
             owner=owner,
             lora_rank=status.lora.rank,
             last_request=max(times, default=status.created_at),
@@ -684,7 +684,7 @@ class TinkerService:
 
     def _all_runs(self) -> list[str]:
         """Every run the server knows, newest first."""
-        created = {run_id: self.engine.run_status(run_id).created_at for run_id in self.engine.model_ids()}
+        created = {run_id: self.engine.model_status(run_id).created_at for run_id in self.engine.model_ids()}
         created.update({run_id: run.created_at for run_id, run in self.ended_runs.items()})
         return sorted(created, key=created.__getitem__, reverse=True)
 
@@ -731,7 +731,7 @@ class TinkerService:
         try:
             if known is not None:
                 return checkpoint_store.require_checkpoint_folder(
-                    checkpoint_store.kind_dir(known.run_dir, address.kind) / address.name
+                    checkpoint_store.kind_dir(known.model_dir, address.kind) / address.name
                 )
             return self.engine.checkpoint_folder(address.tinker_path, address.kind)
         except CheckpointError as error:
@@ -760,7 +760,7 @@ class TinkerService:
             )
         ended = self.ended_runs.get(address.run_id)
         if ended is not None:  # no operation of the run is left to race
-            checkpoint_store.delete(ended.run_dir, address.name, address.kind)
+            checkpoint_store.delete(ended.model_dir, address.name, address.kind)
             return
         removal = self.engine.delete_checkpoint(address.run_id, address.name, address.kind)
         await asyncio.wrap_future(removal.future())

@@ -18,7 +18,7 @@ from workbench.engine.interface import SamplerPin
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
 from workbench.server.errors import RequestError
-from workbench.storage.run_folders import new_run_id
+from workbench.storage.model_folders import new_model_id
 
 
 @dataclass
@@ -63,7 +63,7 @@ class SessionTable:
     def create(
         self, sdk_version: str | None, user_metadata: dict[str, Any], tags: list[str]
     ) -> ClientSession:
-        session = ClientSession(new_run_id(self._base_model), sdk_version, dict(user_metadata), list(tags))
+        session = ClientSession(new_model_id(self._base_model), sdk_version, dict(user_metadata), list(tags))
         self._sessions[session.session_id] = session
         return session
 

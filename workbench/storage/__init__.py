@@ -1,1 +1,1 @@
-"""Files on disk: checkpoint folders, run folders and `tinker://` paths, RNG states, archives."""
+"""Files on disk: checkpoint folders, model folders and `tinker://` paths, RNG states, archives."""

@@ -24,7 +24,7 @@ from workbench.storage.checkpoint_store import (
     read_verified,
     require_checkpoint_folder,
 )
-from workbench.storage.run_folders import checkpoint_folder
+from workbench.storage.model_folders import checkpoint_folder
 
 _MODES = {".tar": "w", ".tar.gz": "w:gz", ".tgz": "w:gz"}
 

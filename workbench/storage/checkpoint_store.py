@@ -91,8 +91,8 @@ def check_free(target: Path, overwrite: bool) -> None:
         )
 
 
-def kind_dir(run_dir: Path, kind: CheckpointKind) -> Path:
-    return run_dir / (STATE_DIR if kind == "state" else SAMPLER_DIR)
+def kind_dir(model_dir: Path, kind: CheckpointKind) -> Path:
+    return model_dir / (STATE_DIR if kind == "state" else SAMPLER_DIR)
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -246,13 +246,13 @@ def read_verified(folder: Path) -> dict[str, bytes]:
 # ---------------------------------------------------------------------------------------------- listing
 
 
-def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+def list_checkpoints(model_dir: Path) -> list[CheckpointInfo]:
     """The run's complete checkpoints (state and sampler), oldest first. Leftovers and expired
     checkpoints are skipped; a complete folder whose info file cannot be read is skipped with a warning
     naming it."""
     infos: list[CheckpointInfo] = []
     for kind in ("state", "sampler"):
-        parent = kind_dir(run_dir, kind)
+        parent = kind_dir(model_dir, kind)
         if not parent.is_dir():
             continue
         for folder in sorted(parent.iterdir()):
@@ -289,10 +289,10 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
     return sorted(infos, key=lambda info: (info.time, info.name))
 
 
-def delete(run_dir: Path, name: str, kind: CheckpointKind) -> None:
+def delete(model_dir: Path, name: str, kind: CheckpointKind) -> None:
     """Delete one checkpoint. It is renamed to a leftover name first, so a deletion that is cut short
     never leaves a half folder that looks complete."""
-    folder = kind_dir(run_dir, kind) / check_name(name)
+    folder = kind_dir(model_dir, kind) / check_name(name)
     if not folder.is_dir():
         raise CheckpointError(f"this run has no {kind} checkpoint named {name!r} (looked in {folder.parent})")
     doomed = folder.parent / f".{name}.deleting-{secrets.token_hex(4)}"
@@ -310,20 +310,20 @@ def _expired(folder: Path, kind: CheckpointKind) -> bool:
     return expires_at is not None and float(expires_at) < time.time()
 
 
-def cleanup(run_dir: Path) -> list[Path]:
+def cleanup(model_dir: Path) -> list[Path]:
     """Remove the leftovers of interrupted saves and deletions, and checkpoints whose time to live has
     run out; returns what was removed. An old folder set aside by an interrupted overwrite whose
     replacement never arrived is moved back instead."""
     removed: list[Path] = []
     for kind in ("state", "sampler"):
-        parent = kind_dir(run_dir, kind)
+        parent = kind_dir(model_dir, kind)
         if parent.is_dir():
             for folder in sorted(parent.iterdir()):
                 if not folder.name.startswith(".") and folder.is_dir() and _expired(folder, kind):
-                    delete(run_dir, folder.name, kind)
+                    delete(model_dir, folder.name, kind)
                     removed.append(folder)
     for kind in ("state", "sampler"):
-        parent = kind_dir(run_dir, kind)
+        parent = kind_dir(model_dir, kind)
         if not parent.is_dir():
             continue
         for path in sorted(parent.iterdir()):

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from workbench.engine.interface import CustomLossFn, EngineInterface, Restore, SamplerPin
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
-from workbench.storage.run_folders import runs_root
+from workbench.storage.model_folders import runs_root
 from workbench.types import (
     ForwardBackwardOutput,
     GetInfoResponse,
@@ -102,7 +102,7 @@ class TrainingClient:
     @property
     def step(self) -> int:
         """Optimizer steps applied to this model (0 for the frozen reference)."""
-        status = self._engine.run_status(self._model_id)
+        status = self._engine.model_status(self._model_id)
         if self._role is Role.POLICY:
             return status.step
         if self._role is Role.CRITIC and status.critic_step is not None:
@@ -112,7 +112,7 @@ class TrainingClient:
     @property
     def weights_version(self) -> int:
         """Bumped by every change of this model's weights (each applied optim_step, each load)."""
-        status = self._engine.run_status(self._model_id)
+        status = self._engine.model_status(self._model_id)
         if self._role is Role.POLICY:
             return status.weights_version
         if self._role is Role.CRITIC and status.critic_weights_version is not None:
@@ -206,7 +206,7 @@ class TrainingClient:
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
         """Save the run's whole state (policy and critic, optimizers, counters, weight versions, RNG
-        states, config), whichever of its training clients is asked, to `<run_dir>/checkpoints/<name>`;
+        states, config), whichever of its training clients is asked, to `<model_dir>/checkpoints/<name>`;
         `.path` is its `tinker://<run>/weights/<name>` path, `.folder` the folder. Atomic: the folder
         appears complete or not at all. An existing name needs `overwrite=True`. Accumulated gradients
         not yet applied are saved too, and come back with `load_state_with_optimizer`.
@@ -267,7 +267,7 @@ class TrainingClient:
         *,
         overwrite: bool = False,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """Save the policy's adapter as a peft folder, `<run_dir>/sampler_weights/<name>` (`.folder`;
+        """Save the policy's adapter as a peft folder, `<model_dir>/sampler_weights/<name>` (`.folder`;
         `.path` is `tinker://<run>/sampler_weights/<name>`), that `peft.AutoPeftModelForCausalLM` and
         vLLM's `LoRARequest` load on their own. `ttl_seconds` and `user_metadata` as for `save_state`."""
         self._require_policy("sampler weights")
@@ -356,7 +356,7 @@ class TrainingClient:
         the folder or HF id its tokenizer loads from)."""
         lora: LoraConfig | None = None
         if self._role is not Role.REFERENCE:
-            status = self._engine.run_status(self._model_id)
+            status = self._engine.model_status(self._model_id)
             lora = status.lora if self._role is Role.POLICY else status.critic_lora
         base = self._engine.base_info
         model_name = self._engine.config.base_model

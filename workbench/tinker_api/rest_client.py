@@ -1,6 +1,6 @@
-"""Tinker's `RestClient` over local run folders: training runs, their checkpoints, the models on offer.
+"""Tinker's `RestClient` over local model folders: training runs, their checkpoints, the models on offer.
 
-A run is a folder (`workbench.storage.run_folders`): its `run.json` says what it is (base model, adapter, user
+A run is a folder (`workbench.storage.model_folders`): its `run.json` says what it is (base model, adapter, user
 metadata), and its checkpoint folders are listed by `workbench.storage.checkpoint_store`. So runs trained by an
 earlier process (under the runs root, `$WORKBENCH_RUNS`) are found as well as the live runs of the
 engines this client was given; deleting a live run's checkpoint is ordered with its saves (it goes
@@ -26,7 +26,13 @@ from workbench.engine.model.builtin_models import BUILTIN_MODELS
 from workbench.futures import APIFuture
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo, CheckpointKind
-from workbench.storage.run_folders import CheckpointAddress, address_of, read_run_info, run_folders, runs_root
+from workbench.storage.model_folders import (
+    CheckpointAddress,
+    address_of,
+    model_folders,
+    read_model_info,
+    runs_root,
+)
 
 T = TypeVar("T")
 
@@ -149,7 +155,7 @@ def _checkpoint(info: CheckpointInfo) -> Checkpoint:
 
 
 class RestClient:
-    """Tinker's `RestClient`, reading local run folders.
+    """Tinker's `RestClient`, reading local model folders.
 
     Args:
         base_url, api_key: Tinker's connection arguments; there is no server to connect to.
@@ -167,21 +173,21 @@ class RestClient:
     def _live(self) -> dict[str, tuple[Engine, Path]]:
         """The live runs by id: their engine and folder."""
         return {
-            model_id: (engine, engine.run_status(model_id).run_dir)
+            model_id: (engine, engine.model_status(model_id).model_dir)
             for engine in self._engines
             if not engine.closed
             for model_id in engine.model_ids()
         }
 
     def _folders(self) -> dict[str, Path]:
-        return run_folders({model_id: folder for model_id, (_, folder) in self._live().items()})
+        return model_folders({model_id: folder for model_id, (_, folder) in self._live().items()})
 
     def _run_folder(self, training_run_id: str) -> Path:
         live = self._live()
         if training_run_id in live:
             return live[training_run_id][1]
         folder = runs_root() / training_run_id
-        if read_run_info(folder) is None:
+        if read_model_info(folder) is None:
             raise CheckpointError(
                 f"no training run {training_run_id!r}: not live on this client's engines and no {folder}/run.json"
             )
@@ -195,7 +201,7 @@ class RestClient:
 
     def _training_run(self, training_run_id: str) -> TrainingRun:
         folder = self._run_folder(training_run_id)
-        info = read_run_info(folder)
+        info = read_model_info(folder)
         if info is None:
             raise CheckpointError(f"{folder} has no run.json: it was made before runs described themselves")
         checkpoints = self._list(training_run_id, folder)
@@ -318,7 +324,7 @@ class RestClient:
         folder = self._run_folder(address.run_id)
         if not (checkpoint_store.kind_dir(folder, address.kind) / address.name).is_dir():
             raise CheckpointError(f"no checkpoint {address.checkpoint_id!r} in run {address.run_id!r}")
-        info = read_run_info(folder) or {}
+        info = read_model_info(folder) or {}
         lora: dict[str, Any] = info.get("lora") or {}
         return _done(
             WeightsInfoResponse(

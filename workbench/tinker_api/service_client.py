@@ -103,7 +103,7 @@ class ServiceClient:
 
     def _known_runs(self) -> dict[str, Path]:
         return {
-            model_id: engine.run_status(model_id).run_dir
+            model_id: engine.model_status(model_id).model_dir
             for engine in self._engines.values()
             if not engine.closed
             for model_id in engine.model_ids()
@@ -261,7 +261,7 @@ class ServiceClient:
     # ------------------------------------------------------------------------------------------ the rest
 
     def create_rest_client(self) -> RestClient:
-        """A `RestClient` that sees this client's live runs as well as the run folders on disk."""
+        """A `RestClient` that sees this client's live runs as well as the model folders on disk."""
         self._check_open()
         return RestClient(engines=self.engines())
 

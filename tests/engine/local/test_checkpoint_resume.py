@@ -38,7 +38,7 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: Path, monkeypatch:
         path = sess.policy.save_state("mid").result().path
         assert (
             path == f"tinker://{sess.model_id}/weights/mid"
-            and sess.run_dir == tmp_path / "runs" / sess.model_id
+            and sess.model_dir == tmp_path / "runs" / sess.model_id
         )
         continue_run(sess, k_steps, tmp_path / "uninterrupted")
     done = _child("resume", path, str(tmp_path / "resumed"), str(k_steps))
@@ -55,14 +55,14 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path: Path, monkeypatch:
 
 
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    killed = _child("killed-save", str(run_dir))
+    model_dir = tmp_path / "run"
+    killed = _child("killed-save", str(model_dir))
     assert killed.returncode == -9, killed.stderr[-3000:]
-    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    names = sorted(p.name for p in (model_dir / "checkpoints").iterdir())
     assert len(names) == 2 and names[0].startswith(".b.tmp-") and names[1] == "a"
-    with wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=run_dir) as sess:
+    with wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=model_dir) as sess:
         assert [info.name for info in sess.list_checkpoints()] == ["a"]
         sess.load_state("a")
         assert sess.step == 1
         assert [p.name for p in sess.cleanup_checkpoints()] == [names[0]]
-        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["a"]
+        assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == ["a"]

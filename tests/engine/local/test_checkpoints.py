@@ -26,8 +26,8 @@ PACKAGE = Path(wb.__file__).parent
 
 @pytest.fixture
 def sess(tmp_path: Path) -> wb.Session:
-    """The tiny model with a policy and a critic, in a run folder of its own."""
-    session = wb.Session("tiny", wb.LoraConfig(rank=4), critic=True, seed=0, run_dir=tmp_path / "run-a")
+    """The tiny model with a policy and a critic, in a model folder of its own."""
+    session = wb.Session("tiny", wb.LoraConfig(rank=4), critic=True, seed=0, model_dir=tmp_path / "run-a")
     yield session
     session.close()
 
@@ -91,7 +91,7 @@ def test_checkpoint_holds_adapters_optimizer_and_state_and_no_base_weights(sess:
     response = sess.policy.save_state("step-2").result()
     assert response.path == f"tinker://{sess.model_id}/weights/step-2"
     path = Path(response.folder)
-    assert path == (sess.run_dir / "checkpoints" / "step-2").absolute()
+    assert path == (sess.model_dir / "checkpoints" / "step-2").absolute()
     files = _files(path)
     assert {
         "config.json",
@@ -123,7 +123,7 @@ def test_checkpoint_holds_adapters_optimizer_and_state_and_no_base_weights(sess:
     )
     assert sum(len(data) for data in files.values()) < base_bytes / 2
     config = json.loads(files["config.json"])
-    assert config["run_id"] == sess.run_dir.name and config["step"] == 2
+    assert config["run_id"] == sess.model_dir.name and config["step"] == 2
     assert config["base_model"] == sess.base_info.identity()
     assert config["session"] == sess.config.to_dict()
     manifest = json.loads(files["manifest.json"])
@@ -151,7 +151,7 @@ def test_package_never_unpickles() -> None:
 def test_no_secrets_in_checkpoints_or_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_API_KEY", "sentinel-wandb-key-3f9a1c")
     monkeypatch.setenv("HF_TOKEN", "hf_sentinelTokenB7e2")
-    with wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=tmp_path / "run") as session:
+    with wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=tmp_path / "run") as session:
         _train(session, 1)
         session.policy.save_state("s").result()
         session.policy.save_weights_for_sampler("s").result()
@@ -174,7 +174,7 @@ def test_from_checkpoint_restores_everything_exactly(sess: wb.Session, tmp_path:
     random_draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     # what the resumed session must reproduce, taken before the original closes (a live session's run
     # folder cannot be taken by another)
-    digest, config, run_dir = sess.state_digest(), sess.config, sess.run_dir.absolute()
+    digest, config, model_dir = sess.state_digest(), sess.config, sess.model_dir.absolute()
     critic_params = {k: v.clone() for k, v in _params(sess, "critic").items()}
     prompt = sess.tokenizer("The quick brown fox").input_ids
     unseeded = wb.SamplingParams(max_tokens=8, temperature=1.0)
@@ -186,7 +186,7 @@ def test_from_checkpoint_restores_everything_exactly(sess: wb.Session, tmp_path:
         # weights, grads, AdamW state, counters, versions, and the sampling generator's state
         assert resumed.state_digest() == digest
         assert resumed.config == config
-        assert resumed.run_dir.absolute() == run_dir  # the same run folder, so the same W&B run
+        assert resumed.model_dir.absolute() == model_dir  # the same model folder, so the same W&B run
         assert resumed.policy.weights_version == 2
         assert resumed.critic is not None and resumed.critic.step == 2
         assert _equal(_params(resumed, "critic"), critic_params)
@@ -208,9 +208,9 @@ def test_from_checkpoint_outside_its_run_folder_continues_the_saved_run_id(
     moved = shutil.copytree(path, tmp_path / "elsewhere" / "c")
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     with wb.Session.from_checkpoint(moved) as resumed:
-        assert resumed.run_dir == tmp_path / "runs" / sess.run_dir.name
-    with wb.Session.from_checkpoint(moved, run_dir=tmp_path / "chosen", wandb=False) as resumed:
-        assert resumed.run_dir == tmp_path / "chosen"
+        assert resumed.model_dir == tmp_path / "runs" / sess.model_dir.name
+    with wb.Session.from_checkpoint(moved, model_dir=tmp_path / "chosen", wandb=False) as resumed:
+        assert resumed.model_dir == tmp_path / "chosen"
 
 
 def test_load_state_with_optimizer_into_a_live_session(sess: wb.Session) -> None:
@@ -229,7 +229,7 @@ def test_load_state_with_optimizer_into_a_live_session(sess: wb.Session) -> None
     assert _equal(_params(sess, "critic"), saved_critic)  # the value head included
     assert sess.policy.step == 2 and sess.critic.step == 2
     assert sess.engine.inspect(sess.model_id, wb.Role.POLICY).pending_backward_calls == 1
-    assert sess.engine.run_status(sess.model_id).pending_backward_calls == 1
+    assert sess.engine.model_status(sess.model_id).pending_backward_calls == 1
     assert sess.policy.weights_version == 6 and sess.critic.weights_version == 5  # max(saved, current) + 1
     sess.policy.optim_step(
         wb.AdamParams(learning_rate=1e-2)
@@ -303,7 +303,7 @@ def test_mismatched_checkpoints_are_refused_naming_both_values(sess: wb.Session,
     path = (
         sess.policy.save_state("c").result().folder
     )  # another engine finds a run outside the runs root by its folder
-    with wb.Session("tiny", wb.LoraConfig(rank=8), critic=True, run_dir=tmp_path / "r8") as other:
+    with wb.Session("tiny", wb.LoraConfig(rank=8), critic=True, model_dir=tmp_path / "r8") as other:
         before = other.state_digest()
         with pytest.raises(
             wb.CheckpointError, match=r"policy adapter differs: checkpoint rank 4.*session rank 8"
@@ -312,19 +312,19 @@ def test_mismatched_checkpoints_are_refused_naming_both_values(sess: wb.Session,
         assert other.state_digest() == before
     with (
         wb.Session(
-            "tiny", wb.LoraConfig(rank=4, train_unembed=False), critic=True, run_dir=tmp_path / "t"
+            "tiny", wb.LoraConfig(rank=4, train_unembed=False), critic=True, model_dir=tmp_path / "t"
         ) as other,
         pytest.raises(wb.CheckpointError, match="lm_head"),
     ):
         other.policy.load_state(path).result()
-    with wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=tmp_path / "nc") as other:
+    with wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=tmp_path / "nc") as other:
         before = other.state_digest()
         with pytest.raises(wb.CheckpointError, match="has a critic and this session has none"):
             other.policy.load_state(path).result()
         assert other.state_digest() == before
     with (
         wb.Session(
-            str(_tiny_variant(tmp_path)), wb.LoraConfig(rank=4), critic=True, run_dir=tmp_path / "v"
+            str(_tiny_variant(tmp_path)), wb.LoraConfig(rank=4), critic=True, model_dir=tmp_path / "v"
         ) as other,
         pytest.raises(wb.CheckpointError, match=r"different base model \(.*name: checkpoint 'tiny', session"),
     ):
@@ -340,15 +340,15 @@ def _tiny_variant(tmp_path: Path, tie: bool = False) -> Path:
     """A model with the tiny model's tokenizer and shapes, built from config (untrained)."""
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
-    from workbench.engine.model.builtin_models import tiny_model_dir
+    from workbench.engine.model.builtin_models import tiny_base_model_dir
 
     folder = tmp_path / ("tiny-tied" if tie else "tiny-variant")
     if not folder.exists():
-        config = AutoConfig.from_pretrained(tiny_model_dir())
+        config = AutoConfig.from_pretrained(tiny_base_model_dir())
         config.tie_word_embeddings = tie
         torch.manual_seed(1)
         LlamaForCausalLM(config).save_pretrained(folder)
-        AutoTokenizer.from_pretrained(tiny_model_dir()).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny_base_model_dir()).save_pretrained(folder)
     return folder
 
 
@@ -405,7 +405,7 @@ def test_a_failed_save_leaves_previous_checkpoints_intact(
 ) -> None:
     _train(sess, 1)
     sess.policy.save_state("first").result()
-    saved = _files(sess.run_dir / "checkpoints" / "first")
+    saved = _files(sess.model_dir / "checkpoints" / "first")
     _train(sess, 1)
     writes = []
     real_write = checkpoint_store.write_file
@@ -422,8 +422,8 @@ def test_a_failed_save_leaves_previous_checkpoints_intact(
         sess.policy.save_state(name, overwrite=overwrite).result()
     monkeypatch.setattr(checkpoint_store, "write_file", real_write)
     assert [info.name for info in sess.list_checkpoints()] == ["first"]
-    assert _files(sess.run_dir / "checkpoints" / "first") == saved
-    assert sorted(p.name for p in (sess.run_dir / "checkpoints").iterdir()) == [
+    assert _files(sess.model_dir / "checkpoints" / "first") == saved
+    assert sorted(p.name for p in (sess.model_dir / "checkpoints").iterdir()) == [
         "first"
     ]  # the temp folder is gone
     sess.load_state("first")
@@ -433,7 +433,7 @@ def test_a_failed_save_leaves_previous_checkpoints_intact(
 def test_leftovers_are_ignored_by_listing_and_removed_by_cleanup(sess: wb.Session) -> None:
     sess.policy.save_state("a").result()
     sess.policy.save_weights_for_sampler("w").result()
-    checkpoints = sess.run_dir / "checkpoints"
+    checkpoints = sess.model_dir / "checkpoints"
     (checkpoints / ".b.tmp-0a1b2c3d" / "policy").mkdir(parents=True)
     (checkpoints / ".b.tmp-0a1b2c3d" / "policy" / "adapter_model.safetensors").write_bytes(b"half")
     (checkpoints / "no-manifest").mkdir()
@@ -475,7 +475,7 @@ def test_saves_are_wandb_events_and_a_resumed_session_continues_the_wandb_run(
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     offline = {"mode": "offline"}
-    with wb.Session("tiny", wb.LoraConfig(rank=4), run_dir=tmp_path / "run-w", wandb=offline) as session:
+    with wb.Session("tiny", wb.LoraConfig(rank=4), model_dir=tmp_path / "run-w", wandb=offline) as session:
         assert session.wandb_run is not None
         _train(session, 1)
         saved = session.policy.save_state("e").result()
@@ -578,7 +578,7 @@ def _policy_logits(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
     """The policy's logits for every position, from the module the engine runs with the policy's adapter
     active, checked against the logprobs the policy's own forward reports."""
     model = sess.engine.torch_model
-    model.set_adapter(sess.engine.run_status(sess.model_id).adapter)
+    model.set_adapter(sess.engine.model_status(sess.model_id).adapter)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tokens])).logits[0]
     datum = wb.Datum(
@@ -597,7 +597,7 @@ def test_sampler_weights_load_with_peft_alone(sess: wb.Session) -> None:
     response = sess.policy.save_weights_for_sampler("s").result()
     assert response.path == f"tinker://{sess.model_id}/sampler_weights/s"
     path = Path(response.folder)
-    assert path == (sess.run_dir / "sampler_weights" / "s").absolute()
+    assert path == (sess.model_dir / "sampler_weights" / "s").absolute()
     assert sorted(p.name for p in path.iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
@@ -647,7 +647,7 @@ def test_export_merged_unties_an_adapted_output_layer(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     with wb.Session(
-        str(_tiny_variant(tmp_path, tie=True)), wb.LoraConfig(rank=4), run_dir=tmp_path / "run"
+        str(_tiny_variant(tmp_path, tie=True)), wb.LoraConfig(rank=4), model_dir=tmp_path / "run"
     ) as session:
         base = session.engine.torch_model.get_base_model()
         assert base.get_output_embeddings().weight is base.get_input_embeddings().weight

@@ -116,7 +116,7 @@ def test_creating_and_deleting_a_critic_leaves_the_policy_alone(tiny: wb.Session
     tiny.delete_critic()
     gc.collect()
     assert tiny.critic is None and tiny.config.critic is None
-    assert tiny.engine.run_status(tiny.model_id).critic_lora is None
+    assert tiny.engine.model_status(tiny.model_id).critic_lora is None
     assert head() is None and critic_param() is None, "the critic's tensors are still referenced"
     assert not any(".critic." in name for name, _ in tiny.engine.torch_model.named_parameters())
     assert tiny.state_digest("policy") == before

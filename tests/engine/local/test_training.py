@@ -27,7 +27,7 @@ def _grads(sess: wb.Session) -> dict[str, torch.Tensor]:
 def _policy_logits(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
     """The policy's logits, from the module the engine runs, with the policy's adapter active."""
     model = sess.engine.torch_model
-    model.set_adapter(sess.engine.run_status(sess.model_id).adapter)
+    model.set_adapter(sess.engine.model_status(sess.model_id).adapter)
     with torch.no_grad():
         return model(input_ids=torch.tensor([tokens])).logits[0]
 
@@ -416,7 +416,7 @@ def test_finite_gradients_whose_float32_norm_overflows_are_kept_and_clipped(tiny
     data = _batch(tiny.tokenizer)
     tiny.policy.forward_backward(data, "cross_entropy").result()
     tiny.policy.forward_backward([_huge_advantage_datum(tiny.tokenizer)], "importance_sampling").result()
-    status = tiny.engine.run_status(tiny.model_id)
+    status = tiny.engine.model_status(tiny.model_id)
     assert status.pending_backward_calls == 2
     gradients = [g for g in _grads(tiny).values()]
     assert all(bool(torch.isfinite(g).all()) for g in gradients)

@@ -11,7 +11,7 @@ import torch
 import workbench as wb
 from workbench.engine.local import engine as engine_module
 from workbench.engine.model.base_model import lora_target_modules
-from workbench.engine.model.builtin_models import _build_tiny, tiny_model_dir
+from workbench.engine.model.builtin_models import _build_tiny, tiny_base_model_dir
 
 
 def _folder_digest(folder) -> dict[str, str]:
@@ -22,7 +22,7 @@ def _folder_digest(folder) -> dict[str, str]:
 
 def test_tiny_builds_identically_and_has_about_200k_parameters(tmp_path) -> None:
     _build_tiny(tmp_path)
-    assert _folder_digest(tmp_path) == _folder_digest(tiny_model_dir())
+    assert _folder_digest(tmp_path) == _folder_digest(tiny_base_model_dir())
     with wb.Session("tiny", wb.LoraConfig(rank=1)) as sess:
         count = sum(
             p.numel()
@@ -72,7 +72,7 @@ def test_rank_alpha_and_seed() -> None:
         some_a = next(p for n, p in pa.items() if "lora_A" in n)
         assert some_a.shape[0] == 3
         layer = a.engine.torch_model.get_base_model().model.layers[0].self_attn.q_proj
-        assert layer.scaling[a.engine.run_status(a.model_id).adapter] == pytest.approx(2.0)
+        assert layer.scaling[a.engine.model_status(a.model_id).adapter] == pytest.approx(2.0)
         # B starts at zero: the adapted model starts equal to the base
         assert all(float(p.detach().abs().sum()) == 0.0 for n, p in pa.items() if "lora_B" in n)
     with wb.Session("tiny", wb.LoraConfig(rank=3, seed=8)) as c:

@@ -28,13 +28,13 @@ def _forward_logprobs(sess: wb.Session, prompt: list[int], tokens: list[int]) ->
 def _logits_after(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
     """The policy's next-token logits, from the module the engine runs, with the policy's adapter active."""
     model = sess.engine.torch_model
-    model.set_adapter(sess.engine.run_status(sess.model_id).adapter)
+    model.set_adapter(sess.engine.model_status(sess.model_id).adapter)
     with torch.no_grad():
         return model(input_ids=torch.tensor([tokens])).logits[0, -1]
 
 
 def _snapshot_bytes(sess: wb.Session) -> int:
-    return sess.engine.run_status(sess.model_id).snapshot_bytes
+    return sess.engine.model_status(sess.model_id).snapshot_bytes
 
 
 def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(tiny: wb.Session) -> None:

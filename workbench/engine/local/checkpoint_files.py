@@ -3,7 +3,7 @@
 Files of a state checkpoint (relative paths; `workbench.storage.checkpoint_store` adds `manifest.json`):
 
     config.json                      format version, name, time, step, run id (also the W&B run id),
-                                     base model identity, the SessionConfig, user metadata, expiry
+                                     base model identity, the ModelConfig, user metadata, expiry
     state.json                       per adapter: step, weights_version, pending_backward_calls;
                                      python and numpy RNG states
     rng.safetensors                  torch RNG states (uint8): `torch_cpu`, `sampling` (the engine's
@@ -49,9 +49,9 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from workbench.engine.config import SessionConfig
+from workbench.engine.config import ModelConfig
 from workbench.engine.interface import Restore
-from workbench.engine.local.lora_models import TrainedModel, TrainingRun
+from workbench.engine.local.lora_models import LoraModel, RoleAdapter
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from workbench.engine.roles import Role
@@ -69,14 +69,14 @@ from workbench.types import LoraConfig
 VALUE_HEAD = "value_head.safetensors"
 
 
-def session_config(state: EngineState, run: TrainingRun) -> SessionConfig:
+def model_config(state: EngineState, lora_model: LoraModel) -> ModelConfig:
     """What defines `run` on this engine, as its checkpoints record it."""
     config = state.config
-    return SessionConfig(
+    return ModelConfig(
         base_model=config.base_model,
-        lora=run.policy.lora,
-        critic=None if run.critic is None else run.critic.lora,
-        seed=run.seed,
+        lora=lora_model.policy.lora,
+        critic=None if lora_model.critic is None else lora_model.critic.lora,
+        seed=lora_model.seed,
         device=config.device,
         dtype=config.dtype,
         max_tokens_per_microbatch=config.max_tokens_per_microbatch,
@@ -85,7 +85,7 @@ def session_config(state: EngineState, run: TrainingRun) -> SessionConfig:
     )
 
 
-def canonical_names(model: TrainedModel) -> dict[str, str]:
+def canonical_names(model: RoleAdapter) -> dict[str, str]:
     """Live parameter name -> the name checkpoints use (the role in place of the adapter's name)."""
     marker = f".{model.adapter}."
     return {name: name.replace(marker, f".{model.role.value}.") for name in model.trainable.parameters}
@@ -96,7 +96,7 @@ def canonical_names(model: TrainedModel) -> dict[str, str]:
 
 def capture(
     state: EngineState,
-    run: TrainingRun,
+    lora_model: LoraModel,
     name: str,
     *,
     expires_at: float | None,
@@ -105,7 +105,7 @@ def capture(
     """Every file of a state checkpoint of `run`. Runs on the worker thread, between operations."""
     files: dict[str, bytes] = {}
     counters: dict[str, dict[str, int]] = {}
-    for model in run.models():
+    for model in lora_model.role_adapters():
         role = model.role.value
         files.update(
             {f"{role}/{rel}": data for rel, data in state.model.adapter_files(model.adapter).items()}
@@ -152,10 +152,10 @@ def capture(
             "name": name,
             "saved_at": time.time(),
             "expires_at": expires_at,
-            "step": run.step,
-            "run_id": run.model_id,
+            "step": lora_model.step,
+            "run_id": lora_model.model_id,
             "base_model": state.base_info.identity(),
-            "session": session_config(state, run).to_dict(),
+            "session": model_config(state, lora_model).to_dict(),
             "user_metadata": dict(user_metadata),
         }
     )
@@ -307,7 +307,7 @@ def _describe_lora(config: Mapping[str, Any]) -> str:
     return f"rank {config.get('r')}, alpha {config.get('lora_alpha')}, targets {targets}"
 
 
-def check_compatible(saved: SavedState, state: EngineState, run: TrainingRun, restore: Restore) -> None:
+def check_compatible(saved: SavedState, state: EngineState, lora_model: LoraModel, restore: Restore) -> None:
     """Everything that must agree before a checkpoint may be loaded into `run`, checked without
     changing anything: raises CheckpointError naming what differs, with both values."""
     current = state.base_info.identity()
@@ -318,7 +318,7 @@ def check_compatible(saved: SavedState, state: EngineState, run: TrainingRun, re
             if saved.base_identity.get(key) != current.get(key)
         ]
         raise CheckpointError(f"{saved.folder} was saved on a different base model ({'; '.join(diffs)})")
-    live_roles = {model.role for model in run.models()}
+    live_roles = {model.role for model in lora_model.role_adapters()}
     if set(saved.adapters) != live_roles:
         has = "has a critic" if Role.CRITIC in saved.adapters else "has no critic"
         session_has = "has one" if Role.CRITIC in live_roles else "has none"
@@ -327,7 +327,7 @@ def check_compatible(saved: SavedState, state: EngineState, run: TrainingRun, re
             "or open it with Session.from_checkpoint"
         )
     for role, adapter_state in saved.adapters.items():
-        model = run.model(role)
+        model = lora_model.role_adapter(role)
         live = state.model.peft_config_dict(model.adapter)
         saved_lora = (
             adapter_state.adapter_config.get("r"),
@@ -392,7 +392,7 @@ def _check_shapes(
 
 
 def restore(
-    saved: SavedState, state: EngineState, run: TrainingRun, restore: Restore, exact_versions: bool
+    saved: SavedState, state: EngineState, lora_model: LoraModel, restore: Restore, exact_versions: bool
 ) -> None:
     """Put a checked checkpoint into `run` (on the worker thread), as much of it as `restore` says.
 
@@ -400,12 +400,12 @@ def restore(
     one. Loading into a live run sets it to `max(saved, current) + 1` instead, so a version number never
     names two different sets of weights in one run.
     """
-    check_compatible(saved, state, run, restore)
-    for model in run.models():
-        state.before_weights_change(run, model)
+    check_compatible(saved, state, lora_model, restore)
+    for model in lora_model.role_adapters():
+        state.before_weights_change(lora_model, model)
     with torch.no_grad():
         for role, adapter_state in saved.adapters.items():
-            model = run.model(role)
+            model = lora_model.role_adapter(role)
             trainable = model.trainable
             live = state.model.adapter_tensors(model.adapter)
             for key, value in adapter_state.tensors.items():

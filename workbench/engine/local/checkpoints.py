@@ -8,7 +8,7 @@
 
 A state checkpoint holds a run (policy and critic, optimizers, counters, RNG states, config);
 `checkpoint_files` lists its files. A sampler checkpoint is the policy's adapter alone, in peft's format.
-Both are written atomically (`workbench.storage.checkpoint_store`) into the run's folder (`run_folders`).
+Both are written atomically (`workbench.storage.checkpoint_store`) into the run's folder (`model_folders`).
 
 Saves and loads are ordered operations: a save captures the state the operations before it left, never
 the middle of one; a load reads and verifies every file on the worker, after the operations before it
@@ -37,7 +37,7 @@ from workbench.engine.roles import Role
 from workbench.futures import APIFuture
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointKind, check_name, kind_dir
-from workbench.storage.run_folders import TINKER_SCHEME, CheckpointAddress, address_of, resolve_checkpoint
+from workbench.storage.model_folders import TINKER_SCHEME, CheckpointAddress, address_of, resolve_checkpoint
 from workbench.types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
 
 SAMPLER_INFO = "sampler.json"
@@ -45,7 +45,7 @@ SAMPLER_INFO = "sampler.json"
 
 def known_runs(state: EngineState) -> dict[str, Path]:
     """The engine's runs by id, for resolving `tinker://` paths to folders."""
-    return {model_id: run.run_dir for model_id, run in list(state.runs.items())}
+    return {model_id: lora_model.model_dir for model_id, lora_model in list(state.lora_models.items())}
 
 
 MAX_TTL_SECONDS = 100 * 365 * 24 * 3600
@@ -80,7 +80,7 @@ def check_path(path: object, argument: str = "path") -> str | Path:
 def _target(state: EngineState, model_id: str, kind: CheckpointKind, name: str, overwrite: bool) -> Path:
     if not isinstance(overwrite, bool):
         raise ValueError(f"overwrite must be True or False, got {overwrite!r}")
-    target = (kind_dir(state.run(model_id).run_dir, kind) / check_name(name)).absolute()
+    target = (kind_dir(state.lora_model(model_id).model_dir, kind) / check_name(name)).absolute()
     checkpoint_store.check_free(target, overwrite)
     return target
 
@@ -94,31 +94,31 @@ def save_state(
     ttl_seconds: int | None = None,
     user_metadata: Mapping[str, str] | None = None,
 ) -> APIFuture[SaveWeightsResponse]:
-    """Queue a save of the run's whole state to `<run_dir>/checkpoints/<name>`."""
+    """Queue a save of the run's whole state to `<model_dir>/checkpoints/<name>`."""
     state.check_open()
     target = _target(state, model_id, "state", name, overwrite)
     expires_at = _expires_at(ttl_seconds)
     metadata = check_metadata(user_metadata)
 
-    def run() -> SaveWeightsResponse:
-        training_run = state.run(model_id)
+    def work() -> SaveWeightsResponse:
+        lora_model = state.lora_model(model_id)
         files = checkpoint_files.capture(
-            state, training_run, name, expires_at=expires_at, user_metadata=metadata
+            state, lora_model, name, expires_at=expires_at, user_metadata=metadata
         )
         checkpoint_store.write_atomically(target, files, overwrite)
         state.record(
             "save_state",
-            training_run,
-            training_run.policy.adapter,
+            lora_model,
+            lora_model.policy.adapter,
             {"checkpoint_bytes": float(sum(map(len, files.values())))},
         )
         path = address_of(target).tinker_path
         state.history.event(
-            "checkpoint", {"name": name, "kind": "state", "path": path, "step": training_run.step}
+            "checkpoint", {"name": name, "kind": "state", "path": path, "step": lora_model.step}
         )
         return SaveWeightsResponse(path=path, folder=str(target))
 
-    return state.submit(run)
+    return state.submit(work)
 
 
 def save_weights_for_sampler(
@@ -130,7 +130,7 @@ def save_weights_for_sampler(
     ttl_seconds: int | None = None,
     user_metadata: Mapping[str, str] | None = None,
 ) -> APIFuture[SaveWeightsForSamplerResponse]:
-    """Queue a save of the policy's adapter to `<run_dir>/sampler_weights/<name>`: peft's
+    """Queue a save of the policy's adapter to `<model_dir>/sampler_weights/<name>`: peft's
     `adapter_config.json` + `adapter_model.safetensors` (what `PeftModel.from_pretrained` and vLLM's
     `LoRARequest` load; the config names the base as the local folder or HF id it was loaded from),
     plus `sampler.json` (step, weights version, time, metadata) and the manifest, which both ignore."""
@@ -139,9 +139,9 @@ def save_weights_for_sampler(
     expires_at = _expires_at(ttl_seconds)
     metadata = check_metadata(user_metadata)
 
-    def run() -> SaveWeightsForSamplerResponse:
-        training_run = state.run(model_id)
-        policy = training_run.policy
+    def work() -> SaveWeightsForSamplerResponse:
+        lora_model = state.lora_model(model_id)
+        policy = lora_model.policy
         info: Mapping[str, Any] = {
             "format_version": checkpoint_store.FORMAT_VERSION,
             "kind": "sampler",
@@ -150,7 +150,7 @@ def save_weights_for_sampler(
             "expires_at": expires_at,
             "step": policy.step,
             "weights_version": policy.weights_version,
-            "run_id": training_run.model_id,
+            "run_id": lora_model.model_id,
             "base_model": state.base_info.identity(),
             "user_metadata": metadata,
         }
@@ -159,7 +159,7 @@ def save_weights_for_sampler(
         checkpoint_store.write_atomically(target, files, overwrite)
         state.record(
             "save_weights_for_sampler",
-            training_run,
+            lora_model,
             policy.adapter,
             {"weights_version": float(policy.weights_version)},
         )
@@ -169,7 +169,7 @@ def save_weights_for_sampler(
         )
         return SaveWeightsForSamplerResponse(path=path, folder=str(target))
 
-    return state.submit(run)
+    return state.submit(work)
 
 
 def describe(folder: Path) -> str:
@@ -184,7 +184,7 @@ def resolve(
     state: EngineState, model_id: str | None, path_or_name: str | Path, kind: CheckpointKind = "state"
 ) -> Path:
     """The checkpoint folder a user means (a `tinker://` path, a name of the run's own, or a folder)."""
-    own = state.run(model_id).run_dir if model_id is not None else None
+    own = state.lora_model(model_id).model_dir if model_id is not None else None
     folder = resolve_checkpoint(path_or_name, kind, own, known_runs(state))
     return checkpoint_store.require_checkpoint_folder(folder)
 
@@ -238,20 +238,20 @@ def load_state(
     operations before it, then checked against the run, and only then restored (see
     `checkpoint_files.restore` for what each `Restore` level puts back and how versions are set)."""
     state.check_open()
-    state.run(model_id)
+    state.lora_model(model_id)
     check_path(path_or_name)
 
-    def run() -> LoadWeightsResponse:
+    def work() -> LoadWeightsResponse:
         folder = resolve(state, model_id, path_or_name)
         saved = read_state(folder)
-        training_run = state.run(model_id)
-        checkpoint_files.restore(saved, state, training_run, restore, exact_versions=False)
+        lora_model = state.lora_model(model_id)
+        checkpoint_files.restore(saved, state, lora_model, restore, exact_versions=False)
         state.record(
             "load_state",
-            training_run,
-            training_run.policy.adapter,
-            {"weights_version": float(training_run.policy.weights_version)},
+            lora_model,
+            lora_model.policy.adapter,
+            {"weights_version": float(lora_model.policy.weights_version)},
         )
         return LoadWeightsResponse(path=describe(folder))
 
-    return state.submit(run)
+    return state.submit(work)

@@ -7,8 +7,8 @@ tensors, checkpoint folders, merged exports, the models the REST server adds); e
 `APIFuture` for work that runs on the engine's one worker thread, in submission order, whatever the
 surface that submitted it. The operations themselves live one per module beside this one.
 
-A model is addressed by its `model_id` (Tinker's model id and training run id: the run's folder name)
-and a `Role`: the run's policy, its critic, or the reference (the base model with adapters off).
+A model is addressed by its `model_id` (Tinker's model id and training run id: the model's folder name)
+and a `Role`: the model's policy, its critic, or the reference (the base model with adapters off).
 
 An engine that is dropped without `close()` stops its worker when it is garbage-collected, so
 re-running a notebook cell that makes a session frees the old one's memory.
@@ -32,9 +32,9 @@ from workbench.engine.config import (
     DEFAULT_MAX_MODELS,
     DEFAULT_MAX_TOKENS_PER_MICROBATCH,
     EngineConfig,
-    SessionConfig,
+    ModelConfig,
 )
-from workbench.engine.interface import CustomLossFn, Restore, RunStatus, SamplerPin
+from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, SamplerPin
 from workbench.engine.local import (
     checkpoint_files,
     checkpoints,
@@ -44,7 +44,7 @@ from workbench.engine.local import (
     optim_step,
 )
 from workbench.engine.local import sample as sampling
-from workbench.engine.local.checkpoint_files import SavedState, session_config
+from workbench.engine.local.checkpoint_files import SavedState, model_config
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import BaseModelInfo, load_base_model, resolve_device_and_dtype
@@ -56,10 +56,10 @@ from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
-from workbench.storage.run_folders import (
-    new_run_id,
-    read_run_info,
-    release_run_folder,
+from workbench.storage.model_folders import (
+    new_model_id,
+    read_model_info,
+    release_model_folder,
     resolve_checkpoint,
     runs_root,
 )
@@ -109,8 +109,8 @@ class Engine:
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
         sampler: `"hf"`, `"vllm"` or `"auto"` (vLLM when installed with a CUDA device, else HF).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
-        max_models: How many LoRA models (runs) may share the base at once.
-        lora_hint: The first run's adapter, when known: `"auto"` keeps HF sampling for adapters vLLM
+        max_models: How many LoRA models may share the base at once.
+        lora_hint: The first model's adapter, when known: `"auto"` keeps HF sampling for adapters vLLM
             cannot serve (`train_unembed=True`).
     """
 
@@ -206,18 +206,18 @@ class Engine:
         *,
         seed: int = 0,
         model_id: str | None = None,
-        run_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[str]:
-        """Add a run with a new LoRA policy; resolves to its model id (default: a fresh run id, whose
-        folder is `<runs root>/<model id>` unless `run_dir` says otherwise)."""
-        model_id = model_id or new_run_id(self.config.base_model)
-        folder = (Path(run_dir) if run_dir is not None else runs_root() / model_id).absolute()
+        """Add a model with a new LoRA policy; resolves to its model id (default: a fresh model id, whose
+        folder is `<runs root>/<model id>` unless `model_dir` says otherwise)."""
+        model_id = model_id or new_model_id(self.config.base_model)
+        folder = (Path(model_dir) if model_dir is not None else runs_root() / model_id).absolute()
         self._check_lora(lora)
-        future = model_lifecycle.create_run(
-            self._state, lora, seed=seed, model_id=model_id, run_dir=folder, user_metadata=user_metadata
+        future = model_lifecycle.create_model(
+            self._state, lora, seed=seed, model_id=model_id, model_dir=folder, user_metadata=user_metadata
         )
-        return future.then(lambda run: run.model_id)
+        return future.then(lambda lora_model: lora_model.model_id)
 
     def create_model_from_state(
         self,
@@ -225,88 +225,86 @@ class Engine:
         *,
         restore: Restore,
         model_id: str | None = None,
-        run_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[str]:
-        """Add a run built from a state checkpoint (its adapters, critic included, and seed), restored as
-        far as `restore` says, with the saved weight versions. A new run (own id and folder) unless
-        `model_id` names the saved run's id, which then continues in its folder. The run's
-        `user_metadata` is the one given; None keeps what the run's folder already says (a run
+        """Add a model built from a state checkpoint (its adapters, critic included, and seed), restored as
+        far as `restore` says, with the saved weight versions. A new model (own id and folder) unless
+        `model_id` names the saved model's id, which then continues in its folder. The model's
+        `user_metadata` is the one given; None keeps what the model's folder already says (a model
         continuing), else none."""
         self.check_open()
         checkpoints.check_path(path)
         state = self._state
 
-        def run() -> str:
+        def work() -> str:
             folder = checkpoints.resolve(state, None, path)
             saved = checkpoints.read_state(folder)
-            new_id = model_id or new_run_id(self.config.base_model)
-            folder_for_run = Path(run_dir).absolute() if run_dir is not None else runs_root() / new_id
+            new_id = model_id or new_model_id(self.config.base_model)
+            folder_for_model = Path(model_dir).absolute() if model_dir is not None else runs_root() / new_id
             arguments = saved.session_arguments
             if user_metadata is not None:
                 metadata = model_lifecycle.check_metadata(user_metadata)
-            else:  # the same run continuing keeps its metadata; a new one starts with none
-                previous = read_run_info(folder_for_run) or {}
+            else:  # the same model continuing keeps its metadata; a new one starts with none
+                previous = read_model_info(folder_for_model) or {}
                 metadata = dict(previous.get("user_metadata") or {})
-            training_run = model_lifecycle.add_run(
+            lora_model = model_lifecycle.add_model(
                 state,
                 arguments["lora"],
                 seed=arguments["seed"],
                 model_id=new_id,
-                run_dir=folder_for_run,
+                model_dir=folder_for_model,
                 user_metadata=metadata,
             )
             try:
                 if arguments["critic"] is not False:
-                    model_lifecycle.add_critic(
-                        state, training_run, arguments["critic"], arguments["seed"] + 1
-                    )
-                checkpoint_files.restore(saved, state, training_run, restore, exact_versions=True)
+                    model_lifecycle.add_critic(state, lora_model, arguments["critic"], arguments["seed"] + 1)
+                checkpoint_files.restore(saved, state, lora_model, restore, exact_versions=True)
             except BaseException:
-                model_lifecycle.remove_run(state, new_id)
+                model_lifecycle.remove_model(state, new_id)
                 raise
             return new_id
 
-        return self._state.submit(run)
+        return self._state.submit(work)
 
     def delete_model(self, model_id: str) -> APIFuture[None]:
-        """Remove a run's models from the engine and free their memory (its files stay)."""
-        return model_lifecycle.delete_run(self._state, model_id)
+        """Remove a model's models from the engine and free their memory (its files stay)."""
+        return model_lifecycle.delete_model(self._state, model_id)
 
     def create_critic(self, model_id: str, lora: LoraConfig | None = None) -> APIFuture[None]:
-        """Give a run a critic: a LoRA adapter (default: the policy's rank and alpha on attention and MLP
+        """Give a model a critic: a LoRA adapter (default: the policy's rank and alpha on attention and MLP
         layers) and a zero-initialised value head on the same frozen base, with its own AdamW."""
-        run = self._state.run(model_id)
-        critic_lora = default_critic_lora(run.policy.lora) if lora is None else lora
-        return model_lifecycle.create_critic(self._state, model_id, critic_lora, run.seed + 1)
+        lora_model = self._state.lora_model(model_id)
+        critic_lora = default_critic_lora(lora_model.policy.lora) if lora is None else lora
+        return model_lifecycle.create_critic(self._state, model_id, critic_lora, lora_model.seed + 1)
 
     def delete_critic(self, model_id: str) -> APIFuture[None]:
-        """Remove a run's critic and free its adapter, value head and optimizer state."""
+        """Remove a model's critic and free its adapter, value head and optimizer state."""
         return model_lifecycle.delete_critic(self._state, model_id)
 
     def model_ids(self) -> list[str]:
-        return list(self._state.runs)
+        return list(self._state.lora_models)
 
-    def run_status(self, model_id: str) -> RunStatus:
-        run = self._state.run(model_id)
-        policy, critic = run.policy, run.critic
-        return RunStatus(
-            model_id=run.model_id,
-            run_dir=run.run_dir,
+    def model_status(self, model_id: str) -> ModelStatus:
+        lora_model = self._state.lora_model(model_id)
+        policy, critic = lora_model.policy, lora_model.critic
+        return ModelStatus(
+            model_id=lora_model.model_id,
+            model_dir=lora_model.model_dir,
             lora=policy.lora,
             critic_lora=None if critic is None else critic.lora,
-            seed=run.seed,
+            seed=lora_model.seed,
             step=policy.step,
             weights_version=policy.weights_version,
             pending_backward_calls=policy.trainable.pending_backward_calls,
             critic_step=None if critic is None else critic.step,
             critic_weights_version=None if critic is None else critic.weights_version,
-            live_versions=sorted({*run.snapshots.pinned_versions(), policy.weights_version}),
-            user_metadata=dict(run.user_metadata),
-            created_at=run.created_at,
+            live_versions=sorted({*lora_model.snapshots.pinned_versions(), policy.weights_version}),
+            user_metadata=dict(lora_model.user_metadata),
+            created_at=lora_model.created_at,
             adapter=policy.adapter,
             critic_adapter=None if critic is None else critic.adapter,
-            snapshot_bytes=run.snapshots.held_bytes(),
+            snapshot_bytes=lora_model.snapshots.held_bytes(),
         )
 
     @property
@@ -324,7 +322,7 @@ class Engine:
         state = self._state
 
         def copy() -> ModelTensors:
-            trainable = state.run(model_id).model(role).trainable
+            trainable = state.lora_model(model_id).role_adapter(role).trainable
             return ModelTensors(
                 parameters={name: p.detach().clone() for name, p in trainable.parameters.items()},
                 gradients={
@@ -336,9 +334,9 @@ class Engine:
 
         return state.submit(copy).result()
 
-    def session_config(self, model_id: str) -> SessionConfig:
+    def model_config(self, model_id: str) -> ModelConfig:
         """What defines the run on this engine (what its checkpoints record)."""
-        return session_config(self._state, self._state.run(model_id))
+        return model_config(self._state, self._state.lora_model(model_id))
 
     def _check_lora(self, lora: LoraConfig) -> None:
         if self.config.sampler == "vllm" and lora.train_unembed:
@@ -387,15 +385,15 @@ class Engine:
     # ------------------------------------------------------------------------------------------ sampling
 
     def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
-        """Pin the weights a sampling client samples: the run's policy at `version` (default: the weights
+        """Pin the weights a sampling client samples: the model's policy at `version` (default: the weights
         the operations queued before this call leave), or the base model (`model_id=None`). Release it
         with `release_sampler`."""
         return sampling.pin(self._state, model_id, version)
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
         """Pin the weights of a checkpoint, loaded as an inference adapter: sampler weights
-        (`tinker://<run>/sampler_weights/<name>` or their folder) or the policy of a state checkpoint
-        (`tinker://<run>/weights/<name>` or its folder). The live runs do not change it."""
+        (`tinker://<model id>/sampler_weights/<name>` or their folder) or the policy of a state checkpoint
+        (`tinker://<model id>/weights/<name>` or its folder). The live models do not change it."""
         state = self._state
         checkpoints.check_path(path, "model_path")
         return sampling.pin_checkpoint(state, lambda: checkpoints.adapter_folder(state, path))
@@ -409,7 +407,7 @@ class Engine:
             if wait and threading.current_thread() is not self._state.worker.thread:
                 with contextlib.suppress(
                     SessionClosedError
-                ):  # closed meanwhile: every pin went with the runs
+                ):  # closed meanwhile: every pin went with the models
                     self._state.submit(lambda: None).result()
 
     def sample(
@@ -536,23 +534,23 @@ class Engine:
         return checkpoints.read_state(folder)
 
     def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]:
-        """The run's complete, unexpired checkpoints, oldest first."""
-        return checkpoint_store.list_checkpoints(self._state.run(model_id).run_dir)
+        """The model's complete, unexpired checkpoints, oldest first."""
+        return checkpoint_store.list_checkpoints(self._state.lora_model(model_id).model_dir)
 
     def delete_checkpoint(self, model_id: str, name: str, kind: CheckpointKind = "state") -> APIFuture[None]:
-        """Delete one of the run's checkpoints, between operations (never racing a save)."""
+        """Delete one of the model's checkpoints, between operations (never racing a save)."""
         self.check_open()
-        run_dir = self._state.run(model_id).run_dir
-        return self._state.submit(lambda: checkpoint_store.delete(run_dir, name, kind))
+        model_dir = self._state.lora_model(model_id).model_dir
+        return self._state.submit(lambda: checkpoint_store.delete(model_dir, name, kind))
 
     def cleanup_checkpoints(self, model_id: str) -> APIFuture[list[Path]]:
         """Remove leftovers of interrupted saves and expired checkpoints, between operations."""
         self.check_open()
-        run_dir = self._state.run(model_id).run_dir
-        return self._state.submit(lambda: checkpoint_store.cleanup(run_dir))
+        model_dir = self._state.lora_model(model_id).model_dir
+        return self._state.submit(lambda: checkpoint_store.cleanup(model_dir))
 
     def export_merged(self, model_id: str, path: str | Path) -> APIFuture[Path]:
-        """Write the run's policy merged into the base weights as a new HF model folder."""
+        """Write the model's policy merged into the base weights as a new HF model folder."""
         return merged_export.export_merged(self._state, model_id, path)
 
     # ------------------------------------------------------------------------------------------ misc
@@ -572,7 +570,7 @@ class Engine:
 
     def state_digest(self, model_id: str | None = None, role: Role | None = None) -> str:
         """A sha256 over everything training can change: weights, accumulated gradients, optimizer state
-        and counters, of every model (or of one run, or one model of it), between operations; unless one
+        and counters, of every model (or of one model, or one role of it), between operations; unless one
         model is named, the sampling generator's state too."""
         self.check_open()
         state = self._state
@@ -580,12 +578,14 @@ class Engine:
         def digest() -> str:
             hasher = hashlib.sha256()
             runs = (
-                [state.run(model_id)]
+                [state.lora_model(model_id)]
                 if model_id is not None
-                else [state.runs[key] for key in sorted(state.runs)]
+                else [state.lora_models[key] for key in sorted(state.lora_models)]
             )
-            for run in runs:
-                for model in [run.model(role)] if role is not None else run.models():
+            for lora_model in runs:
+                for model in (
+                    [lora_model.role_adapter(role)] if role is not None else lora_model.role_adapters()
+                ):
                     model.trainable.update_digest(hasher)
             if role is None:
                 hasher.update(state.sampling_generator.get_state().numpy().tobytes())
@@ -606,9 +606,9 @@ class Engine:
         if state.vllm is not None:
             state.vllm.close()
             state.vllm = None
-        for training_run in state.runs.values():
-            release_run_folder(training_run.run_dir)
-        state.runs.clear()
+        for lora_model in state.lora_models.values():
+            release_model_folder(lora_model.model_dir)
+        state.lora_models.clear()
         state.loaded_adapters.clear()
         state.model.free()
         self._finalizer.detach()
@@ -616,5 +616,5 @@ class Engine:
             torch.cuda.empty_cache()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{len(self._state.runs)} model(s)"
+        state = "closed" if self.closed else f"{len(self._state.lora_models)} model(s)"
         return f"Engine({self.config.base_model!r}, {self.config.device}/{self.config.dtype}, {state})"

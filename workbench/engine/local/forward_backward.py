@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from workbench.engine.interface import CustomLossFn
-from workbench.engine.local.lora_models import TrainingRun
+from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.provenance import attach_sampling_records
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.batching import (
@@ -97,9 +97,9 @@ def prepare(
 
 def _check_target(state: EngineState, model_id: str, role: Role, training: bool) -> None:
     """The run exists, and a training call names a model that trains (not the reference)."""
-    training_run = state.run(model_id)
+    lora_model = state.lora_model(model_id)
     if training:
-        training_run.model(role)
+        lora_model.role_adapter(role)
 
 
 def _check_loss_role(role: Role, spec: LossSpec, loss_name: str) -> None:
@@ -144,7 +144,7 @@ def submit(
         )
     op = "forward_backward" if backward else "forward"
     return state.submit(
-        lambda: run_loss(state, state.run(model_id), role, op, batch, spec, config, with_loss)
+        lambda: run_loss(state, state.lora_model(model_id), role, op, batch, spec, config, with_loss)
     )
 
 
@@ -162,29 +162,31 @@ def submit_custom(
         )
     batch = prepare(state, data, ("target_tokens",), {}, strict=False, soft_targets=True)
     user_data = list(data)
-    return state.submit(lambda: run_custom(state, state.run(model_id), role, batch, loss_fn, user_data))
+    return state.submit(
+        lambda: run_custom(state, state.lora_model(model_id), role, batch, loss_fn, user_data)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- worker
 
 
 def predict(
-    state: EngineState, run: TrainingRun, role: Role, micro: MicroBatch, with_entropy: bool = False
+    state: EngineState, lora_model: LoraModel, role: Role, micro: MicroBatch, with_entropy: bool = False
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The model's prediction for a micro-batch: the critic's values, or the targets' logprobs for the
     policy and the reference (and, when asked, the detached entropy of each next-token distribution)."""
     if role is Role.CRITIC:
-        critic = run.model(Role.CRITIC)
+        critic = lora_model.role_adapter(Role.CRITIC)
         assert critic.value_head is not None
         return state.model.values(critic.adapter, critic.value_head, micro), {}
-    adapter = None if role is Role.REFERENCE else run.policy.adapter
+    adapter = None if role is Role.REFERENCE else lora_model.policy.adapter
     logprobs_B_T, entropy_B_T = state.model.target_logprobs(adapter, micro, with_entropy)
     return logprobs_B_T, {} if entropy_B_T is None else {"entropy": entropy_B_T}
 
 
 def run_loss(
     state: EngineState,
-    run: TrainingRun,
+    lora_model: LoraModel,
     role: Role,
     op: str,
     batch: list[PreparedDatum],
@@ -210,7 +212,7 @@ def run_loss(
             micro = collate(batch, indices, pad, state.device)
             mask_B_T = micro.attention_mask_B_T.bool()
             with torch.set_grad_enabled(backward):
-                prediction_B_T, extra = predict(state, run, role, micro, spec.reports_entropy)
+                prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy)
                 if with_loss:
                     result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
                     if backward:
@@ -228,15 +230,15 @@ def run_loss(
             scatter_outputs(outputs, micro, per_position)
 
     if backward:
-        with run.model(role).trainable.accumulating(
-            f"{op} with {spec.fn.__name__!r} on {state.adapter_label(run, role)}"
+        with lora_model.role_adapter(role).trainable.accumulating(
+            f"{op} with {spec.fn.__name__!r} on {state.adapter_label(lora_model, role)}"
         ):
             run_microbatches()
     else:
         with torch.no_grad():
             run_microbatches()
     metrics = totals.metrics(spec, with_loss)
-    state.record(op, run, state.adapter_label(run, role), metrics)
+    state.record(op, lora_model, state.adapter_label(lora_model, role), metrics)
     return ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
     )
@@ -244,7 +246,7 @@ def run_loss(
 
 def run_custom(
     state: EngineState,
-    run: TrainingRun,
+    lora_model: LoraModel,
     role: Role,
     batch: list[PreparedDatum],
     loss_fn: CustomLossFn,
@@ -264,12 +266,12 @@ def run_custom(
     )
     pad = state.tokenizer.pad_token_id
     logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
-    with run.model(role).trainable.accumulating(
-        f"forward_backward_custom on {state.adapter_label(run, role)}"
+    with lora_model.role_adapter(role).trainable.accumulating(
+        f"forward_backward_custom on {state.adapter_label(lora_model, role)}"
     ):
         if len(plan) == 1:
             micro = collate(batch, plan[0], pad, state.device)
-            logprobs_B_T, _ = predict(state, run, role, micro)
+            logprobs_B_T, _ = predict(state, lora_model, role, micro)
             for row, index in enumerate(micro.indices):
                 logprobs_list[index] = logprobs_B_T[row, : micro.lengths[row]]
             loss, user_metrics = call_custom_loss(loss_fn, user_data, logprobs_list)
@@ -278,7 +280,7 @@ def run_custom(
             with torch.no_grad():
                 for indices in plan:
                     micro = collate(batch, indices, pad, state.device)
-                    logprobs_B_T, _ = predict(state, run, role, micro)
+                    logprobs_B_T, _ = predict(state, lora_model, role, micro)
                     for row, index in enumerate(micro.indices):
                         logprobs_list[index] = (
                             logprobs_B_T[row, : micro.lengths[row]].clone().requires_grad_(True)
@@ -287,7 +289,7 @@ def run_custom(
             loss.backward()
             for indices in plan:
                 micro = collate(batch, indices, pad, state.device)
-                logprobs_B_T, _ = predict(state, run, role, micro)
+                logprobs_B_T, _ = predict(state, lora_model, role, micro)
                 grad_B_T = torch.zeros_like(logprobs_B_T)
                 for row, index in enumerate(micro.indices):
                     if logprobs_list[index].grad is not None:
@@ -295,7 +297,7 @@ def run_custom(
                 (logprobs_B_T * grad_B_T).sum().backward()
     outputs = [{"logprobs": TensorData.from_torch(logprobs_N.detach())} for logprobs_N in logprobs_list]
     metrics = {**user_metrics, "loss:sum": float(loss.detach())}
-    state.record("forward_backward_custom", run, state.adapter_label(run, role), metrics)
+    state.record("forward_backward_custom", lora_model, state.adapter_label(lora_model, role), metrics)
     return ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
     )

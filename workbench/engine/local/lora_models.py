@@ -1,11 +1,11 @@
-"""A training run: one Tinker model on the engine, its policy and optional critic, and its folder.
+"""A LoRA model: one Tinker model on the engine, its policy and optional critic, and its folder.
 
 Tinker calls it a model (`model_id`) and a training run (`training_run_id`); they are the same id, and
-here it is also the name of the run's folder, where its history, checkpoints (`checkpoints/`) and
+here it is also the name of the model's folder, where its history, checkpoints (`checkpoints/`) and
 sampler weights (`sampler_weights/`) live, so `tinker://<model_id>/weights/<name>` names
-`<run_dir>/checkpoints/<name>`.
+`<model_dir>/checkpoints/<name>`.
 
-A run's models are trainable adapters on the engine's shared base: `TrainedModel` pairs one peft
+A model's policy and critic are trainable adapters on the engine's shared base: `RoleAdapter` pairs one peft
 adapter with its optimizer and counters (`TrainableAdapter`) and, for a critic, its value head. The
 policy's weight versions are what sampling clients pin (`WeightSnapshots`).
 """
@@ -23,15 +23,16 @@ from workbench.engine.roles import Role
 from workbench.types import LoraConfig
 
 
-def adapter_name(role: Role, run_number: int) -> str:
-    """The peft adapter name of `role` in the engine's `run_number`-th run: `policy` and `critic` for the
-    first run, `policy_2`, `critic_2`, ... for later ones. Also the history's `model` column."""
-    return role.value if run_number == 1 else f"{role.value}_{run_number}"
+def adapter_name(role: Role, model_number: int) -> str:
+    """The peft adapter name of `role` in the engine's `model_number`-th model: `policy` and `critic` for
+    the first model, `policy_2`, `critic_2`, ... for later ones. Also the history's `model` column."""
+    return role.value if model_number == 1 else f"{role.value}_{model_number}"
 
 
 @dataclass
-class TrainedModel:
-    """One trainable adapter of a run: the policy's or the critic's."""
+class RoleAdapter:
+    """The adapter that plays one role in a model, the policy or the critic, with its optimizer and
+    counters (and the critic's value head)."""
 
     role: Role
     adapter: str  # the peft adapter's name; also the `model` column of the history rows
@@ -49,33 +50,33 @@ class TrainedModel:
 
 
 @dataclass
-class TrainingRun:
+class LoraModel:
     """One Tinker model: a policy, maybe a critic, and the folder its files go to."""
 
     model_id: str
-    number: int  # the engine's n-th run: names its adapters (`adapter_name`)
-    run_dir: Path
+    number: int  # the engine's n-th model: names its adapters (`adapter_name`)
+    model_dir: Path
     seed: int
-    policy: TrainedModel
+    policy: RoleAdapter
     snapshots: WeightSnapshots
-    critic: TrainedModel | None = None
+    critic: RoleAdapter | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
 
-    def model(self, role: Role) -> TrainedModel:
-        """The run's trainable model for `role`; a clear error when the run has none."""
+    def role_adapter(self, role: Role) -> RoleAdapter:
+        """The model's adapter for `role`; a clear error when the model has none."""
         if role is Role.POLICY:
             return self.policy
         if role is Role.CRITIC:
             if self.critic is None:
-                raise ValueError(f"run {self.model_id!r} has no critic: create one with create_critic()")
+                raise ValueError(f"model {self.model_id!r} has no critic: create one with create_critic()")
             return self.critic
         raise ValueError(f"the {role} is not trainable")
 
-    def models(self) -> list[TrainedModel]:
+    def role_adapters(self) -> list[RoleAdapter]:
         return [self.policy] if self.critic is None else [self.policy, self.critic]
 
     @property
     def step(self) -> int:
-        """The policy's optimizer steps: the x-axis of the run's history."""
+        """The policy's optimizer steps: the x-axis of the model's history."""
         return self.policy.step

@@ -30,7 +30,7 @@ from workbench.storage.checkpoint_store import CheckpointError
 
 
 def _export(state: EngineState, model_id: str, target: Path) -> Path:
-    adapter = state.run(model_id).policy.adapter
+    adapter = state.lora_model(model_id).policy.adapter
     assert state.model.peft_model is not None
     adapted = [
         (name, module)
@@ -68,7 +68,7 @@ def _export(state: EngineState, model_id: str, target: Path) -> Path:
 def export_merged(state: EngineState, model_id: str, path: str | Path) -> APIFuture[Path]:
     """Queue the export of the run's merged policy to the new folder `path` (see the module docstring)."""
     state.check_open()
-    state.run(model_id)
+    state.lora_model(model_id)
     target = Path(path).expanduser().absolute()
     if target.exists():
         raise CheckpointError(f"{target} already exists; export_merged writes a new folder")

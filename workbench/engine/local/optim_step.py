@@ -25,21 +25,21 @@ from workbench.types import AdamParams, OptimStepResponse
 
 def submit(state: EngineState, model_id: str, role: Role, adam_params: Any) -> APIFuture[OptimStepResponse]:
     state.check_open()
-    state.run(model_id).model(role)
+    state.lora_model(model_id).role_adapter(role)
     params = to_adam_params(adam_params)
     return state.submit(lambda: run(state, model_id, role, params))
 
 
 def run(state: EngineState, model_id: str, role: Role, params: AdamParams) -> OptimStepResponse:
-    training_run = state.run(model_id)
-    model = training_run.model(role)
+    lora_model = state.lora_model(model_id)
+    model = lora_model.role_adapter(role)
     if model.trainable.pending_backward_calls:
-        state.before_weights_change(training_run, model)
+        state.before_weights_change(lora_model, model)
     response = model.trainable.optim_step(params)
     history_metrics = {
         **response.metrics,
         "learning_rate": params.learning_rate,
         "applied": float(response.applied),
     }
-    state.record("optim_step", training_run, model.adapter, history_metrics)
+    state.record("optim_step", lora_model, model.adapter, history_metrics)
     return response

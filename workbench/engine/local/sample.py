@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.engine.interface import SamplerPin
-from workbench.engine.local.lora_models import TrainingRun
+from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.stability_records import StabilityRecord
 from workbench.engine.local.state import REFERENCE_LABEL, EngineState, LoadedAdapter
 from workbench.engine.model.batching import prepare_batch
@@ -57,23 +57,23 @@ def pin(state: EngineState, model_id: str | None, version: int | None = None) ->
     operations queued before this one leave), or the base model (`model_id=None`)."""
     state.check_open()
     if model_id is not None:
-        state.run(model_id)
+        state.lora_model(model_id)
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
         raise ValueError(f"version must be an integer, got {version!r}")
 
-    def run() -> SamplerPin:
+    def work() -> SamplerPin:
         if model_id is None:
             return SamplerPin()
-        training_run = state.run(model_id)
-        current = training_run.policy.weights_version
+        lora_model = state.lora_model(model_id)
+        current = lora_model.policy.weights_version
         pinned = current if version is None else version
-        if not training_run.snapshots.is_available(pinned, current):
-            live = sorted({*training_run.snapshots.pinned_versions(), current})
+        if not lora_model.snapshots.is_available(pinned, current):
+            live = sorted({*lora_model.snapshots.pinned_versions(), current})
             raise ValueError(f"weights version {pinned} is not held; available: {live}")
-        training_run.snapshots.pin(pinned)
+        lora_model.snapshots.pin(pinned)
         return SamplerPin(model_id=model_id, version=pinned)
 
-    return state.submit(run)
+    return state.submit(work)
 
 
 def pin_checkpoint(state: EngineState, locate: Callable[[], Path]) -> APIFuture[SamplerPin]:
@@ -82,7 +82,7 @@ def pin_checkpoint(state: EngineState, locate: Callable[[], Path]) -> APIFuture[
     the worker, after the operations queued before (a save of that checkpoint included)."""
     state.check_open()
 
-    def run() -> SamplerPin:
+    def work() -> SamplerPin:
         folder = locate().absolute()
         loaded = state.loaded_adapters.get(folder)
         if loaded is None:
@@ -102,7 +102,7 @@ def pin_checkpoint(state: EngineState, locate: Callable[[], Path]) -> APIFuture[
         loaded.users += 1
         return SamplerPin(version=loaded.version, adapter=loaded.name, folder=folder)
 
-    return state.submit(run)
+    return state.submit(work)
 
 
 def _check_base(folder: Path, saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> None:
@@ -132,12 +132,12 @@ def _unpin(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
         return
     held = pin_future.result()
     if held.model_id is not None:
-        training_run = state.runs.get(held.model_id)
-        if training_run is None:  # the run is gone, and its snapshots with it
+        lora_model = state.lora_models.get(held.model_id)
+        if lora_model is None:  # the run is gone, and its snapshots with it
             return
         assert held.version is not None
-        training_run.snapshots.unpin(held.version)
-        live = {*training_run.snapshots.pinned_versions(), training_run.policy.weights_version}
+        lora_model.snapshots.unpin(held.version)
+        live = {*lora_model.snapshots.pinned_versions(), lora_model.policy.weights_version}
         if state.vllm is not None and held.version not in live:
             state.vllm.forget(held.weights_key)
     elif held.folder is not None:
@@ -154,11 +154,11 @@ def _unpin(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
 def pinned_weights(state: EngineState, held: SamplerPin) -> Iterator[None]:
     """The model in the state a pin names: a run's policy at its version, a loaded adapter, or the base."""
     if held.model_id is not None:
-        training_run = state.run(held.model_id)
+        lora_model = state.lora_model(held.model_id)
         assert held.version is not None
         with (
-            state.model.using(training_run.policy.adapter),
-            training_run.snapshots.weights(held.version, training_run.policy.weights_version),
+            state.model.using(lora_model.policy.adapter),
+            lora_model.snapshots.weights(held.version, lora_model.policy.weights_version),
         ):
             yield
     else:
@@ -226,19 +226,19 @@ def submit_compute_logprobs(
     )
     check_prompt_logprobs_last_n(prompt_logprobs_last_n, True, len(tokens))
 
-    def run() -> list[float | None]:
+    def work() -> list[float | None]:
         with pinned_weights(state, pin_future.result()):
             logprobs = state.hf_sampler.prompt_logprobs([tokens])[0]
         return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
 
-    return state.submit(run)
+    return state.submit(work)
 
 
 def vllm_engine(state: EngineState) -> VLLMSampler:
     """The engine's vLLM sampler, started on first use."""
     if state.vllm is None:
         info = state.base_info
-        ranks = [run.policy.lora.rank for run in state.runs.values()] or [8]
+        ranks = [lora_model.policy.lora.rank for lora_model in state.lora_models.values()] or [8]
         state.vllm = VLLMSampler(
             info.path, info.path, state.dtype, max(ranks), info.max_length, state.config.seed
         )
@@ -252,7 +252,7 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
         def write_adapter(folder: Path) -> None:
             with pinned_weights(state, held):
                 files = state.model.adapter_files(
-                    held.adapter or state.run(held.model_id or "").policy.adapter
+                    held.adapter or state.lora_model(held.model_id or "").policy.adapter
                 )
             folder.mkdir(parents=True, exist_ok=True)
             for name, data in files.items():
@@ -364,18 +364,18 @@ def sample_response(
     }
     if tokens:
         metrics["logprob:mean"] = sum(sum(s.logprobs) for s in sequences) / tokens
-    training_run: TrainingRun | None = state.runs.get(held.model_id) if held.model_id is not None else None
+    lora_model: LoraModel | None = state.lora_models.get(held.model_id) if held.model_id is not None else None
     label = REFERENCE_LABEL if held.is_base else (held.adapter or "")
-    if training_run is not None:
+    if lora_model is not None:
         assert held.version is not None
-        label = training_run.policy.adapter
+        label = lora_model.policy.adapter
         metrics["weights_version"] = float(held.version)
-        metrics["staleness"] = float(training_run.policy.weights_version - held.version)
+        metrics["staleness"] = float(lora_model.policy.weights_version - held.version)
     sync_ms = 0.0
     if state.vllm is not None and not held.is_base:
         sync_ms = state.vllm.sync_ms(held.weights_key)
         metrics["sync_ms"] = sync_ms
-    state.record("sample", training_run, label, metrics)
+    state.record("sample", lora_model, label, metrics)
     return SampleResponse(
         sequences=sequences,
         weights_version=held.version,

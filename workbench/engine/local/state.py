@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from workbench.engine.config import EngineConfig
-from workbench.engine.local.lora_models import TrainedModel, TrainingRun
+from workbench.engine.local.lora_models import LoraModel, RoleAdapter
 from workbench.engine.local.stability_records import StabilityRecords
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import BaseModelInfo
@@ -64,7 +64,7 @@ class EngineState:
         self.dtype = dtype
         self.worker = worker  # the thread that loaded `model` and runs every operation on it
         self.history = MetricsHistory()
-        self.runs: dict[str, TrainingRun] = {}
+        self.lora_models: dict[str, LoraModel] = {}
         # Draws the seeds of sampling requests that give none, on the worker in submission order, so a
         # run's samples are reproducible from the engine seed; its state is saved with checkpoints.
         self.sampling_generator = torch.Generator().manual_seed(config.seed)
@@ -72,7 +72,7 @@ class EngineState:
             model, tokenizer, device, model.info.vocab_size, model.info.logits_from_hidden_states
         )
         self.vllm: VLLMSampler | None = None  # started on first use when config.sampler == "vllm"
-        self.runs_made = 0  # numbers runs (and so their adapters' names) over the engine's life
+        self.models_made = 0  # numbers models (and so their adapters' names) over the engine's life
         self.sampler_adapters_made = 0  # numbers the adapters loaded for sampling clients
         self.loaded_adapters: dict[Path, LoadedAdapter] = {}  # sampler checkpoint folder -> its adapter
         self.stability_records = StabilityRecords()  # what samplers recorded for stable_reinforce
@@ -91,9 +91,9 @@ class EngineState:
         if self.worker.closed:
             raise SessionClosedError("this session is closed; create a new Session")
 
-    def submit(self, run: Callable[[], T]) -> APIFuture[T]:
+    def submit(self, work: Callable[[], T]) -> APIFuture[T]:
         """Queue work for the worker thread (raises SessionClosedError once closed)."""
-        return self.worker.submit(run)
+        return self.worker.submit(work)
 
     def submit_batchable(
         self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], Sequence[Any]]
@@ -106,23 +106,23 @@ class EngineState:
         self._sequences_sampled += 1
         return f"{self._sequence_prefix}-{self._sequences_sampled}"
 
-    def run(self, model_id: str) -> TrainingRun:
-        """The run with this model id; a clear error naming the ones there are."""
-        run = self.runs.get(model_id)
-        if run is None:
-            raise ValueError(f"no model {model_id!r} on this engine; it has {sorted(self.runs)}")
-        return run
+    def lora_model(self, model_id: str) -> LoraModel:
+        """The model with this id; a clear error naming the ones there are."""
+        lora_model = self.lora_models.get(model_id)
+        if lora_model is None:
+            raise ValueError(f"no model {model_id!r} on this engine; it has {sorted(self.lora_models)}")
+        return lora_model
 
-    def adapter_label(self, run: TrainingRun, role: Role) -> str:
+    def adapter_label(self, lora_model: LoraModel, role: Role) -> str:
         """The history's `model` column for an operation on `role` of `run`."""
-        return REFERENCE_LABEL if role is Role.REFERENCE else run.model(role).adapter
+        return REFERENCE_LABEL if role is Role.REFERENCE else lora_model.role_adapter(role).adapter
 
-    def record(self, op: str, run: TrainingRun | None, label: str, metrics: Mapping[str, float]) -> None:
+    def record(self, op: str, lora_model: LoraModel | None, label: str, metrics: Mapping[str, float]) -> None:
         """Append an operation's metrics to the history at the run's optimizer step (worker thread)."""
-        self.history.record(op, label, run.step if run is not None else 0, metrics)
+        self.history.record(op, label, lora_model.step if lora_model is not None else 0, metrics)
 
-    def before_weights_change(self, run: TrainingRun, model: TrainedModel) -> None:
+    def before_weights_change(self, lora_model: LoraModel, model: RoleAdapter) -> None:
         """Called right before `model`'s weights change (an optimizer step, a load): sampling clients
         pinned to the policy's current weights keep a copy of them first."""
         if model.role is Role.POLICY:
-            run.snapshots.before_change(model.weights_version)
+            lora_model.snapshots.before_change(model.weights_version)

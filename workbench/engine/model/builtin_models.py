@@ -124,7 +124,7 @@ def _build_tiny(folder: Path) -> None:
     (folder / "workbench_model.json").write_text(json.dumps({"alias": "tiny", "version": TINY_VERSION}))
 
 
-def tiny_model_dir() -> Path:
+def tiny_base_model_dir() -> Path:
     """The tiny model's folder, built on first use (well under a second)."""
     return _build_atomically(cache_dir() / "models" / f"tiny-v{TINY_VERSION}", _build_tiny)
 
@@ -185,6 +185,6 @@ def smollm2_model_dir() -> Path:
 
 
 BUILTIN_MODELS: dict[str, Callable[[], Path]] = {
-    "tiny": tiny_model_dir,
+    "tiny": tiny_base_model_dir,
     "smollm2-135m": smollm2_model_dir,
 }

@@ -60,8 +60,10 @@ def models_field(session: Session) -> str:
     """The models on the session's engine: its own policy, and those that clients of its server made
     (adapter label, as the history's `model` column has it, and optimizer step; their ids on hover)."""
     engine = session.engine
-    others = [engine.run_status(model_id) for model_id in engine.model_ids() if model_id != session.model_id]
-    own = html.escape(engine.run_status(session.model_id).adapter)
+    others = [
+        engine.model_status(model_id) for model_id in engine.model_ids() if model_id != session.model_id
+    ]
+    own = html.escape(engine.model_status(session.model_id).adapter)
     if not others:
         return own
     ids = html.escape("\n".join(f"{run.adapter}: {run.model_id}" for run in others))

@@ -8,7 +8,7 @@ state checkpoints (`save_state`) and `sampler_weights/<name>` sampler checkpoint
     tinker://<run id>/weights/<name>          ->  <runs root>/<run id>/checkpoints/<name>
     tinker://<run id>/sampler_weights/<name>  ->  <runs root>/<run id>/sampler_weights/<name>
 
-A run living in a folder outside the runs root (`Session(run_dir=...)`) is found through the runs the
+A run living in a folder outside the runs root (`Session(model_dir=...)`) is found through the runs the
 caller knows (`known_runs`); in another process, name its folder instead.
 
 `run.json` in the folder says what the run is (base model, adapter, user metadata, creation time), so
@@ -39,7 +39,7 @@ from workbench.storage.checkpoint_store import (
 )
 
 RUNS_ENV = "WORKBENCH_RUNS"
-RUN_INFO = "run.json"
+MODEL_INFO = "run.json"
 TINKER_SCHEME = "tinker://"
 SEGMENTS: dict[CheckpointKind, str] = {"state": "weights", "sampler": "sampler_weights"}
 
@@ -47,47 +47,47 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 
 
 IN_USE = ".in-use"
-"""The file a live run holds an advisory lock on (`hold_run_folder`)."""
+"""The file a live run holds an advisory lock on (`hold_model_folder`)."""
 
-_held: dict[Path, IO[bytes]] = {}  # run folder -> the open lock file of its live run in this process
+_held: dict[Path, IO[bytes]] = {}  # model folder -> the open lock file of its live run in this process
 
 
-def hold_run_folder(run_dir: Path) -> None:
-    """Mark `run_dir` as the folder of a live run until `release_run_folder` (or this process ends): an
+def hold_model_folder(model_dir: Path) -> None:
+    """Mark `model_dir` as the folder of a live run until `release_model_folder` (or this process ends): an
     exclusive `flock` on its `.in-use` file, which the system drops with the process, so a run killed
     with `kill -9` leaves nothing to clean up. A second live run in the same folder, in this process or
     another, would overwrite its run.json and mix its checkpoints and history: it is refused."""
-    handle = open(run_dir / IN_USE, "ab")  # noqa: SIM115 (held open until release)
+    handle = open(model_dir / IN_USE, "ab")  # noqa: SIM115 (held open until release)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
         raise ValueError(
-            f"run folder {run_dir} is in use by a live session (in this process or another); close it "
-            "first, or give another run_dir"
+            f"model folder {model_dir} is in use by a live session (in this process or another); close it "
+            "first, or give another model_dir"
         ) from None
-    _held[run_dir] = handle
+    _held[model_dir] = handle
 
 
-def release_run_folder(run_dir: Path) -> None:
-    handle = _held.pop(run_dir, None)
+def release_model_folder(model_dir: Path) -> None:
+    handle = _held.pop(model_dir, None)
     if handle is not None:
         handle.close()
 
 
 def runs_root() -> Path:
-    """Where run folders go: `$WORKBENCH_RUNS`, default `./runs`, as an absolute path."""
+    """Where model folders go: `$WORKBENCH_RUNS`, default `./runs`, as an absolute path."""
     return Path(os.environ.get(RUNS_ENV, "runs")).absolute()
 
 
-def new_run_id(base_model: str) -> str:
+def new_model_id(base_model: str) -> str:
     """`<model>-<date>-<time>-<random>`: sortable by creation, unique, and safe as a folder name, a
     W&B run id and a `tinker://` path component."""
     model = re.sub(r"[^A-Za-z0-9]+", "-", Path(base_model).name).strip("-").lower() or "model"
     return f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def check_run_id(run_id: str) -> str:
+def check_model_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id) or ".." in run_id:
         raise ValueError(f"invalid run id {run_id!r}: use letters, digits, '.', '_', ':' and '-'")
     return run_id
@@ -123,15 +123,15 @@ class CheckpointAddress:
                 "tinker://<run id>/sampler_weights/<name>"
             )
         try:
-            check_run_id(parts[0])
+            check_model_id(parts[0])
         except ValueError as error:
             raise CheckpointError(f"{path!r}: {error}") from None
         return cls(parts[0], kinds[parts[1]], check_name(parts[2]))
 
     def folder(self, known_runs: Mapping[str, Path]) -> Path:
         """The checkpoint's folder: under the run's folder if the caller knows it, else under the runs root."""
-        run_dir = known_runs.get(self.run_id, runs_root() / self.run_id)
-        return kind_dir(run_dir, self.kind) / self.name
+        model_dir = known_runs.get(self.run_id, runs_root() / self.run_id)
+        return kind_dir(model_dir, self.kind) / self.name
 
 
 def address_of(folder: Path) -> CheckpointAddress:
@@ -151,7 +151,7 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 
 def resolve_checkpoint(
-    path_or_name: str | Path, kind: CheckpointKind, own_run_dir: Path | None, known_runs: Mapping[str, Path]
+    path_or_name: str | Path, kind: CheckpointKind, own_model_dir: Path | None, known_runs: Mapping[str, Path]
 ) -> Path:
     """The folder a user means: a `tinker://` path, a checkpoint name of their own run, or a folder.
 
@@ -171,8 +171,8 @@ def resolve_checkpoint(
         if not folder.is_dir():
             raise CheckpointError(f"Can't find a valid checkpoint at {path_or_name}: no folder {folder}")
         return folder
-    if isinstance(path_or_name, str) and own_run_dir is not None and is_name(path_or_name):
-        own = kind_dir(own_run_dir, kind) / path_or_name
+    if isinstance(path_or_name, str) and own_model_dir is not None and is_name(path_or_name):
+        own = kind_dir(own_model_dir, kind) / path_or_name
         if own.is_dir():
             return own
     folder = Path(path_or_name).expanduser()
@@ -184,16 +184,16 @@ def resolve_checkpoint(
     return folder
 
 
-def write_run_info(run_dir: Path, info: Mapping[str, Any]) -> None:
+def write_model_info(model_dir: Path, info: Mapping[str, Any]) -> None:
     """Write `run.json` (what the run is) atomically: a reader sees the old file or the new one."""
-    temporary = run_dir / f".{RUN_INFO}.tmp-{secrets.token_hex(4)}"
+    temporary = model_dir / f".{MODEL_INFO}.tmp-{secrets.token_hex(4)}"
     write_file(temporary, json_bytes(dict(info)))
-    os.replace(temporary, run_dir / RUN_INFO)
+    os.replace(temporary, model_dir / MODEL_INFO)
 
 
-def read_run_info(run_dir: Path) -> dict[str, Any] | None:
+def read_model_info(model_dir: Path) -> dict[str, Any] | None:
     """The run's `run.json`, or None for a folder without one (not a run, or made before it existed)."""
-    path = run_dir / RUN_INFO
+    path = model_dir / MODEL_INFO
     if not path.is_file():
         return None
     try:
@@ -205,11 +205,11 @@ def read_run_info(run_dir: Path) -> dict[str, Any] | None:
     return info
 
 
-def run_folders(known_runs: Mapping[str, Path]) -> dict[str, Path]:
-    """Every run folder by run id: those under the runs root that hold a `run.json`, and the known ones."""
+def model_folders(known_runs: Mapping[str, Path]) -> dict[str, Path]:
+    """Every model folder by run id: those under the runs root that hold a `run.json`, and the known ones."""
     root = runs_root()
     found = (
-        {folder.name: folder for folder in root.iterdir() if (folder / RUN_INFO).is_file()}
+        {folder.name: folder for folder in root.iterdir() if (folder / MODEL_INFO).is_file()}
         if root.is_dir()
         else {}
     )
