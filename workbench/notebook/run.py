@@ -100,6 +100,8 @@ class Run:
         self.step_fn = step_fn
         self.steps = steps
         self.i = 0
+        self.step_started_at: int | None = None
+        """The optimizer step the step in progress started from (None between steps)."""
         self.error: BaseException | None = None
         self.traceback: str | None = None
         self._adam_params = adam_params
@@ -271,8 +273,12 @@ class Run:
 
     def _take_step(self) -> None:
         start_step = self.session.step
-        metrics = self.step_fn(self.session, self.i)
-        self._record(start_step, metrics)
+        self.step_started_at = start_step
+        try:
+            metrics = self.step_fn(self.session, self.i)
+            self._record(start_step, metrics)
+        finally:
+            self.step_started_at = None
         with self._changed:
             self.i += 1
             self._busy = False

@@ -18,6 +18,7 @@ engine disagreeing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -35,14 +36,17 @@ from workbench.engine.remote import DEFAULT_PROBE_INTERVAL_S, RemoteEngine
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
 from workbench.futures import wait_or_withdraw
+from workbench.loops.health import rollout_health
+from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
+from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
 from workbench.storage.run_folders import new_run_id, runs_root
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
-from workbench.types import LoadWeightsResponse, LoraConfig, to_lora_config
+from workbench.types import ForwardBackwardOutput, LoadWeightsResponse, LoraConfig, to_lora_config
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -180,6 +184,8 @@ class Session:
         self.servers: list[TinkerServer] = []
         """The servers `serve()` started (stopped ones included), newest last."""
         engine.history.sinks.append(JsonlSink(self.run_dir / "history.jsonl"))
+        self.rollouts = RolloutLog(self.run_dir / ROLLOUTS_FILE)
+        """The rollout groups `record_rollouts` recorded, one batch per call (also in `rollouts.jsonl`)."""
         self.wandb_run = self._open_wandb(wandb)
 
     def _open_wandb(self, setting: WandbSetting) -> WandbSink | None:
@@ -393,6 +399,42 @@ class Session:
             paused: Start paused, to go step by step with `run.step()`.
         """
         return start_run(self, step_fn, steps, adam_params, paused)
+
+    def record_rollouts(
+        self,
+        groups: Sequence[RolloutGroup],
+        *,
+        trained: ForwardBackwardOutput | None = None,
+        pass_threshold: float = 1.0,
+    ) -> dict[str, float]:
+        """Record one RL step's rollout groups: for the rollout explorer (`self.rollouts`, the run
+        folder's `rollouts.jsonl`) and as the step's health signals (`workbench.loops.health`), a history
+        row of op `"rollouts"` (hence the panel, the plots, W&B and `pause_if` triggers).
+
+        Args:
+            groups: The step's `RolloutGroup`s.
+            trained: The `forward_backward` output of `rollout_data(groups)`: its logprobs give the
+                sampler-vs-trainer mismatch (`kl_sample_train_v1/v2`) and the explorer's token view.
+            pass_threshold: The reward at or above which a reply counts as passed.
+
+        The row's step is the optimizer step the step started from (inside a run: the weights that
+        sampled, even when called after `optim_step`), else the current one.
+
+        Returns:
+            The health signals recorded.
+        """
+        groups = list(groups)
+        if trained is not None:
+            groups = attach_trainer_logprobs(groups, trained)
+        metrics = rollout_health(groups, pass_threshold)
+        run = self.current_run
+        started = run.step_started_at if run is not None else None
+        step = started if started is not None else self.step
+        groups = [dataclasses.replace(group, step=step) for group in groups]
+        self.rollouts.append(groups)
+        label = self.engine.run_status(self.model_id).adapter
+        self.engine.record("rollouts", label, step, metrics).result()
+        return metrics
 
     def plot(self, *names: str) -> Figure:
         """A matplotlib figure of these history metrics against the optimizer step (all when none are
