@@ -418,3 +418,89 @@ def test_export_writes_the_merged_model(panel: wb.Panel, tiny: wb.Session, tmp_p
     with pytest.raises(Exception, match="already exists"):
         c.last_action.result(WAIT_S)
     assert "already exists" in c.feedback.text
+
+
+def test_stop_shows_stopping_until_the_step_in_progress_ends(panel: wb.Panel, tiny: wb.Session) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def step(sess: wb.Session, i: int) -> None:
+        entered.set()
+        assert release.wait(WAIT_S)
+
+    run = tiny.run(step, steps=4)
+    assert entered.wait(WAIT_S)
+    panel.train.stop_button.click()
+    assert "stopping… · 0/4 (step in progress)" in panel.train.progress_text.value
+    release.set()
+    assert run.wait(WAIT_S) is RunState.STOPPED
+    panel.refresh()
+    assert "stopped · 1/4" in panel.train.progress_text.value
+
+
+def test_a_learning_rate_edit_during_a_step_stays_in_the_field(panel: wb.Panel, tiny: wb.Session) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def step(sess: wb.Session, i: int) -> None:
+        entered.set()
+        assert release.wait(WAIT_S)
+
+    run = tiny.run(step, steps=2, adam_params={"learning_rate": 1e-3})
+    assert entered.wait(WAIT_S)
+    panel.train.adam["learning_rate"].value = 5e-4
+    panel.refresh()  # the step still runs with 1e-3; the field keeps the edit for the next one
+    assert run.adam_params.learning_rate == 1e-3 and run.next_adam_params.learning_rate == 5e-4
+    assert panel.train.adam["learning_rate"].value == 5e-4
+    release.set()
+    assert run.wait(WAIT_S) is RunState.FINISHED and run.adam_params.learning_rate == 5e-4
+
+
+def test_a_run_from_a_cell_is_described_as_it_is(panel: wb.Panel, tiny: wb.Session) -> None:
+    def rl_step(sess: wb.Session, i: int) -> None:
+        return None
+
+    assert panel.train.adam["learning_rate"].value == 1e-3  # the tutorials' learning rate
+    run = tiny.run(rl_step, steps=15, paused=True)
+    panel.refresh()
+    t = panel.train
+    assert "rl_step" in t.run_description.value and "15 steps" in t.run_description.value
+    assert t.steps.value == 15 and t.loss.layout.display == "none"  # the tab's loss is not this run's
+    run.stop()
+    run.wait(WAIT_S)
+    t.step_button.click()  # the tab's own run shows the tab's loss again
+    assert _wait(tiny) is RunState.FINISHED
+    panel.refresh()
+    assert t.run_description.value == "" and t.loss.layout.display is None
+
+
+def test_the_progress_line_shows_speed_eta_loss_reward_and_a_trigger(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    data = _data(tiny)
+
+    def step(sess: wb.Session, i: int) -> dict[str, float]:
+        wb.train_step(data)(sess, i)
+        return {"reward:mean": [0.2, 0.9, 0.1, 0.1][i]}
+
+    assert panel.progress.widget.value == ""
+    run = tiny.run(step, steps=4, pause_if={"reward:mean": ("above", 0.5)})
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 2
+    panel.refresh()
+    text = " ".join(html.unescape(re.sub("<[^>]+>", " ", panel.progress.widget.value)).split())
+    assert "step 2/4" in text and "s/step" in text and "ETA" in text and "tok/s" in text
+    assert f"loss {tiny.history.last('loss:sum'):.4g}" in text and "reward 0.9" in text
+    assert "paused by trigger: reward:mean = 0.9 (above 0.5) at run step 1" in text
+    run.resume()
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    panel.refresh()
+    assert "paused by trigger" not in panel.progress.widget.value and "ETA" not in panel.progress.widget.value
+
+
+def test_sampling_says_what_it_samples_and_why_each_sample_ended(panel: wb.Panel, tiny: wb.Session) -> None:
+    s = panel.sample
+    s.prompt.value = "Hello"
+    s.max_tokens.value = 3
+    s.sample_button.click()
+    assert "sampling" in s.feedback.text and "SamplingClient" not in s.feedback.text
+    s.rendered.result(WAIT_S)
+    assert "stop: stop" not in s.output.value and "stop: length" not in s.output.value
+    assert "cut off at max_tokens" in s.output.value or "ended with a stop token" in s.output.value

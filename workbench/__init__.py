@@ -46,6 +46,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "workbench.notebook.rollout_log": ("RolloutLog",),
     "workbench.notebook.run": ("Run", "RunActiveError", "RunState", "train_step"),
     "workbench.notebook.session": ("Session",),
+    "workbench.notebook.triggers": ("PauseRule", "Trigger"),
     "workbench.notebook.token_view": ("render_datum", "render_sample", "render_tokens", "TokenView"),
     "workbench.storage.archive": ("export_archive", "import_archive", "UnsafeArchiveError"),
     "workbench.storage.checkpoint_store": ("CheckpointError", "CheckpointInfo", "CorruptCheckpointError"),

@@ -41,6 +41,7 @@ from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
+from workbench.notebook.triggers import PauseIf
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
 from workbench.storage.run_folders import new_run_id, runs_root
@@ -385,7 +386,15 @@ class Session:
 
     # ------------------------------------------------------------------------------------------ runs and views
 
-    def run(self, step_fn: StepFn, steps: int, *, adam_params: Any = None, paused: bool = False) -> Run:
+    def run(
+        self,
+        step_fn: StepFn,
+        steps: int,
+        *,
+        adam_params: Any = None,
+        paused: bool = False,
+        pause_if: PauseIf | None = None,
+    ) -> Run:
         """Call `step_fn(sess, i)` for `i = 0 .. steps-1` on a background thread; returns the `Run` at once.
 
         The kernel stays free while it trains, so the panel and later cells can `pause()`, `step()`,
@@ -397,8 +406,11 @@ class Session:
             steps: How many steps to run.
             adam_params: The run's initial optimizer settings (`AdamParams`, the SDK's, or a dict).
             paused: Start paused, to go step by step with `run.step()`.
+            pause_if: Pause triggers, `{metric: ("above" | "below", threshold)}`: the run pauses at the
+                end of the first step whose recorded rows cross one (or hold NaN there), and
+                `run.trigger` says which (see `workbench.notebook.triggers`).
         """
-        return start_run(self, step_fn, steps, adam_params, paused)
+        return start_run(self, step_fn, steps, adam_params, paused, pause_if)
 
     def record_rollouts(
         self,

@@ -29,6 +29,9 @@ ValueKind = Literal["logprob", "advantage", "weight"]
 # The loss input each kind is read from in `render_datum`.
 DATUM_INPUTS: dict[str, str] = {"logprob": "logprobs", "advantage": "advantages", "weight": "weights"}
 
+STOP_REASONS: dict[str, str] = {"stop": "ended with a stop token", "length": "cut off at max_tokens"}
+"""How views describe a sampled sequence's stop reason."""
+
 # Background opacity: strong enough to read the scale, light enough to read black text on it.
 ALPHA = 0.55
 

@@ -30,6 +30,7 @@ from workbench.engine.worker import SessionClosedError
 from workbench.notebook.panel.checkpoints_tab import CheckpointsTab
 from workbench.notebook.panel.feedback import FREED, Feedback
 from workbench.notebook.panel.metrics_tab import MetricsTab
+from workbench.notebook.panel.progress_line import ProgressLine
 from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
@@ -44,7 +45,8 @@ REFRESH_S = 0.5
 class Panel(ipywidgets.VBox):
     """The session's panel; create it with `sess.panel(train_data=..., metrics=...)`.
 
-    Parts (each a thin view with a `refresh()`): `status` (the status bar), `train`, `sample`,
+    Parts (each a thin view with a `refresh()`): `status` (the status bar), `progress` (the run's
+    progress line: step, speed, ETA, latest loss and reward, a fired trigger), `train`, `sample`,
     `checkpoints`, `metrics`; the tabs are in `tabs`. `refresh()` redraws everything at once; a timer
     does it every `REFRESH_S` until the panel is closed or the session is.
     """
@@ -60,6 +62,7 @@ class Panel(ipywidgets.VBox):
         view = weakref.proxy(session)  # what every part holds: the session, weakly
         self.feedback = Feedback()
         self.status = StatusBar(view)
+        self.progress = ProgressLine(view)
         self.train = TrainTab(view, train_data)
         self.sample = SampleTab(view)
         self.checkpoints = CheckpointsTab(view)
@@ -68,7 +71,7 @@ class Panel(ipywidgets.VBox):
             children=[self.train.widget, self.sample.widget, self.checkpoints.widget, self.metrics.widget],
             titles=("Train", "Sample", "Checkpoints", "Metrics"),
         )
-        super().__init__([self.status.widget, self.tabs, self.feedback.widget])
+        super().__init__([self.status.widget, self.progress.widget, self.tabs, self.feedback.widget])
         self.add_class("wb-panel")
         self._refreshing = threading.Lock()
         self._closing = threading.Event()
@@ -94,6 +97,7 @@ class Panel(ipywidgets.VBox):
             self.status.refresh()
             if session.closed:
                 return
+            self.progress.refresh()
             self.train.refresh()
             self.sample.refresh()
             self.checkpoints.refresh()

@@ -17,7 +17,7 @@ import ipywidgets
 
 from workbench.loops.chat import chat_prompt
 from workbench.notebook.panel.feedback import Feedback
-from workbench.notebook.token_view import render_sample
+from workbench.notebook.token_view import STOP_REASONS, render_sample
 from workbench.tinker_api.clients import SamplingClient
 from workbench.types import ModelInput, SampleResponse, SamplingParams
 
@@ -115,7 +115,12 @@ class SampleTab:
         future = client.sample(prompt, self.num_samples.value, params)
         rendered: concurrent.futures.Future[SampleResponse] = concurrent.futures.Future()
         self.rendered = rendered
-        self.feedback.info(f"sampling {self.num_samples.value} from {client!r} ...")
+        source = dict((value, label) for label, value in self.version.options)[self.version.value]
+        self.feedback.info(
+            f"sampling {self.num_samples.value} from {source}"
+            + ("" if params.max_tokens is None else f", up to {params.max_tokens} tokens each")
+            + " …"
+        )
 
         def show(done: concurrent.futures.Future[SampleResponse]) -> None:
             client.close()  # the client pinned its weights until its samples were drawn
@@ -140,7 +145,7 @@ class SampleTab:
         for index, sequence in enumerate(response.sequences):
             parts.append(
                 f'<div style="color:#666;font-size:smaller;margin-top:.5em">sample {index} · {weights} · '
-                f"{len(sequence.tokens)} tokens · stop: {html.escape(str(sequence.stop_reason))}</div>"
+                f"{len(sequence.tokens)} tokens · {html.escape(STOP_REASONS[sequence.stop_reason])}</div>"
             )
             parts.append(render_sample(tokenizer, sequence).html)
         return "".join(parts)

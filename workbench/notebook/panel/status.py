@@ -118,5 +118,7 @@ class StatusBar:
             _field("wandb", "W&B", wandb_field(sess)),
         ]
         self.widget.value = (
-            '<div style="display:flex;flex-wrap:wrap;gap:0 1.2em">' + "".join(fields) + "</div>"
+            # one line: fields never wrap; a window too narrow for them scrolls the bar sideways
+            '<div style="display:flex;flex-wrap:nowrap;gap:0 .9em;white-space:nowrap;overflow-x:auto;'
+            'font-size:.92em">' + "".join(fields) + "</div>"
         )
