@@ -44,6 +44,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "workbench.notebook.panel.panel": ("Panel",),
     "workbench.notebook.probes": ("AgreementReport", "check_logprob_agreement"),
     "workbench.notebook.rollout_log": ("RolloutLog",),
+    "workbench.notebook.rollouts_view": ("RolloutExplorer",),
     "workbench.notebook.run": ("Run", "RunActiveError", "RunState", "train_step"),
     "workbench.notebook.session": ("Session",),
     "workbench.notebook.triggers": ("PauseRule", "Trigger"),

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from workbench.notebook.panel import Panel
+    from workbench.notebook.rollouts_view import RolloutExplorer
 
 WANDB_PROJECT = "workbench"
 
@@ -429,8 +430,9 @@ class Session:
                 sampler-vs-trainer mismatch (`kl_sample_train_v1/v2`) and the explorer's token view.
             pass_threshold: The reward at or above which a reply counts as passed.
 
-        The row's step is the optimizer step the step started from (inside a run: the weights that
-        sampled, even when called after `optim_step`), else the current one.
+        The row's step is, inside a run, the optimizer step the run's step started from (the weights
+        that sampled, even when called after `optim_step`); outside a run the current one (call it
+        before `optim_step` there).
 
         Returns:
             The health signals recorded.
@@ -447,6 +449,14 @@ class Session:
         label = self.engine.run_status(self.model_id).adapter
         self.engine.record("rollouts", label, step, metrics).result()
         return metrics
+
+    def rollout_explorer(self) -> RolloutExplorer:
+        """The rollout explorer over what `record_rollouts` recorded: each batch's groups side by side,
+        a reward histogram whose bars open their replies, and each reply token by token (see
+        `workbench.notebook.rollouts_view`). The panel's Rollouts tab is the same view, kept live."""
+        from workbench.notebook.rollouts_view import RolloutExplorer  # ipywidgets loads with it
+
+        return RolloutExplorer(self.rollouts, self.tokenizer)
 
     def plot(self, *names: str) -> Figure:
         """A matplotlib figure of these history metrics against the optimizer step (all when none are

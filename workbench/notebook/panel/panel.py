@@ -34,6 +34,7 @@ from workbench.notebook.panel.progress_line import ProgressLine
 from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
+from workbench.notebook.rollouts_view import RolloutExplorer
 
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
@@ -47,8 +48,9 @@ class Panel(ipywidgets.VBox):
 
     Parts (each a thin view with a `refresh()`): `status` (the status bar), `progress` (the run's
     progress line: step, speed, ETA, latest loss and reward, a fired trigger), `train`, `sample`,
-    `checkpoints`, `metrics`; the tabs are in `tabs`. `refresh()` redraws everything at once; a timer
-    does it every `REFRESH_S` until the panel is closed or the session is.
+    `checkpoints`, `metrics`, `rollouts` (the rollout explorer); the tabs are in `tabs`. `refresh()`
+    redraws everything at once; a timer does it every `REFRESH_S` until the panel is closed or the
+    session is.
     """
 
     def __init__(
@@ -67,9 +69,16 @@ class Panel(ipywidgets.VBox):
         self.sample = SampleTab(view)
         self.checkpoints = CheckpointsTab(view)
         self.metrics = MetricsTab(view, metrics)
+        self.rollouts = RolloutExplorer(session.rollouts, session.tokenizer)
         self.tabs = ipywidgets.Tab(
-            children=[self.train.widget, self.sample.widget, self.checkpoints.widget, self.metrics.widget],
-            titles=("Train", "Sample", "Checkpoints", "Metrics"),
+            children=[
+                self.train.widget,
+                self.sample.widget,
+                self.checkpoints.widget,
+                self.metrics.widget,
+                self.rollouts,
+            ],
+            titles=("Train", "Sample", "Checkpoints", "Metrics", "Rollouts"),
         )
         super().__init__([self.status.widget, self.progress.widget, self.tabs, self.feedback.widget])
         self.add_class("wb-panel")
@@ -102,6 +111,7 @@ class Panel(ipywidgets.VBox):
             self.sample.refresh()
             self.checkpoints.refresh()
             self.metrics.refresh()
+            self.rollouts.refresh()
 
     def _poll(self) -> None:
         while not self._closing.wait(REFRESH_S):
