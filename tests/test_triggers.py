@@ -88,3 +88,55 @@ def test_first_trigger_reads_rows_in_order() -> None:
     found = first_trigger(rules, rows, run_step=7)
     assert found is not None and found.rule.metric == "b" and found.run_step == 7
     assert first_trigger(rules, [{"step": 0, "a": 1.0, "b": 0.0}], run_step=0) is None  # strict
+
+
+def test_an_evaluation_runs_every_k_steps_and_after_the_last(tiny: wb.Session) -> None:
+    """`evaluate` before steps 0, 2, 4 and after the last (step 5), at the weights' optimizer step; its
+    rows are their own `run/eval` line, and triggers watch them."""
+    data = [
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+        )
+    ]
+    held_out = [
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+        )
+    ]
+    calls = []
+
+    def evaluate(sess: wb.Session) -> dict[str, float]:
+        calls.append(sess.step)
+        out = sess.policy.forward(held_out, "cross_entropy").result()
+        return {"held_out_loss:sum": out.metrics["loss:sum"]}
+
+    run = tiny.run(
+        wb.train_step(data), 5, adam_params={"learning_rate": 1e-2}, evaluate=evaluate, eval_every=2
+    )
+    assert run.wait(WAIT_S) is wb.RunState.FINISHED, run.traceback
+    assert calls == [0, 2, 4, 5]
+    steps, losses = tiny.history.series("held_out_loss:sum", op="eval")
+    assert steps == [0, 2, 4, 5] and losses[-1] < losses[0]  # training on the same tokens lowers it
+    from workbench.notebook.plots import metric_lines
+
+    assert "run/eval" in metric_lines(tiny.history, "held_out_loss:sum")
+
+    # a trigger on the held-out metric pauses the run at the step whose evaluation crossed
+    run = tiny.run(
+        wb.train_step(data),
+        6,
+        evaluate=evaluate,
+        eval_every=3,
+        pause_if={"held_out_loss:sum": ("below", 1e9)},
+    )
+    assert (
+        run.wait(WAIT_S) is wb.RunState.PAUSED
+        and run.i == 1
+        and run.trigger.rule.metric == "held_out_loss:sum"
+    )
+    run.stop()
+    run.wait(WAIT_S)
+    with pytest.raises(ValueError, match="eval_every"):
+        tiny.run(wb.train_step(data), 2, evaluate=evaluate, eval_every=0)

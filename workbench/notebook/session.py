@@ -39,6 +39,7 @@ from workbench.futures import wait_or_withdraw
 from workbench.loops.health import rollout_health
 from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
+from workbench.notebook.evaluation import EvalFn, with_evaluation
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
 from workbench.notebook.triggers import PauseIf
@@ -395,6 +396,8 @@ class Session:
         adam_params: Any = None,
         paused: bool = False,
         pause_if: PauseIf | None = None,
+        evaluate: EvalFn | None = None,
+        eval_every: int = 10,
     ) -> Run:
         """Call `step_fn(sess, i)` for `i = 0 .. steps-1` on a background thread; returns the `Run` at once.
 
@@ -410,7 +413,13 @@ class Session:
             pause_if: Pause triggers, `{metric: ("above" | "below", threshold)}`: the run pauses at the
                 end of the first step whose recorded rows cross one (or hold NaN there), and
                 `run.trigger` says which (see `workbench.notebook.triggers`).
+            evaluate: A held-out evaluation `evaluate(sess) -> metrics`, run before steps 0,
+                `eval_every`, 2·`eval_every`, … and after the last step, recorded as op `"eval"`
+                (see `workbench.notebook.evaluation`).
+            eval_every: How many steps apart the evaluations are.
         """
+        if evaluate is not None:
+            step_fn = with_evaluation(step_fn, evaluate, eval_every)
         return start_run(self, step_fn, steps, adam_params, paused, pause_if)
 
     def record_rollouts(
