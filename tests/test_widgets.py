@@ -197,29 +197,57 @@ def test_without_training_data_the_buttons_only_control_runs(tiny: wb.Session) -
 
 def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) -> None:
     m = panel.metrics
-    assert m.select.value == ("loss:sum",) and m.plot is not None and m.plot.names == ["loss:sum"]
-    before, renders = m.image.value, m.renders
+    assert m.select.value == ["loss:sum"] and m.plot is not None and m.plot.names == ["loss:sum"]
+    assert m.figure.get_size_inches().tolist() == [4.5, 3.2]  # shown at its own size, not stretched
+    renders = m.renders
     panel.refresh()
     assert m.renders == renders  # nothing new: nothing redrawn
     panel.train.step_button.click()
     _wait(tiny)
     panel.refresh()
-    assert m.renders > renders and bytes(m.image.value) != bytes(before)
-    assert bytes(m.image.value).startswith(b"\x89PNG")
-    assert {"grad_norm", "learning_rate", "loss:sum"} <= set(m.select.options)
-    assert m.select.value == ("loss:sum",)  # new options keep the selection
+    assert m.renders > renders
+    assert m.plot.to_png().startswith(b"\x89PNG")
+    assert {"grad_norm", "learning_rate", "loss:sum"} <= set(m.select.allowed_tags)
+    assert m.select.value == ["loss:sum"]  # new options keep the selection
 
-    m.select.value = ("grad_norm", "loss:sum")
+    m.select.value = ["grad_norm", "loss:sum"]
     assert m.plot.names == ["grad_norm", "loss:sum"]
+    assert m.figure.get_size_inches().tolist() == [9.0, 3.2]
     steps, values = m.plot.lines["grad_norm"]["policy/optim_step"].get_data()
     assert list(steps) == [1] and len(values) == 1
-    m.select.value = ()
-    assert m.plot is None and bytes(m.image.value) == b""
+    m.select.value = []
+    assert m.plot is None
+
+
+def test_the_metrics_tab_options_and_an_overlaid_run(
+    panel: wb.Panel, tiny: wb.Session, tmp_path: Path
+) -> None:
+    m = panel.metrics
+    other = wb.MetricsHistory()
+    from workbench.metrics import JsonlSink
+
+    other.sinks.append(JsonlSink(tmp_path / "baseline" / "history.jsonl"))
+    other.record("forward_backward", "policy", 0, {"loss:sum": 99.0})
+    panel.train.step_button.click()
+    _wait(tiny)
+    m.compare_path.value = str(tmp_path / "baseline")
+    m.compare_button.click()
+    assert "overlaid baseline" in m.feedback.text
+    assert set(m.plot.lines["loss:sum"]) == {"policy/forward_backward", "baseline policy/forward_backward"}
+    m.smoothing.value = 0.5
+    assert m.plot.smoothing == 0.5 and m.plot.raw_lines["loss:sum"]
+    m.log_scale.value = True
+    assert m.plot.axes["loss:sum"].get_yscale() == "log"
+    m.x_axis.value = "time"
+    assert m.plot.axes["loss:sum"].get_xlabel() == "seconds"
+    m.compare_path.value = str(tmp_path / "missing")
+    m.compare_button.click()
+    assert "no run folder or history file" in m.feedback.text
 
 
 def test_the_panel_redraws_itself_until_closed(tiny: wb.Session) -> None:
     panel = tiny.panel(train_data=_data(tiny), metrics=("grad_norm",))
-    assert panel.polling and panel.metrics.select.value == ("grad_norm",)
+    assert panel.polling and panel.metrics.select.value == ["grad_norm"]
     tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
     deadline = threading.Event()
     for _ in range(100):  # the timer, not the test, refreshes

@@ -467,14 +467,40 @@ class Session:
 
         return RolloutExplorer(self.rollouts, self.tokenizer)
 
-    def plot(self, *names: str) -> Figure:
+    def plot(
+        self,
+        *names: str,
+        smoothing: float = 0.0,
+        log_scale: bool = False,
+        x_axis: str = "step",
+        compare: Mapping[str, str | Path] | Sequence[str | Path] = (),
+    ) -> Figure:
         """A matplotlib figure of these history metrics against the optimizer step (all when none are
-        named); the panel's Metrics tab shows the same plot, updated live."""
+        named); the panel's Metrics tab shows the same plot, updated live.
+
+        Args:
+            smoothing: The weight of a debiased moving average in [0, 1), drawn over the raw values.
+            log_scale: A log y axis for each metric whose values are all positive.
+            x_axis: `"step"` or `"time"` (seconds since the history's first row).
+            compare: Other runs to overlay: their run folders or `history.jsonl` files, as a list
+                (named after their folders) or a `{name: path}` dict.
+        """
         from workbench.notebook.plots import (
             plot_history,  # imported here: matplotlib loads with the first plot
         )
 
-        return plot_history(self.history, *names)
+        paths = (
+            compare
+            if isinstance(compare, Mapping)
+            else {
+                Path(p).absolute().name if Path(p).is_dir() else Path(p).absolute().parent.name: p
+                for p in compare
+            }
+        )
+        others = {name: MetricsHistory.from_jsonl(path) for name, path in paths.items()}
+        return plot_history(
+            self.history, *names, smoothing=smoothing, log_scale=log_scale, x_axis=x_axis, compare=others
+        )
 
     def panel(
         self, train_data: Sequence[Any] | None = None, *, metrics: Sequence[str] = ("loss:sum",)
