@@ -44,7 +44,7 @@ def _latest(history: MetricsHistory, name: str, op: str | None, since: float) ->
 
 def progress_fields(run: Run, history: MetricsHistory) -> list[tuple[str, str]]:
     """The line's `(field, text)` pairs for `run` (those with no value yet are left out)."""
-    fields = [("step", f"step {run.i}/{run.steps}")]
+    fields = [("run-step", f"step {run.i}/{run.steps}")]
     recent = run.step_seconds[-RECENT_STEPS:]
     if recent:
         per_step = sum(recent) / len(recent)
