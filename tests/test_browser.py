@@ -307,7 +307,8 @@ def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path
     )
     page.wait_for_timeout(1500)  # let the last redraw land before the picture is taken
     box = plot.bounding_box()
-    assert box is not None and box["width"] <= 460 and box["height"] <= 330  # the figure's own size
+    # two metrics side by side at the figure's own size (2 × 450 × 320 px), not stretched to the page
+    assert box is not None and abs(box["width"] - 900) <= 10 and abs(box["height"] - 320) <= 10
     panel.screenshot(path=str(screenshot))
 
 

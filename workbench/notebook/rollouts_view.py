@@ -90,7 +90,7 @@ class RolloutExplorer(ipywidgets.VBox):
         self.groups.add_class("wb-rollout-groups")
         self.reply = ipywidgets.Dropdown(description="reply", layout=ipywidgets.Layout(width="32em"))
         self.view = ipywidgets.ToggleButtons(options=VIEWS, value="sampler logprob")
-        self.view.style.button_width = "9em"
+        self.view.style.button_width = "10.5em"
         self.tokens = ipywidgets.HTML()
         self.tokens.add_class("wb-rollout-tokens")
         self.slider.observe(lambda change: self.select_batch(change["new"]), names="value")
