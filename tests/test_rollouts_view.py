@@ -119,3 +119,23 @@ def test_the_panel_has_a_live_rollouts_tab(tiny: wb.Session) -> None:
         ] == ["1", "2"]
     finally:
         panel.close()
+
+
+def test_a_rollouts_prompt_is_sampled_again_from_the_sample_tab(tiny: wb.Session) -> None:
+    """The Sample tab reproduces a task's whole prompt (chat template, system message, examples)."""
+    panel = tiny.panel()
+    try:
+        _record_step(tiny, [[1.0, 0.0]], seed=0)
+        panel.refresh()
+        panel.rollouts.sample_button.click()
+        s = panel.sample
+        assert panel.tabs.selected_index == 1
+        assert s.exact_prompt == tiny.rollouts[0][0].prompt_tokens
+        assert s.model_input().to_ints() == tiny.rollouts[0][0].prompt_tokens and s.chat.disabled
+        s.max_tokens.value = 2
+        s.sample_button.click()
+        s.rendered.result(30)
+        s.prompt.value = "something else"  # typing goes back to a typed prompt
+        assert s.exact_prompt is None and s.exact_note.value == ""
+    finally:
+        panel.close()

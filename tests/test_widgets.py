@@ -459,6 +459,8 @@ def test_stop_shows_stopping_until_the_step_in_progress_ends(panel: wb.Panel, ti
     assert entered.wait(WAIT_S)
     panel.train.stop_button.click()
     assert "stopping… · 0/4 (step in progress)" in panel.train.progress_text.value
+    panel.status.refresh()
+    assert "stopping… 0/4" in panel.status.widget.value
     release.set()
     assert run.wait(WAIT_S) is RunState.STOPPED
     panel.refresh()

@@ -45,7 +45,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "workbench.notebook.probes": ("AgreementReport", "check_logprob_agreement"),
     "workbench.notebook.rollout_log": ("RolloutLog",),
     "workbench.notebook.rollouts_view": ("RolloutExplorer",),
-    "workbench.notebook.run": ("Run", "RunActiveError", "RunState", "train_step"),
+    "workbench.notebook.run": ("Run", "RunActiveError", "RunState", "WaitInterrupted", "train_step"),
     "workbench.notebook.session": ("Session",),
     "workbench.notebook.triggers": ("PauseRule", "Trigger"),
     "workbench.notebook.token_view": ("render_datum", "render_sample", "render_tokens", "TokenView"),

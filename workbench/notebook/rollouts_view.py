@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import ipywidgets
@@ -74,7 +74,15 @@ class RolloutExplorer(ipywidgets.VBox):
     `refresh()` do from code what the controls do.
     """
 
-    def __init__(self, rollouts: RolloutLog, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self,
+        rollouts: RolloutLog,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        sample_prompt: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """`sample_prompt(tokens)`, when given, is what the "Sample this prompt" button calls with the
+        chosen reply's prompt tokens (the panel opens its Sample tab on them)."""
         self.rollouts = rollouts
         self.tokenizer = tokenizer
         self.batch: int | None = None
@@ -93,6 +101,12 @@ class RolloutExplorer(ipywidgets.VBox):
         self.view.style.button_width = "10.5em"
         self.tokens = ipywidgets.HTML()
         self.tokens.add_class("wb-rollout-tokens")
+        self.sample_button = ipywidgets.Button(
+            description="Sample this prompt", icon="comment", tooltip="sample the chosen reply's prompt again"
+        )
+        self.sample_button.layout.display = None if sample_prompt is not None else "none"
+        if sample_prompt is not None:
+            self.sample_button.on_click(lambda _button: self._sample_selected(sample_prompt))
         self.slider.observe(lambda change: self.select_batch(change["new"]), names="value")
         self.reply.observe(lambda change: self._show_selected(), names="value")
         self.view.observe(lambda change: self._show_selected(), names="value")
@@ -105,7 +119,7 @@ class RolloutExplorer(ipywidgets.VBox):
                 ),
                 self.histogram,
                 self.groups,
-                ipywidgets.HBox([self.reply]),
+                ipywidgets.HBox([self.reply, self.sample_button]),
                 self.view,
                 self.tokens,
             ]
@@ -191,6 +205,11 @@ class RolloutExplorer(ipywidgets.VBox):
             self.view.value = view
         self.reply.value = (group, reply)
         self._show_selected()
+
+    def _sample_selected(self, sample_prompt: Callable[[list[int]], None]) -> None:
+        if self.reply.value is not None:
+            g, _ = self.reply.value
+            sample_prompt(self._groups()[g].prompt_tokens)
 
     # ------------------------------------------------------------------------------------------ drawing
 

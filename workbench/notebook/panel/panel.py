@@ -69,7 +69,9 @@ class Panel(ipywidgets.VBox):
         self.sample = SampleTab(view)
         self.checkpoints = CheckpointsTab(view)
         self.metrics = MetricsTab(view, metrics)
-        self.rollouts = RolloutExplorer(session.rollouts, session.tokenizer)
+        self.rollouts = RolloutExplorer(
+            session.rollouts, session.tokenizer, sample_prompt=self._sample_prompt
+        )
         self.tabs = ipywidgets.Tab(
             children=[
                 self.train.widget,
@@ -87,6 +89,11 @@ class Panel(ipywidgets.VBox):
         self.refresh()
         self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
         self._timer.start()
+
+    def _sample_prompt(self, tokens: list[int]) -> None:
+        """The Rollouts tab's "Sample this prompt": the Sample tab, on the rollout's exact prompt."""
+        self.sample.use_prompt(tokens)
+        self.tabs.selected_index = 1
 
     @property
     def session(self) -> Session:

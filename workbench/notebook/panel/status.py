@@ -93,7 +93,8 @@ class StatusBar:
             self.widget.value = _field("session", "session", "closed")
             return
         run = sess.current_run
-        run_text = "none" if run is None else f"{run.state.value} {run.i}/{run.steps}"
+        state = None if run is None else ("stopping…" if run.stopping else run.state.value)
+        run_text = "none" if run is None else f"{state} {run.i}/{run.steps}"
         endpoint = sess.engine.endpoint
         where = (
             [
