@@ -155,3 +155,30 @@ def test_record_rollouts_inside_a_run_uses_the_step_the_run_started_from(tiny: w
     assert run.wait(60) is wb.RunState.FINISHED, run.traceback
     assert [r["step"] for r in tiny.history if r["op"] == "rollouts"] == [0, 1]
     assert [batch[0].step for batch in tiny.rollouts] == [0, 1]
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo", "dro"])
+def test_policy_losses_report_the_sampler_trainer_mismatch(tiny: wb.Session, loss: str) -> None:
+    """Sampler logprobs q = trainer logprobs p + δ_t on the trained tokens: the loss's metrics are
+    mean δ and ½·mean δ² over the positions it trains on, as the cookbook estimates them."""
+    tokens = [5, 9, 14, 3, 7]
+    probe = wb.Datum(
+        model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+    )
+    trainer_T = tiny.policy.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    deltas_T = [0.0, 0.1, -0.2, 0.3]
+    advantages_T = [0.0, 1.0, 1.0, 1.0]  # the first position is the prompt's: no advantage, not trained
+    datum = wb.Datum(
+        model_input=wb.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [p + d for p, d in zip(trainer_T, deltas_T, strict=True)],
+            "advantages": advantages_T,
+        },
+    )
+    metrics = tiny.policy.forward_backward([datum], loss).result().metrics
+    trained = deltas_T if loss == "dro" else deltas_T[1:]  # dro's penalty trains every position
+    assert metrics["kl_sample_train_v1:mean"] == pytest.approx(sum(trained) / len(trained), abs=1e-5)
+    assert metrics["kl_sample_train_v2:mean"] == pytest.approx(
+        0.5 * sum(d * d for d in trained) / len(trained), abs=1e-5
+    )
