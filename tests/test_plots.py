@@ -199,3 +199,18 @@ def test_log_scale_wall_clock_axis_and_runs_compared_from_their_files(tmp_path) 
     timed.update(history)
     xs, _ = line_data(timed.lines["loss:sum"]["policy/forward_backward"])
     assert xs[0] == 0.0 and xs == sorted(xs) and timed.axes["loss:sum"].get_xlabel() == "seconds"
+
+
+def test_session_plot_overlays_runs_from_their_folders(tiny, tmp_path) -> None:
+    from workbench.metrics import JsonlSink
+
+    baseline = MetricsHistory()
+    baseline.sinks.append(JsonlSink(tmp_path / "baseline" / "history.jsonl"))
+    baseline.record("forward_backward", "policy", 0, {"loss:sum": 42.0})
+    tiny.history.record("forward_backward", "policy", 0, {"loss:sum": 40.0})
+    fig = tiny.plot("loss:sum", compare=[tmp_path / "baseline"], smoothing=0.5, log_scale=True, x_axis="time")
+    (ax,) = fig.axes
+    labels = {line.get_label() for line in ax.get_lines()}
+    assert {"policy/forward_backward", "baseline policy/forward_backward"} <= labels
+    named = tiny.plot("loss:sum", compare={"other": tmp_path / "baseline" / "history.jsonl"})
+    assert "other policy/forward_backward" in {line.get_label() for line in named.axes[0].get_lines()}

@@ -165,6 +165,12 @@ class MetricsHistory:
         return f"MetricsHistory({len(self.rows)} rows, metrics={self.names()})"
 
 
+def history_run_name(path: str | Path) -> str:
+    """The name of the run whose folder, or whose `history.jsonl`, is at `path`: the folder's name."""
+    path = Path(path).absolute()
+    return path.name if path.is_dir() else path.parent.name
+
+
 class JsonlSink:
     """Appends every row to a JSON Lines file, flushed per row.
 

@@ -38,7 +38,14 @@ from workbench.engine.samplers import SamplerChoice
 from workbench.futures import wait_or_withdraw
 from workbench.loops.health import rollout_health
 from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
-from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
+from workbench.metrics import (
+    JsonlSink,
+    MetricsHistory,
+    WandbSetting,
+    WandbSink,
+    history_run_name,
+    open_wandb_run,
+)
 from workbench.notebook.evaluation import EvalFn, with_evaluation
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
@@ -489,14 +496,7 @@ class Session:
             plot_history,  # imported here: matplotlib loads with the first plot
         )
 
-        paths = (
-            compare
-            if isinstance(compare, Mapping)
-            else {
-                Path(p).absolute().name if Path(p).is_dir() else Path(p).absolute().parent.name: p
-                for p in compare
-            }
-        )
+        paths = compare if isinstance(compare, Mapping) else {history_run_name(p): p for p in compare}
         others = {name: MetricsHistory.from_jsonl(path) for name, path in paths.items()}
         return plot_history(
             self.history, *names, smoothing=smoothing, log_scale=log_scale, x_axis=x_axis, compare=others

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import ipywidgets
 from ipympl.backend_nbagg import Canvas, FigureManager
 
-from workbench.metrics import MetricsHistory
+from workbench.metrics import MetricsHistory, history_run_name
 from workbench.notebook.panel.feedback import Feedback
 from workbench.notebook.plots import MAX_COLUMNS, LivePlot, NotebookFigure
 
@@ -95,7 +95,7 @@ class MetricsTab:
         if not str(path) or not path.exists():
             raise ValueError(f"no run folder or history file at {str(path)!r}")
         history = MetricsHistory.from_jsonl(path)
-        name = (path if path.is_dir() else path.parent).name
+        name = history_run_name(path)
         self.compared[name] = history
         self.feedback.info(f"overlaid {name} ({len(history)} rows)")
         self._replot()
