@@ -54,10 +54,10 @@ test: env browser lint test-unit test-notebooks
 lab: env
 	$(BIN)/jupyter lab --notebook-dir=notebooks --LabApp.news_url=None
 
-# The README's panel screenshot, taken by the real-browser test.
+# The README's panel and cockpit screenshots, taken by the real-browser tests.
 screenshot: env browser
 	$(BIN)/python -m pytest -q tests/notebook/test_browser.py
-	cp artifacts/panel.png docs/panel.png
+	cp artifacts/panel.png artifacts/cockpit-*.png docs/
 
 bench: env
 	$(BIN)/python bench/train.py --model tiny

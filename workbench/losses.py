@@ -24,6 +24,10 @@ schemes, you can include that in the advantage tensor computation" (Tinker docs)
 |                      | sequences (`record_stability_info`)     |                                                |
 | ppo_critic (critic)  | values (old), returns, [weights=1]      | value_clip 0.2                                 |
 
+`importance_sampling`, `ppo`, `cispo` and `dro` also report the sampler-vs-trainer mismatch,
+`kl_sample_train_v1:mean` and `kl_sample_train_v2:mean` (`_sampler_mismatch`), so every RL step shows
+whether the sampler and the trainer still compute the same model.
+
 `stable_reinforce` reads what the engine recorded when it sampled (`recorded_logprobs`, `sampled`):
 the engine fills those two inputs from the datum's provenance spans before the call is queued
 (`workbench.engine.local.provenance`); a caller never passes them.
@@ -129,6 +133,18 @@ def _ratio(
     return ratio_B_T, advantages_B_T, (advantages_B_T != 0) & mask_B_T
 
 
+def _sampler_mismatch(
+    logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor
+) -> dict[str, Tensor]:
+    """How far the sampler's logprobs q are from the trainer's p on the same tokens, d_t = log q − log p,
+    as tinker-cookbook's `compute_kl_sample_train` estimates KL(sampler ‖ trainer): `kl_sample_train_v1`
+    = d_t (first order) and `kl_sample_train_v2` = ½·d_t² (second order), averaged by the engine over
+    the positions the loss trains on. Both are ~0 when the two compute the same model; a growing value
+    means stale samples or a sampler whose numerics differ from the trainer's."""
+    difference_B_T = (inputs["logprobs"] - logprobs_B_T.detach()) * mask_B_T
+    return {"kl_sample_train_v1": difference_B_T, "kl_sample_train_v2": 0.5 * difference_B_T**2}
+
+
 def importance_sampling(
     logprobs_B_T: Tensor, inputs: Mapping[str, Tensor], mask_B_T: Tensor, config: Mapping[str, float]
 ) -> LossOutput:
@@ -141,7 +157,7 @@ def importance_sampling(
     return LossOutput(
         elementwise_loss_B_T=-ratio_B_T * advantages_B_T,
         active_B_T=active_B_T,
-        diagnostics={"ratio": ratio_B_T.detach()},
+        diagnostics={"ratio": ratio_B_T.detach(), **_sampler_mismatch(logprobs_B_T, inputs, mask_B_T)},
     )
 
 
@@ -167,6 +183,7 @@ def ppo(
         diagnostics={
             "ratio": ratio_B_T.detach(),
             "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high),
+            **_sampler_mismatch(logprobs_B_T, inputs, mask_B_T),
         },
     )
 
@@ -188,6 +205,7 @@ def cispo(
         diagnostics={
             "ratio": ratio_B_T.detach(),
             "clip_fraction": _clip_fraction(ratio_B_T.detach(), low, high),
+            **_sampler_mismatch(logprobs_B_T, inputs, mask_B_T),
         },
     )
 
@@ -208,7 +226,10 @@ def dro(
     return LossOutput(
         elementwise_loss_B_T=-objective_B_T * mask_B_T,
         active_B_T=mask_B_T,
-        diagnostics={"ratio": torch.exp(log_ratio_B_T.detach()) * mask_B_T},
+        diagnostics={
+            "ratio": torch.exp(log_ratio_B_T.detach()) * mask_B_T,
+            **_sampler_mismatch(logprobs_B_T, inputs, mask_B_T),
+        },
     )
 
 

@@ -109,6 +109,18 @@ class MetricsHistory:
                     stacklevel=2,
                 )
 
+    @classmethod
+    def from_jsonl(cls, path: str | Path) -> MetricsHistory:
+        """The rows a `JsonlSink` wrote: a run's `history.jsonl`, or the model folder that holds it (to
+        plot a finished run, or compare runs). The history has no sinks."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "history.jsonl"
+        history = cls()
+        with path.open(encoding="utf-8") as lines:
+            history.rows = [json.loads(line) for line in lines if line.strip()]
+        return history
+
     def series(self, name: str, op: str | None = None) -> tuple[list[int], list[float]]:
         """Steps and values of one metric, optionally from one kind of op only."""
         steps: list[int] = []
@@ -151,6 +163,12 @@ class MetricsHistory:
 
     def __repr__(self) -> str:
         return f"MetricsHistory({len(self.rows)} rows, metrics={self.names()})"
+
+
+def history_run_name(path: str | Path) -> str:
+    """The name of the run whose folder, or whose `history.jsonl`, is at `path`: the folder's name."""
+    path = Path(path).absolute()
+    return path.name if path.is_dir() else path.parent.name
 
 
 class JsonlSink:

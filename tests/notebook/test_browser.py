@@ -1,9 +1,13 @@
 """The panel in a real browser: JupyterLab on 127.0.0.1, Debian's chromium driven by playwright.
 
-A generated notebook creates a session on the tiny model and shows its panel; the test runs it, clicks
-the Train tab's Step button, and checks in the page that the status bar's step counter and the Metrics
-tab's plot advanced. The screenshot goes to `artifacts/panel.png`; `make screenshot` copies it to
-`docs/panel.png`, which the README shows. Every process the test starts (server, kernel, browser) is stopped at teardown.
+The first test's notebook creates a session on the tiny model and shows its panel; the test runs it,
+clicks the Train tab's Step button, and checks in the page that the status bar's step counter and the
+Metrics tab's plot advanced. The second drives an RL run on the tiny model with a pause trigger and
+checks each view of the cockpit: the trigger pausing the run and saying why in the progress line, the
+Rollouts tab (groups, the reward histogram's click-through, the token view of what was trained on),
+a run overlaid from its history file, and Resume. Screenshots go to `artifacts/`; `make screenshot`
+copies them to `docs/` (`panel.png`, `cockpit-*.png`), which the README shows. Every process a test
+starts (server, kernel, browser) is stopped at teardown.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 import socket
 import subprocess
@@ -42,7 +45,6 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-BLOB_URL = re.compile(r"^blob:")  # an ipywidgets Image shows its bytes through a blob URL
 SERVER_START_S = 120
 PANEL_RENDER_MS = 240_000  # kernel start, torch import and the tiny model on two shared cores
 STEP_MS = 60_000
@@ -68,6 +70,41 @@ data = [sft("User: Hello!", " Assistant: Hi there."), sft("The quick brown fox",
     """sess.panel(train_data=data, metrics=("loss:sum", "grad_norm"))""",
 ]
 
+COCKPIT_CELLS = [
+    """import workbench as wb
+from workbench.metrics import JsonlSink
+
+sess = wb.Session("tiny", wb.LoraConfig(rank=4), wandb=False)
+tok = sess.tokenizer
+prompts = [wb.ModelInput.from_ints(tok.encode(text)) for text in ("Question one:", "Question two:")]
+
+# a baseline run's history file, to overlay in the Metrics tab
+baseline = wb.MetricsHistory()
+baseline.sinks.append(JsonlSink(sess.model_dir.parent / "baseline" / "history.jsonl"))
+for step in range(4):
+    baseline.record("rollouts", "policy", step, {"reward:mean": 0.1 * step})
+
+
+def rl_step(sess, i):
+    sampler = sess.policy.save_weights_and_get_sampling_client()
+    params = wb.SamplingParams(max_tokens=4, temperature=1.0, seed=i)
+    groups = []
+    for prompt, future in [(p, sampler.sample(p, 4, params)) for p in prompts]:
+        response = future.result()
+        rewards = [float(s.tokens[0] % 2 == 0) for s in response.sequences]
+        groups.append(wb.RolloutGroup.of(prompt, response, rewards))
+    data = wb.rollout_data(groups)
+    trained = sess.policy.forward_backward(data, "importance_sampling").result() if data else None
+    if data:
+        sess.policy.optim_step(sess.current_run.adam_params).result()
+    sess.record_rollouts(groups, trained=trained)
+    return {"step_index": float(i)}""",
+    """panel = sess.panel(metrics=("reward:mean", "kl_sample_train_v1:mean"))
+panel""",
+    """run = sess.run(rl_step, 4, pause_if={"step_index": ("above", -1.0)})""",
+]
+"""An RL run whose trigger fires at every step: it pauses after step 0, and again after each Resume."""
+
 if not CHROMIUM.exists():
     pytest.skip(
         "needs Debian's chromium at /usr/bin/chromium (apt-get install chromium; `make browser`)",
@@ -88,6 +125,7 @@ class Lab:
     notebook: str
     process: subprocess.Popen[bytes]
     log: Path
+    runs: Path  # the kernel's WORKBENCH_RUNS
 
     def api(self, path: str, method: str = "GET") -> bytes:
         request = urllib.request.Request(
@@ -106,9 +144,9 @@ def _write_settings(settings_dir: Path) -> None:
     )
 
 
-def _write_notebook(path: Path) -> None:
+def _write_notebook(path: Path, cells: list[str]) -> None:
     notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in NOTEBOOK_CELLS]
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, path)
 
@@ -144,7 +182,8 @@ def _stop(lab: Lab) -> None:
 def lab(tmp_path: Path) -> Iterator[Lab]:
     root = tmp_path / "notebooks"
     root.mkdir()
-    _write_notebook(root / "panel.ipynb")
+    _write_notebook(root / "panel.ipynb", NOTEBOOK_CELLS)
+    _write_notebook(root / "cockpit.ipynb", COCKPIT_CELLS)
     _write_settings(tmp_path / "jupyter" / "settings")
     port, token = _free_port(), secrets.token_hex(16)
     env = {
@@ -178,7 +217,14 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
     ]
     with log.open("wb") as log_file:
         process = subprocess.Popen(command, cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    lab = Lab(url=f"http://127.0.0.1:{port}", token=token, notebook="panel.ipynb", process=process, log=log)
+    lab = Lab(
+        url=f"http://127.0.0.1:{port}",
+        token=token,
+        notebook="panel.ipynb",
+        process=process,
+        log=log,
+        runs=tmp_path / "runs",
+    )
     try:
         deadline = time.monotonic() + SERVER_START_S
         while True:
@@ -240,9 +286,12 @@ def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path
 
     step = panel.locator('[data-field="step"]')
     expect(step).to_have_text("step 0")
-    plot = panel.locator(".wb-metrics-plot")
-    expect(plot).to_have_attribute("src", BLOB_URL)
-    before = plot.get_attribute("src")
+    plot = panel.locator(".wb-metrics-plot canvas").first
+    panel.locator(".lm-TabBar-tab", has_text="Metrics").click()
+    expect(plot).to_be_visible(timeout=STEP_MS)
+    page.wait_for_timeout(1000)
+    before = plot.evaluate("canvas => canvas.toDataURL()")
+    panel.locator(".lm-TabBar-tab", has_text="Train").click()
 
     for expected in (1, 2, 3):
         panel.locator(".wb-train-step").click(timeout=STEP_MS)
@@ -251,7 +300,106 @@ def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path
 
     panel.locator(".lm-TabBar-tab", has_text="Metrics").click()
     expect(plot).to_be_visible()
-    expect(plot).not_to_have_attribute("src", before or "", timeout=STEP_MS)
+    page.wait_for_function(
+        "([canvas, before]) => canvas.toDataURL() !== before",
+        arg=[plot.element_handle(), before],
+        timeout=STEP_MS,
+    )
     page.wait_for_timeout(1500)  # let the last redraw land before the picture is taken
-    assert plot.evaluate("img => img.complete && img.naturalWidth > 0")
+    box = plot.bounding_box()
+    # two metrics side by side at the figure's own size (2 × 450 × 320 px), not stretched to the page
+    assert box is not None and abs(box["width"] - 900) <= 10 and abs(box["height"] - 320) <= 10
     panel.screenshot(path=str(screenshot))
+
+
+def _open(page: Page, lab: Lab, workspace: str, notebook: str) -> None:
+    page.goto(f"{lab.url}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={lab.token}")
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.sessionContext"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.isReady",
+        timeout=PANEL_RENDER_MS,
+    )
+    page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+
+def test_the_rl_cockpit_in_jupyterlab(lab: Lab, tmp_path: Path) -> None:
+    artifacts = REPO / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            try:
+                _drive_the_cockpit(page, lab, secrets.token_hex(4), artifacts)
+            except BaseException:
+                page.screenshot(path=str(artifacts / "browser-failure.png"), full_page=True)
+                raise
+        finally:
+            context.close()
+
+
+def _drive_the_cockpit(page: Page, lab: Lab, workspace: str, artifacts: Path) -> None:
+    _open(page, lab, workspace, "cockpit.ipynb")
+    panel = page.locator(".wb-panel")
+    try:
+        expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
+    except AssertionError:
+        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+        raise AssertionError(f"the panel never rendered; cell outputs: {outputs}") from None
+    expect(page.get_by_text("Loading widget")).to_have_count(0)
+
+    # the status bar is one line at 1400 px
+    status = panel.locator(".wb-status")
+    line_height = status.locator('[data-field="step"]').bounding_box()
+    box = status.bounding_box()
+    assert box is not None and line_height is not None and box["height"] < 2 * line_height["height"] + 8
+
+    # the trigger fires at the end of step 0: the run pauses and the progress line says why
+    trigger = panel.locator('[data-field="trigger"]')
+    expect(trigger).to_contain_text("paused by trigger", timeout=STEP_MS)
+    expect(trigger).to_contain_text("step_index = 0 (above -1) at run step 0")
+    expect(panel.locator('[data-field="run-step"]')).to_have_text("step 1/4")
+    expect(panel.locator('[data-field="run-description"]')).to_contain_text("rl_step")
+    panel.screenshot(path=str(artifacts / "cockpit-trigger.png"))
+
+    # Rollouts: two groups side by side, a histogram whose bar opens its replies, the token view
+    panel.locator(".lm-TabBar-tab", has_text="Rollouts").click()
+    groups = panel.locator(".wb-rollout-group")
+    expect(groups).to_have_count(2, timeout=STEP_MS)
+    bars = panel.locator(".wb-reward-bar")
+    expect(bars.first).to_be_visible()
+    bar = bars.last
+    count = int(bar.inner_text())
+    bar.click()
+    expect(panel.locator('.wb-rollout-groups tr[style*="background"]')).to_have_count(count, timeout=STEP_MS)
+    tokens = panel.locator(".wb-rollout-tokens")
+    expect(tokens).to_contain_text("reply")
+    panel.locator(".widget-toggle-button", has_text="mismatch").click()
+    expect(tokens).to_contain_text("sampler − trainer logprob")
+    panel.screenshot(path=str(artifacts / "cockpit-rollouts.png"))
+
+    # Metrics: a baseline run overlaid from its history file on the ipympl canvas
+    panel.locator(".lm-TabBar-tab", has_text="Metrics").click()
+    overlay = panel.locator(".wb-metrics-overlay")
+    path_box = panel.locator("input[placeholder*='to overlay']")
+    path_box.fill(str(lab.runs / "baseline"))
+    overlay.click()
+    expect(panel).to_contain_text("overlaid baseline", timeout=STEP_MS)
+    canvas = panel.locator(".wb-metrics-plot canvas").first
+    expect(canvas).to_be_visible()
+    page.wait_for_timeout(1500)
+    panel.screenshot(path=str(artifacts / "cockpit-metrics.png"))
+
+    # Resume from the panel: the run goes on and the trigger pauses it again after the next step
+    panel.locator(".lm-TabBar-tab", has_text="Train").click()
+    panel.locator(".wb-train-run").click()
+    expect(trigger).to_contain_text("at run step 1", timeout=STEP_MS)
+    expect(panel.locator('[data-field="run-progress"]')).to_contain_text("paused · 2/4")

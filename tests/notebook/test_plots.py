@@ -118,3 +118,99 @@ def test_a_figure_returned_to_a_notebook_shows_as_png() -> None:
     fig = plot_history(training_history(3), "loss:sum")
     assert fig._repr_png_().startswith(b"\x89PNG\r\n\x1a\n")
     assert PNGFormatter()(fig).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_all_axes_share_one_x_range_and_write_values_without_an_offset() -> None:
+    history = training_history(3)  # loss at steps 0..2, grad_norm at 1..3
+    history.record("forward_backward", "policy", 3, {"ratio:mean": 1.00001})
+    history.record("forward_backward", "policy", 4, {"ratio:mean": 1.00002})
+    fig = plot_history(history, "loss:sum", "grad_norm", "ratio:mean")
+    loss_ax, grad_ax, ratio_ax = fig.axes
+    assert loss_ax.get_xlim() == grad_ax.get_xlim() == ratio_ax.get_xlim()
+    assert loss_ax.get_xlim()[0] <= 0 and grad_ax.get_xlim()[1] >= 4
+    fig.canvas.draw()
+    assert ratio_ax.yaxis.get_major_formatter().get_offset() == ""  # no "1e-5+1"
+
+
+def test_empty_axes_show_no_ticks_until_data_arrives() -> None:
+    history = MetricsHistory()
+    plot = LivePlot(["reward:mean"])
+    plot.figure.canvas.draw()
+    ax = plot.axes["reward:mean"]
+    assert list(ax.get_xticks()) == [] and list(ax.get_yticks()) == []  # no ±0.05 axes
+    history.record("run_step", "run", 0, {"reward:mean": 0.5})
+    history.record("run_step", "run", 1, {"reward:mean": 0.7})
+    plot.update(history)
+    assert len(ax.get_yticks()) > 0
+
+
+def test_a_step_that_did_not_train_is_a_hollow_marker_not_a_vertical_stroke() -> None:
+    history = MetricsHistory()
+    for step, reward in [(0, 0.1), (1, 0.2), (1, 0.9), (2, 0.4)]:  # the 0.2 step trained nothing
+        history.record("rollouts", "policy", step, {"reward:mean": reward})
+    plot = LivePlot(["reward:mean"])
+    plot.update(history)
+    assert line_data(plot.lines["reward:mean"]["policy/rollouts"]) == ([0, 1, 2], [0.1, 0.9, 0.4])
+    skipped = plot.skipped["reward:mean"]["policy/rollouts"]
+    assert line_data(skipped) == ([1], [0.2]) and skipped.get_linestyle() == "None"
+    assert skipped.get_markerfacecolor() == "none"
+
+
+def test_smoothing_is_a_debiased_moving_average_over_a_faint_raw_line() -> None:
+    from workbench.notebook.plots import smoothed
+
+    # a = 0.5: m1 = 0.5·2 = 1 → 1/(1−0.5) = 2; m2 = 0.5·1 + 0.5·4 = 2.5 → 2.5/0.75
+    assert smoothed([2.0, 4.0], 0.5) == pytest.approx([2.0, 2.5 / 0.75])
+    assert math.isnan(smoothed([1.0, math.nan, 3.0], 0.5)[1])
+    with pytest.raises(ValueError, match="smoothing"):
+        smoothed([1.0], 1.0)
+    history = training_history(4)
+    plot = LivePlot(["loss:sum"], smoothing=0.6)
+    plot.update(history)
+    main = plot.lines["loss:sum"]["policy/forward_backward"]
+    raw = plot.raw_lines["loss:sum"]["policy/forward_backward"]
+    assert line_data(raw) == history.series("loss:sum")
+    assert list(main.get_ydata()) == pytest.approx(smoothed([10.0, 9.0, 8.0, 7.0], 0.6))
+    assert raw.get_alpha() == 0.25 and raw.get_color() == main.get_color()
+
+
+def test_log_scale_wall_clock_axis_and_runs_compared_from_their_files(tmp_path) -> None:
+    from workbench.metrics import JsonlSink
+
+    other = MetricsHistory()
+    other.sinks.append(JsonlSink(tmp_path / "baseline" / "history.jsonl"))
+    for step in range(3):
+        other.record("forward_backward", "policy", step, {"loss:sum": 20.0 - step})
+    loaded = MetricsHistory.from_jsonl(tmp_path / "baseline")
+    assert loaded.rows == other.rows
+
+    history = training_history(3)
+    plot = LivePlot(["loss:sum", "grad_norm"], log_scale=True, compare={"baseline": loaded})
+    plot.update(history)
+    assert set(plot.lines["loss:sum"]) == {"policy/forward_backward", "baseline policy/forward_backward"}
+    assert line_data(plot.lines["loss:sum"]["baseline policy/forward_backward"]) == (
+        [0, 1, 2],
+        [20.0, 19.0, 18.0],
+    )
+    assert plot.axes["loss:sum"].get_yscale() == "log"
+    assert plot.axes["loss:sum"].get_legend() is not None
+
+    timed = LivePlot(["loss:sum"], x_axis="time")
+    timed.update(history)
+    xs, _ = line_data(timed.lines["loss:sum"]["policy/forward_backward"])
+    assert xs[0] == 0.0 and xs == sorted(xs) and timed.axes["loss:sum"].get_xlabel() == "seconds"
+
+
+def test_session_plot_overlays_runs_from_their_folders(tiny, tmp_path) -> None:
+    from workbench.metrics import JsonlSink
+
+    baseline = MetricsHistory()
+    baseline.sinks.append(JsonlSink(tmp_path / "baseline" / "history.jsonl"))
+    baseline.record("forward_backward", "policy", 0, {"loss:sum": 42.0})
+    tiny.history.record("forward_backward", "policy", 0, {"loss:sum": 40.0})
+    fig = tiny.plot("loss:sum", compare=[tmp_path / "baseline"], smoothing=0.5, log_scale=True, x_axis="time")
+    (ax,) = fig.axes
+    labels = {line.get_label() for line in ax.get_lines()}
+    assert {"policy/forward_backward", "baseline policy/forward_backward"} <= labels
+    named = tiny.plot("loss:sum", compare={"other": tmp_path / "baseline" / "history.jsonl"})
+    assert "other policy/forward_backward" in {line.get_label() for line in named.axes[0].get_lines()}

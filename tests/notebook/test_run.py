@@ -279,3 +279,25 @@ def test_closing_the_session_stops_a_paused_run(tiny: wb.Session) -> None:
     assert run.wait(WAIT_S) is RunState.STOPPED and run.i == 0
     with pytest.raises(wb.SessionClosedError):
         tiny.run(lambda s, i: None, steps=1)
+
+
+def test_interrupting_wait_leaves_the_run_going_and_says_so(tiny: wb.Session) -> None:
+    """A kernel interrupt during `run.wait()` ends the wait only: a short note (no traceback in IPython)
+    that the run goes on, and how to stop it."""
+    import signal
+
+    from workbench.notebook.run import WaitInterrupted
+
+    gate = Gate()
+    run = tiny.run(gate, steps=2)
+    gate.wait_entered(0)
+    # what a kernel interrupt does: SIGINT to the main thread, which waits in run.wait()
+    timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    with pytest.raises(WaitInterrupted) as caught:
+        run.wait()
+    assert isinstance(caught.value, KeyboardInterrupt) and run.active
+    (note,) = caught.value._render_traceback_()
+    assert "the run goes on" in note and "run.stop()" in note
+    gate.open(0, 1)
+    assert run.wait(WAIT_S) is RunState.FINISHED

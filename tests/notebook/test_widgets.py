@@ -197,29 +197,57 @@ def test_without_training_data_the_buttons_only_control_runs(tiny: wb.Session) -
 
 def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) -> None:
     m = panel.metrics
-    assert m.select.value == ("loss:sum",) and m.plot is not None and m.plot.names == ["loss:sum"]
-    before, renders = m.image.value, m.renders
+    assert m.select.value == ["loss:sum"] and m.plot is not None and m.plot.names == ["loss:sum"]
+    assert m.figure.get_size_inches().tolist() == [4.5, 3.2]  # shown at its own size, not stretched
+    renders = m.renders
     panel.refresh()
     assert m.renders == renders  # nothing new: nothing redrawn
     panel.train.step_button.click()
     _wait(tiny)
     panel.refresh()
-    assert m.renders > renders and bytes(m.image.value) != bytes(before)
-    assert bytes(m.image.value).startswith(b"\x89PNG")
-    assert {"grad_norm", "learning_rate", "loss:sum"} <= set(m.select.options)
-    assert m.select.value == ("loss:sum",)  # new options keep the selection
+    assert m.renders > renders
+    assert m.plot.to_png().startswith(b"\x89PNG")
+    assert {"grad_norm", "learning_rate", "loss:sum"} <= set(m.select.allowed_tags)
+    assert m.select.value == ["loss:sum"]  # new options keep the selection
 
-    m.select.value = ("grad_norm", "loss:sum")
+    m.select.value = ["grad_norm", "loss:sum"]
     assert m.plot.names == ["grad_norm", "loss:sum"]
+    assert m.figure.get_size_inches().tolist() == [9.0, 3.2]
     steps, values = m.plot.lines["grad_norm"]["policy/optim_step"].get_data()
     assert list(steps) == [1] and len(values) == 1
-    m.select.value = ()
-    assert m.plot is None and bytes(m.image.value) == b""
+    m.select.value = []
+    assert m.plot is None
+
+
+def test_the_metrics_tab_options_and_an_overlaid_run(
+    panel: wb.Panel, tiny: wb.Session, tmp_path: Path
+) -> None:
+    m = panel.metrics
+    other = wb.MetricsHistory()
+    from workbench.metrics import JsonlSink
+
+    other.sinks.append(JsonlSink(tmp_path / "baseline" / "history.jsonl"))
+    other.record("forward_backward", "policy", 0, {"loss:sum": 99.0})
+    panel.train.step_button.click()
+    _wait(tiny)
+    m.compare_path.value = str(tmp_path / "baseline")
+    m.compare_button.click()
+    assert "overlaid baseline" in m.feedback.text
+    assert set(m.plot.lines["loss:sum"]) == {"policy/forward_backward", "baseline policy/forward_backward"}
+    m.smoothing.value = 0.5
+    assert m.plot.smoothing == 0.5 and m.plot.raw_lines["loss:sum"]
+    m.log_scale.value = True
+    assert m.plot.axes["loss:sum"].get_yscale() == "log"
+    m.x_axis.value = "time"
+    assert m.plot.axes["loss:sum"].get_xlabel() == "seconds"
+    m.compare_path.value = str(tmp_path / "missing")
+    m.compare_button.click()
+    assert "no model folder or history file" in m.feedback.text
 
 
 def test_the_panel_redraws_itself_until_closed(tiny: wb.Session) -> None:
     panel = tiny.panel(train_data=_data(tiny), metrics=("grad_norm",))
-    assert panel.polling and panel.metrics.select.value == ("grad_norm",)
+    assert panel.polling and panel.metrics.select.value == ["grad_norm"]
     tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
     deadline = threading.Event()
     for _ in range(100):  # the timer, not the test, refreshes
@@ -417,3 +445,91 @@ def test_export_writes_the_merged_model(panel: wb.Panel, tiny: wb.Session, tmp_p
     with pytest.raises(Exception, match="already exists"):
         c.last_action.result(WAIT_S)
     assert "already exists" in c.feedback.text
+
+
+def test_stop_shows_stopping_until_the_step_in_progress_ends(panel: wb.Panel, tiny: wb.Session) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def step(sess: wb.Session, i: int) -> None:
+        entered.set()
+        assert release.wait(WAIT_S)
+
+    run = tiny.run(step, steps=4)
+    assert entered.wait(WAIT_S)
+    panel.train.stop_button.click()
+    assert "stopping… · 0/4 (step in progress)" in panel.train.progress_text.value
+    panel.status.refresh()
+    assert "stopping… 0/4" in panel.status.widget.value
+    release.set()
+    assert run.wait(WAIT_S) is RunState.STOPPED
+    panel.refresh()
+    assert "stopped · 1/4" in panel.train.progress_text.value
+
+
+def test_a_learning_rate_edit_during_a_step_stays_in_the_field(panel: wb.Panel, tiny: wb.Session) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def step(sess: wb.Session, i: int) -> None:
+        entered.set()
+        assert release.wait(WAIT_S)
+
+    run = tiny.run(step, steps=2, adam_params={"learning_rate": 1e-3})
+    assert entered.wait(WAIT_S)
+    panel.train.adam["learning_rate"].value = 5e-4
+    panel.refresh()  # the step still runs with 1e-3; the field keeps the edit for the next one
+    assert run.adam_params.learning_rate == 1e-3 and run.next_adam_params.learning_rate == 5e-4
+    assert panel.train.adam["learning_rate"].value == 5e-4
+    release.set()
+    assert run.wait(WAIT_S) is RunState.FINISHED and run.adam_params.learning_rate == 5e-4
+
+
+def test_a_run_from_a_cell_is_described_as_it_is(panel: wb.Panel, tiny: wb.Session) -> None:
+    def rl_step(sess: wb.Session, i: int) -> None:
+        return None
+
+    assert panel.train.adam["learning_rate"].value == 1e-3  # the tutorials' learning rate
+    run = tiny.run(rl_step, steps=15, paused=True)
+    panel.refresh()
+    t = panel.train
+    assert "rl_step" in t.run_description.value and "15 steps" in t.run_description.value
+    assert t.steps.value == 15 and t.loss.layout.display == "none"  # the tab's loss is not this run's
+    run.stop()
+    run.wait(WAIT_S)
+    t.step_button.click()  # the tab's own run shows the tab's loss again
+    assert _wait(tiny) is RunState.FINISHED
+    panel.refresh()
+    assert t.run_description.value == "" and t.loss.layout.display is None
+
+
+def test_the_progress_line_shows_speed_eta_loss_reward_and_a_trigger(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    data = _data(tiny)
+
+    def step(sess: wb.Session, i: int) -> dict[str, float]:
+        wb.train_step(data)(sess, i)
+        return {"reward:mean": [0.2, 0.9, 0.1, 0.1][i]}
+
+    assert panel.progress.widget.value == ""
+    run = tiny.run(step, steps=4, pause_if={"reward:mean": ("above", 0.5)})
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 2
+    panel.refresh()
+    text = " ".join(html.unescape(re.sub("<[^>]+>", " ", panel.progress.widget.value)).split())
+    assert "step 2/4" in text and "s/step" in text and "ETA" in text and "tok/s" in text
+    assert f"loss {tiny.history.last('loss:sum'):.4g}" in text and "reward 0.9" in text
+    assert "paused by trigger: reward:mean = 0.9 (above 0.5) at run step 1" in text
+    run.resume()
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    panel.refresh()
+    assert "paused by trigger" not in panel.progress.widget.value and "ETA" not in panel.progress.widget.value
+
+
+def test_sampling_says_what_it_samples_and_why_each_sample_ended(panel: wb.Panel, tiny: wb.Session) -> None:
+    s = panel.sample
+    s.prompt.value = "Hello"
+    s.max_tokens.value = 3
+    s.sample_button.click()
+    assert "sampling" in s.feedback.text and "SamplingClient" not in s.feedback.text
+    s.rendered.result(WAIT_S)
+    assert "stop: stop" not in s.output.value and "stop: length" not in s.output.value
+    assert "cut off at max_tokens" in s.output.value or "ended with a stop token" in s.output.value

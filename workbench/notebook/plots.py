@@ -1,28 +1,39 @@
-"""Matplotlib plots of the metrics history: one axes per metric, against the optimizer step.
+"""Matplotlib plots of the metrics history: one axes per metric, against the optimizer step or time.
 
 Figures are built with `matplotlib.figure.Figure`, not `pyplot`, so nothing is registered in pyplot's
 global figure list: a notebook shows a figure once (when a cell returns it), a live panel that redraws
 every second leaks nothing, and everything works headless (PNG bytes come from the Agg renderer
 whatever the backend). A bare `Figure` shows as text in a kernel where neither pyplot nor `%matplotlib`
-has loaded the inline backend, so the figures made here carry their own `_repr_png_`.
+has loaded the inline backend, so the figures made here carry their own `_repr_png_`. The panel's
+Metrics tab shows the same figure on an ipympl canvas (zoom, pan, the value under the cursor).
 
 A metric can come from several kinds of row (the training `forward_backward` loss and a held-out
 `forward` loss; the policy and the critic), so each axes draws one line per `model/op`, labelled when
-there is more than one. NaN values stay in the line data: matplotlib breaks the line there, so a
-diverged step shows as a gap instead of being smoothed away.
+there is more than one; runs compared from their history files (`compare=`) add theirs, prefixed by the
+run's name. NaN values stay in the line data: matplotlib breaks the line there, so a diverged step
+shows as a gap instead of being smoothed away.
+
+What researchers expect from W&B and TensorBoard, here: all axes share one x range (a metric recorded
+after the update, like `grad_norm` at step 1, starts where the others do); `smoothing` draws a
+debiased exponential moving average over a faint raw line (TensorBoard's formula); `log_scale` puts
+positive metrics on a log axis; `x_axis="time"` plots against seconds since the first row; values are
+written out in full (no "1e-5+1" offset); a step that did not train (a batch with nothing to learn
+from records its metrics at the same optimizer step as the next one) is drawn as a hollow marker on
+that step, not joined to the line, which would draw a vertical stroke.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import AutoLocator, LogLocator, MaxNLocator, NullLocator
 
 from workbench.metrics import MetricsHistory
 
@@ -51,6 +62,67 @@ class NotebookFigure(Figure):
         return buffer.getvalue()
 
 
+XAxis = Literal["step", "time"]
+
+
+def metric_points(
+    history: MetricsHistory, name: str, x_axis: XAxis = "step", origin: float | None = None
+) -> dict[str, tuple[list[float], list[float]]]:
+    """`metric_lines` against the step, or against seconds since `origin` (default: the first row's
+    time) for `x_axis="time"`."""
+    if x_axis == "step":
+        return {
+            label: ([float(s) for s in steps], values)
+            for label, (steps, values) in metric_lines(history, name).items()
+        }
+    if not history.rows:
+        return {}
+    start = history.rows[0]["time"] if origin is None else origin
+    lines: dict[str, tuple[list[float], list[float]]] = {}
+    for row in history:
+        if name in row:
+            times, values = lines.setdefault(f"{row['model']}/{row['op']}", ([], []))
+            times.append(row["time"] - start)
+            values.append(row[name])
+    return lines
+
+
+def smoothed(values: Sequence[float], smoothing: float) -> list[float]:
+    """TensorBoard's debiased exponential moving average: m_t = a·m_{t−1} + (1−a)·x_t, shown as
+    m_t / (1 − a^n) after n finite values, so the first points are not pulled towards 0. NaN values
+    stay NaN and leave the average as it was."""
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+    average, count, out = 0.0, 0, []
+    for value in values:
+        if math.isnan(value):
+            out.append(math.nan)
+            continue
+        average = smoothing * average + (1 - smoothing) * value
+        count += 1
+        out.append(average / (1 - smoothing**count))
+    return out
+
+
+def split_skipped(
+    xs: Sequence[float], values: Sequence[float]
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """The line's points (the last value at each x) and the skipped ones (earlier values at an x that
+    a later row repeats: steps that did not train)."""
+    line_x: list[float] = []
+    line_y: list[float] = []
+    skipped_x: list[float] = []
+    skipped_y: list[float] = []
+    for i, (x, y) in enumerate(zip(xs, values, strict=True)):
+        if i + 1 < len(xs) and xs[i + 1] == x:
+            skipped_x.append(x)
+            skipped_y.append(y)
+        else:
+            line_x.append(x)
+            line_y.append(y)
+    return line_x, line_y, skipped_x, skipped_y
+
+
 class LivePlot:
     """One figure for a fixed set of metrics, redrawn in place as the history grows.
 
@@ -61,12 +133,32 @@ class LivePlot:
     Args:
         names: The metrics to plot, one axes each.
         fig: Draw into this figure (cleared first) instead of a new one.
+        smoothing: The moving average's weight a in [0, 1); 0 draws the raw values only.
+        log_scale: A log y axis for each metric whose values are all positive.
+        x_axis: `"step"` (the optimizer step) or `"time"` (seconds since the history's first row).
+        compare: Other runs' histories to overlay, by name (`MetricsHistory.from_jsonl`).
     """
 
-    def __init__(self, names: Sequence[str], *, fig: Figure | None = None) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        fig: Figure | None = None,
+        smoothing: float = 0.0,
+        log_scale: bool = False,
+        x_axis: XAxis = "step",
+        compare: Mapping[str, MetricsHistory] | None = None,
+    ) -> None:
         if not names:
             raise ValueError("LivePlot needs at least one metric name")
+        if x_axis not in ("step", "time"):
+            raise ValueError(f"x_axis must be 'step' or 'time', got {x_axis!r}")
+        smoothed([], smoothing)  # checks the range
         self.names = list(names)
+        self.smoothing = smoothing
+        self.log_scale = log_scale
+        self.x_axis: XAxis = x_axis
+        self.compare = dict(compare or {})
         columns = min(len(self.names), MAX_COLUMNS)
         rows = math.ceil(len(self.names) / columns)
         if fig is None:
@@ -74,21 +166,36 @@ class LivePlot:
         else:
             fig.clear()
         self.figure = fig
-        grid = fig.subplots(rows, columns, squeeze=False).ravel()
+        grid = fig.subplots(rows, columns, squeeze=False, sharex=True).ravel()
         for unused in grid[len(self.names) :]:
             unused.remove()
         self.axes: dict[str, Axes] = dict(zip(self.names, grid, strict=False))
         self.lines: dict[str, dict[str, Line2D]] = {name: {} for name in self.names}
+        """The main line of each metric by `model/op` (`"<run> model/op"` for a compared run)."""
+        self.raw_lines: dict[str, dict[str, Line2D]] = {name: {} for name in self.names}
+        self.skipped: dict[str, dict[str, Line2D]] = {name: {} for name in self.names}
         self._notes: dict[str, Text] = {}
         for name, ax in self.axes.items():
             ax.set_title(name)
-            ax.set_xlabel("step")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps are whole numbers
+            ax.set_xlabel("step" if x_axis == "step" else "seconds")
             ax.grid(alpha=0.3)
             self._notes[name] = ax.text(
                 0.5, 0.5, "no data yet", transform=ax.transAxes, ha="center", va="center", color="gray"
             )
-        self._drawn_rows = 0
+            self._show_ticks(ax, False)
+        self._drawn_rows = -1 if self.compare else 0  # compared runs are drawn at the first update
+
+    def _show_ticks(self, ax: Axes, shown: bool) -> None:
+        """Empty axes show their title and note only, not a meaningless ±0.05 range."""
+        if not shown:
+            ax.xaxis.set_major_locator(NullLocator())
+            ax.yaxis.set_major_locator(NullLocator())
+            return
+        ax.xaxis.set_major_locator(MaxNLocator(integer=self.x_axis == "step"))
+        ax.yaxis.set_major_locator(LogLocator() if ax.get_yscale() == "log" else AutoLocator())
+
+    def _sources(self, history: MetricsHistory) -> list[tuple[str, MetricsHistory]]:
+        return [("", history), *((f"{run} ", other) for run, other in self.compare.items())]
 
     def update(self, history: MetricsHistory) -> bool:
         """Redraw from `history` if it has rows this plot has not drawn yet.
@@ -100,19 +207,57 @@ class LivePlot:
             return False
         for name, ax in self.axes.items():
             lines = self.lines[name]
-            for label, (steps, values) in metric_lines(history, name).items():
-                if label not in lines:
-                    (lines[label],) = ax.plot([], [], label=label, markersize=3)
-                lines[label].set_data(steps, values)
-                lines[label].set_marker("o" if len(steps) <= MAX_POINTS_WITH_MARKERS else "")
-            self._notes[name].set_visible(not lines)
+            for prefix, source in self._sources(history):
+                for label, (xs, values) in metric_points(source, name, self.x_axis).items():
+                    self._draw(name, ax, prefix + label, xs, values)
+            has_data = bool(lines)
+            self._notes[name].set_visible(not has_data)
             if len(lines) > 1:
                 ax.legend(fontsize="small")
+            values = [v for line in lines.values() for v in line.get_ydata() if math.isfinite(v)]
+            scale = "log" if self.log_scale and values and min(values) > 0 else "linear"
+            if ax.get_yscale() != scale:
+                ax.set_yscale(scale)
+            if scale == "linear":
+                ax.ticklabel_format(axis="y", useOffset=False)  # 1.00001, not "1e-5 + 1"
+            self._show_ticks(ax, has_data)
             ax.relim()
             ax.autoscale_view()
         self._drawn_rows = len(history)
         self.figure.canvas.draw_idle()
         return True
+
+    def _draw(self, name: str, ax: Axes, label: str, xs: list[float], values: list[float]) -> None:
+        skipped_x: list[float] = []
+        skipped_y: list[float] = []
+        if self.x_axis == "step":
+            xs, values, skipped_x, skipped_y = split_skipped(xs, values)
+        lines = self.lines[name]
+        if label not in lines:
+            (lines[label],) = ax.plot([], [], label=label, markersize=3)
+        line = lines[label]
+        shown = smoothed(values, self.smoothing) if self.smoothing > 0 else values
+        line.set_data(xs, shown)
+        line.set_marker("o" if len(xs) <= MAX_POINTS_WITH_MARKERS and self.smoothing == 0 else "")
+        if self.smoothing > 0:
+            raw = self.raw_lines[name]
+            if label not in raw:
+                (raw[label],) = ax.plot([], [], color=line.get_color(), alpha=0.25, label=f"_{label} raw")
+            raw[label].set_data(xs, values)
+        if skipped_x:
+            skipped = self.skipped[name]
+            if label not in skipped:
+                (skipped[label],) = ax.plot(
+                    [],
+                    [],
+                    linestyle="none",
+                    marker="o",
+                    markerfacecolor="none",
+                    markersize=5,
+                    color=line.get_color(),
+                    label=f"_{label} skipped",
+                )
+            skipped[label].set_data(skipped_x, skipped_y)
 
     def to_png(self, dpi: int = 100) -> bytes:
         """The current figure as PNG bytes (for an `ipywidgets.Image`)."""
@@ -121,13 +266,22 @@ class LivePlot:
         return buffer.getvalue()
 
 
-def plot_history(history: MetricsHistory, *names: str, fig: Figure | None = None) -> Figure:
-    """Plot metrics against the optimizer step, one axes per metric.
+def plot_history(
+    history: MetricsHistory,
+    *names: str,
+    fig: Figure | None = None,
+    smoothing: float = 0.0,
+    log_scale: bool = False,
+    x_axis: XAxis = "step",
+    compare: Mapping[str, MetricsHistory] | None = None,
+) -> Figure:
+    """Plot metrics against the optimizer step (or time), one axes per metric.
 
     Args:
         history: The session's history (`sess.history`).
         *names: The metrics to plot; all recorded metrics when none are given.
         fig: Draw into this figure (cleared first) instead of a new one.
+        smoothing, log_scale, x_axis, compare: As for `LivePlot`.
 
     Returns:
         The figure; a notebook cell that returns it displays it.
@@ -135,6 +289,6 @@ def plot_history(history: MetricsHistory, *names: str, fig: Figure | None = None
     names = names or tuple(history.names())
     if not names:
         raise ValueError("the history has no metrics yet; name the metrics to plot empty axes for them")
-    plot = LivePlot(names, fig=fig)
+    plot = LivePlot(names, fig=fig, smoothing=smoothing, log_scale=log_scale, x_axis=x_axis, compare=compare)
     plot.update(history)
     return plot.figure

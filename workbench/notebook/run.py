@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from workbench.notebook.triggers import PauseIf, Trigger, first_trigger, pause_rules
 from workbench.sdk_conversion import to_adam_params
 from workbench.types import AdamParams
 
@@ -69,6 +71,21 @@ class RunActiveError(RuntimeError):
     """Raised by `Session.run` while another run of the same session is still active."""
 
 
+class WaitInterrupted(KeyboardInterrupt):
+    """Raised when the kernel is interrupted while `run.wait()` blocks: the cell stops waiting, the run
+    trains on (it is not on the kernel's thread). IPython shows the short note `_render_traceback_`
+    gives instead of a traceback into the wait."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__(
+            f"stopped waiting; the run goes on in the background ({run.state.value}, step {run.i}/{run.steps}). "
+            "run.pause() or run.stop() (or the panel's Pause and Stop) end it after the current step."
+        )
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self.args[0]}"]
+
+
 class Run:
     """A step function running on a background thread; created by `Session.run`, which starts it.
 
@@ -92,15 +109,25 @@ class Run:
         adam_params: AdamParams,
         *,
         paused: bool = False,
+        pause_if: PauseIf | None = None,
     ) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be a function step_fn(sess, i) -> metrics, got {step_fn!r}")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         self.session = session
+        self.pause_rules = pause_rules(pause_if)
+        self.trigger: Trigger | None = None
+        """The pause rule that fired last (see `workbench.notebook.triggers`); None once resumed."""
+        self.started_at: float | None = None
+        """When `start()` was called (`time.time()`)."""
+        self.step_seconds: list[float] = []
+        """How long each completed step took (wall clock), for the panel's progress line."""
         self.step_fn = step_fn
         self.steps = steps
         self.i = 0
+        self.step_started_at: int | None = None
+        """The optimizer step the step in progress started from (None between steps)."""
         self.error: BaseException | None = None
         self.traceback: str | None = None
         self._adam_params = adam_params
@@ -119,6 +146,7 @@ class Run:
         """Start the run thread. The progress bar is created here, in the caller's thread, so a notebook
         shows it under the cell that started the run."""
         self._progress = tqdm(total=self.steps, desc="run", unit="step")
+        self.started_at = time.time()
         self._thread.start()
         return self
 
@@ -139,9 +167,20 @@ class Run:
         return self._busy
 
     @property
+    def stopping(self) -> bool:
+        """True between `stop()` and the end of the step in progress."""
+        return self._stop_requested and self.active
+
+    @property
     def adam_params(self) -> AdamParams:
         """The optimizer settings the current (or next) step uses."""
         return self._adam_params
+
+    @property
+    def next_adam_params(self) -> AdamParams:
+        """The optimizer settings the next step will use: `adam_params` with any `set()` edit made while
+        the current step runs."""
+        return self._pending_adam or self._adam_params
 
     def __repr__(self) -> str:
         error = f", error={self.error!r}" if self.error is not None else ""
@@ -163,6 +202,7 @@ class Run:
             if self._state is RunState.PAUSED:
                 self._state = RunState.RUNNING
                 self._single_steps = 0
+                self.trigger = None
                 self._changed.notify_all()
 
     def step(self) -> None:
@@ -171,6 +211,7 @@ class Run:
             if self._state is not RunState.PAUSED:
                 raise RuntimeError(f"step() single-steps a paused run; this run is {self._state.value}")
             self._single_steps += 1
+            self.trigger = None
             self._changed.notify_all()
 
     def stop(self) -> None:
@@ -209,9 +250,12 @@ class Run:
         Returns:
             The state then (still `running` or `paused`-and-busy if `timeout` ran out first).
         """
-        with self._changed:
-            self._changed.wait_for(self._idle, timeout)
-            return self._state
+        try:
+            with self._changed:
+                self._changed.wait_for(self._idle, timeout)
+                return self._state
+        except KeyboardInterrupt:
+            raise WaitInterrupted(self) from None
 
     def _idle(self) -> bool:
         if not self.active:
@@ -272,9 +316,22 @@ class Run:
 
     def _take_step(self) -> None:
         start_step = self.session.step
-        metrics = self.step_fn(self.session, self.i)
-        self._record(start_step, metrics)
+        self.step_started_at = start_step
+        first_row = len(self.session.history)
+        started = time.monotonic()
+        try:
+            metrics = self.step_fn(self.session, self.i)
+            self._record(start_step, metrics)
+        finally:
+            self.step_started_at = None
+        trigger = first_trigger(self.pause_rules, self.session.history.rows[first_row:], self.i)
         with self._changed:
+            self.step_seconds.append(time.monotonic() - started)
+            if trigger is not None:
+                self.trigger = trigger
+                if self._state is RunState.RUNNING:
+                    self._state = RunState.PAUSED
+                self._single_steps = 0
             self.i += 1
             self._busy = False
             if self._pending_adam is not None:
@@ -348,7 +405,14 @@ def train_step(
     return step
 
 
-def start_run(session: Session, step_fn: StepFn, steps: int, adam_params: Any, paused: bool) -> Run:
+def start_run(
+    session: Session,
+    step_fn: StepFn,
+    steps: int,
+    adam_params: Any,
+    paused: bool,
+    pause_if: PauseIf | None = None,
+) -> Run:
     """Create and start a run of `session` (what `Session.run` does), refusing while another is active."""
     current = session.current_run
     if current is not None and current.active:
@@ -362,6 +426,7 @@ def start_run(session: Session, step_fn: StepFn, steps: int, adam_params: Any, p
         steps,
         to_adam_params(adam_params if adam_params is not None else AdamParams()),
         paused=paused,
+        pause_if=pause_if,
     )
     session.current_run = run
     return run.start()

@@ -22,6 +22,7 @@ operations finish while every thread can still run, and the process exits with t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
@@ -41,20 +42,33 @@ from workbench.engine.remote import DEFAULT_PROBE_INTERVAL_S, RemoteEngine, Remo
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
 from workbench.futures import wait_or_withdraw
-from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
+from workbench.loops.health import rollout_health
+from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
+from workbench.metrics import (
+    JsonlSink,
+    MetricsHistory,
+    WandbSetting,
+    WandbSink,
+    history_run_name,
+    open_wandb_run,
+)
+from workbench.notebook.evaluation import EvalFn, with_evaluation
+from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
+from workbench.notebook.triggers import PauseIf
 from workbench.sdk_conversion import to_lora_config
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
 from workbench.storage.model_folders import new_model_id, runs_root
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
-from workbench.types import LoadWeightsResponse, LoraConfig
+from workbench.types import ForwardBackwardOutput, LoadWeightsResponse, LoraConfig
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from workbench.notebook.panel import Panel
+    from workbench.notebook.rollouts_view import RolloutExplorer
 
 WANDB_PROJECT = "workbench"
 
@@ -210,6 +224,8 @@ class Session:
         self.servers: list[TinkerServer] = []
         """The servers `serve()` started (stopped ones included), newest last."""
         engine.history.sinks.append(JsonlSink(self.model_dir / "history.jsonl"))
+        self.rollouts = RolloutLog(self.model_dir / ROLLOUTS_FILE)
+        """The rollout groups `record_rollouts` recorded, one batch per call (also in `rollouts.jsonl`)."""
         self.wandb_run = self._open_wandb(wandb)
         _open_sessions.add(self)
 
@@ -447,7 +463,17 @@ class Session:
 
     # ------------------------------------------------------------------------------------------ runs and views
 
-    def run(self, step_fn: StepFn, steps: int, *, adam_params: Any = None, paused: bool = False) -> Run:
+    def run(
+        self,
+        step_fn: StepFn,
+        steps: int,
+        *,
+        adam_params: Any = None,
+        paused: bool = False,
+        pause_if: PauseIf | None = None,
+        evaluate: EvalFn | None = None,
+        eval_every: int = 10,
+    ) -> Run:
         """Call `step_fn(sess, i)` for `i = 0 .. steps-1` on a background thread; returns the `Run` at once.
 
         The kernel stays free while it trains, so the panel and later cells can `pause()`, `step()`,
@@ -459,17 +485,90 @@ class Session:
             steps: How many steps to run.
             adam_params: The run's initial optimizer settings (`AdamParams`, the SDK's, or a dict).
             paused: Start paused, to go step by step with `run.step()`.
+            pause_if: Pause triggers, `{metric: ("above" | "below", threshold)}`: the run pauses at the
+                end of the first step whose recorded rows cross one (or hold NaN there), and
+                `run.trigger` says which (see `workbench.notebook.triggers`).
+            evaluate: A held-out evaluation `evaluate(sess) -> metrics`, run before steps 0,
+                `eval_every`, 2·`eval_every`, … and after the last step, recorded as op `"eval"`
+                (see `workbench.notebook.evaluation`).
+            eval_every: How many steps apart the evaluations are.
         """
-        return start_run(self, step_fn, steps, adam_params, paused)
+        if evaluate is not None:
+            step_fn = with_evaluation(step_fn, evaluate, eval_every)
+        return start_run(self, step_fn, steps, adam_params, paused, pause_if)
 
-    def plot(self, *names: str) -> Figure:
+    def record_rollouts(
+        self,
+        groups: Sequence[RolloutGroup],
+        *,
+        trained: ForwardBackwardOutput | None = None,
+        pass_threshold: float = 1.0,
+    ) -> dict[str, float]:
+        """Record one RL step's rollout groups: for the rollout explorer (`self.rollouts`, the run
+        folder's `rollouts.jsonl`) and as the step's health signals (`workbench.loops.health`), a history
+        row of op `"rollouts"` (hence the panel, the plots, W&B and `pause_if` triggers).
+
+        Args:
+            groups: The step's `RolloutGroup`s.
+            trained: The `forward_backward` output of `rollout_data(groups)`: its logprobs give the
+                sampler-vs-trainer mismatch (`kl_sample_train_v1/v2`) and the explorer's token view.
+            pass_threshold: The reward at or above which a reply counts as passed.
+
+        The row's step is, inside a run, the optimizer step the run's step started from (the weights
+        that sampled, even when called after `optim_step`); outside a run the current one (call it
+        before `optim_step` there).
+
+        Returns:
+            The health signals recorded.
+        """
+        groups = list(groups)
+        if trained is not None:
+            groups = attach_trainer_logprobs(groups, trained)
+        metrics = rollout_health(groups, pass_threshold)
+        run = self.current_run
+        started = run.step_started_at if run is not None else None
+        step = started if started is not None else self.step
+        groups = [dataclasses.replace(group, step=step) for group in groups]
+        self.rollouts.append(groups)
+        label = self.engine.model_status(self.model_id).adapter
+        self.engine.record("rollouts", label, step, metrics).result()
+        return metrics
+
+    def rollout_explorer(self) -> RolloutExplorer:
+        """The rollout explorer over what `record_rollouts` recorded: each batch's groups side by side,
+        a reward histogram whose bars open their replies, and each reply token by token (see
+        `workbench.notebook.rollouts_view`). The panel's Rollouts tab is the same view, kept live."""
+        from workbench.notebook.rollouts_view import RolloutExplorer  # ipywidgets loads with it
+
+        return RolloutExplorer(self.rollouts, self.tokenizer)
+
+    def plot(
+        self,
+        *names: str,
+        smoothing: float = 0.0,
+        log_scale: bool = False,
+        x_axis: str = "step",
+        compare: Mapping[str, str | Path] | Sequence[str | Path] = (),
+    ) -> Figure:
         """A matplotlib figure of these history metrics against the optimizer step (all when none are
-        named); the panel's Metrics tab shows the same plot, updated live."""
+        named); the panel's Metrics tab shows the same plot, updated live.
+
+        Args:
+            smoothing: The weight of a debiased moving average in [0, 1), drawn over the raw values.
+            log_scale: A log y axis for each metric whose values are all positive.
+            x_axis: `"step"` or `"time"` (seconds since the history's first row).
+            compare: Other runs to overlay: their model folders or `history.jsonl` files, as a list
+                (named after their folders) or a `{name: path}` dict.
+        """
         from workbench.notebook.plots import (
             plot_history,  # imported here: matplotlib loads with the first plot
         )
 
-        return plot_history(self.history, *names)
+        paths = compare if isinstance(compare, Mapping) else {history_run_name(p): p for p in compare}
+        others = {name: MetricsHistory.from_jsonl(path) for name, path in paths.items()}
+        return plot_history(
+            self.history, *names, smoothing=smoothing, log_scale=log_scale, x_axis=x_axis, compare=others
+        )
 
     def panel(
         self, train_data: Sequence[Any] | None = None, *, metrics: Sequence[str] = ("loss:sum",)

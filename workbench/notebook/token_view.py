@@ -24,10 +24,15 @@ from transformers import PreTrainedTokenizerBase
 
 from workbench.types import Datum, ModelInput, SampledSequence, TensorData
 
-ValueKind = Literal["logprob", "advantage", "weight"]
+ValueKind = Literal["logprob", "advantage", "weight", "mismatch"]
+"""`mismatch` is the sampler's logprob minus the trainer's for the same token (see `workbench.loops.
+health`): ~0 when both compute the same model."""
 
 # The loss input each kind is read from in `render_datum`.
 DATUM_INPUTS: dict[str, str] = {"logprob": "logprobs", "advantage": "advantages", "weight": "weights"}
+
+STOP_REASONS: dict[str, str] = {"stop": "ended with a stop token", "length": "cut off at max_tokens"}
+"""How views describe a sampled sequence's stop reason."""
 
 # Background opacity: strong enough to read the scale, light enough to read black text on it.
 ALPHA = 0.55
@@ -74,7 +79,15 @@ def _scale(kind: ValueKind, values: Sequence[float]) -> _Scale:
     if kind == "weight":
         top = max(values, default=0.0) or 1.0
         return _Scale(colormaps["Greens"], 0.0, top, f"loss weight: white 0 · green {top:.3g}")
-    raise ValueError(f"kind must be 'logprob', 'advantage' or 'weight', got {kind!r}")
+    if kind == "mismatch":
+        bound = max((abs(v) for v in values), default=0.0) or 1e-3
+        return _Scale(
+            colormaps["PuOr"],
+            -bound,
+            bound,
+            f"sampler − trainer logprob: orange {-bound:.2g} · white 0 · purple {bound:.2g}",
+        )
+    raise ValueError(f"kind must be 'logprob', 'advantage', 'weight' or 'mismatch', got {kind!r}")
 
 
 def _shown(kind: ValueKind, value: float) -> float:
@@ -96,7 +109,7 @@ def render_tokens(
         tokens: Token ids.
         values: One per token; None leaves a token uncoloured (e.g. the first prompt token, which
             nothing predicts). NaN is shown uncoloured as well, marked "nan" in the hover text.
-        kind: What the values are: `"logprob"`, `"advantage"` or `"weight"`.
+        kind: What the values are: `"logprob"`, `"advantage"`, `"weight"` or `"mismatch"`.
     """
     if len(tokens) != len(values):
         raise ValueError(

@@ -1,78 +1,144 @@
 """The Metrics tab: live plots of any history series, redrawn in place as the history grows.
 
-The plot is a `LivePlot` (the same figure `sess.plot(...)` draws) shown as a PNG in an
-`ipywidgets.Image`. A refresh re-renders only when the history has new rows, and it replaces the
-image's bytes rather than the widget, so the page keeps its layout and does not flicker.
+The plot is a `LivePlot` (the same figure `sess.plot(...)` draws) on an ipympl canvas, the matplotlib
+widget: its toolbar zooms and pans, and the value under the cursor shows beside it. A refresh redraws
+only when the history has new rows, with `canvas.draw()`, which pushes the new image to the page from
+the panel's timer thread (while a cell is busy too). Metrics are picked as tags (type to filter);
+smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
+`history.jsonl` files) are controls of their own.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ipywidgets
+from ipympl.backend_nbagg import Canvas, FigureManager
 
+from workbench.metrics import MetricsHistory, history_run_name
 from workbench.notebook.panel.feedback import Feedback
-from workbench.notebook.plots import LivePlot
+from workbench.notebook.plots import MAX_COLUMNS, LivePlot, NotebookFigure
 
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
 
+INCHES_PER_PLOT = (4.5, 3.2)
+"""One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 450 × 320 px)."""
+
 
 class MetricsTab:
-    """A multi-select of the history's metric names and the live plot of the selected ones."""
+    """Metric tags, plot options and the live plot of the chosen metrics."""
 
     def __init__(self, session: Session, metrics: Sequence[str]) -> None:
         self.session = session
         self.feedback = Feedback()
-        initial = tuple(metrics)
-        self.select = ipywidgets.SelectMultiple(
-            options=self._options(initial), value=initial, description="metrics", rows=6
+        self.compared: dict[str, MetricsHistory] = {}
+        """The runs overlaid on the plot, by name (their folder's name)."""
+        initial = list(metrics)
+        self.select = ipywidgets.TagsInput(
+            value=initial, allowed_tags=self._options(initial), allow_duplicates=False
         )
-        self.image = ipywidgets.Image(format="png")
-        self.image.add_class("wb-metrics-plot")
+        self.smoothing = ipywidgets.FloatSlider(
+            value=0.0, min=0.0, max=0.99, step=0.01, description="smoothing", continuous_update=False
+        )
+        self.log_scale = ipywidgets.Checkbox(value=False, description="log scale", indent=False)
+        self.x_axis = ipywidgets.ToggleButtons(
+            options=[("step", "step"), ("wall clock", "time")], value="step"
+        )
+        self.x_axis.style.button_width = "7em"
+        self.compare_path = ipywidgets.Text(
+            placeholder="model folder or history.jsonl to overlay", layout=ipywidgets.Layout(width="28em")
+        )
+        self.compare_button = ipywidgets.Button(description="Overlay", icon="plus")
+        self.compare_button.add_class("wb-metrics-overlay")
+        self.figure = NotebookFigure(figsize=INCHES_PER_PLOT, layout="constrained")
+        self.canvas = Canvas(self.figure)
+        self._manager = FigureManager(self.canvas, 0)
+        self.canvas.header_visible = False
+        self.canvas.footer_visible = True  # the value under the cursor
+        self.canvas.toolbar_position = "left"
+        self.canvas.add_class("wb-metrics-plot")
         self.plot: LivePlot | None = None
-        self.renders = 0  # how many times the image was redrawn
+        self.renders = 0  # how many times the plot was redrawn
         self._lock = threading.RLock()  # the panel's timer thread and widget callbacks both draw
         self._syncing = False
         self.select.observe(self.feedback.guard(self._on_select), names="value")
-        self.widget = ipywidgets.VBox([self.select, self.image, self.feedback.widget])
+        for control in (self.smoothing, self.log_scale, self.x_axis):
+            control.observe(self.feedback.guard(lambda _change: self._replot()), names="value")
+        self.compare_button.on_click(
+            self.feedback.guard(lambda _button: self.overlay(self.compare_path.value))
+        )
+        self.widget = ipywidgets.VBox(
+            [
+                self.select,
+                ipywidgets.HBox([self.smoothing, self.log_scale, self.x_axis]),
+                ipywidgets.HBox([self.compare_path, self.compare_button]),
+                self.canvas,
+                self.feedback.widget,
+            ]
+        )
         self._replot()
 
     def _options(self, selected: Sequence[str]) -> list[str]:
-        names = list(dict.fromkeys([*self.session.history.names(), *selected]))
-        return sorted(names)
+        names = [*self.session.history.names(), *selected]
+        for other in self.compared.values():
+            names += other.names()
+        return sorted(dict.fromkeys(names))
+
+    def overlay(self, path: str | Path) -> None:
+        """Overlay the run whose folder (or `history.jsonl`) is `path`, named after its folder."""
+        path = Path(str(path).strip()).expanduser()
+        if not str(path) or not path.exists():
+            raise ValueError(f"no model folder or history file at {str(path)!r}")
+        history = MetricsHistory.from_jsonl(path)
+        name = history_run_name(path)
+        self.compared[name] = history
+        self.feedback.info(f"overlaid {name} ({len(history)} rows)")
+        self._replot()
 
     def _on_select(self, _change: dict[str, object]) -> None:
         if not self._syncing:
             self._replot()
 
     def _replot(self) -> None:
-        """Start a new plot for the selected metrics (the selection changed)."""
+        """Start a new plot for the chosen metrics and options."""
         with self._lock:
             names = list(self.select.value)
-            self.plot = LivePlot(names) if names else None
-            if self.plot is None:
-                self.image.value = b""
+            columns = min(max(len(names), 1), MAX_COLUMNS)
+            rows = math.ceil(max(len(names), 1) / MAX_COLUMNS)
+            self.figure.set_size_inches(INCHES_PER_PLOT[0] * columns, INCHES_PER_PLOT[1] * rows)
+            self._manager.resize(*self.figure.bbox.size)  # the page shows it at this size, unstretched
+            if not names:
+                self.plot = None
+                self.figure.clear()
+                self._render()
                 return
+            self.plot = LivePlot(
+                names,
+                fig=self.figure,
+                smoothing=self.smoothing.value,
+                log_scale=self.log_scale.value,
+                x_axis=self.x_axis.value,
+                compare=self.compared,
+            )
             self.plot.update(self.session.history)
             self._render()
 
     def _render(self) -> None:
-        assert self.plot is not None
-        self.image.value = self.plot.to_png()
+        self.canvas.draw()  # renders and sends the image to the page
         self.renders += 1
 
     def refresh(self) -> None:
         with self._lock:
             options = self._options(self.select.value)
-            if list(self.select.options) != options:
-                selected = self.select.value
-                self._syncing = True  # new options reset the selection; put it back without replotting
+            if list(self.select.allowed_tags) != options:
+                self._syncing = True
                 try:
-                    self.select.options = options
-                    self.select.value = selected
+                    self.select.allowed_tags = options
                 finally:
                     self._syncing = False
             if self.plot is not None and self.plot.update(self.session.history):

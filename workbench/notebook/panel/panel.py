@@ -34,9 +34,11 @@ from workbench.engine.worker import SessionClosedError
 from workbench.notebook.panel.checkpoints_tab import CheckpointsTab
 from workbench.notebook.panel.feedback import FREED, Feedback
 from workbench.notebook.panel.metrics_tab import MetricsTab
+from workbench.notebook.panel.progress_line import ProgressLine
 from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
+from workbench.notebook.rollouts_view import RolloutExplorer
 
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
@@ -48,9 +50,11 @@ REFRESH_S = 0.5
 class Panel(ipywidgets.VBox):
     """The session's panel; create it with `sess.panel(train_data=..., metrics=...)`.
 
-    Parts (each a thin view with a `refresh()`): `status` (the status bar), `train`, `sample`,
-    `checkpoints`, `metrics`; the tabs are in `tabs`. `refresh()` redraws everything at once; a timer
-    does it every `REFRESH_S` until the panel is closed or the session is.
+    Parts (each a thin view with a `refresh()`): `status` (the status bar), `progress` (the run's
+    progress line: step, speed, ETA, latest loss and reward, a fired trigger), `train`, `sample`,
+    `checkpoints`, `metrics`, `rollouts` (the rollout explorer); the tabs are in `tabs`. `refresh()`
+    redraws everything at once; a timer does it every `REFRESH_S` until the panel is closed or the
+    session is.
     """
 
     def __init__(
@@ -64,15 +68,25 @@ class Panel(ipywidgets.VBox):
         view = weakref.proxy(session)  # what every part holds: the session, weakly
         self.feedback = Feedback()
         self.status = StatusBar(view)
+        self.progress = ProgressLine(view)
         self.train = TrainTab(view, train_data)
         self.sample = SampleTab(view)
         self.checkpoints = CheckpointsTab(view)
         self.metrics = MetricsTab(view, metrics)
-        self.tabs = ipywidgets.Tab(
-            children=[self.train.widget, self.sample.widget, self.checkpoints.widget, self.metrics.widget],
-            titles=("Train", "Sample", "Checkpoints", "Metrics"),
+        self.rollouts = RolloutExplorer(
+            session.rollouts, session.tokenizer, sample_prompt=self._sample_prompt
         )
-        super().__init__([self.status.widget, self.tabs, self.feedback.widget])
+        self.tabs = ipywidgets.Tab(
+            children=[
+                self.train.widget,
+                self.sample.widget,
+                self.checkpoints.widget,
+                self.metrics.widget,
+                self.rollouts,
+            ],
+            titles=("Train", "Sample", "Checkpoints", "Metrics", "Rollouts"),
+        )
+        super().__init__([self.status.widget, self.progress.widget, self.tabs, self.feedback.widget])
         self.add_class("wb-panel")
         self._refreshing = threading.Lock()
         self._closing = threading.Event()
@@ -80,6 +94,11 @@ class Panel(ipywidgets.VBox):
         self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
         self._timer.start()
         _live_panels.add(self)
+
+    def _sample_prompt(self, tokens: list[int]) -> None:
+        """The Rollouts tab's "Sample this prompt": the Sample tab, on the rollout's exact prompt."""
+        self.sample.use_prompt(tokens)
+        self.tabs.selected_index = 1
 
     @property
     def session(self) -> Session:
@@ -99,10 +118,12 @@ class Panel(ipywidgets.VBox):
             self.status.refresh()
             if session.closed:
                 return
+            self.progress.refresh()
             self.train.refresh()
             self.sample.refresh()
             self.checkpoints.refresh()
             self.metrics.refresh()
+            self.rollouts.refresh()
 
     def _poll(self) -> None:
         while not self._closing.wait(REFRESH_S):

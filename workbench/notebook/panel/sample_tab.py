@@ -17,7 +17,7 @@ import ipywidgets
 
 from workbench.loops.chat import chat_prompt
 from workbench.notebook.panel.feedback import Feedback
-from workbench.notebook.token_view import render_sample
+from workbench.notebook.token_view import STOP_REASONS, render_sample
 from workbench.tinker_api.clients import SamplingClient
 from workbench.types import ModelInput, SampleResponse, SamplingParams
 
@@ -67,9 +67,16 @@ class SampleTab:
         self.rendered: concurrent.futures.Future[SampleResponse] | None = None
         """Resolves once the last Sample click's outputs are drawn (or fails with its error)."""
         self.sample_button.on_click(self.feedback.guard(self._on_sample))
+        self.exact_prompt: list[int] | None = None
+        """Tokens to sample from as they are (a rollout's whole prompt: system message and examples
+        included), set by `use_prompt`; editing the prompt's text goes back to a typed prompt."""
+        self.exact_note = ipywidgets.HTML()
+        self._setting_prompt = False
+        self.prompt.observe(lambda _change: self._on_prompt_edit(), names="value")
         self.widget = ipywidgets.VBox(
             [
                 self.prompt,
+                self.exact_note,
                 ipywidgets.HBox([self.chat, self.version]),
                 ipywidgets.HBox([self.temperature, self.top_p]),
                 ipywidgets.HBox([self.max_tokens, self.num_samples, self.seed]),
@@ -92,7 +99,30 @@ class SampleTab:
             seed=int(seed_text) if seed_text else None,
         )
 
+    def use_prompt(self, tokens: list[int]) -> None:
+        """Sample from exactly these prompt tokens (the rollout explorer's "Sample this prompt")."""
+        self.exact_prompt = list(tokens)
+        self._setting_prompt = True
+        try:
+            self.prompt.value = self.session.tokenizer.decode(self.exact_prompt)
+        finally:
+            self._setting_prompt = False
+        self.chat.disabled = True
+        self.exact_note.value = (
+            f"<i>the exact {len(self.exact_prompt)} prompt tokens of a rollout (chat template, system "
+            "message and examples included); edit the text to type a prompt of your own</i>"
+        )
+
+    def _on_prompt_edit(self) -> None:
+        if self._setting_prompt or self.exact_prompt is None:
+            return
+        self.exact_prompt = None
+        self.exact_note.value = ""
+        self.chat.disabled = self.session.tokenizer.chat_template is None
+
     def model_input(self) -> ModelInput:
+        if self.exact_prompt is not None:
+            return ModelInput.from_ints(self.exact_prompt)
         text = self.prompt.value
         if not text:
             raise ValueError("write a prompt first")
@@ -115,7 +145,12 @@ class SampleTab:
         future = client.sample(prompt, self.num_samples.value, params)
         rendered: concurrent.futures.Future[SampleResponse] = concurrent.futures.Future()
         self.rendered = rendered
-        self.feedback.info(f"sampling {self.num_samples.value} from {client!r} ...")
+        source = dict((value, label) for label, value in self.version.options)[self.version.value]
+        self.feedback.info(
+            f"sampling {self.num_samples.value} from {source}"
+            + ("" if params.max_tokens is None else f", up to {params.max_tokens} tokens each")
+            + " …"
+        )
 
         def show(done: concurrent.futures.Future[SampleResponse]) -> None:
             client.close()  # the client pinned its weights until its samples were drawn
@@ -140,7 +175,7 @@ class SampleTab:
         for index, sequence in enumerate(response.sequences):
             parts.append(
                 f'<div style="color:#666;font-size:smaller;margin-top:.5em">sample {index} · {weights} · '
-                f"{len(sequence.tokens)} tokens · stop: {html.escape(str(sequence.stop_reason))}</div>"
+                f"{len(sequence.tokens)} tokens · {html.escape(STOP_REASONS[sequence.stop_reason])}</div>"
             )
             parts.append(render_sample(tokenizer, sequence).html)
         return "".join(parts)

@@ -95,7 +95,8 @@ class StatusBar:
             self.widget.value = _field("session", "session", "closed")
             return
         run = sess.current_run
-        run_text = "none" if run is None else f"{run.state.value} {run.i}/{run.steps}"
+        state = None if run is None else ("stopping…" if run.stopping else run.state.value)
+        run_text = "none" if run is None else f"{state} {run.i}/{run.steps}"
         endpoint = sess.engine.endpoint
         where = (
             [
@@ -120,5 +121,7 @@ class StatusBar:
             _field("wandb", "W&B", wandb_field(sess)),
         ]
         self.widget.value = (
-            '<div style="display:flex;flex-wrap:wrap;gap:0 1.2em">' + "".join(fields) + "</div>"
+            # one line: fields never wrap; a window too narrow for them scrolls the bar sideways
+            '<div style="display:flex;flex-wrap:nowrap;gap:0 .9em;white-space:nowrap;overflow-x:auto;'
+            'font-size:.92em">' + "".join(fields) + "</div>"
         )

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import html
 import threading
+import types
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,10 @@ if TYPE_CHECKING:
 ADAM_FIELDS = tuple(field.name for field in dataclasses.fields(AdamParams))
 POLICY_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.head == "logprobs")
 DEFAULT_STEPS = 20
+DEFAULT_LEARNING_RATE = 1e-3
+"""The tab's starting learning rate: what the tutorials train LoRA adapters with (Adam moves every
+adapter weight by about the learning rate per step; 1e-4, Tinker's `AdamParams` default, is slow to
+show an effect on a small model)."""
 
 
 class TrainTab:
@@ -42,7 +48,7 @@ class TrainTab:
         self.session = session
         self.train_data = list(train_data) if train_data is not None else None
         self.feedback = Feedback()
-        defaults = dataclasses.asdict(AdamParams())
+        defaults = dataclasses.asdict(AdamParams(learning_rate=DEFAULT_LEARNING_RATE))
         self.loss = ipywidgets.Dropdown(options=POLICY_LOSSES, value="cross_entropy", description="loss")
         self.adam: dict[str, ipywidgets.FloatText] = {
             name: ipywidgets.FloatText(
@@ -72,6 +78,8 @@ class TrainTab:
             button.add_class(f"wb-train-{name}")
         self.progress = ipywidgets.IntProgress(value=0, min=0, max=1, description="progress")
         self.progress_text = ipywidgets.HTML()
+        self.run_description = ipywidgets.HTML()
+        self._own_runs: weakref.WeakSet[Run] = weakref.WeakSet()  # the runs this tab started
         self.error = ipywidgets.HTML()
 
         self.run_button.on_click(self.feedback.guard(self._on_run))
@@ -92,6 +100,7 @@ class TrainTab:
         self.widget = ipywidgets.VBox(
             [
                 ipywidgets.HBox([self.loss, self.steps]),
+                self.run_description,
                 ipywidgets.GridBox(
                     list(self.adam.values()),
                     layout=ipywidgets.Layout(grid_template_columns="repeat(3, auto)"),
@@ -120,7 +129,7 @@ class TrainTab:
             if run is None:
                 self.adam_params()
                 self.feedback.clear()
-            elif dataclasses.asdict(run.adam_params)[name] != value:  # an edit, not the refresh's sync
+            elif dataclasses.asdict(run.next_adam_params)[name] != value:  # an edit, not the refresh's sync
                 run.set(**{name: value})
                 self.feedback.info(f"{name} = {value:g} from the run's next step")
 
@@ -129,9 +138,11 @@ class TrainTab:
     def _start(self, steps: int) -> Run:
         if self.train_data is None:
             raise RuntimeError("this panel has no training data: create it with sess.panel(train_data=...)")
-        return self.session.run(
+        run = self.session.run(
             train_step(self.train_data, self.loss.value), steps, adam_params=self.adam_params()
         )
+        self._own_runs.add(run)
+        return run
 
     def _on_run(self, _button: ipywidgets.Button) -> None:
         run = self._active_run()
@@ -181,6 +192,15 @@ class TrainTab:
         self.step_button.disabled = not (paused or can_start)
         self.stop_button.disabled = not active
         self.loss.disabled = active
+        from_cell = run is not None and run not in self._own_runs
+        # a run started from a cell trains with its own step function: the tab's loss does not describe it
+        self.loss.layout.display = "none" if from_cell and active else None
+        self.run_description.value = (
+            f'<span data-field="run-description">run of <code>{html.escape(_step_name(run))}</code> '
+            f"started from a cell, {run.steps} steps</span>"
+            if from_cell and run is not None
+            else ""
+        )
         if run is None:
             self.progress.max, self.progress.value = 1, 0
             self.progress_text.value = "no run yet"
@@ -189,8 +209,9 @@ class TrainTab:
         self.progress.max = run.steps
         self.progress.value = run.i
         busy = " (step in progress)" if run.busy else ""
+        state = "stopping…" if run.stopping else run.state.value
         self.progress_text.value = (
-            f'<span data-field="run-progress">{run.state.value} · {run.i}/{run.steps}{busy}</span>'
+            f'<span data-field="run-progress">{state} · {run.i}/{run.steps}{busy}</span>'
         )
         self.progress.bar_style = {RunState.FAILED: "danger", RunState.FINISHED: "success"}.get(run.state, "")
         self.error.value = (
@@ -199,5 +220,12 @@ class TrainTab:
             else ""
         )
         if active:
-            for name, value in dataclasses.asdict(run.adam_params).items():
+            self.steps.value = run.steps
+            for name, value in dataclasses.asdict(run.next_adam_params).items():
                 self.adam[name].value = value
+
+
+def _step_name(run: Run) -> str:
+    """The step function's name as its cell defined it (`rl_step`), or its type for a callable object."""
+    fn = run.step_fn
+    return fn.__qualname__ if isinstance(fn, types.FunctionType | types.MethodType) else type(fn).__name__

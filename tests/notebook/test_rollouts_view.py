@@ -1,0 +1,141 @@
+"""The rollout explorer, driven headless: batches, the reward histogram's click-through, the groups side
+by side, and the token view of what was trained on; live from a session and from a run's files."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import pytest
+
+import workbench as wb
+from workbench.loops.rollout_groups import RolloutGroup, rollout_data
+from workbench.notebook.rollouts_view import RolloutExplorer, reward_bins
+
+
+def _plain(fragment: str) -> str:
+    return " ".join(html.unescape(re.sub("<[^>]+>", " ", fragment)).split())
+
+
+def _record_step(sess: wb.Session, rewards: list[list[float]], seed: int) -> list[RolloutGroup]:
+    """Sample one group per reward list (one prompt each), train on them, record them."""
+    sampler = sess.policy.save_weights_and_get_sampling_client()
+    groups = []
+    for g, group_rewards in enumerate(rewards):
+        prompt = wb.ModelInput.from_ints(sess.tokenizer.encode(f"Question {g}:"))
+        params = wb.SamplingParams(max_tokens=5, temperature=1.0, seed=seed + g)
+        response = sampler.sample(prompt, len(group_rewards), params).result()
+        groups.append(RolloutGroup.of(prompt, response, group_rewards))
+    data = rollout_data(groups)
+    out = sess.policy.forward_backward(data, "importance_sampling").result() if data else None
+    sess.record_rollouts(groups, trained=out)  # before optim_step: at the step that sampled
+    sess.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result()
+    return groups
+
+
+def test_reward_bins() -> None:
+    assert reward_bins([0.0, 1.0, 1.0]) == [(0.0, 0.0), (1.0, 1.0)]
+    bins = reward_bins([i / 20 for i in range(21)])
+    assert len(bins) == 10 and bins[0][0] == 0.0 and bins[-1][1] == 1.0
+
+
+def test_the_explorer_shows_a_batch_and_its_histogram_opens_the_replies(tiny: wb.Session) -> None:
+    _record_step(tiny, [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]], seed=0)
+    explorer = tiny.rollout_explorer()
+    assert explorer.batch == 0
+    summary = _plain(explorer.summary.value)
+    assert "batch 0" in summary and "optimizer step 0" in summary and "weights v0" in summary
+    assert "2 groups, 8 replies" in summary and "reward mean 0.25" in summary
+
+    bars = [box.children[0] for box in explorer.histogram.children]
+    assert [bar.description for bar in bars] == ["6", "2"]  # reward 0: six replies, reward 1: two
+    assert (
+        "zero variance" in explorer.groups.value
+        and explorer.groups.value.count('class="wb-rollout-group"') == 2
+    )
+    assert len(explorer.reply.options) == 8
+
+    bars[1].click()  # the reward-1 bar opens its two replies
+    assert explorer.bin == 1 and explorer.replies() == [(0, 0), (0, 3)]
+    assert [value for _, value in explorer.reply.options] == [(0, 0), (0, 3)]
+    assert explorer.groups.value.count("background:#d9f0ff") == 2
+    assert "group 0 · reply 0 · reward 1" in _plain(explorer.tokens.value)
+    bars[1].click()  # clicking the open bar closes it
+    assert explorer.bin is None and len(explorer.reply.options) == 8
+
+
+def test_the_token_view_shows_what_was_trained_on(tiny: wb.Session) -> None:
+    _record_step(tiny, [[1.0, 0.0], [0.5, 0.5]], seed=5)
+    explorer = tiny.rollout_explorer()
+    recorded = tiny.rollouts[0][0]
+    assert recorded.trainer_logprobs is not None and recorded.trainer_logprobs[0] is not None
+
+    explorer.show_reply(0, 0, "advantage")
+    assert "advantage 0.5" in explorer.tokens.value  # reward 1 − group mean 0.5, on every reply token
+    explorer.show_reply(0, 0, "mismatch")
+    titles = re.findall(r'title="token \d+, mismatch ([^"]+)"', explorer.tokens.value)
+    expected = [
+        q - p for q, p in zip(recorded.sequences[0].logprobs, recorded.trainer_logprobs[0], strict=True)
+    ]
+    assert len(titles) == len(expected) and all(abs(float(t)) < 1e-3 for t in titles)
+    explorer.show_reply(0, 1, "trainer logprob")
+    assert "logprob" in explorer.tokens.value and "not trained" not in explorer.tokens.value
+    explorer.show_reply(1, 0, "trainer logprob")  # an all-equal group: advantage 0, not trained on
+    assert "not trained on (advantage 0)" in explorer.tokens.value
+    explorer.show_reply(1, 0, "weight")
+    assert "weight 0" in explorer.tokens.value
+    with pytest.raises(ValueError, match="view must be one of"):
+        explorer.show_reply(0, 0, "entropy")
+
+
+def test_a_finished_run_is_explored_from_its_files_and_a_live_one_follows_new_batches(
+    tiny: wb.Session,
+) -> None:
+    explorer = tiny.rollout_explorer()
+    assert "No rollouts recorded yet" in explorer.summary.value and explorer.slider.disabled
+    _record_step(tiny, [[1.0, 0.0]], seed=1)
+    explorer.refresh()
+    assert explorer.batch == 0
+    _record_step(tiny, [[0.0, 0.0]], seed=2)
+    explorer.refresh()  # on the newest batch: follows to the next
+    assert explorer.batch == 1 and "optimizer step 1" in _plain(explorer.summary.value)
+    explorer.select_batch(0)
+    _record_step(tiny, [[1.0, 1.0]], seed=3)
+    explorer.refresh()  # looking at an older batch: stays there
+    assert explorer.batch == 0 and explorer.slider.max == 2
+
+    from_files = RolloutExplorer.from_run_dir(tiny.model_dir, tiny.tokenizer)
+    assert from_files.batch == 2 and from_files.groups.value == tiny.rollout_explorer().groups.value
+
+
+def test_the_panel_has_a_live_rollouts_tab(tiny: wb.Session) -> None:
+    panel = tiny.panel()
+    try:
+        assert panel.tabs.titles[-1] == "Rollouts"
+        _record_step(tiny, [[1.0, 0.0, 1.0]], seed=0)
+        panel.refresh()
+        assert panel.rollouts.batch == 0 and [
+            b.children[0].description for b in panel.rollouts.histogram.children
+        ] == ["1", "2"]
+    finally:
+        panel.close()
+
+
+def test_a_rollouts_prompt_is_sampled_again_from_the_sample_tab(tiny: wb.Session) -> None:
+    """The Sample tab reproduces a task's whole prompt (chat template, system message, examples)."""
+    panel = tiny.panel()
+    try:
+        _record_step(tiny, [[1.0, 0.0]], seed=0)
+        panel.refresh()
+        panel.rollouts.sample_button.click()
+        s = panel.sample
+        assert panel.tabs.selected_index == 1
+        assert s.exact_prompt == tiny.rollouts[0][0].prompt_tokens
+        assert s.model_input().to_ints() == tiny.rollouts[0][0].prompt_tokens and s.chat.disabled
+        s.max_tokens.value = 2
+        s.sample_button.click()
+        s.rendered.result(30)
+        s.prompt.value = "something else"  # typing goes back to a typed prompt
+        assert s.exact_prompt is None and s.exact_note.value == ""
+    finally:
+        panel.close()

@@ -1,0 +1,97 @@
+"""The panel's progress line: where the current run is and how fast it goes, in one line.
+
+`step 12/40 · 3.1 s/step · ETA 1m27s · 410 tok/s · loss 12.3 · reward 0.41`, then, when a pause trigger
+fired, why the run paused. Seconds per step is the mean of the last `RECENT_STEPS` steps (the first step
+is often slower: compilation, caches), the ETA that times the steps left; tokens per second counts the
+trained tokens (`num_tokens:sum` of the run's `forward_backward` rows) over the time its steps took.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import TYPE_CHECKING
+
+import ipywidgets
+
+from workbench.notebook.run import Run, RunState
+
+if TYPE_CHECKING:
+    from workbench.metrics import MetricsHistory
+    from workbench.notebook.session import Session
+
+RECENT_STEPS = 5
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m07s`, `2h05m`."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _latest(history: MetricsHistory, name: str, op: str | None, since: float) -> float:
+    for row in reversed(history.rows):
+        if row["time"] < since:
+            break
+        if name in row and (op is None or row["op"] == op):
+            return float(row[name])
+    return math.nan
+
+
+def progress_fields(run: Run, history: MetricsHistory) -> list[tuple[str, str]]:
+    """The line's `(field, text)` pairs for `run` (those with no value yet are left out)."""
+    fields = [("run-step", f"step {run.i}/{run.steps}")]
+    recent = run.step_seconds[-RECENT_STEPS:]
+    if recent:
+        per_step = sum(recent) / len(recent)
+        fields.append(("seconds-per-step", f"{per_step:.2f} s/step"))
+        if run.active:
+            fields.append(("eta", f"ETA {format_duration(per_step * (run.steps - run.i))}"))
+    since = run.started_at or 0.0
+    trained_tokens = sum(
+        row.get("num_tokens:sum", 0.0)
+        for row in history.rows
+        if row["time"] >= since and row["op"] == "forward_backward"
+    )
+    busy_seconds = sum(run.step_seconds)
+    if trained_tokens and busy_seconds > 0:
+        fields.append(("tokens-per-second", f"{trained_tokens / busy_seconds:,.0f} tok/s"))
+    loss = _latest(history, "loss:sum", "forward_backward", since)
+    if math.isfinite(loss):
+        fields.append(("loss", f"loss {loss:.4g}"))
+    reward = _latest(history, "reward:mean", None, since)
+    if not math.isnan(reward):
+        fields.append(("reward", f"reward {reward:.3g}"))
+    return fields
+
+
+class ProgressLine:
+    """One HTML line under the status bar; empty before the first run."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.widget = ipywidgets.HTML()
+        self.widget.add_class("wb-progress-line")
+
+    def refresh(self) -> None:
+        run = self.session.current_run
+        if run is None:
+            self.widget.value = ""
+            return
+        parts = [
+            f'<span data-field="{name}">{html.escape(text)}</span>'
+            for name, text in progress_fields(run, self.session.history)
+        ]
+        if run.trigger is not None:
+            what = "paused by trigger" if run.state is RunState.PAUSED else "trigger fired"
+            parts.append(
+                f'<span data-field="trigger" style="color:#b00020"><b>{what}:</b> '
+                f"{html.escape(str(run.trigger))}</span>"
+            )
+        self.widget.value = (
+            '<div style="display:flex;flex-wrap:wrap;gap:0 1.2em">' + "".join(parts) + "</div>"
+        )

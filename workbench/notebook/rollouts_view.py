@@ -1,0 +1,336 @@
+"""The rollout explorer: what an RL step sampled, how it was scored, and what was trained on.
+
+For any recorded batch (one `Session.record_rollouts` call, usually one RL step) it shows:
+
+- a summary line: the batch, the optimizer step and weights version that sampled it, its rewards;
+- a reward histogram whose bars are buttons: a click opens the replies behind the bar (they are
+  highlighted in the groups and listed in the reply picker, the first one shown token by token);
+- the groups side by side, one card per prompt: the prompt, then each reply with its reward,
+  advantage, length, stop reason and whether it was trained on (a zero advantage trains nothing);
+- the token view of one reply, coloured by the sampler's logprob, the trainer's logprob, the
+  advantage, the loss weight, or the sampler-vs-trainer mismatch (hover a token for its value).
+
+It reads a `RolloutLog`: the live session's (`sess.rollout_explorer()`, which follows new batches as
+they are recorded when `refresh()` is called, as the panel's Rollouts tab does) or a finished run's
+folder (`RolloutExplorer.from_run_dir(model_dir, tokenizer)`).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import ipywidgets
+from transformers import PreTrainedTokenizerBase
+
+from workbench.loops.rollout_groups import RolloutGroup
+from workbench.notebook.rollout_log import RolloutLog
+from workbench.notebook.token_view import STOP_REASONS, ValueKind, render_tokens
+
+MAX_DISTINCT_REWARDS = 8
+"""Up to this many distinct rewards get a bar each (0/1 rewards: two bars); more are binned."""
+NUM_BINS = 10
+BAR_HEIGHT_PX = 90
+REPLY_PREVIEW_CHARS = 60
+PROMPT_PREVIEW_CHARS = 160
+
+# The token view's colourings: (label, what is shown)
+VIEWS = ("sampler logprob", "trainer logprob", "advantage", "weight", "mismatch")
+
+
+def reward_bins(rewards: Sequence[float]) -> list[tuple[float, float]]:
+    """`(low, high)` bins covering `rewards`: one per distinct value when there are few (low == high),
+    else `NUM_BINS` equal-width bins, the last one closed on the right."""
+    distinct = sorted(set(rewards))
+    if len(distinct) <= MAX_DISTINCT_REWARDS:
+        return [(v, v) for v in distinct]
+    low, high = distinct[0], distinct[-1]
+    width = (high - low) / NUM_BINS
+    return [(low + i * width, low + (i + 1) * width if i < NUM_BINS - 1 else high) for i in range(NUM_BINS)]
+
+
+def in_bin(reward: float, bins: Sequence[tuple[float, float]], index: int) -> bool:
+    low, high = bins[index]
+    if low == high:
+        return reward == low
+    last = index == len(bins) - 1
+    return low <= reward < high or (last and reward == high)
+
+
+def _bin_label(low: float, high: float) -> str:
+    return f"{low:.3g}" if low == high else f"{low:.2g}–{high:.2g}"
+
+
+def _text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int]) -> str:
+    return tokenizer.decode(list(tokens))
+
+
+class RolloutExplorer(ipywidgets.VBox):
+    """Browse the recorded rollouts of a run (see the module docstring).
+
+    `select_batch(k)`, `open_bin(i)` (a histogram bar's click), `show_reply(group, reply, view)` and
+    `refresh()` do from code what the controls do.
+    """
+
+    def __init__(
+        self,
+        rollouts: RolloutLog,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        sample_prompt: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """`sample_prompt(tokens)`, when given, is what the "Sample this prompt" button calls with the
+        chosen reply's prompt tokens (the panel opens its Sample tab on them)."""
+        self.rollouts = rollouts
+        self.tokenizer = tokenizer
+        self.batch: int | None = None
+        self.bin: int | None = None
+        self.bins: list[tuple[float, float]] = []
+        self.slider = ipywidgets.IntSlider(
+            value=0, min=0, max=0, description="batch", continuous_update=False, disabled=True
+        )
+        self.summary = ipywidgets.HTML()
+        self.histogram = ipywidgets.HBox(layout=ipywidgets.Layout(align_items="flex-end"))
+        self.histogram.add_class("wb-reward-histogram")
+        self.groups = ipywidgets.HTML()
+        self.groups.add_class("wb-rollout-groups")
+        self.reply = ipywidgets.Dropdown(description="reply", layout=ipywidgets.Layout(width="32em"))
+        self.view = ipywidgets.ToggleButtons(options=VIEWS, value="sampler logprob")
+        self.view.style.button_width = "10.5em"
+        self.tokens = ipywidgets.HTML()
+        self.tokens.add_class("wb-rollout-tokens")
+        self.sample_button = ipywidgets.Button(
+            description="Sample this prompt", icon="comment", tooltip="sample the chosen reply's prompt again"
+        )
+        self.sample_button.layout.display = None if sample_prompt is not None else "none"
+        if sample_prompt is not None:
+            self.sample_button.on_click(lambda _button: self._sample_selected(sample_prompt))
+        self.slider.observe(lambda change: self.select_batch(change["new"]), names="value")
+        self.reply.observe(lambda change: self._show_selected(), names="value")
+        self.view.observe(lambda change: self._show_selected(), names="value")
+        super().__init__(
+            [
+                self.slider,
+                self.summary,
+                ipywidgets.HTML(
+                    '<div style="color:#666;font-size:smaller">rewards (click a bar for its replies)</div>'
+                ),
+                self.histogram,
+                self.groups,
+                ipywidgets.HBox([self.reply, self.sample_button]),
+                self.view,
+                self.tokens,
+            ]
+        )
+        self.add_class("wb-rollouts")
+        self.refresh()
+
+    @classmethod
+    def from_run_dir(cls, model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> RolloutExplorer:
+        """An explorer over a finished run's `rollouts.jsonl` (decoded with the run's tokenizer)."""
+        return cls(RolloutLog.load(model_dir), tokenizer)
+
+    # ------------------------------------------------------------------------------------------ data
+
+    def _groups(self) -> list[RolloutGroup]:
+        return [] if self.batch is None else self.rollouts[self.batch]
+
+    def replies(self) -> list[tuple[int, int]]:
+        """The `(group, reply)` pairs of the batch the reply picker lists (those of the open bar)."""
+        return [
+            (g, r)
+            for g, group in enumerate(self._groups())
+            for r, reward in enumerate(group.rewards)
+            if self.bin is None or in_bin(reward, self.bins, self.bin)
+        ]
+
+    # ------------------------------------------------------------------------------------------ controls
+
+    def refresh(self) -> None:
+        """Follow new batches: the newest is shown while the view was on the newest (or on none)."""
+        count = len(self.rollouts)
+        if count == 0:
+            self.summary.value = (
+                "<i>No rollouts recorded yet: an RL step records them with "
+                "<code>sess.record_rollouts(groups, trained=out)</code>.</i>"
+            )
+            return
+        following = self.batch is None or self.batch == self.slider.max
+        self.slider.disabled = False
+        self.slider.max = count - 1
+        if following and self.batch != count - 1:
+            self.slider.value = count - 1  # calls select_batch
+            if self.batch != count - 1:
+                self.select_batch(count - 1)
+
+    def select_batch(self, batch: int) -> None:
+        if not 0 <= batch < len(self.rollouts):
+            raise ValueError(f"batch must be in [0, {len(self.rollouts) - 1}], got {batch}")
+        self.batch = batch
+        if self.slider.value != batch:
+            self.slider.value = batch
+        groups = self._groups()
+        rewards = [r for group in groups for r in group.rewards]
+        self.bins = reward_bins(rewards)
+        self.bin = None
+        versions = sorted({g.weights_version for g in groups if g.weights_version is not None})
+        step = groups[0].step
+        replies = len(rewards)
+        mean = sum(rewards) / replies
+        self.summary.value = (
+            f'<span data-field="batch">batch {batch}</span> · '
+            f'<span data-field="batch-step">optimizer step {step}</span> · '
+            f"weights {', '.join(f'v{v}' for v in versions) or 'base model'} · {len(groups)} groups, "
+            f"{replies} replies · reward mean {mean:.3g}"
+        )
+        self._draw_histogram(rewards)
+        self._update_replies()
+
+    def open_bin(self, index: int | None) -> None:
+        """Open histogram bar `index` (None: every reply): its replies are highlighted and listed."""
+        if index is not None and not 0 <= index < len(self.bins):
+            raise ValueError(f"bar must be in [0, {len(self.bins) - 1}], got {index}")
+        self.bin = index
+        for i, bar in enumerate(self.histogram.children):
+            bar.children[0].button_style = "info" if i == index else ""
+        self._update_replies()
+
+    def show_reply(self, group: int, reply: int, view: str | None = None) -> None:
+        """Show reply `reply` of group `group` token by token, coloured by `view` (one of `VIEWS`)."""
+        if view is not None:
+            if view not in VIEWS:
+                raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
+            self.view.value = view
+        self.reply.value = (group, reply)
+        self._show_selected()
+
+    def _sample_selected(self, sample_prompt: Callable[[list[int]], None]) -> None:
+        if self.reply.value is not None:
+            g, _ = self.reply.value
+            sample_prompt(self._groups()[g].prompt_tokens)
+
+    # ------------------------------------------------------------------------------------------ drawing
+
+    def _draw_histogram(self, rewards: Sequence[float]) -> None:
+        counts = [sum(in_bin(r, self.bins, i) for r in rewards) for i in range(len(self.bins))]
+        top = max(counts, default=1) or 1
+        bars = []
+        for i, ((low, high), count) in enumerate(zip(self.bins, counts, strict=True)):
+            bar = ipywidgets.Button(
+                description=str(count),
+                tooltip=f"reward {_bin_label(low, high)}: {count} replies (click to open them)",
+                layout=ipywidgets.Layout(
+                    width="4.5em", height=f"{max(round(BAR_HEIGHT_PX * count / top), 18)}px", padding="0"
+                ),
+            )
+            bar.add_class("wb-reward-bar")
+            bar.on_click(lambda _button, i=i: self.open_bin(None if self.bin == i else i))
+            label = ipywidgets.HTML(
+                f'<div style="text-align:center;font-size:smaller;width:4.5em">{html.escape(_bin_label(low, high))}</div>'
+            )
+            bars.append(ipywidgets.VBox([bar, label], layout=ipywidgets.Layout(align_items="center")))
+        self.histogram.children = bars
+
+    def _update_replies(self) -> None:
+        groups = self._groups()
+        chosen = set(self.replies())
+        options = []
+        for g, r in self.replies():
+            group = groups[g]
+            text = _text(self.tokenizer, group.sequences[r].tokens).strip()
+            preview = text if len(text) <= 30 else text[:29] + "…"
+            options.append(
+                (
+                    f"group {g} · reply {r} · reward {group.rewards[r]:.3g} · adv {group.advantages[r]:+.3g} · {preview!r}",
+                    (g, r),
+                )
+            )
+        self.reply.options = options
+        self.reply.value = options[0][1] if options else None
+        self.groups.value = self._groups_html(groups, chosen)
+        self._show_selected()
+
+    def _groups_html(self, groups: Sequence[RolloutGroup], chosen: set[tuple[int, int]]) -> str:
+        cards = []
+        for g, group in enumerate(groups):
+            rewards = group.rewards
+            mean = sum(rewards) / len(rewards)
+            std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
+            prompt = _text(self.tokenizer, group.prompt_tokens)
+            tail = prompt if len(prompt) <= PROMPT_PREVIEW_CHARS else "…" + prompt[-PROMPT_PREVIEW_CHARS:]
+            rows = []
+            for r, sequence in enumerate(group.sequences):
+                text = _text(self.tokenizer, sequence.tokens)
+                preview = text if len(text) <= REPLY_PREVIEW_CHARS else text[:REPLY_PREVIEW_CHARS] + "…"
+                highlight = "background:#d9f0ff;" if self.bin is not None and (g, r) in chosen else ""
+                trained = "✓" if group.trained[r] else ""
+                stop = "max_tokens" if sequence.stop_reason == "length" else "stop"
+                rows.append(
+                    f'<tr data-reply="{g}-{r}" style="{highlight}" title="{html.escape(STOP_REASONS[sequence.stop_reason])}">'
+                    f'<td style="white-space:pre-wrap;font-family:monospace">{html.escape(preview)}</td>'
+                    f"<td>{group.rewards[r]:.3g}</td><td>{group.advantages[r]:+.3g}</td>"
+                    f"<td>{len(sequence.tokens)}</td><td>{stop}</td><td>{trained}</td></tr>"
+                )
+            zero = " · <b>zero variance</b>" if std == 0 else ""
+            version = "base" if group.weights_version is None else f"v{group.weights_version}"
+            cards.append(
+                f'<div class="wb-rollout-group" data-group="{g}" style="flex:0 0 auto;min-width:18em;max-width:30em;'
+                'border:1px solid #ddd;border-radius:4px;padding:4px 6px">'
+                f'<div style="font-size:smaller;color:#444"><b>group {g}</b> · weights {version} · '
+                f"reward {mean:.3g} ± {std:.3g}{zero}</div>"
+                f'<details><summary style="font-size:smaller;color:#666;white-space:pre-wrap">'
+                f"{html.escape(tail)}</summary>"
+                f'<pre style="white-space:pre-wrap;font-size:smaller">{html.escape(prompt)}</pre></details>'
+                '<table style="font-size:smaller;border-collapse:collapse">'
+                "<tr><th>reply</th><th>reward</th><th>adv</th><th>len</th><th>end</th><th>trained</th></tr>"
+                + "".join(rows)
+                + "</table></div>"
+            )
+        return (
+            '<div style="display:flex;gap:8px;overflow-x:auto;padding-bottom:4px">'
+            + "".join(cards)
+            + "</div>"
+        )
+
+    def _show_selected(self) -> None:
+        if self.reply.value is None or self.batch is None:
+            self.tokens.value = ""
+            return
+        g, r = self.reply.value
+        group = self._groups()[g]
+        sequence = group.sequences[r]
+        n = len(sequence.tokens)
+        trainer = group.trainer_logprobs[r] if group.trainer_logprobs is not None else None
+        view = self.view.value
+        values: list[float | None]
+        kind: ValueKind
+        note = ""
+        if view == "sampler logprob":
+            values, kind = list(sequence.logprobs), "logprob"
+        elif view == "trainer logprob":
+            values, kind = (list(trainer) if trainer else [None] * n), "logprob"
+        elif view == "advantage":
+            values, kind = [group.advantages[r]] * n, "advantage"
+        elif view == "weight":
+            values, kind = [1.0 if group.trained[r] else 0.0] * n, "weight"
+        else:
+            values = (
+                [q - p for q, p in zip(sequence.logprobs, trainer, strict=True)] if trainer else [None] * n
+            )
+            kind = "mismatch"
+        if view in ("trainer logprob", "mismatch") and not trainer:
+            note = (
+                "<i>not trained on (advantage 0)</i>"
+                if not group.trained[r]
+                else "<i>no trainer logprobs recorded: pass <code>trained=</code> to record_rollouts</i>"
+            )
+        rendered = render_tokens(self.tokenizer, sequence.tokens, values, kind=kind)
+        self.tokens.value = (
+            f'<div style="font-size:smaller;color:#444">group {g} · reply {r} · reward {group.rewards[r]:.3g} · '
+            f"advantage {group.advantages[r]:+.3g} · {n} tokens · "
+            f"{html.escape(STOP_REASONS[sequence.stop_reason])} · {html.escape(view)}</div>"
+            + note
+            + rendered.html
+        )
