@@ -32,8 +32,9 @@ TOKENS = [[5, 17, 33, 48, 60, 71, 2], [9, 21, 40, 11, 3], [44, 45, 46, 47, 48, 4
 
 
 @pytest.fixture
-def sess(monkeypatch: pytest.MonkeyPatch) -> Iterator[wb.Session]:
+def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session]:
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))  # the listings show this test's runs only
     session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, max_models=6)
     yield session
     session.close()

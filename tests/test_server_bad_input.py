@@ -29,8 +29,9 @@ TOKENS = [5, 17, 33, 48, 60, 71, 2]
 
 
 @pytest.fixture
-def sess(monkeypatch: pytest.MonkeyPatch) -> Iterator[wb.Session]:
+def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session]:
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))  # the listings show this test's runs only
     session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
     yield session
     session.close()
@@ -695,3 +696,28 @@ def test_over_http_a_client_deletes_only_checkpoints_client_sessions_made(
         sess.engine.folder_of_checkpoint(later)
     with pytest.raises(wb.CheckpointError):
         sess.engine.folder_of_checkpoint(own)
+
+
+def test_after_a_restart_the_listings_show_the_runs_on_disk(sess: wb.Session) -> None:
+    first = TinkerServer(sess.engine, ServerConfig())
+    try:
+        service_client = tinker.ServiceClient(base_url=first.url)
+        model = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+        saved = model.save_state("before-restart").result().path
+        service_client.close("success").result()
+    finally:
+        first.stop()
+    second = TinkerServer(sess.engine, ServerConfig())  # a new server: nothing in memory about the run
+    try:
+        rest = tinker.ServiceClient(base_url=second.url).create_rest_client()
+        assert saved in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+        assert model.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+        assert rest.get_training_run(model.model_id).result().last_checkpoint.tinker_path == saved
+        assert [c.tinker_path for c in rest.list_checkpoints(model.model_id).result().checkpoints] == [saved]
+        # found on disk, not made by a client of this server: read-only over HTTP
+        refused = httpx.delete(
+            f"{second.url}/api/v1/training_runs/{model.model_id}/checkpoints/weights/before-restart"
+        )
+        assert refused.status_code == 403
+    finally:
+        second.stop()
