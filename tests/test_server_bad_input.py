@@ -24,6 +24,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 import workbench as wb
 from workbench.server import ServerConfig, TinkerServer
+from workbench.server.sessions import ENDED_SESSIONS_KEPT_S
 
 TOKENS = [5, 17, 33, 48, 60, 71, 2]
 
@@ -721,3 +722,19 @@ def test_after_a_restart_the_listings_show_the_runs_on_disk(sess: wb.Session) ->
         assert refused.status_code == 403
     finally:
         second.stop()
+
+
+def test_the_session_table_forgets_ended_sessions(sess: wb.Session, srv: TinkerServer) -> None:
+    service = srv.service
+    before = len(service.sessions)
+    for _ in range(30):
+        session_id = post(srv, "create_session", {"tags": []}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": "tiny"}
+        assert post(srv, "create_sampling_session", body).status_code == 200
+        assert post(srv, f"sessions/{session_id}/finish", {"reason": {"type": "success"}}).status_code == 200
+    assert len(service.sessions) == before + 30  # ended, kept a while: a late heartbeat gets 410
+    later = post(srv, "session_heartbeat", {"session_id": session_id})
+    assert later.status_code == 410
+    service.sessions.forget_ended(now=time.monotonic() + ENDED_SESSIONS_KEPT_S + 1)
+    assert len(service.sessions) == before
+    assert len(service.released_samplers) <= 30

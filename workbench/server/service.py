@@ -55,6 +55,9 @@ from workbench.storage.run_folders import (
 )
 from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams, check_text
 
+RELEASED_SAMPLERS_KEPT = 10_000
+"""Released sampler ids remembered (for a clearer error than 'no such sampler')."""
+
 CLIENT_RUNS_KEPT = 10_000
 """Runs remembered as made by a client (their checkpoints stay deletable over HTTP); older ones count as
 the host's, so the table has a bound however many sessions come and go."""
@@ -150,7 +153,7 @@ class TinkerService:
         self.sessions = SessionTable(engine.config.base_model)
         self.models: dict[str, ServedModel] = {}
         self.samplers: dict[str, ServedSampler] = {}
-        self.released_samplers: set[str] = set()
+        self.released_samplers: dict[str, None] = {}  # newest last, at most RELEASED_SAMPLERS_KEPT
         # run id -> the client session that made it, newest last (at most CLIENT_RUNS_KEPT): what a client
         # may delete over HTTP. The runs themselves are described from their folders once off the engine.
         self.client_runs: dict[str, str] = {}
@@ -238,7 +241,7 @@ class TinkerService:
         engine's removals (they run after the operations already queued)."""
         if session.ended is not None:
             return []
-        session.ended = why
+        self.sessions.end(session, why)
         for sampler_id in session.samplers:
             self._release_sampler(sampler_id)
         served = [self.models.pop(model_id) for model_id in session.models if model_id in self.models]
@@ -267,8 +270,10 @@ class TinkerService:
                 await asyncio.wrap_future(removal.future())
 
     def expire_silent_sessions(self) -> None:
+        """End sessions that stopped heartbeating, and forget those that ended a while ago."""
         for session in self.sessions.silent_for(self.config.session_timeout_s):
             self.end_session(session, f"expired: no heartbeat for {self.config.session_timeout_s:g} s")
+        self.sessions.forget_ended()
 
     # ------------------------------------------------------------------------------------------ models
 
@@ -549,7 +554,13 @@ class TinkerService:
         sampler = self.samplers.pop(sampler_id, None)
         self.sequencer.forget(sampler_id)
         if sampler is not None:
-            self.released_samplers.add(sampler_id)
+            self.released_samplers[sampler_id] = None
+            for old in list(self.released_samplers)[:-RELEASED_SAMPLERS_KEPT]:
+                del self.released_samplers[old]
+            with contextlib.suppress(RequestError):  # its session is already forgotten
+                owner = self.sessions.find(sampler.session_id)
+                if owner.ended is None and sampler_id in owner.samplers:
+                    owner.samplers.remove(sampler_id)  # a live session lists the samplers still pinned
             self.engine.release_sampler(sampler.pin)
 
     def sampler(self, sampler_id: str) -> ServedSampler:
