@@ -738,3 +738,21 @@ def test_the_session_table_forgets_ended_sessions(sess: wb.Session, srv: TinkerS
     service.sessions.forget_ended(now=time.monotonic() + ENDED_SESSIONS_KEPT_S + 1)
     assert len(service.sessions) == before
     assert len(service.released_samplers) <= 30
+
+
+def test_a_sampler_remembers_a_bounded_number_of_seq_ids() -> None:
+    from workbench.server.future_table import PendingResult
+    from workbench.server.ordering import RETRY_WINDOW, Sequencer
+
+    sequencer = Sequencer()
+    made: list[str] = []
+
+    def entry() -> PendingResult:
+        made.append(f"r{len(made)}")
+        return PendingResult(request_id=made[-1], op="sample", model_id=None)
+
+    seq_ids = list(range(10**9, 10**9 - 2 * RETRY_WINDOW, -1))  # counting down: none is ever older
+    for seq_id in seq_ids:
+        sequencer.take("sampler", seq_id, b"a", entry, lambda _: None, ordered=False)
+    # the first one was forgotten: sent again with other content it is new, not a 409 conflict
+    assert sequencer.take("sampler", seq_ids[0], b"b", entry, lambda _: None, ordered=False) == made[-1]

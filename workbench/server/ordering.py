@@ -95,6 +95,8 @@ class Sequencer:
         state.taken[seq_id] = _Taken(digest, entry.request_id)
         for old in [s for s in state.taken if s < seq_id - RETRY_WINDOW]:
             del state.taken[old]
+        while len(state.taken) > RETRY_WINDOW:  # seq_ids sent out of any order: the oldest taken go
+            del state.taken[next(iter(state.taken))]
         if not ordered:
             start(entry)
             return entry.request_id
