@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import tinker
@@ -12,9 +13,11 @@ from workbench.server import TinkerServer
 
 
 @pytest.fixture
-def sess(monkeypatch: pytest.MonkeyPatch) -> Iterator[wb.Session]:
-    """A tiny session with no W&B run, and room for six models (a test fills them)."""
+def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session]:
+    """A tiny session with no W&B run, and room for six models (a test fills them); its runs folder is
+    the test's own, so listings show this test's models only."""
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, max_models=6)
     yield session
     session.close()

@@ -25,6 +25,7 @@ from tinker.proto import tinker_public_pb2 as pb
 import workbench as wb
 from tests.datums import sdk_ce_datum
 from workbench.server import ServerConfig, TinkerServer
+from workbench.server.sessions import ENDED_SESSIONS_KEPT_S
 
 TOKENS = [5, 17, 33, 48, 60, 71, 2]
 
@@ -693,3 +694,62 @@ def test_over_http_a_client_deletes_only_checkpoints_client_sessions_made(
         sess.engine.folder_of_checkpoint(later)
     with pytest.raises(wb.CheckpointError):
         sess.engine.folder_of_checkpoint(own)
+
+
+def test_after_a_restart_the_listings_show_the_runs_on_disk(sess: wb.Session) -> None:
+    first = TinkerServer(sess.engine, ServerConfig())
+    try:
+        service_client = tinker.ServiceClient(base_url=first.url)
+        model = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+        saved = model.save_state("before-restart").result().path
+        service_client.close("success").result()
+    finally:
+        first.stop()
+    second = TinkerServer(sess.engine, ServerConfig())  # a new server: nothing in memory about the run
+    try:
+        rest = tinker.ServiceClient(base_url=second.url).create_rest_client()
+        assert saved in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+        assert model.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+        assert rest.get_training_run(model.model_id).result().last_checkpoint.tinker_path == saved
+        assert [c.tinker_path for c in rest.list_checkpoints(model.model_id).result().checkpoints] == [saved]
+        # found on disk, not made by a client of this server: read-only over HTTP
+        refused = httpx.delete(
+            f"{second.url}/api/v1/training_runs/{model.model_id}/checkpoints/weights/before-restart"
+        )
+        assert refused.status_code == 403
+    finally:
+        second.stop()
+
+
+def test_the_session_table_forgets_ended_sessions(sess: wb.Session, srv: TinkerServer) -> None:
+    service = srv.service
+    before = len(service.sessions)
+    for _ in range(30):
+        session_id = post(srv, "create_session", {"tags": []}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": "tiny"}
+        assert post(srv, "create_sampling_session", body).status_code == 200
+        assert post(srv, f"sessions/{session_id}/finish", {"reason": {"type": "success"}}).status_code == 200
+    assert len(service.sessions) == before + 30  # ended, kept a while: a late heartbeat gets 410
+    later = post(srv, "session_heartbeat", {"session_id": session_id})
+    assert later.status_code == 410
+    service.sessions.forget_ended(now=time.monotonic() + ENDED_SESSIONS_KEPT_S + 1)
+    assert len(service.sessions) == before
+    assert len(service.released_samplers) <= 30
+
+
+def test_a_sampler_remembers_a_bounded_number_of_seq_ids() -> None:
+    from workbench.server.future_table import PendingResult
+    from workbench.server.ordering import RETRY_WINDOW, Sequencer
+
+    sequencer = Sequencer()
+    made: list[str] = []
+
+    def entry() -> PendingResult:
+        made.append(f"r{len(made)}")
+        return PendingResult(request_id=made[-1], op="sample", model_id=None)
+
+    seq_ids = list(range(10**9, 10**9 - 2 * RETRY_WINDOW, -1))  # counting down: none is ever older
+    for seq_id in seq_ids:
+        sequencer.take("sampler", seq_id, b"a", entry, lambda _: None, ordered=False)
+    # the first one was forgotten: sent again with other content it is new, not a 409 conflict
+    assert sequencer.take("sampler", seq_ids[0], b"b", entry, lambda _: None, ordered=False) == made[-1]

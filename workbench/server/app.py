@@ -8,6 +8,12 @@ reports it at once rather than retrying a deterministic failure for minutes). Re
 are fetched with `retrieve_future`, which long-polls; `ForwardBackwardOutput` and `SampleResponse`
 results go out as protobuf when the client accepts it (every SDK since 0.18.1 does).
 
+A request to a model's ordered endpoint (forward_backward, optim_step, save_weights,
+save_weights_for_sampler, load_weights) that is refused before its seq_id is taken still takes it
+(`TinkerService.refused`): the SDK counted it, and the model's next request would otherwise wait for it
+forever. Query parameters are read inside the routes, after the key check, and every error a client
+reads goes through `TinkerService.client_message`, which names no folder of this machine.
+
 Checkpoint archives are downloaded as the SDK's archive endpoint has it: the endpoint answers 302 with
 a URL of this server signed for 15 minutes (HMAC with a per-server secret), so the download itself
 needs no API key; the file is the checkpoint folder as `workbench.export_archive` writes it.
@@ -111,7 +117,7 @@ def create_app(service: TinkerService) -> FastAPI:
 
     async def body_of(request: Request) -> bytes:
         """The request body, decompressed, within the size limit. A body over the limit is refused with
-        `BodyTooLarge`, which keeps its first `max_body_bytes` (they name the request's model and seq_id)."""
+        `BodyTooLarge`, which keeps its beginning (it names the request's model and seq_id)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             raise BodyTooLarge(

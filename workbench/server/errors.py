@@ -5,7 +5,9 @@ Two kinds of failure reach a client:
 * A request the server cannot take at all (a body that is not valid JSON or protobuf, too large, a
   missing API key, a seq_id reused with other content) is answered at once with an HTTP error status
   and a JSON body `{"error": <message>, "category": "user"}`. The SDK raises it on the spot, with our
-  message in its text (a 400 with an empty body would instead be retried as a proxy hiccup).
+  message in its text (a 400 with an empty body would instead be retried as a proxy hiccup). When
+  the refused request names a served model and a seq_id, that seq_id is taken all the same (by an
+  operation that fails with the same error), since the SDK counted it.
 * An operation that was taken (it holds a `seq_id`, so later operations of the same model can run after
   it) and then fails, in validation or on the engine's worker, resolves its future with
   `{"error": <message>, "category": "user" | "server"}`: the SDK raises `RequestFailedError` with our

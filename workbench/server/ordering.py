@@ -11,6 +11,11 @@ first one last), and it re-sends a request whose response it did not get. So, pe
 * a request whose `seq_id` was already taken, with the same content (same digest), is a retry and gets
   the same request id; with different content it is refused with 409, and nothing changes.
 
+* a request refused before it was taken (its body not valid, too large) still uses its seq_id
+  (`consume`): the client counted it, and the next one must not wait for it;
+* a seq_id more than `RETRY_WINDOW` ahead of the next one is refused, so that nobody can park an
+  unbounded number of requests.
+
 Sampling requests use the same retry rule, without the ordering (each sample is independent).
 """
 
@@ -90,6 +95,8 @@ class Sequencer:
         state.taken[seq_id] = _Taken(digest, entry.request_id)
         for old in [s for s in state.taken if s < seq_id - RETRY_WINDOW]:
             del state.taken[old]
+        while len(state.taken) > RETRY_WINDOW:  # seq_ids sent out of any order: the oldest taken go
+            del state.taken[next(iter(state.taken))]
         if not ordered:
             start(entry)
             return entry.request_id

@@ -45,8 +45,22 @@ from workbench.server.sessions import ClientSession, ServedModel, ServedSampler,
 from workbench.server.wire import ForwardBackwardCall
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
-from workbench.storage.model_folders import TINKER_SCHEME, CheckpointAddress, runs_root
-from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams
+from workbench.storage.model_folders import (
+    TINKER_SCHEME,
+    CheckpointAddress,
+    check_model_id,
+    model_folders,
+    read_model_info,
+    runs_root,
+)
+from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams, check_text
+
+RELEASED_SAMPLERS_KEPT = 10_000
+"""Released sampler ids remembered (for a clearer error than 'no such sampler')."""
+
+CLIENT_RUNS_KEPT = 10_000
+"""Runs remembered as made by a client (their checkpoints stay deletable over HTTP); older ones count as
+the host's, so the table has a bound however many sessions come and go."""
 
 HOST_OWNER = "workbench"
 """The owner the training-run endpoints give the serving session's own runs (and runs found on disk)."""
@@ -129,8 +143,10 @@ class TinkerService:
         self.sessions = SessionTable(engine.config.base_model)
         self.models: dict[str, ServedModel] = {}
         self.samplers: dict[str, ServedSampler] = {}
-        self.released_samplers: set[str] = set()
-        self.ended_runs: dict[str, RunRecord] = {}  # runs of ended sessions: their checkpoints stay listed
+        self.released_samplers: dict[str, None] = {}  # newest last, at most RELEASED_SAMPLERS_KEPT
+        # run id -> the client session that made it, newest last (at most CLIENT_RUNS_KEPT): what a client
+        # may delete over HTTP. The runs themselves are described from their folders once off the engine.
+        self.client_runs: dict[str, str] = {}
         self._creations: dict[str, tuple[str, PendingResult]] = {}  # model id -> (request digest, entry)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -156,7 +172,15 @@ class TinkerService:
         a run's folder by its run, and the runs root, the base model's folder and the home folder by what
         they are, so that no answer tells a client where things are on this machine."""
         runs = {run_id: self.engine.model_status(run_id).model_dir for run_id in self.engine.model_ids()}
-        runs.update({run_id: record.model_dir for run_id, record in self.ended_runs.items()})
+        root = str(runs_root())
+        for kind, segment in (("state", "weights"), ("sampler", "sampler_weights")):
+            folder = (
+                re.escape(root)
+                + r"/([A-Za-z0-9][A-Za-z0-9._:-]*)/"
+                + checkpoint_store.kind_dir(Path(), kind).name
+            )
+            text = re.sub(folder + r"/([A-Za-z0-9._-]+)", rf"tinker://\1/{segment}/\2", text)
+        text = re.sub(re.escape(root) + r"/([A-Za-z0-9][A-Za-z0-9._:-]*)", r"tinker://\1", text)
         for run_id, model_dir in sorted(runs.items(), key=lambda item: -len(str(item[1]))):
             for kind, segment in (("state", "weights"), ("sampler", "sampler_weights")):
                 folder = re.escape(str(checkpoint_store.kind_dir(model_dir, kind)))
@@ -207,7 +231,7 @@ class TinkerService:
         engine's removals (they run after the operations already queued)."""
         if session.ended is not None:
             return []
-        session.ended = why
+        self.sessions.end(session, why)
         for sampler_id in session.samplers:
             self._release_sampler(sampler_id)
         served = [self.models.pop(model_id) for model_id in session.models if model_id in self.models]
@@ -217,9 +241,6 @@ class TinkerService:
         for model_id in [m for m in self._creations if m.startswith(f"{session.session_id}:")]:
             del self._creations[model_id]
         policy_runs = {m.run_id for m in served if m.role is Role.POLICY}
-        for run_id in policy_runs:
-            with contextlib.suppress(ValueError):  # its creation failed: there is no run to remember
-                self.ended_runs[run_id] = self._run_record(run_id, owner=session.session_id)
         removals = [
             self.engine.delete_critic(m.run_id)
             for m in served
@@ -239,8 +260,10 @@ class TinkerService:
                 await asyncio.wrap_future(removal.future())
 
     def expire_silent_sessions(self) -> None:
+        """End sessions that stopped heartbeating, and forget those that ended a while ago."""
         for session in self.sessions.silent_for(self.config.session_timeout_s):
             self.end_session(session, f"expired: no heartbeat for {self.config.session_timeout_s:g} s")
+        self.sessions.forget_ended()
 
     # ------------------------------------------------------------------------------------------ models
 
@@ -313,6 +336,10 @@ class TinkerService:
             return
         self.models[model.model_id] = model
         session.models.append(model.model_id)
+        if model.role is Role.POLICY:
+            self.client_runs[model.run_id] = session.session_id
+            for old in list(self.client_runs)[:-CLIENT_RUNS_KEPT]:
+                del self.client_runs[old]
 
     def get_info(self, request: schemas.GetInfoRequest) -> dict[str, Any]:
         try:
@@ -517,7 +544,13 @@ class TinkerService:
         sampler = self.samplers.pop(sampler_id, None)
         self.sequencer.forget(sampler_id)
         if sampler is not None:
-            self.released_samplers.add(sampler_id)
+            self.released_samplers[sampler_id] = None
+            for old in list(self.released_samplers)[:-RELEASED_SAMPLERS_KEPT]:
+                del self.released_samplers[old]
+            with contextlib.suppress(RequestError):  # its session is already forgotten
+                owner = self.sessions.find(sampler.session_id)
+                if owner.ended is None and sampler_id in owner.samplers:
+                    owner.samplers.remove(sampler_id)  # a live session lists the samplers still pinned
             self.engine.release_sampler(sampler.pin)
 
     def sampler(self, sampler_id: str) -> ServedSampler:
@@ -618,19 +651,47 @@ class TinkerService:
         run_id = model.run_id if model is not None else training_run_id
         return run_id if run_id in self.engine.model_ids() else None
 
+    def _stored_run(self, run_id: str) -> RunRecord | None:
+        """A run off the engine, described by its folder under the runs root (its run.json): a run whose
+        session ended, or one from before this server started. The runs folder is the record, so the
+        listings survive a restart and hold nothing in memory per ended run."""
+        try:
+            model_dir = runs_root() / check_model_id(run_id)
+        except ValueError:
+            return None  # not a run id: no folder to look at
+        try:
+            info = read_model_info(model_dir)
+            if info is None:
+                return None
+            metadata = info.get("user_metadata") or {}
+            return RunRecord(
+                model_dir=model_dir,
+                owner=self.client_runs.get(run_id, HOST_OWNER),
+                lora_rank=int(info["lora"]["rank"]),
+                last_request=float(info["created_at"]),
+                created_at=float(info["created_at"]),
+                user_metadata={
+                    check_text(str(k), "key"): check_text(str(v), "value") for k, v in metadata.items()
+                },
+            )
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError, AttributeError) as error:
+            log.warning("model folder %s cannot be described: %s", run_id, error)
+            return None
+
     def _known_run(self, training_run_id: str) -> str:
-        """A run on the engine, or one whose session ended (its files stay); 404 otherwise."""
+        """A run on the engine, or one in the runs folder (its files stay); 404 otherwise."""
         run_id = self._live_run(training_run_id)
         if run_id is not None:
             return run_id
-        if training_run_id in self.ended_runs:
+        if self._stored_run(training_run_id) is not None:
             return training_run_id
         raise RequestError(f"no training run {training_run_id!r} on this server", 404)
 
     def _run_checkpoints(self, run_id: str) -> list[CheckpointInfo]:
         if run_id in self.engine.model_ids():
             return self.engine.list_checkpoints(run_id)
-        return checkpoint_store.list_checkpoints(self.ended_runs[run_id].model_dir)
+        stored = self._stored_run(run_id)
+        return [] if stored is None else checkpoint_store.list_checkpoints(stored.model_dir)
 
     def checkpoint_json(self, run_id: str, info: CheckpointInfo) -> dict[str, Any]:
         address = CheckpointAddress(run_id, info.kind, info.name)
@@ -664,7 +725,9 @@ class TinkerService:
 
     def training_run(self, training_run_id: str) -> dict[str, Any]:
         run_id = self._known_run(training_run_id)
-        record = self._run_record(run_id) if run_id in self.engine.model_ids() else self.ended_runs[run_id]
+        record = self._run_record(run_id) if run_id in self.engine.model_ids() else self._stored_run(run_id)
+        if record is None:
+            raise RequestError(f"no training run {training_run_id!r} on this server", 404)
         checkpoints = self._run_checkpoints(run_id)
         last = {kind: [c for c in checkpoints if c.kind == kind] for kind in ("state", "sampler")}
         return {
@@ -684,8 +747,12 @@ class TinkerService:
 
     def _all_runs(self) -> list[str]:
         """Every run the server knows, newest first."""
-        created = {run_id: self.engine.model_status(run_id).created_at for run_id in self.engine.model_ids()}
-        created.update({run_id: run.created_at for run_id, run in self.ended_runs.items()})
+        live = self.engine.model_ids()
+        created = {run_id: self.engine.model_status(run_id).created_at for run_id in live}
+        for run_id in model_folders({}):
+            stored = None if run_id in created else self._stored_run(run_id)
+            if stored is not None:
+                created[run_id] = stored.created_at
         return sorted(created, key=created.__getitem__, reverse=True)
 
     def _listed_run(self, run_id: str) -> dict[str, Any] | None:
@@ -727,7 +794,7 @@ class TinkerService:
             raise RequestError(str(error)) from None
 
     def checkpoint_folder(self, address: CheckpointAddress) -> Path:
-        known = self.ended_runs.get(address.run_id)
+        known = None if address.run_id in self.engine.model_ids() else self._stored_run(address.run_id)
         try:
             if known is not None:
                 return checkpoint_store.require_checkpoint_folder(
@@ -739,11 +806,7 @@ class TinkerService:
 
     def _made_by_a_client(self, run_id: str) -> bool:
         """Whether a client session made the run (over HTTP), rather than this server's own session."""
-        model = self.models.get(run_id)
-        if model is not None:
-            return True
-        ended = self.ended_runs.get(run_id)
-        return ended is not None and ended.owner != HOST_OWNER
+        return run_id in self.models or run_id in self.client_runs
 
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
         """Delete a checkpoint of a run a client session made. Every client holds the same key (one
@@ -758,9 +821,10 @@ class TinkerService:
                 "client: its checkpoints cannot be deleted over HTTP",
                 403,
             )
-        ended = self.ended_runs.get(address.run_id)
-        if ended is not None:  # no operation of the run is left to race
-            checkpoint_store.delete(ended.model_dir, address.name, address.kind)
+        if address.run_id not in self.engine.model_ids():  # no operation of the run is left to race
+            stored = self._stored_run(address.run_id)
+            if stored is not None:
+                checkpoint_store.delete(stored.model_dir, address.name, address.kind)
             return
         removal = self.engine.delete_checkpoint(address.run_id, address.name, address.kind)
         await asyncio.wrap_future(removal.future())

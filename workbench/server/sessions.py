@@ -53,6 +53,15 @@ class ClientSession:
     models: list[str] = field(default_factory=list)  # the served model ids it created, oldest first
     samplers: list[str] = field(default_factory=list)
     ended: str | None = None  # why it ended: "finished: success", "expired", ...
+    ended_at: float | None = None  # time.monotonic() when it ended
+
+
+ENDED_SESSIONS_KEPT_S = 600.0
+"""How long an ended session is remembered (so that a late heartbeat gets 410, which stops the SDK's
+heartbeat loop, rather than 404); then it is forgotten, so the table holds only recent sessions."""
+
+MAX_ENDED_SESSIONS = 10_000
+"""The most ended sessions remembered at once, however fast sessions come and go."""
 
 
 class SessionTable:
@@ -83,6 +92,23 @@ class SessionTable:
 
     def heartbeat(self, session_id: str) -> None:
         self.get(session_id).last_heartbeat = time.monotonic()
+
+    def end(self, session: ClientSession, why: str) -> None:
+        session.ended, session.ended_at = why, time.monotonic()
+
+    def forget_ended(self, now: float | None = None) -> None:
+        """Forget sessions that ended more than `ENDED_SESSIONS_KEPT_S` ago, and the oldest ended ones
+        beyond `MAX_ENDED_SESSIONS`."""
+        now = time.monotonic() if now is None else now
+        ended = [s for s in self._sessions.values() if s.ended_at is not None]
+        ended.sort(key=lambda s: s.ended_at or 0.0)
+        for position, session in enumerate(ended):
+            old = now - (session.ended_at or 0.0) > ENDED_SESSIONS_KEPT_S
+            if old or position < len(ended) - MAX_ENDED_SESSIONS:
+                del self._sessions[session.session_id]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
 
     def live(self) -> list[ClientSession]:
         return [s for s in self._sessions.values() if s.ended is None]
