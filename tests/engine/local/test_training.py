@@ -120,18 +120,32 @@ def test_only_lora_parameters_change(tiny: wb.Session) -> None:
 
 
 def test_gradient_accumulation_equals_one_big_batch() -> None:
+    """One batch, two halves or eight single datums: the same accumulated gradient, and the same weights
+    after two optimizer steps, up to float rounding.
+
+    Summing in another order changes the last bits of the gradient, and Adam divides each update by the
+    gradient's own size, so a parameter whose gradient is small moves by a relatively larger amount: with
+    another seed an element differed by 1.6e-6 (1.4e-4 relative) after two steps of lr 1e-2. The weights
+    are therefore compared to 1e-5, a thousandth of a step, and the gradients, which the lesson is about,
+    as the micro-batch test compares them."""
     data = ragged_ce_batch(seed=1, count=8, min_len=4, max_len=40, vocab=900)
-    results = []
+    gradients = []
+    weights = []
     for split in ([data], [data[:4], data[4:]], [[d] for d in data]):
         with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
-            for _ in range(2):
+            for step in range(2):
                 for part in split:
                     sess.policy.forward_backward(part, "cross_entropy")
+                if step == 1:
+                    gradients.append(_grads(sess))
                 sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-            results.append(_params(sess))
-    for other in results[1:]:
-        for name, tensor in results[0].items():
-            torch.testing.assert_close(other[name], tensor, atol=1e-6, rtol=0)
+            weights.append(_params(sess))
+    for other in gradients[1:]:
+        for name, gradient in gradients[0].items():
+            torch.testing.assert_close(other[name], gradient, atol=1e-5, rtol=1e-4)
+    for other in weights[1:]:
+        for name, tensor in weights[0].items():
+            torch.testing.assert_close(other[name], tensor, atol=1e-5, rtol=0)
 
 
 def test_microbatch_split_equals_one_pass_and_keeps_input_order() -> None:
