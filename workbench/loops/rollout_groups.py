@@ -21,14 +21,8 @@ from typing import Any
 
 from workbench.loops.advantages import group_relative_advantages
 from workbench.loops.rollouts import policy_datum
-from workbench.types import (
-    Datum,
-    ForwardBackwardOutput,
-    ModelInput,
-    SampledSequence,
-    SampleResponse,
-    to_model_input,
-)
+from workbench.sdk_conversion import to_model_input
+from workbench.types import Datum, ForwardBackwardOutput, ModelInput, SampledSequence, SampleResponse
 
 
 def _finite_list(name: str, values: Sequence[float], n: int) -> list[float]:
