@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env demo test lint test-unit test-notebooks lab bench browser screenshot
+.PHONY: env demo test lint test-unit test-notebooks lab bench browser screenshot skyrl-env test-skyrl
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,24 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 env: $(STAMP)
+
+# SkyRL's Tinker server (the remote-engine tests run against it) in its own Python 3.12 environment,
+# made with uv: its server relaunches itself through `uv run`. The JAX backend needs no GPU, but peft
+# (which it imports) pulls PyPI's CUDA build of torch: about 6 GB, installed in about 2 minutes.
+SKYRL := .cache/skyrl
+SKYRL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) $(shell command -v python3.12))
+$(SKYRL)/.installed:
+	$(PYTHON) -m venv $(SKYRL)/uv
+	$(SKYRL)/uv/bin/pip install --quiet uv==0.13.9
+	$(SKYRL)/uv/bin/uv venv --quiet --allow-existing --python $(SKYRL_PYTHON) $(SKYRL)/.venv
+	$(SKYRL)/uv/bin/uv pip install --quiet --python $(SKYRL)/.venv/bin/python 'skyrl[tinker,jax]==0.4.0' aiohttp
+	touch $(SKYRL)/.installed
+
+skyrl-env: $(SKYRL)/.installed
+
+# The remote-session suite against SkyRL's server (and `workbench serve`); about N minutes on 2 cores.
+test-skyrl: env skyrl-env
+	$(BIN)/python -m pytest -q tests/test_remote_engine.py
 
 demo: env
 	$(BIN)/python -m workbench.demo

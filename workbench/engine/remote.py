@@ -30,6 +30,7 @@ import dataclasses
 import threading
 import time
 import typing
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,10 +42,13 @@ import torch
 from tinker import types as sdk
 from transformers import PreTrainedTokenizerBase
 
+from workbench.engine.client_metrics import with_client_metrics
 from workbench.engine.config import EngineConfig, SessionConfig
 from workbench.engine.interface import CustomLossFn, Restore, RunStatus, SamplerPin
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
+from workbench.engine.sequence_id_relay import SequenceIdRelay
+from workbench.engine.server_profiles import identify_server
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
@@ -92,6 +96,10 @@ class RemoteUnsupportedError(ValueError):
 
 class EngineUnreachableError(ConnectionError):
     """The service did not answer: at connect, or while an operation waited for its result."""
+
+
+class RemoteProtocolError(RuntimeError):
+    """The SDK failed inside on what the service answered: the two speak different protocol versions."""
 
 
 @dataclasses.dataclass
@@ -188,16 +196,24 @@ class RemoteEngine:
         why = self._answers()
         if why is not None:
             raise EngineUnreachableError(f"no Tinker service answers at {self._url}: {why}")
-        self._service = tinker.ServiceClient(base_url=self._url, api_key=api_key)
+        self._profile = identify_server(self._url)
+        # the SDK talks to a service that sends no sequence ids through a relay that makes them up
+        self._relay = None if self._profile.sends_sequence_ids else SequenceIdRelay(self._url)
+        self._sdk_url = self._url if self._relay is None else self._relay.url
+        self._service = tinker.ServiceClient(base_url=self._sdk_url, api_key=api_key)
         self._rest: tinker.RestClient | None = None
         capabilities = self._wait_here(
             "get_server_capabilities", self._rest_client().get_server_capabilities()
         )
         served = [model.model_name for model in capabilities.supported_models if model.model_name]
         if base_model not in served:
+            if self._relay is not None:
+                self._relay.close()
             raise RemoteUnsupportedError(f"the engine at {self._url} serves {served}, not {base_model!r}")
         listed = (capabilities.model_extra or {}).get("supported_loss_fns")
-        self._losses = tuple(SDK_LOSSES if listed is None else [n for n in listed if n in SDK_LOSSES])
+        if listed is None:
+            listed = self._profile.losses or SDK_LOSSES
+        self._losses = tuple(n for n in listed if n in SDK_LOSSES)
         model = next(m for m in capabilities.supported_models if m.model_name == base_model)
         self._max_length = model.max_context_length or 0
         self._config = EngineConfig(base_model=base_model, seed=seed, device=self._url, dtype="remote")
@@ -246,6 +262,7 @@ class RemoteEngine:
             hidden_size=0,
             num_layers=0,
             max_length=self._max_length,
+            logits_from_hidden_states=False,  # not reported; nothing here computes logits
         )
 
     @property
@@ -296,6 +313,15 @@ class RemoteEngine:
                     ) from None
             except (tinker.APIError, tinker.RequestFailedError) as error:
                 raise RuntimeError(f"{what} failed on the engine at {self._url}: {error}") from error
+            except (EngineUnreachableError, SessionClosedError):
+                raise
+            except Exception as error:  # the SDK's own checks of what the service answered
+                raise RemoteProtocolError(
+                    f"{what} failed inside the tinker SDK {tinker.__version__} on what {self._profile.name} "
+                    f"at {self._url} answered ({type(error).__name__}: {error}): the service speaks another "
+                    "version of the protocol. Run the service with a matching tinker version, or serve the "
+                    "model with `workbench serve`; the operation is not in the history"
+                ) from error
 
     def _submit(self, send: Callable[[], Any], finish: Callable[[Any], T]) -> APIFuture[T]:
         """Hand an operation to the SDK (`send`, in this thread) and await it on the worker, where
@@ -343,6 +369,13 @@ class RemoteEngine:
         """Add a LoRA training run on the service; resolves to this engine's id for it (default: a fresh
         run id, whose local folder, for the history and W&B files, is `<runs root>/<model id>`)."""
         model_id = model_id or new_run_id(self._config.base_model)
+        layout = self._profile.adapter_layout
+        ignored = [] if layout is None else layout.differences(lora)
+        if ignored:
+            raise RemoteUnsupportedError(
+                f"{self._profile.name} at {self._url} would not build the adapter asked for: "
+                f"{', '.join(ignored)}; pass a LoraConfig with those values"
+            )
         if model_id in self._runs:
             raise ValueError(f"a model {model_id!r} already exists on this engine")
         folder = (Path(run_dir) if run_dir is not None else runs_root() / model_id).absolute()
@@ -350,15 +383,7 @@ class RemoteEngine:
         init_seed = lora.seed if lora.seed is not None else seed
 
         def send() -> Any:
-            return self._service.create_lora_training_client(
-                base_model=self._config.base_model,
-                rank=lora.rank,
-                seed=init_seed,
-                train_mlp=lora.train_mlp,
-                train_attn=lora.train_attn,
-                train_unembed=lora.train_unembed,
-                user_metadata=metadata or None,
-            )
+            return self._create_client(lora, init_seed, metadata)
 
         def finish(created: Any) -> str:
             client = self._wait("create_model", created)
@@ -369,6 +394,18 @@ class RemoteEngine:
             return model_id
 
         return self._submit(send, finish)
+
+    def _create_client(self, lora: LoraConfig, seed: int, metadata: Mapping[str, str]) -> Any:
+        """The SDK's future of a new LoRA training client on the service."""
+        return self._service.create_lora_training_client(
+            base_model=self._config.base_model,
+            rank=lora.rank,
+            seed=seed,
+            train_mlp=lora.train_mlp,
+            train_attn=lora.train_attn,
+            train_unembed=lora.train_unembed,
+            user_metadata=dict(metadata) or None,
+        )
 
     def create_critic(self, model_id: str, lora: LoraConfig | None = None) -> APIFuture[None]:
         raise RemoteUnsupportedError(
@@ -438,7 +475,8 @@ class RemoteEngine:
     ) -> APIFuture[ForwardBackwardOutput]:
         run = self._policy(model_id, role, op)
         self._check_loss(loss_fn)
-        datums = [_to_sdk_datum(to_datum(d)) for d in data]
+        converted = [to_datum(d) for d in data]
+        datums = [_to_sdk_datum(d) for d in converted]
         if not datums:
             raise ValueError(f"{op} needs at least one datum")
         config = None if loss_fn_config is None else {k: float(v) for k, v in loss_fn_config.items()}
@@ -446,6 +484,10 @@ class RemoteEngine:
 
         def finish(sent: Any) -> ForwardBackwardOutput:
             output = _from_sdk_output(self._wait(op, sent))
+            metrics = self._profile.rename_metrics(output.metrics)
+            output = dataclasses.replace(
+                output, metrics=with_client_metrics(metrics, output.loss_fn_outputs, converted)
+            )
             if op == "forward_backward":
                 run.pending_backward_calls += 1
             self._record(op, POLICY_LABEL, run.step, output.metrics)
@@ -500,7 +542,9 @@ class RemoteEngine:
 
         def finish(sent: Any) -> OptimStepResponse:
             response = self._wait("optim_step", sent)
-            metrics = {key: float(value) for key, value in (response.metrics or {}).items()}
+            metrics = self._profile.rename_metrics(
+                {key: float(value) for key, value in (response.metrics or {}).items()}
+            )
             run.step += 1
             run.weights_version += 1
             run.pending_backward_calls = 0
@@ -628,7 +672,11 @@ class RemoteEngine:
             return SampleResponse(
                 sequences=sequences,
                 weights_version=held.pin.version,
-                prompt_logprobs=response.prompt_logprobs if include_prompt_logprobs else None,
+                prompt_logprobs=(
+                    self._profile.aligned_prompt_logprobs(response.prompt_logprobs, model_input.length)
+                    if include_prompt_logprobs
+                    else None
+                ),
             )
 
         return self._submit(send, finish)
@@ -667,7 +715,9 @@ class RemoteEngine:
             sent = sampler().client.compute_logprobs(
                 model_input, prompt_logprobs_last_n=prompt_logprobs_last_n
             )
-            return list(self._wait("compute_logprobs", sent))
+            return self._profile.aligned_prompt_logprobs(
+                self._wait("compute_logprobs", sent), model_input.length
+            )
 
         return self._submit(lambda: None, finish)
 
@@ -740,28 +790,53 @@ class RemoteEngine:
         )
 
     def load_state(self, model_id: str, path: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
-        """Load a `tinker://` state checkpoint on the service: the weights (`Restore.WEIGHTS`), or the
-        weights and optimizer state (otherwise; what else a checkpoint holds is the service's to
-        restore). The weights version moves on by one; the step becomes the saved one when this
-        engine saved the checkpoint."""
+        """Load a `tinker://` state checkpoint into a new model on the service, which the run continues
+        on: the weights (`Restore.WEIGHTS`, with a fresh optimizer state), or the weights and optimizer
+        state (otherwise). Tinker services accept a load only as a model's first request (SkyRL,
+        hosted Tinker), so the new model is created and loaded here, in the caller's thread, before
+        any later operation is sent; a failed load leaves the run on its model, unchanged. The model it
+        was on is freed where the service offers a way, after the operations queued on it. The weights
+        version moves on by one; the step becomes the saved one when this engine saved the checkpoint
+        and the optimizer state is restored. The history's `load_state` event names both models."""
         run = self._run(model_id)
         tinker_path = self._tinker_path(path, "load_state")
-        method = run.client.load_state if restore is Restore.WEIGHTS else run.client.load_state_with_optimizer
+        with self._submitting:
+            self.check_open()
+            client = self._wait("load_state", self._create_client(run.lora, run.seed, run.user_metadata))
+            load = client.load_state if restore is Restore.WEIGHTS else client.load_state_with_optimizer
+            try:
+                with warnings.catch_warnings():  # SDK 0.38 would have a load create the model; SkyRL
+                    warnings.simplefilter("ignore", FutureWarning)  # refuses that, and the two-step way works
+                    sent = load(tinker_path)
+                self._wait("load_state", sent)
+            except Exception:
+                self._profile.free_models(self._url, [client.model_id])
+                raise
+            replaced, run.client, run.remote_id = run.remote_id, client, client.model_id
 
-        def finish(sent: Any) -> LoadWeightsResponse:
-            self._wait("load_state", sent)
+        def finish(_: Any) -> LoadWeightsResponse:
             run.weights_version += 1
+            run.pending_backward_calls = 0
             if restore is not Restore.WEIGHTS:
                 run.step = run.saved_steps.get(tinker_path, run.step)
-                run.pending_backward_calls = 0
-            self._record("load_state", POLICY_LABEL, run.step, {})
+            self._record(
+                "load_state",
+                POLICY_LABEL,
+                run.step,
+                {"new_server_model": 1.0, "optimizer_restored": float(restore is not Restore.WEIGHTS)},
+            )
+            self._history.event(
+                "load_state",
+                {"path": tinker_path, "restore": restore.value, "model": run.remote_id, "replaced": replaced},
+            )
+            self._profile.free_models(self._url, [replaced])
             return LoadWeightsResponse(path=tinker_path)
 
-        return self._submit(lambda: method(tinker_path), finish)
+        return self._submit(lambda: None, finish)
 
     def _rest_client(self) -> tinker.RestClient:
         if self._rest is None:
-            self._rest = tinker.RestClient(base_url=self._url, api_key=self._api_key)
+            self._rest = tinker.RestClient(base_url=self._sdk_url, api_key=self._api_key)
         return self._rest
 
     def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]:
@@ -834,11 +909,13 @@ class RemoteEngine:
         raise RemoteUnsupportedError(f"there is no local torch model: it lives on the engine at {self._url}")
 
     def close(self) -> None:
-        """Finish the queued operations, then end the SDK session (the service frees its models).
-        Safe to call again."""
+        """Finish the queued operations, free the runs' models where the service offers a way, then
+        end the SDK session (a service that frees its models with the session does so then). Safe to
+        call again."""
         if self._worker.closed:
             return
         self._worker.close()
+        self._profile.free_models(self._url, [run.remote_id for run in self._runs.values()])
         for sink in list(self._history.sinks):
             sink.close()
         self._history.sinks.clear()
@@ -846,6 +923,8 @@ class RemoteEngine:
         self._runs.clear()
         with contextlib.suppress(Exception):  # a service that is gone has nothing left to free
             self._service.close("success").result(timeout=HEALTH_TIMEOUT_S)
+        if self._relay is not None:
+            self._relay.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._runs)} model(s)"
