@@ -44,9 +44,10 @@ $(SKYRL)/.installed:
 
 skyrl-env: $(SKYRL)/.installed
 
-# The remote-session suite against SkyRL's server (and `workbench serve`); about N minutes on 2 cores.
+# The remote-session suite against SkyRL's server (tests/test_remote_engine.py, marked skyrl; the same
+# suite against `workbench serve` runs in test-unit, which also runs these once skyrl-env is installed).
 test-skyrl: env skyrl-env
-	$(BIN)/python -m pytest -q tests/test_remote_engine.py
+	$(BIN)/python -m pytest -q -m skyrl tests/test_remote_engine.py
 
 demo: env
 	$(BIN)/python -m workbench.demo

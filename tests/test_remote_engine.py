@@ -12,6 +12,7 @@ quickly, and the history keeps only the operations that completed.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import signal
 import socket
@@ -26,9 +27,11 @@ import numpy as np
 import pytest
 
 import workbench as wb
+from workbench.engine.client_metrics import with_client_metrics
 from workbench.engine.interface import EngineInterface
 from workbench.engine.remote import SDK_LOSSES
-from workbench.engine.sequence_id_relay import MADE_UP_ID_PREFIX
+from workbench.engine.sequence_id_relay import MADE_UP_ID_PREFIX, with_sequence_ids
+from workbench.engine.server_profiles import SKYRL, TINKER_PROTOCOL
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA = wb.LoraConfig(rank=4, train_unembed=False)  # what SkyRL builds: attention and MLP, alpha 32
@@ -434,3 +437,54 @@ def test_custom_loss_matches_a_local_session(server: Server) -> None:
             after = sess.policy.forward([datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
             results.append((out.metrics["custom"], out.metrics["loss:sum"], after))
     assert results[1] == pytest.approx(results[0], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- the adapters
+
+
+def test_relay_adds_marked_sequence_ids_only_where_the_server_sent_none() -> None:
+    request = json.dumps({"num_samples": 3, "seq_id": 1}).encode()
+    older = json.loads(
+        with_sequence_ids(request, json.dumps({"request_id": "7", "status": "pending"}).encode())
+    )
+    ids = older["sample_sequence_ids"]
+    assert len(ids) == len(set(ids)) == 3 and all(i.startswith(MADE_UP_ID_PREFIX) for i in ids)
+    assert older["request_id"] == "7"
+    issued = json.dumps({"request_id": "8", "sample_sequence_ids": ["s1", "s2", "s3"]}).encode()
+    assert with_sequence_ids(request, issued) == issued
+
+
+def test_client_metrics_from_elementwise_loss_and_weights() -> None:
+    """loss:sum = Σ elementwise_loss; num_tokens:sum counts non-zero weights (else advantages)."""
+    data = [
+        datum(TOKENS[0]),
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={
+                "target_tokens": [2, 3, 4],
+                "logprobs": [0.0] * 3,
+                "advantages": [0.0, 0.5, -0.5],
+            },
+        ),
+    ]
+    outputs = [
+        {"elementwise_loss": wb.TensorData.from_numpy(np.array([0.5] * 6, dtype=np.float32))},
+        {"elementwise_loss": wb.TensorData.from_numpy(np.array([0.0, 1.25, -0.25], dtype=np.float32))},
+    ]
+    assert with_client_metrics({}, outputs, data) == {"loss:sum": 4.0, "num_tokens:sum": 8.0}
+    sent = {"loss:sum": 9.0, "num_tokens:sum": 1.0, "ratio:mean": 1.0}
+    assert with_client_metrics(sent, outputs, data) == sent  # what the server sent is kept
+
+
+def test_skyrl_profile() -> None:
+    assert SKYRL.rename_metrics({"skyrl.ai/grad_norm": 2.0, "skyrl.ai/learning_rate": 0.1}) == {
+        "grad_norm": 2.0
+    }
+    assert SKYRL.aligned_prompt_logprobs([-1.0, -2.0], 3) == [None, -1.0, -2.0]
+    assert TINKER_PROTOCOL.aligned_prompt_logprobs([None, -1.0, -2.0], 3) == [None, -1.0, -2.0]
+    assert SKYRL.adapter_layout is not None
+    assert SKYRL.adapter_layout.differences(LORA) == []
+    assert SKYRL.adapter_layout.differences(wb.LoraConfig(rank=4, alpha=16.0)) == [
+        "alpha=16.0 (it builds 32.0)",
+        "train_unembed=True (it builds False)",
+    ]
