@@ -192,6 +192,25 @@ def test_sample(remote_url: Served) -> None:
         assert [row["op"] for row in sess.history.rows] == ["sample", "sample"]
 
 
+def test_sdk_failures_name_the_engine_and_the_operation(remote_url: Served) -> None:
+    """A check inside SDK 0.38 that fails on what an older server answered (SkyRL ignores
+    `prompt_logprobs_last_n` and scores the whole prompt) becomes a RemoteProtocolError naming the
+    server, the operation and what to do; the session goes on."""
+    with connect(remote_url) as sess:
+        sampler = sess.sampling_client(base=True)
+        prompt = wb.ModelInput.from_ints([*PROMPT, 11, 3])
+        if remote_url.engine == "skyrl":
+            with pytest.raises(
+                wb.RemoteProtocolError, match="compute_logprobs failed inside the tinker SDK"
+            ) as error:
+                sampler.compute_logprobs(prompt, prompt_logprobs_last_n=1).result()
+            assert "SkyRL's Tinker server" in str(error.value) and "workbench serve" in str(error.value)
+        else:
+            scored = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=1).result()
+            assert scored[:-1] == [None] * 4 and scored[-1] is not None
+        assert len(sampler.compute_logprobs(prompt).result()) == 5
+
+
 def test_rl_loop(remote_url: Served) -> None:
     """sample -> reward -> importance_sampling -> optim_step, 3 steps, with `loss:sum` in the history."""
     with connect(remote_url) as sess:
@@ -228,6 +247,7 @@ def test_save_and_load_state(remote_url: Served) -> None:
         assert remote_after != remote_before
         loads = [row for row in sess.history.rows if row["op"] == "load_state"]
         assert [(r["step"], r["new_server_model"], r["optimizer_restored"]) for r in loads] == [(1, 1.0, 1.0)]
+        assert [c.tinker_path for c in sess.list_checkpoints()] == [saved.path]  # the earlier model's too
         # the run goes on training on the loaded model
         sess.policy.forward_backward([datum(TOKENS[0])], "cross_entropy").result()
         sess.policy.optim_step({"learning_rate": 1e-2}).result()
@@ -235,6 +255,8 @@ def test_save_and_load_state(remote_url: Served) -> None:
         with pytest.raises(RuntimeError, match="load_state"):
             sess.load_state(saved.path.replace("one", "missing"))
         assert sess.engine.remote_model_id(sess.model_id) == remote_after  # a failed load changes nothing
+        sess.delete_checkpoint("one")  # on the model that saved it
+        assert sess.list_checkpoints() == []
 
 
 def test_run_loop_and_panel(remote_url: Served) -> None:

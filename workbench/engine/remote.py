@@ -118,6 +118,7 @@ class _RemoteRun:
     weights_version: int = 0
     pending_backward_calls: int = 0
     saved_steps: dict[str, int] = dataclasses.field(default_factory=dict)  # tinker path -> step
+    earlier_remote_ids: list[str] = dataclasses.field(default_factory=list)  # models left by load_state
 
 
 @dataclasses.dataclass
@@ -813,6 +814,7 @@ class RemoteEngine:
                 self._profile.free_models(self._url, [client.model_id])
                 raise
             replaced, run.client, run.remote_id = run.remote_id, client, client.model_id
+            run.earlier_remote_ids.append(replaced)
 
         def finish(_: Any) -> LoadWeightsResponse:
             run.weights_version += 1
@@ -840,12 +842,17 @@ class RemoteEngine:
         return self._rest
 
     def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]:
-        """The run's checkpoints on the service, oldest first (`tinker_path` names each; `path` is its
-        checkpoint id, since there is no local folder)."""
+        """The run's checkpoints on the service, those of the models it was on before a `load_state`
+        included, oldest first (`tinker_path` names each; `path` is its checkpoint id, since there is
+        no local folder)."""
         run = self._run(model_id)
-        listed = self._wait_here(
-            "list_checkpoints", self._rest_client().list_checkpoints(training_run_id=run.remote_id)
-        )
+        listed = [
+            checkpoint
+            for remote_id in [*run.earlier_remote_ids, run.remote_id]
+            for checkpoint in self._wait_here(
+                "list_checkpoints", self._rest_client().list_checkpoints(training_run_id=remote_id)
+            ).checkpoints
+        ]
         infos = [
             CheckpointInfo(
                 name=checkpoint.checkpoint_id.rsplit("/", 1)[-1],
@@ -858,7 +865,7 @@ class RemoteEngine:
                 user_metadata=checkpoint.user_metadata,
                 tinker_path=checkpoint.tinker_path,
             )
-            for checkpoint in listed.checkpoints
+            for checkpoint in listed
         ]
         return sorted(infos, key=lambda info: info.time)
 
@@ -868,13 +875,16 @@ class RemoteEngine:
         return self._wait(what, future)
 
     def delete_checkpoint(self, model_id: str, name: str, kind: CheckpointKind = "state") -> APIFuture[None]:
-        """Delete one of the run's checkpoints on the service, after the operations queued before."""
+        """Delete one of the run's checkpoints on the service, after the operations queued before (on
+        the model that saved it, when this engine saved it before a `load_state` moved the run)."""
         run = self._run(model_id)
         checkpoint_id = f"{'weights' if kind == 'state' else 'sampler_weights'}/{name}"
+        saved = [path for path in run.saved_steps if path.endswith(f"/{checkpoint_id}")]
+        owner = saved[-1].removeprefix("tinker://").split("/", 1)[0] if saved else run.remote_id
         return self._submit(
             lambda: None,
             lambda _: self._wait(
-                "delete_checkpoint", self._rest_client().delete_checkpoint(run.remote_id, checkpoint_id)
+                "delete_checkpoint", self._rest_client().delete_checkpoint(owner, checkpoint_id)
             ),
         )
 
