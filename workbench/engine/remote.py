@@ -21,6 +21,13 @@ serve, local tensors (`state_digest`, `inspect`, `torch_model`), local checkpoin
 `tinker://` paths name remote checkpoints). A service that stops answering fails each waiting
 operation with `EngineUnreachableError` within `probe_interval_s` plus one health check, rather than
 after the SDK's own minutes of retries; the session stays open for whatever can still work.
+
+Services differ where the protocol does not say: the service is identified at connect
+(`workbench.engine.server_profiles`), and what it does differently is adapted here (sequence ids it
+does not send, `workbench.engine.sequence_id_relay`; metrics it leaves out,
+`workbench.engine.client_metrics`; its metric names) or refused before sending (losses and adapter
+fields it does not honour). `load_state` continues the run on a new model loaded as its first
+request, which every Tinker service accepts; closing frees the runs' models where the service has a way.
 """
 
 from __future__ import annotations
