@@ -14,7 +14,7 @@ LOCK := requirements/dev.lock
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env lock demo test lint test-unit test-notebooks lab bench browser screenshot
+.PHONY: env lock demo test lint test-unit test-notebooks lab bench browser screenshot skyrl-env test-skyrl
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,25 @@ lock: env
 		--output-file $(LOCK) pyproject.toml
 	sed -i 's/^torch==\([^+ ]*\)+cpu$$/torch==\1/' $(LOCK)
 	$(MAKE) test
+
+# SkyRL's Tinker server (the remote-engine tests run against it) in its own Python 3.12 environment,
+# made with uv: its server relaunches itself through `uv run`. The JAX backend needs no GPU, but peft
+# (which it imports) pulls PyPI's CUDA build of torch: about 6 GB, installed in about 2 minutes.
+SKYRL := .cache/skyrl
+SKYRL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) $(shell command -v python3.12))
+$(SKYRL)/.installed:
+	$(PYTHON) -m venv $(SKYRL)/uv
+	$(SKYRL)/uv/bin/pip install --quiet uv==0.13.9
+	$(SKYRL)/uv/bin/uv venv --quiet --allow-existing --python $(SKYRL_PYTHON) $(SKYRL)/.venv
+	$(SKYRL)/uv/bin/uv pip install --quiet --python $(SKYRL)/.venv/bin/python 'skyrl[tinker,jax]==0.4.0' aiohttp
+	touch $(SKYRL)/.installed
+
+skyrl-env: $(SKYRL)/.installed
+
+# The remote-session suite against SkyRL's server (tests/engine/test_remote_engine.py, marked skyrl; the same
+# suite against `workbench serve` runs in test-unit, which also runs these once skyrl-env is installed).
+test-skyrl: env skyrl-env
+	$(BIN)/python -m pytest -q -m skyrl tests/engine/test_remote_engine.py
 
 demo: env
 	$(BIN)/python -m workbench.demo

@@ -77,3 +77,17 @@ def no_wandb_credentials(tmp_path, monkeypatch: pytest.MonkeyPatch):
     wandb.teardown()  # W&B reads its environment once per process setup; start from this one
     yield tmp_path
     wandb.teardown()
+
+
+@pytest.fixture(scope="session")
+def skyrl_server(tmp_path_factory: pytest.TempPathFactory):
+    """SkyRL's Tinker server on the tiny model, started once for the test run (`tests/skyrl_server.py`);
+    skipped where `make skyrl-env` has not installed it."""
+    from tests.skyrl_server import SkyRLServer, skyrl_installed
+    from workbench.engine.model.builtin_models import tiny_base_model_dir
+
+    if not skyrl_installed():
+        pytest.skip("SkyRL's server is not installed: make skyrl-env")
+    server = SkyRLServer(tmp_path_factory.mktemp("skyrl"), tiny_base_model_dir())
+    yield server
+    server.stop()

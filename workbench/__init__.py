@@ -28,7 +28,12 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "workbench.engine.local.checkpoint_files": ("Restore",),
     "workbench.engine.local.engine": ("Engine", "ModelTensors"),
     "workbench.engine.model.trainable_adapter": ("NonFiniteGradientError",),
-    "workbench.engine.remote": ("EngineUnreachableError", "RemoteEngine", "RemoteUnsupportedError"),
+    "workbench.engine.remote": (
+        "EngineUnreachableError",
+        "RemoteEngine",
+        "RemoteProtocolError",
+        "RemoteUnsupportedError",
+    ),
     "workbench.engine.roles": ("Role",),
     "workbench.engine.worker": ("SessionClosedError",),
     "workbench.futures": ("APIFuture", "ReentrantWaitError"),

@@ -1,14 +1,18 @@
-"""A session on a remote engine: `Session.connect` to `workbench serve` in a subprocess, through the
-unmodified `tinker` SDK, against a local session with the same seeds.
+"""A session on a remote engine, `Session.connect`, through the unmodified `tinker` SDK, against two
+servers from one module: `workbench serve` in a subprocess and SkyRL's own Tinker server
+(`skyrl[tinker,jax]==0.4.0`, JAX on the CPU; marked `skyrl`, skipped without `make skyrl-env`).
 
-The same SFT and RL loops give the same losses and samples on both (CPU, fp32); what the remote
-engine cannot do is refused before anything is sent; a server that dies or was never there fails the
-op's future clearly and quickly, and the history keeps only the operations that completed.
+The remote-session suite (train, sample, an RL loop, save/load, the run loop, close) runs against both
+engines (`remote_url`); against `workbench serve`, the SFT and RL loops also give the same losses and
+samples as a local session with the same seeds (CPU, fp32). What the remote engine cannot do is refused
+before anything is sent; a server that dies or was never there fails the op's future clearly and
+quickly, and the history keeps only the operations that completed.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import signal
 import socket
@@ -16,17 +20,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import workbench as wb
 from tests.datums import ce_datum
+from workbench.engine.client_metrics import with_client_metrics
 from workbench.engine.interface import EngineInterface
 from workbench.engine.remote import SDK_LOSSES
+from workbench.engine.sequence_id_relay import MADE_UP_ID_PREFIX, with_sequence_ids
+from workbench.engine.server_profiles import SKYRL, TINKER_PROTOCOL
 
 ROOT = Path(__file__).resolve().parents[2]
-LORA = wb.LoraConfig(rank=4)
+LORA = wb.LoraConfig(rank=4, train_unembed=False)  # what SkyRL builds: attention and MLP, alpha 32
 TOKENS = [[5, 17, 33, 48, 60, 71, 2], [9, 21, 40, 11, 3]]
 PROMPT = [9, 21, 40]
 
@@ -56,6 +65,15 @@ class Server:
         self.process.communicate(timeout=60)
 
 
+@dataclass(frozen=True)
+class Served:
+    """A running server: which one, its URL, and the base model as it names it."""
+
+    engine: str  # "workbench" | "skyrl"
+    url: str
+    base_model: str
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running = Server(tmp_path_factory.mktemp("serve"))
@@ -63,10 +81,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running.stop()
 
 
+@pytest.fixture(scope="module", params=["workbench", pytest.param("skyrl", marks=pytest.mark.skyrl)])
+def remote_url(request: pytest.FixtureRequest) -> Served:
+    """Each server the remote-session suite runs against."""
+    if request.param == "skyrl":
+        skyrl = request.getfixturevalue("skyrl_server")
+        return Served("skyrl", skyrl.url, skyrl.base_model)
+    return Served("workbench", request.getfixturevalue("server").url, "tiny")
+
+
 @pytest.fixture(autouse=True)
 def _environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+
+
+def connect(served: Served, **keywords: object) -> wb.Session:
+    return wb.Session.connect(served.url, base_model=served.base_model, lora=LORA, wandb=False, **keywords)
 
 
 def sft_step(sess: wb.Session, i: int) -> dict[str, float]:
@@ -111,6 +142,190 @@ def rl_loop(sess: wb.Session, steps: int) -> tuple[list[float], list[list[int]]]
 
 def op_rows(history: wb.MetricsHistory) -> list[tuple[str, str, int]]:
     return [(row["op"], row["model"], row["step"]) for row in history.rows]
+
+
+# ---------------------------------------------------------------------------------------------- both engines
+
+
+def test_train(remote_url: Served) -> None:
+    """forward_backward and optim_step train the remote model; the history has `loss:sum` and
+    `num_tokens:sum` (computed here when the server sends none) and `grad_norm` under our name."""
+    with connect(remote_url) as sess:
+        assert sess.base_info.vocab_size == len(sess.tokenizer) > 0
+        losses = []
+        for _ in range(3):
+            out = sess.policy.forward_backward([ce_datum(t) for t in TOKENS], "cross_entropy").result()
+            step = sess.policy.optim_step({"learning_rate": 5e-2}).result()
+            logprobs = np.concatenate([o["logprobs"].array for o in out.loss_fn_outputs])
+            assert out.metrics["loss:sum"] == pytest.approx(-logprobs.sum(), rel=1e-4)
+            assert out.metrics["num_tokens:sum"] == 10
+            assert step.metrics["grad_norm"] > 0 and not any(k.startswith("skyrl") for k in step.metrics)
+            losses.append(out.metrics["loss:sum"])
+        assert losses[2] < losses[0] - 0.1
+        rows = [row for row in sess.history.rows if row["op"] == "forward_backward"]
+        assert [row["loss:sum"] for row in rows] == pytest.approx(losses)
+        assert sess.step == 3 and sess.plot("loss:sum").axes
+
+
+def test_sample(remote_url: Served) -> None:
+    """The policy and the base model sample through SDK 0.38 against either protocol; sequence ids the
+    server did not send are made up here and marked; logprobs agree with compute_logprobs."""
+    with connect(remote_url) as sess:
+        for sampler in (sess.sampling_client(), sess.sampling_client(base=True)):
+            response = sampler.sample(PROMPT, 2, {"max_tokens": 4, "seed": 3, "temperature": 1.0}).result()
+            assert len(response.sequences) == 2
+            for sequence in response.sequences:
+                assert 1 <= len(sequence.tokens) == len(sequence.logprobs) <= 4
+                made_up = sequence.sequence_id.startswith(MADE_UP_ID_PREFIX)
+                assert made_up is (remote_url.engine == "skyrl"), sequence.sequence_id
+            assert len({s.sequence_id for s in response.sequences}) == 2
+            sequence = response.sequences[0]
+            scored = sampler.compute_logprobs(wb.ModelInput.from_ints(PROMPT + sequence.tokens)).result()
+            assert scored[0] is None
+            assert scored[len(PROMPT) :] == pytest.approx(sequence.logprobs, abs=1e-3)
+        assert [row["op"] for row in sess.history.rows] == ["sample", "sample"]
+
+
+def test_sdk_failures_name_the_engine_and_the_operation(remote_url: Served) -> None:
+    """A check inside SDK 0.38 that fails on what an older server answered (SkyRL ignores
+    `prompt_logprobs_last_n` and scores the whole prompt) becomes a RemoteProtocolError naming the
+    server, the operation and what to do; the session goes on."""
+    with connect(remote_url) as sess:
+        sampler = sess.sampling_client(base=True)
+        prompt = wb.ModelInput.from_ints([*PROMPT, 11, 3])
+        if remote_url.engine == "skyrl":
+            with pytest.raises(
+                wb.RemoteProtocolError, match="compute_logprobs failed inside the tinker SDK"
+            ) as error:
+                sampler.compute_logprobs(prompt, prompt_logprobs_last_n=1).result()
+            assert "SkyRL's Tinker server" in str(error.value) and "workbench serve" in str(error.value)
+        else:
+            scored = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=1).result()
+            assert scored[:-1] == [None] * 4 and scored[-1] is not None
+        assert len(sampler.compute_logprobs(prompt).result()) == 5
+
+
+def test_rl_loop(remote_url: Served) -> None:
+    """sample -> reward -> importance_sampling -> optim_step, 3 steps, with `loss:sum` in the history."""
+    with connect(remote_url) as sess:
+        losses, samples = rl_loop(sess, 3)
+        assert len(losses) == 3 and all(np.isfinite(losses)) and len(samples[0]) >= 4
+        backward = [row for row in sess.history.rows if row["op"] == "forward_backward"]
+        assert [row["loss:sum"] for row in backward] == pytest.approx(losses)
+        assert all(row["num_tokens:sum"] > 0 for row in backward)
+        assert sess.step == 3 and sess.policy.weights_version == 3
+
+
+def test_save_and_load_state(remote_url: Served) -> None:
+    """save_state, list_checkpoints, and load_state by tinker:// path: the run continues on a new model
+    holding the saved weights (the load is that model's first request), and the history says so."""
+    with connect(remote_url) as sess:
+        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
+        sess.policy.optim_step({"learning_rate": 1e-2}).result()
+        saved = sess.policy.save_state("one").result()
+        assert saved.path.startswith("tinker://")
+        listed = sess.list_checkpoints()
+        assert [(c.name, c.kind, c.step, c.tinker_path) for c in listed] == [("one", "state", 1, saved.path)]
+        before = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+        remote_before = sess.engine.remote_model_id(sess.model_id)
+        for _ in range(2):
+            sess.policy.forward_backward([ce_datum(TOKENS[1])], "cross_entropy").result()
+            sess.policy.optim_step({"learning_rate": 1e-1}).result()
+        moved = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+        assert abs(moved - before) > 1e-3
+        sess.load_state(saved.path)
+        after = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+        assert after == pytest.approx(before, rel=1e-5)
+        assert sess.step == 1 and sess.policy.weights_version == 4
+        remote_after = sess.engine.remote_model_id(sess.model_id)
+        assert remote_after != remote_before
+        loads = [row for row in sess.history.rows if row["op"] == "load_state"]
+        assert [(r["step"], r["new_server_model"], r["optimizer_restored"]) for r in loads] == [(1, 1.0, 1.0)]
+        assert [c.tinker_path for c in sess.list_checkpoints()] == [saved.path]  # the earlier model's too
+        # the run goes on training on the loaded model
+        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
+        sess.policy.optim_step({"learning_rate": 1e-2}).result()
+        assert sess.step == 2
+        with pytest.raises(RuntimeError, match="load_state"):
+            sess.load_state(saved.path.replace("one", "missing"))
+        assert sess.engine.remote_model_id(sess.model_id) == remote_after  # a failed load changes nothing
+        sess.delete_checkpoint("one")  # on the model that saved it
+        assert sess.list_checkpoints() == []
+
+
+def test_run_loop_and_panel(remote_url: Served) -> None:
+    """The background run loop steps with live settings; the panel's status names the engine's URL."""
+    with connect(remote_url) as sess:
+        run = sess.run(sft_step, 3, adam_params={"learning_rate": 1e-2}, paused=True)
+        run.step()
+        run.wait()
+        run.set(learning_rate=2e-2)
+        run.resume()
+        assert run.wait(300) is wb.RunState.FINISHED, run.traceback
+        steps = [row for row in sess.history.rows if row["op"] == "run_step"]
+        assert len(steps) == 3 and all(np.isfinite(row["loss"]) for row in steps)
+        panel = sess.panel()
+        try:
+            panel.status.refresh()
+            status = panel.status.widget.value
+            assert f'data-field="engine"><b>engine</b> {remote_url.url}' in status
+            assert 'data-field="memory"' not in status
+        finally:
+            panel.close()
+        sample = sess.sampling_client().sample(PROMPT, 1, {"max_tokens": 3, "seed": 0}).result()
+        assert wb.render_sample(sess.tokenizer, sample.sequences[0], wb.ModelInput.from_ints(PROMPT))
+        assert remote_url.url in repr(sess)
+
+
+def test_close_frees_the_servers_models(remote_url: Served) -> None:
+    """Sessions opened and closed one after another never run out of server room: closing frees the
+    models (SkyRL holds 4 adapters here and keeps them until told to unload them)."""
+    for _ in range(5):
+        with connect(remote_url) as sess:
+            sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
+            sess.policy.optim_step({"learning_rate": 1e-2}).result()
+            sess.load_state(sess.policy.save_state("s").result().path)  # a replaced model is freed too
+        assert sess.closed
+
+
+def test_what_the_remote_engine_cannot_do_is_refused_before_sending(remote_url: Served) -> None:
+    with connect(remote_url) as sess:
+        local_only = sorted(set(wb.LOSSES) - set(sess.engine.losses))
+        assert local_only  # the local engine has losses this server cannot run
+        if remote_url.engine == "skyrl":  # from what the server is known to be: its capabilities list none
+            assert sess.engine.losses == ("cross_entropy", "importance_sampling", "ppo", "cispo")
+        else:
+            assert set(sess.engine.losses) == set(SDK_LOSSES) & set(wb.LOSSES)  # as the server lists them
+        cases = [
+            (lambda: sess.policy.forward_backward([ce_datum(TOKENS[0])], local_only[0]), "accepts"),
+            (lambda: sess.create_critic(), "no critic"),
+            (lambda: sess.state_digest(), "state_digest"),
+            (lambda: sess.load_state(str(sess.model_dir)), "tinker://"),
+            (lambda: sess.export_merged(sess.model_dir / "merged"), "live on the engine"),
+            (lambda: sess.serve(), "in this process"),
+        ]
+        for call, message in cases:
+            with pytest.raises(ValueError, match=message):
+                call()
+        assert sess.history.rows == [] and sess.step == 0 and sess.critic is None
+        # nothing half-sent: the session goes on
+        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
+        assert op_rows(sess.history) == [("forward_backward", "policy", 0)]
+    with pytest.raises(wb.RemoteUnsupportedError, match="serves \\["):
+        wb.Session.connect(remote_url.url, base_model="smollm2-135m", wandb=False)
+    default_lora = wb.LoraConfig(rank=4)  # trains the unembedding, which SkyRL never adapts
+    if remote_url.engine == "skyrl":
+        with pytest.raises(wb.RemoteUnsupportedError, match="train_unembed=True"):
+            wb.Session.connect(
+                remote_url.url, base_model=remote_url.base_model, lora=default_lora, wandb=False
+            )
+    else:
+        wb.Session.connect(
+            remote_url.url, base_model=remote_url.base_model, lora=default_lora, wandb=False
+        ).close()
+
+
+# ---------------------------------------------------------------------------------------------- workbench serve
 
 
 def test_both_engines_satisfy_the_interface() -> None:
@@ -161,68 +376,6 @@ def test_sft_and_rl_loops_match_a_local_session(server: Server) -> None:
     assert remote[3:] == local[3:] == (5, 5)
 
 
-def test_remote_session_views_and_checkpoints(server: Server) -> None:
-    """Panel status names the engine's URL (no local memory); plots, token views, checkpoint listing
-    and save/load by tinker:// path work."""
-    with wb.Session.connect(server.url, base_model="tiny", lora=LORA, wandb=False) as sess:
-        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
-        sess.policy.optim_step({"learning_rate": 1e-2}).result()
-        saved = sess.policy.save_state("one").result()
-        assert saved.path.startswith("tinker://")
-        listed = sess.list_checkpoints()
-        assert [(c.name, c.kind, c.step, c.tinker_path) for c in listed] == [("one", "state", 1, saved.path)]
-        before = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
-        sess.policy.optim_step({"learning_rate": 1e-1}).result()  # no gradient: weights stay, version moves
-        sess.policy.forward_backward([ce_datum(TOKENS[1])], "cross_entropy").result()
-        sess.policy.optim_step({"learning_rate": 1e-1}).result()
-        sess.load_state(saved.path)
-        after = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
-        assert after == pytest.approx(before, rel=1e-6)
-        assert sess.step == 1 and sess.policy.weights_version == 4
-
-        panel = sess.panel()
-        try:
-            panel.status.refresh()
-            status = panel.status.widget.value
-            assert f'data-field="engine"><b>engine</b> {server.url}' in status
-            assert 'data-field="memory"' not in status
-        finally:
-            panel.close()
-        assert sess.plot("loss:sum").axes
-        sample = sess.sampling_client().sample(PROMPT, 1, {"max_tokens": 3, "seed": 0}).result()
-        assert wb.render_sample(sess.tokenizer, sample.sequences[0], wb.ModelInput.from_ints(PROMPT))
-        assert f"{server.url}" in repr(sess)
-
-
-def test_what_the_remote_engine_cannot_do_is_refused_before_sending(server: Server) -> None:
-    with wb.Session.connect(server.url, base_model="tiny", lora=LORA, wandb=False) as sess:
-        local_only = sorted(set(wb.LOSSES) - set(SDK_LOSSES))
-        assert local_only  # the local engine has losses the protocol cannot name
-        assert set(sess.engine.losses) == set(SDK_LOSSES) & set(wb.LOSSES)  # as the server lists them
-        cases = [
-            (lambda: sess.policy.forward_backward([ce_datum(TOKENS[0])], local_only[0]), "accepts"),
-            (lambda: sess.create_critic(), "no critic"),
-            (lambda: sess.state_digest(), "state_digest"),
-            (lambda: sess.load_state(str(sess.model_dir)), "tinker://"),
-            (lambda: sess.export_merged(sess.model_dir / "merged"), "live on the engine"),
-            (lambda: sess.serve(), "in this process"),
-            (lambda: sess.service_client(), "in this process"),
-            (lambda: sess.delete_critic(), "no critic"),
-            (lambda: sess.cleanup_checkpoints(), "checkpoint folders"),
-            (lambda: sess.device, "no local device"),
-            (lambda: sess.dtype, "not reported"),
-        ]
-        for call, message in cases:
-            with pytest.raises(wb.RemoteUnsupportedError, match=message):
-                call()
-        assert sess.history.rows == [] and sess.step == 0 and sess.critic is None
-        # nothing half-sent: the session goes on
-        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
-        assert op_rows(sess.history) == [("forward_backward", "policy", 0)]
-    with pytest.raises(wb.RemoteUnsupportedError, match="serves \\['tiny'\\]"):
-        wb.Session.connect(server.url, base_model="smollm2-135m", wandb=False)
-
-
 def test_unreachable_url_fails_at_once() -> None:
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
@@ -269,6 +422,12 @@ def test_server_killed_mid_run(tmp_path: Path) -> None:
             sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result(timeout=30)
         assert time.monotonic() - started < 10
         assert sess.plot("loss:sum").axes and len(sess.history.rows) == 4
+        panel = sess.panel()  # usable with the engine gone, and says so where it needs the engine
+        try:
+            assert "stopped answering" in panel.checkpoints.feedback.text
+            assert f'data-field="engine"><b>engine</b> {doomed.url}' in panel.status.widget.value
+        finally:
+            panel.close()
     finally:
         started = time.monotonic()
         sess.close()
@@ -348,3 +507,54 @@ def test_sampling_fields_and_soft_targets_match_a_local_session(server: Server) 
         ]
     assert remote_out.loss_fn_outputs[0]["logprobs"].shape == [7, 2]
     assert remote_out.metrics["loss:sum"] == pytest.approx(local_out.metrics["loss:sum"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- the adapters
+
+
+def test_relay_adds_marked_sequence_ids_only_where_the_server_sent_none() -> None:
+    request = json.dumps({"num_samples": 3, "seq_id": 1}).encode()
+    older = json.loads(
+        with_sequence_ids(request, json.dumps({"request_id": "7", "status": "pending"}).encode())
+    )
+    ids = older["sample_sequence_ids"]
+    assert len(ids) == len(set(ids)) == 3 and all(i.startswith(MADE_UP_ID_PREFIX) for i in ids)
+    assert older["request_id"] == "7"
+    issued = json.dumps({"request_id": "8", "sample_sequence_ids": ["s1", "s2", "s3"]}).encode()
+    assert with_sequence_ids(request, issued) == issued
+
+
+def test_client_metrics_from_elementwise_loss_and_weights() -> None:
+    """loss:sum = Σ elementwise_loss; num_tokens:sum counts non-zero weights (else advantages)."""
+    data = [
+        ce_datum(TOKENS[0]),
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={
+                "target_tokens": [2, 3, 4],
+                "logprobs": [0.0] * 3,
+                "advantages": [0.0, 0.5, -0.5],
+            },
+        ),
+    ]
+    outputs = [
+        {"elementwise_loss": wb.TensorData.from_numpy(np.array([0.5] * 6, dtype=np.float32))},
+        {"elementwise_loss": wb.TensorData.from_numpy(np.array([0.0, 1.25, -0.25], dtype=np.float32))},
+    ]
+    assert with_client_metrics({}, outputs, data) == {"loss:sum": 4.0, "num_tokens:sum": 8.0}
+    sent = {"loss:sum": 9.0, "num_tokens:sum": 1.0, "ratio:mean": 1.0}
+    assert with_client_metrics(sent, outputs, data) == sent  # what the server sent is kept
+
+
+def test_skyrl_profile() -> None:
+    assert SKYRL.rename_metrics({"skyrl.ai/grad_norm": 2.0, "skyrl.ai/learning_rate": 0.1}) == {
+        "grad_norm": 2.0
+    }
+    assert SKYRL.aligned_prompt_logprobs([-1.0, -2.0], 3) == [None, -1.0, -2.0]
+    assert TINKER_PROTOCOL.aligned_prompt_logprobs([None, -1.0, -2.0], 3) == [None, -1.0, -2.0]
+    assert SKYRL.adapter_layout is not None
+    assert SKYRL.adapter_layout.differences(LORA) == []
+    assert SKYRL.adapter_layout.differences(wb.LoraConfig(rank=4, alpha=16.0)) == [
+        "alpha=16.0 (it builds 32.0)",
+        "train_unembed=True (it builds False)",
+    ]

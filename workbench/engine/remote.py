@@ -22,6 +22,13 @@ in this process (local tensors, a critic, a merged export, serving) is no method
 `Session` refuses it for a remote session with the same error. A service that stops answering fails each waiting
 operation with `EngineUnreachableError` within `probe_interval_s` plus one health check, rather than
 after the SDK's own minutes of retries; the session stays open for whatever can still work.
+
+Services differ where the protocol does not say: the service is identified at connect
+(`workbench.engine.server_profiles`), and what it does differently is adapted here (sequence ids it
+does not send, `workbench.engine.sequence_id_relay`; metrics it leaves out,
+`workbench.engine.client_metrics`; its metric names) or refused before sending (losses and adapter
+fields it does not honour). `load_state` continues the run on a new model loaded as its first
+request, which every Tinker service accepts; closing frees the runs' models where the service has a way.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import dataclasses
 import threading
 import time
 import typing
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,10 +49,13 @@ import tinker
 from tinker import types as sdk
 from transformers import PreTrainedTokenizerBase
 
+from workbench.engine.client_metrics import with_client_metrics
 from workbench.engine.config import EngineConfig, ModelConfig
 from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, SamplerPin
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
+from workbench.engine.sequence_id_relay import SequenceIdRelay
+from workbench.engine.server_profiles import identify_server
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
@@ -101,6 +112,10 @@ class EngineUnreachableError(ConnectionError):
     """The service did not answer: at connect, or while an operation waited for its result."""
 
 
+class RemoteProtocolError(RuntimeError):
+    """The SDK failed inside on what the service answered: the two speak different protocol versions."""
+
+
 @dataclasses.dataclass
 class _RemoteModel:
     """One LoRA model on the service, and the counters kept here from its completed operations."""
@@ -117,6 +132,7 @@ class _RemoteModel:
     weights_version: int = 0
     pending_backward_calls: int = 0
     saved_steps: dict[str, int] = dataclasses.field(default_factory=dict)  # tinker path -> step
+    earlier_remote_ids: list[str] = dataclasses.field(default_factory=list)  # models left by load_state
 
 
 @dataclasses.dataclass
@@ -154,16 +170,24 @@ class RemoteEngine:
         why = self._answers()
         if why is not None:
             raise EngineUnreachableError(f"no Tinker service answers at {self._url}: {why}")
-        self._service = tinker.ServiceClient(base_url=self._url, api_key=api_key)
+        self._profile = identify_server(self._url)
+        # the SDK talks to a service that sends no sequence ids through a relay that makes them up
+        self._relay = None if self._profile.sends_sequence_ids else SequenceIdRelay(self._url)
+        self._sdk_url = self._url if self._relay is None else self._relay.url
+        self._service = tinker.ServiceClient(base_url=self._sdk_url, api_key=api_key)
         self._rest: tinker.RestClient | None = None
         capabilities = self._wait_here(
             "get_server_capabilities", self._rest_client().get_server_capabilities()
         )
         served = [model.model_name for model in capabilities.supported_models if model.model_name]
         if base_model not in served:
+            if self._relay is not None:
+                self._relay.close()
             raise RemoteUnsupportedError(f"the engine at {self._url} serves {served}, not {base_model!r}")
         listed = (capabilities.model_extra or {}).get("supported_loss_fns")
-        self._losses = tuple(SDK_LOSSES if listed is None else [n for n in listed if n in SDK_LOSSES])
+        if listed is None:
+            listed = self._profile.losses or SDK_LOSSES
+        self._losses = tuple(n for n in listed if n in SDK_LOSSES)
         model = next(m for m in capabilities.supported_models if m.model_name == base_model)
         self._max_length = model.max_context_length or 0
         self._config = EngineConfig(base_model=base_model, seed=seed, device=self._url, dtype="remote")
@@ -212,6 +236,7 @@ class RemoteEngine:
             hidden_size=0,
             num_layers=0,
             max_length=self._max_length,
+            logits_from_hidden_states=False,  # not reported; nothing here computes logits
         )
 
     @property
@@ -252,6 +277,15 @@ class RemoteEngine:
                     ) from None
             except (tinker.APIError, tinker.RequestFailedError) as error:
                 raise RuntimeError(f"{what} failed on the engine at {self._url}: {error}") from error
+            except (EngineUnreachableError, SessionClosedError):
+                raise
+            except Exception as error:  # the SDK's own checks of what the service answered
+                raise RemoteProtocolError(
+                    f"{what} failed inside the tinker SDK {tinker.__version__} on what {self._profile.name} "
+                    f"at {self._url} answered ({type(error).__name__}: {error}): the service speaks another "
+                    "version of the protocol. Run the service with a matching tinker version, or serve the "
+                    "model with `workbench serve`; the operation is not in the history"
+                ) from error
 
     def _submit(self, send: Callable[[], Any], finish: Callable[[Any], T]) -> APIFuture[T]:
         """Hand an operation to the SDK (`send`, in this thread) and await it on the worker, where
@@ -299,6 +333,13 @@ class RemoteEngine:
         """Add a LoRA model on the service; resolves to this engine's id for it (default: a fresh
         run id, whose local folder, for the history and W&B files, is `<runs root>/<model id>`)."""
         model_id = model_id or new_model_id(self._config.base_model)
+        layout = self._profile.adapter_layout
+        ignored = [] if layout is None else layout.differences(lora)
+        if ignored:
+            raise RemoteUnsupportedError(
+                f"{self._profile.name} at {self._url} would not build the adapter asked for: "
+                f"{', '.join(ignored)}; pass a LoraConfig with those values"
+            )
         if model_id in self._models:
             raise ValueError(f"a model {model_id!r} already exists on this engine")
         folder = (Path(model_dir) if model_dir is not None else runs_root() / model_id).absolute()
@@ -306,15 +347,7 @@ class RemoteEngine:
         init_seed = lora.seed if lora.seed is not None else seed
 
         def send() -> Any:
-            return self._service.create_lora_training_client(
-                base_model=self._config.base_model,
-                rank=lora.rank,
-                seed=init_seed,
-                train_mlp=lora.train_mlp,
-                train_attn=lora.train_attn,
-                train_unembed=lora.train_unembed,
-                user_metadata=metadata or None,
-            )
+            return self._create_client(lora, init_seed, metadata)
 
         def finish(created: Any) -> str:
             client = self._wait("create_model", created)
@@ -325,6 +358,18 @@ class RemoteEngine:
             return model_id
 
         return self._submit(send, finish)
+
+    def _create_client(self, lora: LoraConfig, seed: int, metadata: Mapping[str, str]) -> Any:
+        """The SDK's future of a new LoRA training client on the service."""
+        return self._service.create_lora_training_client(
+            base_model=self._config.base_model,
+            rank=lora.rank,
+            seed=seed,
+            train_mlp=lora.train_mlp,
+            train_attn=lora.train_attn,
+            train_unembed=lora.train_unembed,
+            user_metadata=dict(metadata) or None,
+        )
 
     def model_ids(self) -> list[str]:
         return list(self._models)
@@ -385,7 +430,8 @@ class RemoteEngine:
     ) -> APIFuture[ForwardBackwardOutput]:
         lora_model = self._policy(model_id, role, op)
         self._check_loss(loss_fn)
-        datums = [to_sdk_datum(to_datum(d)) for d in data]
+        converted = [to_datum(d) for d in data]
+        datums = [to_sdk_datum(d) for d in converted]
         if not datums:
             raise ValueError(f"{op} needs at least one datum")
         config = None if loss_fn_config is None else {k: float(v) for k, v in loss_fn_config.items()}
@@ -393,6 +439,10 @@ class RemoteEngine:
 
         def finish(sent: Any) -> ForwardBackwardOutput:
             output = from_sdk_forward_backward_output(self._wait(op, sent))
+            metrics = self._profile.rename_metrics(output.metrics)
+            output = dataclasses.replace(
+                output, metrics=with_client_metrics(metrics, output.loss_fn_outputs, converted)
+            )
             if op == "forward_backward":
                 lora_model.pending_backward_calls += 1
             self._record(op, POLICY_LABEL, lora_model.step, output.metrics)
@@ -447,7 +497,9 @@ class RemoteEngine:
 
         def finish(sent: Any) -> OptimStepResponse:
             response = self._wait("optim_step", sent)
-            metrics = {key: float(value) for key, value in (response.metrics or {}).items()}
+            metrics = self._profile.rename_metrics(
+                {key: float(value) for key, value in (response.metrics or {}).items()}
+            )
             lora_model.step += 1
             lora_model.weights_version += 1
             lora_model.pending_backward_calls = 0
@@ -577,7 +629,11 @@ class RemoteEngine:
             return SampleResponse(
                 sequences=sequences,
                 weights_version=held.pin.version,
-                prompt_logprobs=response.prompt_logprobs if include_prompt_logprobs else None,
+                prompt_logprobs=(
+                    self._profile.aligned_prompt_logprobs(response.prompt_logprobs, model_input.length)
+                    if include_prompt_logprobs
+                    else None
+                ),
                 topk_prompt_logprobs=response.topk_prompt_logprobs,
                 target_prompt_logprobs=None
                 if response.target_prompt_logprobs is None
@@ -621,7 +677,9 @@ class RemoteEngine:
             sent = sampler().client.compute_logprobs(
                 model_input, prompt_logprobs_last_n=prompt_logprobs_last_n
             )
-            return list(self._wait("compute_logprobs", sent))
+            return self._profile.aligned_prompt_logprobs(
+                self._wait("compute_logprobs", sent), model_input.length
+            )
 
         return self._submit(lambda: None, finish)
 
@@ -696,41 +754,75 @@ class RemoteEngine:
         )
 
     def load_state(self, model_id: str, path: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
-        """Load a `tinker://` state checkpoint on the service: the weights (`Restore.WEIGHTS`), or the
-        weights and optimizer state (otherwise; what else a checkpoint holds is the service's to
-        restore). The weights version moves on by one; the step becomes the saved one when this
-        engine saved the checkpoint."""
+        """Load a `tinker://` state checkpoint into a new model on the service, which the run continues
+        on: the weights (`Restore.WEIGHTS`, with a fresh optimizer state), or the weights and optimizer
+        state (otherwise). Tinker services accept a load only as a model's first request (SkyRL,
+        hosted Tinker), so the new model is created and loaded here, in the caller's thread, before
+        any later operation is sent; a failed load leaves the run on its model, unchanged. The model it
+        was on is freed where the service offers a way, after the operations queued on it. The weights
+        version moves on by one; the step becomes the saved one when this engine saved the checkpoint
+        and the optimizer state is restored. The history's `load_state` event names both models."""
         lora_model = self._model(model_id)
         tinker_path = self._tinker_path(path, "load_state")
-        method = (
-            lora_model.client.load_state
-            if restore is Restore.WEIGHTS
-            else lora_model.client.load_state_with_optimizer
-        )
+        with self._submitting:
+            self.check_open()
+            client = self._wait(
+                "load_state", self._create_client(lora_model.lora, lora_model.seed, lora_model.user_metadata)
+            )
+            load = client.load_state if restore is Restore.WEIGHTS else client.load_state_with_optimizer
+            try:
+                with warnings.catch_warnings():  # SDK 0.38 would have a load create the model; SkyRL
+                    warnings.simplefilter("ignore", FutureWarning)  # refuses that, and the two-step way works
+                    sent = load(tinker_path)
+                self._wait("load_state", sent)
+            except Exception:
+                self._profile.free_models(self._url, [client.model_id])
+                raise
+            replaced, lora_model.client, lora_model.remote_id = lora_model.remote_id, client, client.model_id
+            lora_model.earlier_remote_ids.append(replaced)
 
-        def finish(sent: Any) -> LoadWeightsResponse:
-            self._wait("load_state", sent)
+        def finish(_: Any) -> LoadWeightsResponse:
             lora_model.weights_version += 1
+            lora_model.pending_backward_calls = 0
             if restore is not Restore.WEIGHTS:
                 lora_model.step = lora_model.saved_steps.get(tinker_path, lora_model.step)
-                lora_model.pending_backward_calls = 0
-            self._record("load_state", POLICY_LABEL, lora_model.step, {})
+            self._record(
+                "load_state",
+                POLICY_LABEL,
+                lora_model.step,
+                {"new_server_model": 1.0, "optimizer_restored": float(restore is not Restore.WEIGHTS)},
+            )
+            self._history.event(
+                "load_state",
+                {
+                    "path": tinker_path,
+                    "restore": restore.value,
+                    "model": lora_model.remote_id,
+                    "replaced": replaced,
+                },
+            )
+            self._profile.free_models(self._url, [replaced])
             return LoadWeightsResponse(path=tinker_path)
 
-        return self._submit(lambda: method(tinker_path), finish)
+        return self._submit(lambda: None, finish)
 
     def _rest_client(self) -> tinker.RestClient:
         if self._rest is None:
-            self._rest = tinker.RestClient(base_url=self._url, api_key=self._api_key)
+            self._rest = tinker.RestClient(base_url=self._sdk_url, api_key=self._api_key)
         return self._rest
 
     def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]:
-        """The model's checkpoints on the service, oldest first (`tinker_path` names each; `path` is its
-        checkpoint id, since there is no local folder)."""
+        """The model's checkpoints on the service, those of the models it was on before a `load_state`
+        included, oldest first (`tinker_path` names each; `path` is its checkpoint id, since there is
+        no local folder)."""
         lora_model = self._model(model_id)
-        listed = self._wait_here(
-            "list_checkpoints", self._rest_client().list_checkpoints(training_run_id=lora_model.remote_id)
-        )
+        listed = [
+            checkpoint
+            for remote_id in [*lora_model.earlier_remote_ids, lora_model.remote_id]
+            for checkpoint in self._wait_here(
+                "list_checkpoints", self._rest_client().list_checkpoints(training_run_id=remote_id)
+            ).checkpoints
+        ]
         infos = [
             CheckpointInfo(
                 name=checkpoint.checkpoint_id.rsplit("/", 1)[-1],
@@ -743,7 +835,7 @@ class RemoteEngine:
                 user_metadata=checkpoint.user_metadata,
                 tinker_path=checkpoint.tinker_path,
             )
-            for checkpoint in listed.checkpoints
+            for checkpoint in listed
         ]
         return sorted(infos, key=lambda info: info.time)
 
@@ -753,14 +845,16 @@ class RemoteEngine:
         return self._wait(what, future)
 
     def delete_checkpoint(self, model_id: str, name: str, kind: CheckpointKind = "state") -> APIFuture[None]:
-        """Delete one of the model's checkpoints on the service, after the operations queued before."""
+        """Delete one of the run's checkpoints on the service, after the operations queued before (on
+        the model that saved it, when this engine saved it before a `load_state` moved the run)."""
         lora_model = self._model(model_id)
         checkpoint_id = f"{'weights' if kind == 'state' else 'sampler_weights'}/{name}"
+        saved = [path for path in lora_model.saved_steps if path.endswith(f"/{checkpoint_id}")]
+        owner = saved[-1].removeprefix("tinker://").split("/", 1)[0] if saved else lora_model.remote_id
         return self._submit(
             lambda: None,
             lambda _: self._wait(
-                "delete_checkpoint",
-                self._rest_client().delete_checkpoint(lora_model.remote_id, checkpoint_id),
+                "delete_checkpoint", self._rest_client().delete_checkpoint(owner, checkpoint_id)
             ),
         )
 
@@ -772,11 +866,13 @@ class RemoteEngine:
         return self._submit(lambda: None, lambda _: self._record(op, label, step, values))
 
     def close(self) -> None:
-        """Finish the queued operations, then end the SDK session (the service frees its models).
-        Safe to call again."""
+        """Finish the queued operations, free the runs' models where the service offers a way, then
+        end the SDK session (a service that frees its models with the session does so then). Safe to
+        call again."""
         if self._worker.closed:
             return
         self._worker.close()
+        self._profile.free_models(self._url, [lora_model.remote_id for lora_model in self._models.values()])
         for sink in list(self._history.sinks):
             sink.close()
         self._history.sinks.clear()
@@ -784,6 +880,8 @@ class RemoteEngine:
         self._models.clear()
         with contextlib.suppress(Exception):  # a service that is gone has nothing left to free
             self._service.close("success").result(timeout=HEALTH_TIMEOUT_S)
+        if self._relay is not None:
+            self._relay.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._models)} model(s)"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets
 
 from workbench.engine.interface import Restore
+from workbench.engine.remote import EngineUnreachableError
 from workbench.notebook.panel.feedback import Feedback
 from workbench.notebook.panel.status import format_bytes
 from workbench.storage.checkpoint_store import CheckpointInfo
@@ -199,7 +200,11 @@ class CheckpointsTab:
     # ------------------------------------------------------------------------------------------ view
 
     def refresh(self) -> None:
-        infos = self.session.list_checkpoints()
+        try:
+            infos = self.session.list_checkpoints()
+        except EngineUnreachableError as error:  # the engine is gone: the rest of the panel still works
+            self.feedback.error(error)
+            return
         if infos == self._listed:
             return
         self._listed = infos
