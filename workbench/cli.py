@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
         help="LoRA models that may share the base at once",
     )
     serve.add_argument("--device", default=None, help="cuda, cpu, ... (default: CUDA when present)")
+    serve.add_argument(
+        "--sampler",
+        choices=("auto", "hf", "vllm"),
+        default="auto",
+        help="the sampling engine (default: vLLM when installed for the device, else HF generate)",
+    )
     serve.add_argument("--run-dir", default=None, help="the session's folder (history, W&B files)")
     serve.add_argument("--no-wandb", action="store_true", help="no W&B run")
     serve.add_argument("--quiet", action="store_true", help="no line per operation")
@@ -64,6 +70,7 @@ def serve(args: argparse.Namespace) -> int:
     session = Session(
         args.base_model,
         device=args.device,
+        sampler=args.sampler,
         max_models=args.max_models,
         run_dir=args.run_dir,
         wandb=False if args.no_wandb else None,

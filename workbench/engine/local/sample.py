@@ -34,6 +34,7 @@ from workbench.engine.local.lora_models import TrainingRun
 from workbench.engine.local.stability_records import StabilityRecord
 from workbench.engine.local.state import REFERENCE_LABEL, EngineState, LoadedAdapter
 from workbench.engine.model.batching import prepare_batch
+from workbench.engine.samplers import notice_fallback
 from workbench.engine.samplers.requests import (
     RequestResult,
     SampleRequest,
@@ -217,26 +218,76 @@ def submit_compute_logprobs(
     check_prompt_logprobs_last_n(prompt_logprobs_last_n, True, len(tokens))
 
     def run() -> list[float | None]:
-        with pinned_weights(state, pin_future.result()):
-            logprobs = state.hf_sampler.prompt_logprobs([tokens])[0]
+        held = pin_future.result()
+        if vllm_engine(state) is not None and len(tokens) < info.max_length:
+            # the sampler's own numbers, as `sample(..., include_prompt_logprobs=True)` gives them
+            request = SampleRequest(
+                prompt_tokens=tokens,
+                num_samples=1,
+                params=SamplingParams(max_tokens=1, temperature=0.0),
+                seed=0,
+                max_tokens=1,
+                stop_token_ids=frozenset(),
+                stop_strings=(),
+                include_prompt_logprobs=True,
+            )
+            logprobs = _generate(state, held, [request])[0].prompt_logprobs
+            assert logprobs is not None
+        else:
+            with pinned_weights(state, held):
+                logprobs = state.hf_sampler.prompt_logprobs([tokens])[0]
         return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
 
     return state.submit(run)
 
 
-def vllm_engine(state: EngineState) -> VLLMSampler:
-    """The engine's vLLM sampler, started on first use."""
-    if state.vllm is None:
+def vllm_engine(state: EngineState) -> VLLMSampler | None:
+    """The engine's vLLM sampler, started on first use. When it cannot start (a model its kernels
+    cannot run here) and the session asked for `sampler="auto"`, the engine samples with HF from then
+    on, with a notice saying why, and this returns None; with `sampler="vllm"` the error is raised."""
+    if state.vllm is None and state.config.sampler == "vllm":
         info = state.base_info
         ranks = [run.policy.lora.rank for run in state.runs.values()] or [8]
-        state.vllm = VLLMSampler(
-            info.path, info.path, state.dtype, max(ranks), info.max_length, state.config.seed
-        )
+        try:
+            state.vllm = VLLMSampler(
+                info.path,
+                info.path,
+                state.device,
+                state.dtype,
+                max(ranks),
+                info.max_length,
+                state.config.seed,
+            )
+        except Exception as error:
+            if not state.sampler_falls_back:
+                raise
+            notice_fallback(f"vLLM could not sample {info.path}: {error!r}")
+            state.config = dataclasses.replace(state.config, sampler="hf")
     return state.vllm
 
 
+def stop_vllm(state: EngineState) -> None:
+    """Stop the vLLM sampler's engine processes, if it was started."""
+    if state.vllm is not None:
+        vllm, state.vllm = state.vllm, None
+        vllm.close()
+
+
+def _live_weights(state: EngineState) -> set[tuple[str | None, int | None, str | None]]:
+    """The weights a client can still sample: each run's pinned versions and current one, and each
+    loaded sampler checkpoint (as `SamplerPin.weights_key`s)."""
+    live: set[tuple[str | None, int | None, str | None]] = set()
+    for model_id, training_run in state.runs.items():
+        versions = {*training_run.snapshots.pinned_versions(), training_run.policy.weights_version}
+        live.update((model_id, version, None) for version in versions)
+    live.update((None, loaded.version, loaded.name) for loaded in state.loaded_adapters.values())
+    return live
+
+
 def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest]) -> list[RequestResult]:
-    if state.config.sampler == "vllm":
+    vllm = vllm_engine(state)
+    if vllm is not None:
+        vllm.keep_only(_live_weights(state))  # weights no client can sample any more leave vLLM
         key = None if held.is_base else held.weights_key
 
         def write_adapter(folder: Path) -> None:
@@ -248,7 +299,7 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
             for name, data in files.items():
                 (folder / name).write_bytes(data)
 
-        return vllm_engine(state).generate(requests, key, write_adapter)
+        return vllm.generate(requests, key, write_adapter)
     with pinned_weights(state, held):
         return state.hf_sampler.generate(requests)
 
