@@ -1,7 +1,9 @@
 """Sampling on the tiny model: SamplingParams in full, batching, versions, agreement with training.
 
-The tests of what a sample promises run once per sampling engine (the `sampler` fixture: HF `generate`,
-and vLLM where it is installed); the ones about HF's own decoding loop run on HF alone.
+The tests of what a sample promises run once per sampling engine (the `sampled` session and `sampler`
+fixtures: HF `generate`, and vLLM where it is installed); those about HF's own decoding loop, and about
+what the engine does the same way for both (validation, seeding, batching, history rows, prompt
+types), run on HF alone.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch
 
 import workbench as wb
 from workbench.engine.samplers.hf import HFSampler, draw_tokens
-from workbench.engine.samplers.vllm import VLLMSampler
 
 PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
 
@@ -82,10 +83,10 @@ def test_same_seed_same_tokens_even_when_batched_with_others(sampled: wb.Session
     assert [s.tokens for s in different.sequences] != tokens
 
 
-def test_unseeded_requests_are_reproducible_from_the_session_seed(sampler: str, sampled_model: str) -> None:
+def test_unseeded_requests_are_reproducible_from_the_session_seed() -> None:
     results = []
     for _ in range(2):
-        with wb.Session(sampled_model, wb.LoraConfig(rank=4), seed=5, sampler=sampler) as sess:
+        with wb.Session("tiny", wb.LoraConfig(rank=4), seed=5) as sess:
             sc = sess.sampling_client()
             results.append(
                 [
@@ -110,9 +111,13 @@ def test_temperature_zero_and_top_k_one_are_greedy(sampled: wb.Session) -> None:
     top1 = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=8, temperature=1.5, top_k=1)).result()
     tokens = greedy.sequences[0].tokens
     assert greedy.sequences[1].tokens == tokens == top1.sequences[0].tokens
+    # HF samples from the logits computed here, exactly; vLLM computes them its own way, so on a random
+    # model whose top logits can lie closer than float error, its choice is the argmax up to that error
+    tolerance = 0.0 if sampled.engine.config.sampler == "hf" else 1e-4
     context = list(prompt)
     for token in tokens:
-        assert token == int(_logits_after(sampled, context).argmax())
+        logits = _logits_after(sampled, context)
+        assert logits[token] >= logits.max() - tolerance
         context.append(token)
 
 
@@ -312,39 +317,38 @@ def test_base_client_samples_the_base_model(sampled: wb.Session) -> None:
         )
 
 
-def test_concurrent_requests_share_one_generate_call(sampled: wb.Session, monkeypatch) -> None:
-    engine_class = VLLMSampler if sampled.engine.config.sampler == "vllm" else HFSampler
+def test_concurrent_requests_share_one_generate_call(tiny: wb.Session, monkeypatch) -> None:
     calls: list[int] = []
-    real = engine_class.generate
+    real = HFSampler._generate_chunk
 
-    def counting(self, requests, *args):
+    def counting(self, requests):
         calls.append(len(requests))
-        return real(self, requests, *args)
+        return real(self, requests)
 
-    monkeypatch.setattr(engine_class, "generate", counting)
-    sc = sampled.sampling_client()
-    tokens = _ids(sampled, PROMPTS[0])
+    monkeypatch.setattr(HFSampler, "_generate_chunk", counting)
+    sc = tiny.sampling_client()
+    tokens = _ids(tiny, PROMPTS[0])
     # a training op keeps the worker busy while the sample calls queue up behind it
-    sampled.policy.forward_backward(
+    tiny.policy.forward_backward(
         [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})] * 64,
         "cross_entropy",
     )
-    futures = [sc.sample(_ids(sampled, p), 2, wb.SamplingParams(max_tokens=4)) for p in PROMPTS * 3]
+    futures = [sc.sample(_ids(tiny, p), 2, wb.SamplingParams(max_tokens=4)) for p in PROMPTS * 3]
     assert all(len(f.result().sequences) == 2 for f in futures)
     assert calls == [9]
-    rows = [row for row in sampled.history if row["op"] == "sample"]
+    rows = [row for row in tiny.history if row["op"] == "sample"]
     assert len(rows) == 9 and all(row["num_samples:sum"] == 2 for row in rows)
 
 
-def test_sample_history_reports_versions_and_staleness(sampled: wb.Session) -> None:
-    sc = sampled.sampling_client()
-    tokens = _ids(sampled, PROMPTS[0])
-    sampled.policy.forward_backward(
+def test_sample_history_reports_versions_and_staleness(tiny: wb.Session) -> None:
+    sc = tiny.sampling_client()
+    tokens = _ids(tiny, PROMPTS[0])
+    tiny.policy.forward_backward(
         [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
     ).result()
-    sampled.policy.optim_step().result()
+    tiny.policy.optim_step().result()
     sc.sample(tokens, 1, wb.SamplingParams(max_tokens=3)).result()
-    row = sampled.history.rows[-1]
+    row = tiny.history.rows[-1]
     assert (
         row["op"] == "sample"
         and row["weights_version"] == 0
@@ -353,11 +357,11 @@ def test_sample_history_reports_versions_and_staleness(sampled: wb.Session) -> N
     )
 
 
-def test_tinker_sampling_params_are_accepted(sampled: wb.Session) -> None:
+def test_tinker_sampling_params_are_accepted(tiny: wb.Session) -> None:
     tinker = pytest.importorskip("tinker")
-    prompt = tinker.ModelInput.from_ints(_ids(sampled, PROMPTS[0]))
+    prompt = tinker.ModelInput.from_ints(_ids(tiny, PROMPTS[0]))
     response = (
-        sampled.sampling_client()
+        tiny.sampling_client()
         .sample(prompt, 1, tinker.SamplingParams(max_tokens=4, temperature=0.0))
         .result()
     )
@@ -377,19 +381,19 @@ def test_chat_prompt_renders_the_template(tiny: wb.Session) -> None:
     assert tiny.tokenizer.decode(trained) == "hello<|im_end|>"
 
 
-def test_prompts_take_the_token_types_datums_take(sampled: wb.Session) -> None:
+def test_prompts_take_the_token_types_datums_take(tiny: wb.Session) -> None:
     """Numpy integers are token ids in a sampling prompt as in a datum (they used to be refused as
     "outside the vocabulary"); the same tokens sample the same greedy continuation whatever their type."""
-    tokens = _ids(sampled, PROMPTS[1])
+    tokens = _ids(tiny, PROMPTS[1])
     greedy = wb.SamplingParams(max_tokens=4, temperature=0.0)
-    client = sampled.sampling_client()
+    client = tiny.sampling_client()
     expected = client.sample(tokens, 1, greedy).result().sequences[0].tokens
     for prompt in (np.array(tokens), [np.int64(t) for t in tokens], torch.tensor(tokens)):
         assert client.sample(prompt, 1, greedy).result().sequences[0].tokens == expected
     datum = wb.Datum(
         model_input=np.array(tokens[:-1]), loss_fn_inputs={"target_tokens": np.array(tokens[1:])}
     )
-    sampled.policy.forward([datum], "cross_entropy").result()
+    tiny.policy.forward([datum], "cross_entropy").result()
 
 
 def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(sampled: wb.Session) -> None:

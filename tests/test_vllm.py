@@ -9,6 +9,7 @@ is not installed. What every sample promises on both samplers is in test_samplin
 from __future__ import annotations
 
 import gc
+import time
 
 import psutil
 import pytest
@@ -33,6 +34,14 @@ def _running(pids: set[int]) -> set[int]:
     return {pid for pid in pids if psutil.pid_exists(pid)}
 
 
+def _running_after(pids: set[int], timeout_s: float) -> set[int]:
+    """The processes of `pids` still running once they are all gone, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while _running(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _running(pids)
+
+
 def _train_one_step(sess: wb.Session, learning_rate: float = 1e-2) -> None:
     tokens = sess.tokenizer("Red, orange, yellow, green, blue, indigo and violet").input_ids
     sess.policy.forward_backward(
@@ -46,12 +55,13 @@ def _tokens(response: wb.SampleResponse) -> list[list[int]]:
 
 
 @pytest.mark.integration
-def test_the_default_lora_samples_through_vllm_and_its_processes_end_with_close() -> None:
-    """SmolLM2's default LoRA trains the output embedding, which SmolLM2 ties to the input one: vLLM
-    applies it, each weight version as a new adapter, and its logprobs agree with the trainer's."""
+def test_auto_samples_the_default_lora_with_vllm_and_its_processes_end_with_close() -> None:
+    """SmolLM2's default LoRA trains the output embedding, which SmolLM2 ties to the input one: `"auto"`
+    picks vLLM, which applies it, each weight version as a new adapter, with logprobs that agree with
+    the trainer's."""
     before = _vllm_processes()
-    sess = wb.Session("smollm2-135m", sampler="vllm", wandb=False)
-    assert sess.config.lora.train_unembed and sess.base_info.path
+    sess = wb.Session("smollm2-135m", wandb=False)
+    assert sess.engine.config.sampler == "vllm" and sess.config.lora.train_unembed
     prompt = wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": "Name a colour."}])
     params = wb.SamplingParams(max_tokens=16, seed=0)
     v0 = sess.sampling_client()
@@ -75,24 +85,23 @@ def test_the_default_lora_samples_through_vllm_and_its_processes_end_with_close(
 
 
 @pytest.mark.integration
-def test_auto_picks_vllm_and_a_dropped_session_stops_it() -> None:
+def test_vllm_samples_the_default_lora_and_a_dropped_session_stops_it() -> None:
     before = _vllm_processes()
-    sess = wb.Session("smollm2-135m", wandb=False)
-    assert sess.engine.config.sampler == "vllm"
+    sess = wb.Session("smollm2-135m", sampler="vllm", wandb=False)
+    assert sess.engine.config.sampler == "vllm" and sess.config.lora.train_unembed
     prompt = wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": "Hi!"}])
     response = sess.sampling_client().sample(prompt, 2, wb.SamplingParams(max_tokens=8, seed=1)).result()
     assert len(response.sequences) == 2 and response.sync_ms > 0
     engine_processes = _vllm_processes() - before
     assert len(engine_processes) == 2
     del sess, response
-    gc.collect()
-    psutil.wait_procs([psutil.Process(pid) for pid in _running(engine_processes)], timeout=120)
-    assert _running(engine_processes) == set()
+    gc.collect()  # the engine's finalizer stops vLLM on its worker thread, after the queued operations
+    assert _running_after(engine_processes, timeout_s=180) == set()
 
 
 def test_auto_falls_back_to_hf_for_a_model_vllm_cannot_run(capsys) -> None:
     """The tiny model's 16-dimension heads are below what vLLM's CPU kernels take: `"auto"` says so and
-    samples with HF, `"vllm"` raises."""
+    samples with HF. (With `"vllm"`, the sample raises vLLM's error.)"""
     before = _vllm_processes()
     with wb.Session("tiny", wb.LoraConfig(rank=4), sampler="auto", device="cpu") as sess:
         assert sess.engine.config.sampler == "vllm"
@@ -101,12 +110,6 @@ def test_auto_falls_back_to_hf_for_a_model_vllm_cannot_run(capsys) -> None:
         assert sess.engine.config.sampler == "hf"
         assert "workbench: sampling with HF generate (vLLM could not sample" in capsys.readouterr().out
         assert _running(_vllm_processes() - before) == set()
-    with (
-        wb.Session("tiny", wb.LoraConfig(rank=4), sampler="vllm", device="cpu") as sess,
-        pytest.raises(Exception, match="EngineCore"),
-    ):
-        sess.sampling_client().sample([5, 17, 33], 1, wb.SamplingParams(max_tokens=4)).result()
-    assert _running(_vllm_processes() - before) == set()
 
 
 def test_an_evicted_version_is_reloaded_and_its_time_counted(tiny_for_vllm: str) -> None:

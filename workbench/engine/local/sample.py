@@ -244,7 +244,10 @@ def submit_compute_logprobs(
 def vllm_engine(state: EngineState) -> VLLMSampler | None:
     """The engine's vLLM sampler, started on first use. When it cannot start (a model its kernels
     cannot run here) and the session asked for `sampler="auto"`, the engine samples with HF from then
-    on, with a notice saying why, and this returns None; with `sampler="vllm"` the error is raised."""
+    on, with a notice saying why, and this returns None; with `sampler="vllm"` the error is raised, by
+    this call and every later one (without trying again: a start takes most of a minute)."""
+    if state.vllm_start_error is not None:
+        raise RuntimeError(f"vLLM could not start: {state.vllm_start_error!r}") from state.vllm_start_error
     if state.vllm is None and state.config.sampler == "vllm":
         info = state.base_info
         ranks = [run.policy.lora.rank for run in state.runs.values()] or [8]
@@ -260,6 +263,7 @@ def vllm_engine(state: EngineState) -> VLLMSampler | None:
             )
         except Exception as error:
             if not state.sampler_falls_back:
+                state.vllm_start_error = error
                 raise
             notice_fallback(f"vLLM could not sample {info.path}: {error!r}")
             state.config = dataclasses.replace(state.config, sampler="hf")

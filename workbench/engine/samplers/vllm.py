@@ -123,6 +123,9 @@ class VLLMSampler:
         self._resident: OrderedDict[Hashable, int] = OrderedDict()  # what vLLM holds, least recent first
         self._lora_ids_made = 0
         self._asleep = False
+        self._prompt_logprob_params = vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
+        )
         try:  # a model vLLM loads but cannot run here (an attention head size its kernels lack) fails now
             self._llm.generate(
                 [vllm.inputs.TokensPrompt(prompt_token_ids=[0])],
@@ -204,7 +207,23 @@ class VLLMSampler:
         prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_tokens)) for r in requests]
         params = [self._params(r) for r in requests]
         outputs = self._llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-        results = [self._result(request, output) for request, output in zip(requests, outputs, strict=True)]
+        results = []
+        for request, prompt, output in zip(requests, prompts, outputs, strict=True):
+            prompt_logprobs = None
+            if request.include_prompt_logprobs:
+                # vLLM 0.32 applies an adapter on the output embedding to prompt positions with one
+                # adapter index per sampled row (an einsum shape error unless there is one row): the
+                # prompt's logprobs come from a call of their own, with one row
+                scored = self._llm.generate(
+                    [prompt], self._prompt_logprob_params, lora_request=lora, use_tqdm=False
+                )[0]
+                prompt_logprobs = [None] + [
+                    position[token].logprob
+                    for position, token in zip(
+                        scored.prompt_logprobs[1:], request.prompt_tokens[1:], strict=True
+                    )
+                ]
+            results.append(RequestResult(self._sequences(request, output), prompt_logprobs))
         if self._can_sleep:
             free, total = torch.cuda.mem_get_info()
             if free / total < SLEEP_BELOW_FREE:
@@ -215,7 +234,7 @@ class VLLMSampler:
     def _params(self, request: SampleRequest) -> object:
         p = request.params
         return self._vllm.SamplingParams(
-            n=request.num_samples,
+            n=1 if p.temperature == 0 else request.num_samples,  # vLLM takes one row for greedy sampling
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k if p.top_k > 0 else -1,
@@ -226,12 +245,12 @@ class VLLMSampler:
             ignore_eos=not request.stop_token_ids and not request.stop_strings,
             include_stop_str_in_output=True,
             logprobs=0,
-            prompt_logprobs=0 if request.include_prompt_logprobs else None,
             detokenize=bool(request.stop_strings),
         )
 
     @staticmethod
-    def _result(request: SampleRequest, output: object) -> RequestResult:
+    def _sequences(request: SampleRequest, output: object) -> list[SampledSequence]:
+        """The request's sampled sequences; a greedy request's one row, repeated for each sample."""
         rows = []
         for completion in output.outputs:
             tokens = list(completion.token_ids)
@@ -243,13 +262,13 @@ class VLLMSampler:
                     tokens, logprobs, "length" if completion.finish_reason == "length" else "stop"
                 )
             )
-        prompt_logprobs = None
-        if request.include_prompt_logprobs:
-            prompt_logprobs = [None] + [
-                position[token].logprob
-                for position, token in zip(output.prompt_logprobs[1:], request.prompt_tokens[1:], strict=True)
+        if len(rows) == 1 and request.num_samples > 1:
+            row = rows[0]
+            rows = [
+                SampledSequence(list(row.tokens), list(row.logprobs), row.stop_reason)
+                for _ in range(request.num_samples)
             ]
-        return RequestResult(sequences=rows, prompt_logprobs=prompt_logprobs)
+        return rows
 
     def close(self) -> None:
         """Stop vLLM's engine processes and wait until they are gone (killed after
