@@ -137,11 +137,6 @@ class VLLMSampler:
             raise
 
     @property
-    def process_ids(self) -> list[int]:
-        """The engine's processes (EngineCore, Worker)."""
-        return sorted(process.pid for process in self._processes)
-
-    @property
     def resident(self) -> list[Hashable]:
         """The weights vLLM holds now, least recently used first."""
         return list(self._resident)
