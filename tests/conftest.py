@@ -1,13 +1,22 @@
 """Test configuration: offline, headless, deterministic.
 
 Nothing downloads at test time (`HF_HUB_OFFLINE=1`); W&B is disabled unless a test turns it on; plots
-use the Agg backend. `gpu` and `vllm` tests are skipped where there is no CUDA device or no vLLM.
+use the Agg backend. `gpu` tests are skipped where there is no CUDA device, `vllm` tests where vllm
+cannot be imported (the main environment; `make test-vllm` runs them in `.venv-vllm`, with PyPI's CPU
+build of vLLM).
+
+The `sampler` fixture runs a test once per sampling engine ("hf", "vllm"), and `sampled` is a fresh tiny
+session sampling with it. vLLM's CPU attention kernels take head sizes from 32 up, and the tiny model's
+heads have 16 dimensions, so the vLLM runs use `tiny_for_vllm`: the tiny model with the same tokenizer,
+vocabulary and layers, and heads of 32 dimensions.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -28,12 +37,51 @@ import workbench as wb
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_cuda = torch.cuda.is_available()
-    has_vllm = has_cuda and importlib.util.find_spec("vllm") is not None
+    has_vllm = importlib.util.find_spec("vllm") is not None
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
-        if "vllm" in item.keywords and not has_vllm:
-            item.add_marker(pytest.mark.skip(reason="needs vllm and a CUDA device"))
+        if item.get_closest_marker("vllm") and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="needs vllm (make test-vllm runs these)"))
+
+
+@pytest.fixture(scope="session")
+def tiny_for_vllm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with heads of 32 dimensions (seeded weights), as a local HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workbench.engine.model.builtin_models import tiny_base_model_dir
+
+    tiny = tiny_base_model_dir()
+    folder = tmp_path_factory.mktemp("tiny-for-vllm")
+    config = LlamaConfig.from_pretrained(tiny)
+    config.head_dim = 32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(tiny) / name, folder / name)
+    return str(folder)
+
+
+@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def sampler(request: pytest.FixtureRequest) -> str:
+    """The sampling engine a test runs against, each in turn."""
+    return request.param
+
+
+@pytest.fixture
+def sampled_model(sampler: str, request: pytest.FixtureRequest) -> str:
+    """The base model the `sampler` runs: the tiny model, or its 32-dimension-head twin for vLLM."""
+    return "tiny" if sampler == "hf" else request.getfixturevalue("tiny_for_vllm")
+
+
+@pytest.fixture
+def sampled(sampler: str, sampled_model: str) -> wb.Session:
+    """A fresh session on the tiny model (rank 4) sampling with `sampler`, closed after the test."""
+    session = wb.Session(sampled_model, wb.LoraConfig(rank=4), seed=0, sampler=sampler)
+    yield session
+    session.close()
 
 
 @pytest.fixture

@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the session model's folder (history, W&B files)",
     )
+    serve.add_argument(
+        "--sampler",
+        choices=("auto", "hf", "vllm"),
+        default="auto",
+        help="the sampling engine (default: vLLM when installed for the device, else HF generate)",
+    )
     serve.add_argument("--no-wandb", action="store_true", help="no W&B run")
     serve.add_argument("--quiet", action="store_true", help="no line per operation")
     return parser
@@ -70,6 +76,7 @@ def serve(args: argparse.Namespace) -> int:
     session = Session(
         args.base_model,
         device=args.device,
+        sampler=args.sampler,
         max_models=args.max_models,
         model_dir=args.model_dir,
         wandb=False if args.no_wandb else None,

@@ -41,12 +41,13 @@ PROMPT = [9, 21, 40]
 
 
 class Server:
-    """`workbench serve --base-model tiny` in a subprocess, on a free port."""
+    """`workbench serve --base-model tiny` (or another model and sampler) in a subprocess, on a free port."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, base_model: str = "tiny", sampler: str = "hf"):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "WORKBENCH_RUNS": str(folder / "server-runs")}
-        command = [sys.executable, "-m", "workbench.cli", "serve", "--base-model", "tiny", "--port", "0"]
-        command += ["--device", "cpu", "--no-wandb", "--quiet", "--model-dir", str(folder / "server")]
+        command = [sys.executable, "-m", "workbench.cli", "serve", "--base-model", base_model, "--port", "0"]
+        command += ["--device", "cpu", "--sampler", sampler, "--no-wandb", "--quiet"]
+        command += ["--model-dir", str(folder / "server")]
         self.process = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -345,15 +346,22 @@ def test_both_engines_satisfy_the_interface() -> None:
                 ], (engine_class.__name__, name)
 
 
-def test_sft_and_rl_loops_match_a_local_session(server: Server) -> None:
+def test_sft_and_rl_loops_match_a_local_session(
+    sampler: str, sampled_model: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """The run loop (SFT with live settings) and a hand-written RL loop give the same losses, samples
-    and history rows on a remote session as on a local one with the same seeds."""
+    and history rows on a remote session as on a local one with the same seeds, with the same sampler."""
+    if sampler == "hf":
+        server = request.getfixturevalue("server")
+    else:
+        server = Server(tmp_path, sampled_model, sampler)
+        request.addfinalizer(server.stop)
     results = {}
     for where in ("local", "remote"):
         sess = (
-            wb.Session("tiny", LORA, seed=0, sampler="hf", wandb=False)
+            wb.Session(sampled_model, LORA, seed=0, sampler=sampler, wandb=False)
             if where == "local"
-            else wb.Session.connect(server.url, base_model="tiny", lora=LORA, seed=0, wandb=False)
+            else wb.Session.connect(server.url, base_model=sampled_model, lora=LORA, seed=0, wandb=False)
         )
         with sess:
             run = sess.run(sft_step, 3, adam_params={"learning_rate": 1e-2}, paused=True)

@@ -13,12 +13,18 @@ from workbench.server import TinkerServer
 
 
 @pytest.fixture
-def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session]:
-    """A tiny session with no W&B run, and room for six models (a test fills them); its runs folder is
-    the test's own, so listings show this test's models only."""
+def sess(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[wb.Session]:
+    """The served session: the tiny model with HF sampling, or, for a test that takes the `sampler`
+    fixture, the model and sampler it names; no W&B run, room for six models (a test fills them), and a
+    runs folder of its own, so listings show this test's models only."""
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
-    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, max_models=6)
+    model, sampler = "tiny", "hf"
+    if "sampler" in request.fixturenames:
+        model, sampler = request.getfixturevalue("sampled_model"), request.getfixturevalue("sampler")
+    session = wb.Session(model, wb.LoraConfig(rank=4), seed=0, wandb=False, max_models=6, sampler=sampler)
     yield session
     session.close()
 

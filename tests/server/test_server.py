@@ -104,9 +104,10 @@ def test_training_through_the_server_matches_in_process(
 
 
 def test_sampling_through_the_server_matches_in_process(
-    sess: wb.Session, client: tinker.ServiceClient
+    sess: wb.Session, client: tinker.ServiceClient, sampler: str
 ) -> None:
-    remote = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    base_model = sess.engine.config.base_model
+    remote = client.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
     local = twin(sess)
     remote.forward_backward([sdk_ce_datum(TOKENS[0])], "cross_entropy")
     remote.optim_step(types.AdamParams(**ADAM)).result()
@@ -130,7 +131,7 @@ def test_sampling_through_the_server_matches_in_process(
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     np.testing.assert_allclose(logprobs[1:], ours.compute_logprobs(prompt).result()[1:], rtol=0, atol=1e-5)
     # the base model costs nothing: a sampler of it needs no run
-    base = client.create_sampling_client(base_model="tiny").result()
+    base = client.create_sampling_client(base_model=base_model).result()
     base_result = base.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(**params)).result()
     in_process = sess.sampling_client(base=True).sample(prompt, 1, params).result()
     assert base_result.sequences[0].tokens == in_process.sequences[0].tokens
@@ -454,11 +455,13 @@ def test_the_server_runs_beside_a_busy_kernel_thread(sess: wb.Session, client: t
     assert len(results) == 3
 
 
-def test_a_sampling_session_ids_come_with_the_future(srv: TinkerServer, client: tinker.ServiceClient) -> None:
-    sampler = client.create_sampling_client(base_model="tiny").result()
+def test_a_sampling_session_ids_come_with_the_future(
+    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, sampler: str
+) -> None:
+    sampling_client = client.create_sampling_client(base_model=sess.engine.config.base_model).result()
     holder = client.holder
     body = {
-        "sampling_session_id": sampler._sampling_session_id,
+        "sampling_session_id": sampling_client._sampling_session_id,
         "seq_id": 0,
         "num_samples": 2,
         "prompt": {"chunks": [{"tokens": TOKENS[0], "type": "encoded_text"}]},

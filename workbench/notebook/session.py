@@ -98,8 +98,9 @@ class Session:
         seed: seeds the adapters' initialisation (unless `lora.seed` is set) and the samplers.
         device, dtype: default CUDA/bf16 when a GPU is present, else CPU/fp32.
         max_tokens_per_microbatch: padded tokens per forward pass; bounds activation memory.
-        sampler: `"hf"` (generate in-process), `"vllm"` (GPU, LoRA hot-swap) or `"auto"` (vLLM when
-            installed with a CUDA device, else HF).
+        sampler: `"hf"` (generate in-process), `"vllm"` (LoRA hot-swap, on a GPU or with the CPU build;
+            a script needs the `if __name__ == "__main__":` guard, as vLLM spawns its engine processes)
+            or `"auto"` (vLLM when a build for the device is installed and runs the model, else HF).
         max_samples_per_request: the largest `num_samples` one sample call may ask for; bounds memory.
         max_models: how many LoRA models may share the base (this session's run, and those that clients
             of `serve()` create).
@@ -141,7 +142,6 @@ class Session:
             sampler=sampler,
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
-            lora_hint=lora_config,
         )
         folder = (
             Path(model_dir) if model_dir is not None else runs_root() / new_model_id(base_model)
@@ -283,7 +283,6 @@ class Session:
             dtype=arguments["dtype"],
             max_tokens_per_microbatch=arguments["max_tokens_per_microbatch"],
             max_samples_per_request=arguments["max_samples_per_request"],
-            lora_hint=arguments["lora"],
         )
         try:
             model_id = engine.create_model_from_state(

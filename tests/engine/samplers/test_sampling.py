@@ -1,8 +1,15 @@
-"""Sampling on the tiny model: SamplingParams in full, batching, versions, agreement with training."""
+"""Sampling on the tiny model: SamplingParams in full, batching, versions, agreement with training.
+
+The tests of what a sample promises run once per sampling engine (the `sampled` session and `sampler`
+fixtures: HF `generate`, and vLLM where it is installed); those about HF's own decoding loop, and about
+what the engine does the same way for both (validation, seeding, batching, history rows, prompt
+types), run on HF alone.
+"""
 
 from __future__ import annotations
 
 import gc
+import importlib.util
 
 import numpy as np
 import pytest
@@ -37,41 +44,41 @@ def _snapshot_bytes(sess: wb.Session) -> int:
     return sess.engine.model_status(sess.model_id).snapshot_bytes
 
 
-def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(tiny: wb.Session) -> None:
+def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(sampled: wb.Session) -> None:
     """At temperature 1, whatever top-k and top-p truncate: the model's logprob, what forward computes."""
-    sc = tiny.sampling_client()
+    sc = sampled.sampling_client()
     params = wb.SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, stop=[])
-    futures = [sc.sample(_ids(tiny, p), 3, params) for p in PROMPTS]  # different prompt lengths, one batch
+    futures = [sc.sample(_ids(sampled, p), 3, params) for p in PROMPTS]  # different prompt lengths, one batch
     worst = 0.0
     for prompt, future in zip(PROMPTS, futures, strict=True):
         response = future.result()
         assert len(response.sequences) == 3
         for seq in response.sequences:
             assert len(seq.tokens) == len(seq.logprobs) == 12 and seq.stop_reason == "length"
-            scored = _forward_logprobs(tiny, _ids(tiny, prompt), seq.tokens)
+            scored = _forward_logprobs(sampled, _ids(sampled, prompt), seq.tokens)
             worst = max(worst, max(abs(a - b) for a, b in zip(scored, seq.logprobs, strict=True)))
     assert worst <= 1e-4
 
 
-def test_agreement_probe_reports(tiny: wb.Session, capsys) -> None:
-    report = wb.check_logprob_agreement(tiny, [_ids(tiny, p) for p in PROMPTS], num_samples=2)
+def test_agreement_probe_reports(sampled: wb.Session, capsys) -> None:
+    report = wb.check_logprob_agreement(sampled, [_ids(sampled, p) for p in PROMPTS], num_samples=2)
     assert report.num_tokens > 0 and report.max_abs_diff <= 1e-4
     assert "max |Δ|" in capsys.readouterr().out
 
 
-def test_same_seed_same_tokens_even_when_batched_with_others(tiny: wb.Session) -> None:
-    sc = tiny.sampling_client()
+def test_same_seed_same_tokens_even_when_batched_with_others(sampled: wb.Session) -> None:
+    sc = sampled.sampling_client()
     params = wb.SamplingParams(max_tokens=10, temperature=1.0, seed=1234)
-    alone = sc.sample(_ids(tiny, PROMPTS[0]), 4, params).result()
-    again = sc.sample(_ids(tiny, PROMPTS[0]), 4, params).result()
-    other = sc.sample(_ids(tiny, PROMPTS[1]), 5, wb.SamplingParams(max_tokens=20, temperature=0.7, seed=1))
-    batched = sc.sample(_ids(tiny, PROMPTS[0]), 4, params)
+    alone = sc.sample(_ids(sampled, PROMPTS[0]), 4, params).result()
+    again = sc.sample(_ids(sampled, PROMPTS[0]), 4, params).result()
+    other = sc.sample(_ids(sampled, PROMPTS[1]), 5, wb.SamplingParams(max_tokens=20, temperature=0.7, seed=1))
+    batched = sc.sample(_ids(sampled, PROMPTS[0]), 4, params)
     other.result()
     tokens = [s.tokens for s in alone.sequences]
     assert tokens == [s.tokens for s in again.sequences] == [s.tokens for s in batched.result().sequences]
     assert len({tuple(t) for t in tokens}) > 1  # the samples differ from each other
     different = sc.sample(
-        _ids(tiny, PROMPTS[0]), 4, wb.SamplingParams(max_tokens=10, temperature=1.0, seed=99)
+        _ids(sampled, PROMPTS[0]), 4, wb.SamplingParams(max_tokens=10, temperature=1.0, seed=99)
     ).result()
     assert [s.tokens for s in different.sequences] != tokens
 
@@ -97,16 +104,20 @@ def test_unseeded_requests_are_reproducible_from_the_session_seed() -> None:
     assert results[0][:3] != results[0][3:]  # consecutive unseeded calls draw different seeds
 
 
-def test_temperature_zero_and_top_k_one_are_greedy(tiny: wb.Session) -> None:
-    prompt = _ids(tiny, PROMPTS[2])
-    sc = tiny.sampling_client()
+def test_temperature_zero_and_top_k_one_are_greedy(sampled: wb.Session) -> None:
+    prompt = _ids(sampled, PROMPTS[2])
+    sc = sampled.sampling_client()
     greedy = sc.sample(prompt, 2, wb.SamplingParams(max_tokens=8, temperature=0.0)).result()
     top1 = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=8, temperature=1.5, top_k=1)).result()
     tokens = greedy.sequences[0].tokens
     assert greedy.sequences[1].tokens == tokens == top1.sequences[0].tokens
+    # HF samples from the logits computed here, exactly; vLLM computes them its own way, so on a random
+    # model whose top logits can lie closer than float error, its choice is the argmax up to that error
+    tolerance = 0.0 if sampled.engine.config.sampler == "hf" else 1e-4
     context = list(prompt)
     for token in tokens:
-        assert token == int(_logits_after(tiny, context).argmax())
+        logits = _logits_after(sampled, context)
+        assert logits[token] >= logits.max() - tolerance
         context.append(token)
 
 
@@ -162,14 +173,14 @@ def test_each_prompt_is_computed_once_for_all_its_samples(tiny: wb.Session) -> N
     assert embedded == [len(prompt) - 1] + [8] * 5
 
 
-def test_top_p_samples_only_from_the_nucleus(tiny: wb.Session) -> None:
-    prompt = _ids(tiny, PROMPTS[0])
+def test_top_p_samples_only_from_the_nucleus(sampled: wb.Session) -> None:
+    prompt = _ids(sampled, PROMPTS[0])
     response = (
-        tiny.sampling_client()
+        sampled.sampling_client()
         .sample(prompt, 8, wb.SamplingParams(max_tokens=1, temperature=1.0, top_p=0.05, seed=0))
         .result()
     )
-    probs = torch.softmax(_logits_after(tiny, prompt), -1)
+    probs = torch.softmax(_logits_after(sampled, prompt), -1)
     ranked = probs.argsort(descending=True).tolist()
     nucleus = set()
     mass = 0.0
@@ -181,9 +192,9 @@ def test_top_p_samples_only_from_the_nucleus(tiny: wb.Session) -> None:
     assert {s.tokens[0] for s in response.sequences} <= nucleus
 
 
-def test_stop_token_ids_and_stop_strings(tiny: wb.Session) -> None:
-    prompt = _ids(tiny, PROMPTS[0])
-    sc = tiny.sampling_client()
+def test_stop_token_ids_and_stop_strings(sampled: wb.Session) -> None:
+    prompt = _ids(sampled, PROMPTS[0])
+    sc = sampled.sampling_client()
     free = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[])).result().sequences[0]
     stop_token = free.tokens[5]
     first = free.tokens.index(stop_token)
@@ -196,20 +207,20 @@ def test_stop_token_ids_and_stop_strings(tiny: wb.Session) -> None:
     assert stopped.tokens == free.tokens[: first + 1]  # the stop token is included
     assert stopped.logprobs == free.logprobs[: first + 1]
 
-    text = tiny.tokenizer.decode(free.tokens[3:5])
+    text = sampled.tokenizer.decode(free.tokens[3:5])
     by_string = (
         sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[text])).result().sequences[0]
     )
     assert by_string.stop_reason == "stop"
-    assert text in tiny.tokenizer.decode(by_string.tokens)
-    assert text not in tiny.tokenizer.decode(by_string.tokens[:-1])
+    assert text in sampled.tokenizer.decode(by_string.tokens)
+    assert text not in sampled.tokenizer.decode(by_string.tokens[:-1])
     assert by_string.tokens == free.tokens[: len(by_string.tokens)]
 
 
-def test_eos_stops_by_default_and_not_with_an_empty_stop_list(tiny: wb.Session) -> None:
-    eos = tiny.tokenizer.eos_token_id
-    prompt = _ids(tiny, "The answer is")
-    sc = tiny.sampling_client()
+def test_eos_stops_by_default_and_not_with_an_empty_stop_list(sampled: wb.Session) -> None:
+    eos = sampled.tokenizer.eos_token_id
+    prompt = _ids(sampled, "The answer is")
+    sc = sampled.sampling_client()
     params = {"max_tokens": 60, "temperature": 1.0, "seed": 3}
     free = sc.sample(prompt, 64, wb.SamplingParams(**params, stop=[])).result().sequences
     rows = [i for i, s in enumerate(free) if eos in s.tokens]
@@ -221,24 +232,24 @@ def test_eos_stops_by_default_and_not_with_an_empty_stop_list(tiny: wb.Session) 
         assert default[i].tokens == free[i].tokens[:cut] and default[i].stop_reason == "stop"
 
 
-def test_prompt_logprobs_and_compute_logprobs(tiny: wb.Session) -> None:
-    prompt = _ids(tiny, PROMPTS[0])
-    sc = tiny.sampling_client()
+def test_prompt_logprobs_and_compute_logprobs(sampled: wb.Session) -> None:
+    prompt = _ids(sampled, PROMPTS[0])
+    sc = sampled.sampling_client()
     response = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=2), include_prompt_logprobs=True).result()
     assert response.prompt_logprobs[0] is None and len(response.prompt_logprobs) == len(prompt)
-    expected = _forward_logprobs(tiny, prompt[:1], prompt[1:])
+    expected = _forward_logprobs(sampled, prompt[:1], prompt[1:])
     assert response.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-5)
     assert sc.compute_logprobs(prompt).result() == response.prompt_logprobs
     assert sc.sample(prompt, 1, wb.SamplingParams(max_tokens=2)).result().prompt_logprobs is None
     assert sc.compute_logprobs(prompt[:1]).result() == [None]
 
 
-def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> None:
-    prompt = _ids(tiny, PROMPTS[1])
+def test_clients_sample_the_weights_they_were_created_from(sampled: wb.Session) -> None:
+    prompt = _ids(sampled, PROMPTS[1])
     params = wb.SamplingParams(max_tokens=8, seed=11)
-    v0 = tiny.policy.save_weights_and_get_sampling_client()
+    v0 = sampled.policy.save_weights_and_get_sampling_client()
     before = v0.sample(prompt, 2, params).result()
-    assert before.weights_version == 0 and _snapshot_bytes(tiny) == 0  # the current version costs no copy
+    assert before.weights_version == 0 and _snapshot_bytes(sampled) == 0  # the current version costs no copy
     data = [
         wb.Datum(
             model_input=prompt + before.sequences[0].tokens[:-1],
@@ -246,29 +257,29 @@ def test_clients_sample_the_weights_they_were_created_from(tiny: wb.Session) -> 
         )
     ]
     for _ in range(3):
-        tiny.policy.forward_backward(data, "cross_entropy").result()
-        tiny.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
-    assert tiny.policy.weights_version == 3
+        sampled.policy.forward_backward(data, "cross_entropy").result()
+        sampled.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
+    assert sampled.policy.weights_version == 3
     after = v0.sample(prompt, 2, params).result()
     assert after.weights_version == 0
     assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
     assert [s.logprobs for s in after.sequences] == [s.logprobs for s in before.sequences]
-    v3 = tiny.sampling_client()
+    v3 = sampled.sampling_client()
     newer = v3.sample(prompt, 2, params).result()
     assert newer.weights_version == 3
     assert [s.logprobs for s in newer.sequences] != [s.logprobs for s in before.sequences]
-    assert tiny.live_versions() == [0, 3]
-    assert _snapshot_bytes(tiny) > 0
+    assert sampled.live_versions() == [0, 3]
+    assert _snapshot_bytes(sampled) > 0
     # the live adapter is untouched by sampling the old version
-    digest = tiny.state_digest()
+    digest = sampled.state_digest()
     v0.sample(prompt, 1, params).result()
-    assert tiny.state_digest() == digest
+    assert sampled.state_digest() == digest
     del v0
     gc.collect()
-    tiny.state_digest()  # an operation after the release: the worker has processed it
-    assert tiny.live_versions() == [3] and _snapshot_bytes(tiny) == 0
+    sampled.state_digest()  # an operation after the release: the worker has processed it
+    assert sampled.live_versions() == [3] and _snapshot_bytes(sampled) == 0
     with pytest.raises(ValueError, match="weights version 0 is not held"):
-        _ = tiny.sampling_client(
+        _ = sampled.sampling_client(
             version=0
         ).weights_version  # the pin fails, in order with the operations before it
 
@@ -288,17 +299,17 @@ def test_close_releases_the_pinned_weights_before_it_returns(tiny: wb.Session) -
         _ = tiny.sampling_client(version=0).weights_version
 
 
-def test_base_client_samples_the_base_model(tiny: wb.Session) -> None:
-    prompt = _ids(tiny, PROMPTS[0])
+def test_base_client_samples_the_base_model(sampled: wb.Session) -> None:
+    prompt = _ids(sampled, PROMPTS[0])
     data = [unweighted_datum(prompt)]
-    tiny.policy.forward_backward(data, "cross_entropy").result()
-    tiny.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
-    base = tiny.sampling_client(base=True)
+    sampled.policy.forward_backward(data, "cross_entropy").result()
+    sampled.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
+    base = sampled.sampling_client(base=True)
     response = base.sample(prompt, 2, wb.SamplingParams(max_tokens=6, seed=2)).result()
     assert response.weights_version is None
     for seq in response.sequences:
         full = prompt + seq.tokens
-        ref = tiny.reference.forward([unweighted_datum(full)], "cross_entropy").result()
+        ref = sampled.reference.forward([unweighted_datum(full)], "cross_entropy").result()
         assert ref.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :] == pytest.approx(
             seq.logprobs, abs=1e-5
         )
@@ -387,9 +398,9 @@ def test_prompts_take_the_token_types_datums_take(tiny: wb.Session) -> None:
     tiny.policy.forward([datum], "cross_entropy").result()
 
 
-def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(tiny: wb.Session) -> None:
-    tokens = _ids(tiny, PROMPTS[2])
-    client = tiny.sampling_client()
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(sampled: wb.Session) -> None:
+    tokens = _ids(sampled, PROMPTS[2])
+    client = sampled.sampling_client()
     greedy = client.sample(tokens, 1, wb.SamplingParams(max_tokens=4, temperature=0.0)).result()
     tiny_nucleus = client.sample(tokens, 2, wb.SamplingParams(max_tokens=4, top_p=1e-300)).result()
     assert all(seq.tokens == greedy.sequences[0].tokens for seq in tiny_nucleus.sequences)
@@ -505,12 +516,14 @@ def test_bad_sampling_input_raises_and_changes_nothing(case, build, message) -> 
         assert sess.state_digest() != digest
 
 
-def test_sampler_choice_without_a_gpu() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(ValueError, match="sampler='vllm' is not available"):
+def test_sampler_choice_without_vllm() -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    with pytest.raises(
+        ValueError, match="sampler='vllm' is not available: the vllm package is not installed"
+    ):
         wb.Session("tiny", wb.LoraConfig(rank=2), sampler="vllm")
     with wb.Session("tiny", wb.LoraConfig(rank=2), sampler="auto") as sess:
-        assert sess.config.sampler == "hf"
+        assert sess.engine.config.sampler == "hf"
     with pytest.raises(ValueError, match="sampler must be"):
         wb.Session("tiny", wb.LoraConfig(rank=2), sampler="sglang")

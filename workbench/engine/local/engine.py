@@ -91,12 +91,18 @@ def _close_sinks(history: MetricsHistory) -> None:
             sink.close()
 
 
-def _shutdown(worker: Worker, history: MetricsHistory) -> None:
+def _close_sinks_and_vllm(state: EngineState) -> None:
+    _close_sinks(state.history)
+    with contextlib.suppress(Exception):
+        sampling.stop_vllm(state)
+
+
+def _shutdown(state: EngineState) -> None:
     """What a dropped engine's finalizer does: stop the worker once the operations queued before are
-    done, and close the history's sinks after their rows, on the worker."""
-    if not worker.post(lambda: _close_sinks(history)):  # the worker was already stopping
-        _close_sinks(history)
-    worker.close(wait=False)
+    done; on the worker, after them, close the history's sinks and stop vLLM's engine processes."""
+    if not state.worker.post(lambda: _close_sinks_and_vllm(state)):  # the worker was already stopping
+        _close_sinks_and_vllm(state)
+    state.worker.close(wait=False)
 
 
 class Engine:
@@ -107,11 +113,10 @@ class Engine:
         seed: Seeds the sampling generator (the seeds of requests that give none).
         device, dtype: Default CUDA/bf16 when a GPU is present, else CPU/fp32.
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
-        sampler: `"hf"`, `"vllm"` or `"auto"` (vLLM when installed with a CUDA device, else HF).
+        sampler: `"hf"`, `"vllm"` or `"auto"` (vLLM when a build for the device is installed and runs
+            the model, else HF, with a notice saying why).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
         max_models: How many LoRA models may share the base at once.
-        lora_hint: The first model's adapter, when known: `"auto"` keeps HF sampling for adapters vLLM
-            cannot serve (`train_unembed=True`).
     """
 
     def __init__(
@@ -125,7 +130,6 @@ class Engine:
         sampler: SamplerChoice = "auto",
         max_samples_per_request: int = 128,
         max_models: int = DEFAULT_MAX_MODELS,
-        lora_hint: LoraConfig | None = None,
     ):
         resolved_device, resolved_dtype = resolve_device_and_dtype(device, dtype)
         config = EngineConfig(
@@ -134,7 +138,7 @@ class Engine:
             device=str(resolved_device),
             dtype=str(resolved_dtype).removeprefix("torch."),
             max_tokens_per_microbatch=max_tokens_per_microbatch,
-            sampler=resolve_sampler(sampler, resolved_device, lora_hint),
+            sampler=resolve_sampler(sampler, resolved_device),
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
         )
@@ -156,7 +160,8 @@ class Engine:
             worker.close(wait=False)  # the thread ends once the load does (at once, if it failed)
             raise
         self._state = EngineState(config, model, tokenizer, resolved_device, resolved_dtype, worker)
-        self._finalizer = weakref.finalize(self, _shutdown, self._state.worker, self._state.history)
+        self._state.sampler_falls_back = sampler == "auto"
+        self._finalizer = weakref.finalize(self, _shutdown, self._state)
 
     # ------------------------------------------------------------------------------------------ identity
 
@@ -213,7 +218,6 @@ class Engine:
         folder is `<runs root>/<model id>` unless `model_dir` says otherwise)."""
         model_id = model_id or new_model_id(self.config.base_model)
         folder = (Path(model_dir) if model_dir is not None else runs_root() / model_id).absolute()
-        self._check_lora(lora)
         future = model_lifecycle.create_model(
             self._state, lora, seed=seed, model_id=model_id, model_dir=folder, user_metadata=user_metadata
         )
@@ -337,12 +341,6 @@ class Engine:
     def model_config(self, model_id: str) -> ModelConfig:
         """What defines the run on this engine (what its checkpoints record)."""
         return model_config(self._state, self._state.lora_model(model_id))
-
-    def _check_lora(self, lora: LoraConfig) -> None:
-        if self.config.sampler == "vllm" and lora.train_unembed:
-            raise ValueError(
-                "vLLM does not load LoRA weights on the output embedding: use LoraConfig(train_unembed=False), or sampler='hf'"
-            )
 
     # ------------------------------------------------------------------------------------------ training
 
@@ -603,9 +601,7 @@ class Engine:
         for sink in list(state.history.sinks):
             sink.close()
         state.history.sinks.clear()
-        if state.vllm is not None:
-            state.vllm.close()
-            state.vllm = None
+        sampling.stop_vllm(state)
         for lora_model in state.lora_models.values():
             release_model_folder(lora_model.model_dir)
         state.lora_models.clear()

