@@ -23,6 +23,7 @@ def test_the_tutorials_are_there() -> None:
         "08_tinker_cookbook.ipynb",
         "09_serving_tinker.ipynb",
         "10_remote_engine.ipynb",
+        "11_distillation.ipynb",
     ]
 
 
