@@ -358,7 +358,9 @@ def _drive_the_cockpit(page: Page, lab: Lab, workspace: str, artifacts: Path) ->
 
     # the status bar is one line at 1400 px
     status = panel.locator(".wb-status")
-    line_height = status.locator('[data-field="step"]').bounding_box()
+    step_field = status.locator('[data-field="step"]')
+    expect(step_field).to_be_visible(timeout=PANEL_RENDER_MS)  # the bar fills in at its first refresh
+    line_height = step_field.bounding_box()
     box = status.bounding_box()
     assert box is not None and line_height is not None and box["height"] < 2 * line_height["height"] + 8
 
