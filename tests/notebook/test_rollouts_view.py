@@ -104,7 +104,7 @@ def test_a_finished_run_is_explored_from_its_files_and_a_live_one_follows_new_ba
     explorer.refresh()  # looking at an older batch: stays there
     assert explorer.batch == 0 and explorer.slider.max == 2
 
-    from_files = RolloutExplorer.from_run_dir(tiny.model_dir, tiny.tokenizer)
+    from_files = RolloutExplorer.from_model_dir(tiny.model_dir, tiny.tokenizer)
     assert from_files.batch == 2 and from_files.groups.value == tiny.rollout_explorer().groups.value
 
 

@@ -12,7 +12,7 @@ For any recorded batch (one `Session.record_rollouts` call, usually one RL step)
 
 It reads a `RolloutLog`: the live session's (`sess.rollout_explorer()`, which follows new batches as
 they are recorded when `refresh()` is called, as the panel's Rollouts tab does) or a finished run's
-folder (`RolloutExplorer.from_run_dir(model_dir, tokenizer)`).
+folder (`RolloutExplorer.from_model_dir(model_dir, tokenizer)`).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class RolloutExplorer(ipywidgets.VBox):
         self.refresh()
 
     @classmethod
-    def from_run_dir(cls, model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> RolloutExplorer:
+    def from_model_dir(cls, model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> RolloutExplorer:
         """An explorer over a finished run's `rollouts.jsonl` (decoded with the run's tokenizer)."""
         return cls(RolloutLog.load(model_dir), tokenizer)
 
