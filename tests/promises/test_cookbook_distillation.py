@@ -18,11 +18,11 @@ and each token's advantage is the negative per-token reverse KL, -(log p_student
 its prompts with `load_dataset("zwhe99/DeepMath-103K")`; the test writes a few prompts into a datasets
 cache folder in tmp_path and points `datasets.config.HF_DATASETS_CACHE` at it (what the
 `HF_DATASETS_CACHE` variable sets at import), which `load_dataset` reads offline as it would a cached
-download; the recipe's code runs unpatched. The student
-starts from the recipe's `load_checkpoint_path`, a state of an adapter the test trained for a few steps to
-answer "apple apple apple"; the teacher is the base model, which finds that answer unlikely. Reverse KL
-is mode-seeking: the student's own samples show where it is overconfident, and pushing those down pulls
-it back to the teacher.
+download; the recipe's code runs unpatched. The test trains the session's adapter to answer "apple apple
+apple": its sampler checkpoint after 3 steps is the recipe's `teacher_checkpoint`, and its state after 8
+steps, far more sure of that answer, is the student's `load_checkpoint_path`. Reverse KL is mode-seeking:
+the student's own samples show where it is overconfident, and pushing those down brings it to the
+teacher.
 """
 
 from __future__ import annotations
@@ -187,23 +187,28 @@ def _deepmath_cache(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
 
 
-def _student_checkpoint(session: wb.Session) -> str:
-    """The session's own adapter, trained for a few steps to answer the question with "apple apple
-    apple", saved as a training state: a student that starts far from the teacher (the base)."""
+def _student_and_teacher(session: wb.Session) -> tuple[str, str]:
+    """The session's own adapter trained to answer the question with "apple apple apple": its training
+    state after 8 steps (the student) and its sampler checkpoint after 3 (the teacher, less sure)."""
     answer = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": GOLDEN}]
     datum = chat_datum(session.tokenizer, answer)
-    for _ in range(8):
+    for step in range(8):
+        if step == 3:
+            teacher = session.policy.save_weights_for_sampler("teacher").result().path
         session.policy.forward_backward([datum], "cross_entropy")
         session.policy.optim_step(wb.AdamParams(learning_rate=1e-2))
-    return session.policy.save_state("student").result().path
+    return session.policy.save_state("student").result().path, teacher
 
 
-def _run_on_policy_distillation(tmp_path: Path, student: str, base_url: str | None) -> list[float]:
+def _run_on_policy_distillation(
+    tmp_path: Path, base_url: str | None, student: str, teacher: str
+) -> list[float]:
     config = on_policy_distillation.CLIConfig(
         model_name=resolve_model_path("tiny"),
         renderer_name="qwen3_instruct",
         load_checkpoint_path=student,
         teacher_model=resolve_model_path("tiny"),
+        teacher_checkpoint=teacher,
         dataset="deepmath",
         lora_rank=4,
         group_size=4,
@@ -227,7 +232,7 @@ def _check_the_student_moved_towards_the_teacher(session: wb.Session, teacher_kl
     the start, it falls once the student's updates push its overconfident answer down."""
     print("teacher_kl by step:", [round(kl, 3) for kl in teacher_kl])
     assert len(teacher_kl) == OPD_STEPS
-    assert teacher_kl[0] > 2  # the student starts far from the teacher: its own answer is unlikely there
+    assert teacher_kl[0] > 1  # the student starts far from the teacher: more sure of its answer
     later = teacher_kl[OPD_STEPS // 2 :]
     assert sum(later) / len(later) < teacher_kl[0] / 2
     student_steps = [row for row in session.history if row["op"] == "optim_step" and row["model"] != "policy"]
@@ -238,17 +243,16 @@ def test_the_cookbook_on_policy_distillation_recipe_lowers_the_reverse_kl_in_pro
     sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _deepmath_cache(tmp_path / "datasets", monkeypatch)
-    student = _student_checkpoint(sess)
+    student, teacher = _student_and_teacher(sess)
     monkeypatch.setattr(tinker, "ServiceClient", sess.service_client)
-    _check_the_student_moved_towards_the_teacher(sess, _run_on_policy_distillation(tmp_path, student, None))
+    teacher_kl = _run_on_policy_distillation(tmp_path, None, student, teacher)
+    _check_the_student_moved_towards_the_teacher(sess, teacher_kl)
 
 
 def test_the_cookbook_on_policy_distillation_recipe_lowers_the_reverse_kl_over_http(
     sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _deepmath_cache(tmp_path / "datasets", monkeypatch)
-    student = _student_checkpoint(sess)
-    server = sess.serve()
-    _check_the_student_moved_towards_the_teacher(
-        sess, _run_on_policy_distillation(tmp_path, student, server.url)
-    )
+    student, teacher = _student_and_teacher(sess)
+    teacher_kl = _run_on_policy_distillation(tmp_path, sess.serve().url, student, teacher)
+    _check_the_student_moved_towards_the_teacher(sess, teacher_kl)
