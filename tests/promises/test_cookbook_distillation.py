@@ -1,6 +1,7 @@
-"""tinker-cookbook's distillation code, unmodified, on the `tiny` model: the SDFT recipe
-(`recipes/sdft/train.py`, `distillation/sdft.py`) with its top-K path, in-process and over `workbench
-serve`.
+"""tinker-cookbook's distillation code, unmodified, on the `tiny` model, in-process and over `workbench
+serve`: the SDFT recipe (`recipes/sdft/train.py`, `distillation/sdft.py`) with its top-K path, and the
+on-policy distillation recipe (`recipes/distillation/on_policy_distillation.py`,
+`distillation/train_on_policy.py`).
 
 SDFT (Shenfeld et al. 2026, https://arxiv.org/abs/2601.19897): the student samples answers on-policy; the
 teacher (here the base model with adapters off, the recipe's static teacher) reads the question with a
@@ -9,6 +10,19 @@ student trains with `cross_entropy` on (N, K) soft targets (the teacher's renorm
 is a local file in the recipe's ToolAlpaca format (`load_from_disk` of `prompt` / `golden_response`
 columns). The only patches: `tinker.ServiceClient` is ours on the test's session engine (in-process), and
 the cookbook's pricing download answers "no pricing".
+
+On-policy distillation (Agarwal et al. 2024, https://arxiv.org/abs/2306.13649; Thinking Machines' "On-Policy
+Distillation", 2025): the student samples, the teacher scores the student's tokens with `compute_logprobs`,
+and each token's advantage is the negative per-token reverse KL, -(log p_student - log p_teacher), under
+`importance_sampling`; the recipe logs the mean of log p_student - log p_teacher as `teacher_kl`. It reads
+its prompts with `load_dataset("zwhe99/DeepMath-103K")`; the test writes a few prompts into a datasets
+cache folder in tmp_path and points `datasets.config.HF_DATASETS_CACHE` at it (what the
+`HF_DATASETS_CACHE` variable sets at import), which `load_dataset` reads offline as it would a cached
+download; the recipe's code runs unpatched. The test trains the session's adapter to answer "apple apple
+apple": its sampler checkpoint after 3 steps is the recipe's `teacher_checkpoint`, and its state after 8
+steps, far more sure of that answer, is the student's `load_checkpoint_path`. Reverse KL is mode-seeking:
+the student's own samples show where it is overconfident, and pushing those down brings it to the
+teacher.
 """
 
 from __future__ import annotations
@@ -23,11 +37,13 @@ from pathlib import Path
 import datasets
 import pytest
 import tinker
+from tinker_cookbook.recipes.distillation import on_policy_distillation
 from tinker_cookbook.recipes.sdft import train as sdft_train
 from tinker_cookbook.utils import cost_estimation
 
 import workbench as wb
 from workbench.engine.model.base_model import resolve_model_path
+from workbench.loops.chat import chat_datum
 
 QUESTION = "Name a fruit."
 GOLDEN = "apple apple apple"
@@ -143,3 +159,100 @@ def test_the_cookbook_sdft_reverse_kl_path_runs_its_custom_loss_on_n_by_k_logpro
     assert all(row["sdft/reverse_kl_positions"] > 0 and row["sdft/reverse_kl_mean"] >= 0 for row in metrics)
     ops = [row["op"] for row in sess.history if row["model"] != "policy" and row["op"].startswith("forward")]
     assert ops == ["forward", "forward_backward"] * 2  # the SDK's custom-loss path, once a step
+
+
+# ------------------------------------------------------------------------------- on-policy distillation
+
+OPD_STEPS = 10
+GROUPS_PER_BATCH = 2
+
+
+def _deepmath_cache(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A datasets cache holding a few prompts as `zwhe99/DeepMath-103K`'s train split (its `question`
+    column), laid out as `load_dataset` leaves a download: offline, `load_dataset` reads it back."""
+    split_folder = folder / "zwhe99___deep_math-103_k" / "default" / "0.0.0" / "local"
+    rows = datasets.Dataset.from_dict({"question": [QUESTION] * (GROUPS_PER_BATCH * OPD_STEPS)})
+    rows.save_to_disk(str(folder / "rows"))
+    split_folder.mkdir(parents=True)
+    (folder / "rows" / "data-00000-of-00001.arrow").rename(split_folder / "deep_math-103_k-train.arrow")
+    split = datasets.SplitInfo("train", num_examples=len(rows), dataset_name="deep_math-103_k")
+    info = datasets.DatasetInfo(
+        features=rows.features,
+        config_name="default",
+        dataset_name="deep_math-103_k",
+        splits=datasets.SplitDict({"train": split}),
+    )
+    info.write_to_directory(str(split_folder))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", folder)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+def _student_and_teacher(session: wb.Session) -> tuple[str, str]:
+    """The session's own adapter trained to answer the question with "apple apple apple": its training
+    state after 8 steps (the student) and its sampler checkpoint after 3 (the teacher, less sure)."""
+    answer = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": GOLDEN}]
+    datum = chat_datum(session.tokenizer, answer)
+    for step in range(8):
+        if step == 3:
+            teacher = session.policy.save_weights_for_sampler("teacher").result().path
+        session.policy.forward_backward([datum], "cross_entropy")
+        session.policy.optim_step(wb.AdamParams(learning_rate=1e-2))
+    return session.policy.save_state("student").result().path, teacher
+
+
+def _run_on_policy_distillation(
+    tmp_path: Path, base_url: str | None, student: str, teacher: str
+) -> list[float]:
+    config = on_policy_distillation.CLIConfig(
+        model_name=resolve_model_path("tiny"),
+        renderer_name="qwen3_instruct",
+        load_checkpoint_path=student,
+        teacher_model=resolve_model_path("tiny"),
+        teacher_checkpoint=teacher,
+        dataset="deepmath",
+        lora_rank=4,
+        group_size=4,
+        groups_per_batch=GROUPS_PER_BATCH,
+        learning_rate=1e-2,
+        max_tokens=8,
+        eval_every=0,
+        save_every=0,
+        log_path=str(tmp_path / "log"),
+        behavior_if_log_dir_exists="delete",
+        max_steps=OPD_STEPS,
+        base_url=base_url,
+    )
+    asyncio.run(on_policy_distillation.cli_main(config))
+    metrics = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    return [row["teacher_kl"] for row in metrics]
+
+
+def _check_the_student_moved_towards_the_teacher(session: wb.Session, teacher_kl: list[float]) -> None:
+    """`teacher_kl` is computed from the teacher's `compute_logprobs` of the student's samples: large at
+    the start, it falls once the student's updates push its overconfident answer down."""
+    print("teacher_kl by step:", [round(kl, 3) for kl in teacher_kl])
+    assert len(teacher_kl) == OPD_STEPS
+    assert teacher_kl[0] > 1  # the student starts far from the teacher: more sure of its answer
+    later = teacher_kl[OPD_STEPS // 2 :]
+    assert sum(later) / len(later) < teacher_kl[0] / 2
+    student_steps = [row for row in session.history if row["op"] == "optim_step" and row["model"] != "policy"]
+    assert len(student_steps) == OPD_STEPS  # the recipe's student trained next to the session's own run
+
+
+def test_the_cookbook_on_policy_distillation_recipe_lowers_the_reverse_kl_in_process(
+    sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _deepmath_cache(tmp_path / "datasets", monkeypatch)
+    student, teacher = _student_and_teacher(sess)
+    monkeypatch.setattr(tinker, "ServiceClient", sess.service_client)
+    teacher_kl = _run_on_policy_distillation(tmp_path, None, student, teacher)
+    _check_the_student_moved_towards_the_teacher(sess, teacher_kl)
+
+
+def test_the_cookbook_on_policy_distillation_recipe_lowers_the_reverse_kl_over_http(
+    sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _deepmath_cache(tmp_path / "datasets", monkeypatch)
+    student, teacher = _student_and_teacher(sess)
+    teacher_kl = _run_on_policy_distillation(tmp_path, sess.serve().url, student, teacher)
+    _check_the_student_moved_towards_the_teacher(sess, teacher_kl)
