@@ -1,6 +1,6 @@
 """Names that were renamed still work, with a DeprecationWarning, for code written against them."""
 
-# renames: off (this file is about the old names)
+# this file is about the old names
 from __future__ import annotations
 
 import importlib
@@ -43,6 +43,3 @@ def test_the_serve_command_still_takes_run_dir() -> None:
     parser = _parser()
     assert parser.parse_args(["serve", "--run-dir", "x"]).model_dir == "x"
     assert parser.parse_args(["serve", "--model-dir", "y"]).model_dir == "y"
-
-
-# renames: on

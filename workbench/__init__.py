@@ -21,10 +21,9 @@ from typing import Any
 
 # Each module and the public names it gives `workbench`.
 _PUBLIC: dict[str, tuple[str, ...]] = {
-    # renames: off (SessionConfig and RunStatus: deprecated names of ModelConfig and ModelStatus)
+    # SessionConfig and RunStatus: deprecated names of ModelConfig and ModelStatus
     "workbench.engine.config": ("ModelConfig", "SessionConfig"),
     "workbench.engine.interface": ("EngineInterface", "ModelStatus", "RunStatus"),
-    # renames: on
     "workbench.engine.local.checkpoint_files": ("Restore",),
     "workbench.engine.local.engine": ("Engine", "ModelTensors"),
     "workbench.engine.model.trainable_adapter": ("NonFiniteGradientError",),

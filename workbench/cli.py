@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None, help="cuda, cpu, ... (default: CUDA when present)")
     serve.add_argument(
         "--model-dir",
-        "--run-dir",  # renames: keep (the deprecated spelling, still accepted)
+        "--run-dir",  # the deprecated spelling, still accepted
         dest="model_dir",
         default=None,
         help="the session model's folder (history, W&B files)",

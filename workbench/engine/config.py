@@ -75,7 +75,6 @@ class ModelConfig:
         return asdict(self)
 
 
-# renames: off
 _DEPRECATED = {"SessionConfig": "ModelConfig"}
 
 
@@ -85,6 +84,3 @@ def __getattr__(name: str) -> Any:
         warnings.warn(f"{name} is now {_DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
         return globals()[_DEPRECATED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# renames: on

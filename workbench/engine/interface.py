@@ -73,14 +73,11 @@ class ModelStatus:
     critic_adapter: str | None
     snapshot_bytes: int  # memory held by copies of past policy versions that sampling clients pin
 
-    # renames: off
     @property
     def run_dir(self) -> Path:
         """Deprecated: `model_dir`."""
         warnings.warn("run_dir is now model_dir", DeprecationWarning, stacklevel=2)
         return self.model_dir
-
-    # renames: on
 
 
 CustomLossFn = Callable[[list[Any], list[Tensor]], tuple[Tensor, Mapping[str, float]]]
@@ -260,7 +257,6 @@ class EngineInterface(Protocol):
         """Finish the queued operations and free the models; safe to call again."""
 
 
-# renames: off
 _DEPRECATED = {"RunStatus": "ModelStatus"}
 
 
@@ -270,6 +266,3 @@ def __getattr__(name: str) -> Any:
         warnings.warn(f"{name} is now {_DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
         return globals()[_DEPRECATED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# renames: on

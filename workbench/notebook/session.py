@@ -73,7 +73,6 @@ if TYPE_CHECKING:
 WANDB_PROJECT = "workbench"
 
 
-# renames: off
 def _model_dir_from(model_dir: str | Path | None, run_dir: str | Path | None) -> str | Path | None:
     """`model_dir`, or `run_dir`, its deprecated name, with a DeprecationWarning."""
     if run_dir is None:
@@ -82,9 +81,6 @@ def _model_dir_from(model_dir: str | Path | None, run_dir: str | Path | None) ->
         raise TypeError("pass model_dir, or run_dir (its deprecated name), not both")
     warnings.warn("the run_dir argument is now model_dir", DeprecationWarning, stacklevel=3)
     return run_dir
-
-
-# renames: on
 
 
 class Session:
@@ -128,9 +124,9 @@ class Session:
         max_models: int = DEFAULT_MAX_MODELS,
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
-        run_dir: str | Path | None = None,  # renames: keep (deprecated name of model_dir)
+        run_dir: str | Path | None = None,  # deprecated name of model_dir
     ):
-        model_dir = _model_dir_from(model_dir, run_dir)  # renames: keep
+        model_dir = _model_dir_from(model_dir, run_dir)
         lora_config = to_lora_config(lora if lora is not None else LoraConfig())
         critic_config = None if isinstance(critic, bool) else to_lora_config(critic)
         engine = Engine(
@@ -169,7 +165,7 @@ class Session:
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
         probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
-        run_dir: str | Path | None = None,  # renames: keep (deprecated name of model_dir)
+        run_dir: str | Path | None = None,  # deprecated name of model_dir
     ) -> Session:
         """A session whose model lives on a Tinker-compatible service, driven through the `tinker` SDK.
 
@@ -190,7 +186,7 @@ class Session:
             wandb: As for `Session(...)`.
             probe_interval_s: How long an operation waits before checking that the service answers.
         """
-        model_dir = _model_dir_from(model_dir, run_dir)  # renames: keep
+        model_dir = _model_dir_from(model_dir, run_dir)
         url = url or os.environ.get("TINKER_BASE_URL")
         if not url:
             raise ValueError("Session.connect needs the service's URL: pass url=... or set TINKER_BASE_URL")
@@ -254,7 +250,7 @@ class Session:
         device: str | None = None,
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
-        run_dir: str | Path | None = None,  # renames: keep (deprecated name of model_dir)
+        run_dir: str | Path | None = None,  # deprecated name of model_dir
     ) -> Session:
         """A new session that continues the run saved by `save_state` at `path` (a `tinker://` path or the
         checkpoint's folder), exactly: same config (base model, adapters, critic, seed, dtype), weights,
@@ -265,7 +261,7 @@ class Session:
         `<runs root>/<run id>`; the run id stays the same, so the W&B run resumes too. `device` (and with
         it the sampler) follows this machine unless given; `model_dir` and `wandb` as for `Session(...)`.
         """
-        model_dir = _model_dir_from(model_dir, run_dir)  # renames: keep
+        model_dir = _model_dir_from(model_dir, run_dir)
         probe = Engine.folder_of_checkpoint(path)
         saved = Engine.parse_checkpoint(probe)
         arguments = saved.session_arguments
@@ -307,14 +303,11 @@ class Session:
         """The model's folder: its history, checkpoints and W&B files."""
         return self.engine.model_status(self.model_id).model_dir
 
-    # renames: off
     @property
     def run_dir(self) -> Path:
         """Deprecated: `model_dir`."""
         warnings.warn("Session.run_dir is now Session.model_dir", DeprecationWarning, stacklevel=2)
         return self.model_dir
-
-    # renames: on
 
     @property
     def critic(self) -> TrainingClient | None:
