@@ -60,7 +60,12 @@ $(SKYRL)/.installed:
 	$(SKYRL)/uv/bin/uv pip install --quiet --python $(SKYRL)/.venv/bin/python 'skyrl[tinker,jax]==0.4.0' aiohttp
 	touch $(SKYRL)/.installed
 
+ifeq ($(SKYRL_PYTHON),)
+skyrl-env:
+	@echo "skyrl-env: no Python 3.12 here (pyenv's or python3.12): the SkyRL tests will be skipped"
+else
 skyrl-env: $(SKYRL)/.installed
+endif
 
 # The remote-session suite against SkyRL's server (tests/engine/test_remote_engine.py, marked skyrl; the same
 # suite against `workbench serve` runs in test-unit, which also runs these once skyrl-env is installed).
