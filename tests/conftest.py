@@ -64,13 +64,15 @@ def tiny_for_vllm(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
-@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def sampler(request: pytest.FixtureRequest) -> str:
-    """The sampling engine a test runs against, each in turn."""
+    """The sampling engine a test runs against, each in turn. Module-scoped, so that a module can share
+    one session per engine (a vLLM engine takes most of a minute to start) and pytest runs a module's
+    tests engine by engine."""
     return request.param
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def sampled_model(sampler: str, request: pytest.FixtureRequest) -> str:
     """The base model the `sampler` runs: the tiny model, or its 32-dimension-head twin for vLLM."""
     return "tiny" if sampler == "hf" else request.getfixturevalue("tiny_for_vllm")

@@ -332,12 +332,18 @@ def _needs_training_model(request: SampleRequest) -> bool:
 
 
 def _complete(state: EngineState, request: SampleRequest, result: RequestResult) -> RequestResult:
-    """A vLLM result with its sequences' logprobs under the temperature rule and the prompt's scores."""
+    """A vLLM result with its sequences' logprobs under the temperature rule and the prompt's scores
+    (with its logprobs, when asked, from the same pass: vLLM leaves them out of such a request)."""
     sequences = result.sequences
     if request.params.temperature not in (0.0, 1.0):
         sequences = [state.hf_sampler.rescore_sequence(request, sequence) for sequence in sequences]
-    scores = state.hf_sampler.score_prompt(request)[1] if request.scores_prompt else result.prompt_scores
-    return dataclasses.replace(result, sequences=sequences, prompt_scores=scores)
+    prompt_logprobs, scores = result.prompt_logprobs, result.prompt_scores
+    if request.scores_prompt:
+        logprobs, scores = state.hf_sampler.score_prompt(request)
+        prompt_logprobs = logprobs if request.include_prompt_logprobs else None
+    return dataclasses.replace(
+        result, sequences=sequences, prompt_logprobs=prompt_logprobs, prompt_scores=scores
+    )
 
 
 def run_sample_batch(

@@ -21,7 +21,8 @@ quantity the HF sampler and `forward` report at temperature 1; `topk_sample_logp
 `logprobs=k`. At another temperature the temperature rule (`workbench.types.SampledSequence`) wants the
 tempered distribution's logprobs, which vLLM's raw mode does not give: the engine then scores the
 sequences again with the training model (`workbench.engine.local.sample`), as it does the prompt scores
-vLLM has no option for (target ids, prompt draws, top-k of the prompt). On platforms with sleep mode
+vLLM has no option for (target ids, prompt draws, top-k of the prompt) and, in a request that asks for
+those, the prompt's logprobs (one pass, so that they agree with each other exactly). On platforms with sleep mode
 (CUDA), when GPU memory is short (less than `SLEEP_BELOW_FREE` of it free after sampling), vLLM sleeps
 between sample calls (weights offloaded, KV cache dropped) and wakes for the next one, leaving the
 memory to training. On a CPU there is no sleep mode, and the KV cache takes a fixed
@@ -33,6 +34,7 @@ Written against vLLM's public API (`LLM`, `SamplingParams`, `TokensPrompt`, `LoR
 
 from __future__ import annotations
 
+import copy
 import shutil
 import tempfile
 import time
@@ -120,6 +122,7 @@ class VLLMSampler:
             kv_cache_memory_bytes=CPU_KV_CACHE_BYTES if device.type == "cpu" else None,
             enable_sleep_mode=self._can_sleep,
             seed=seed,
+            max_logprobs=-1,  # `topk_sample_logprobs` may ask for the whole vocabulary (vLLM's cap: 20)
         )
         self._processes = _engine_processes() - before
         self.max_loras = max_loras
@@ -209,7 +212,10 @@ class VLLMSampler:
         results = []
         for request, prompt, output in zip(requests, prompts, outputs, strict=True):
             prompt_logprobs = None
-            if request.include_prompt_logprobs:
+            # a request that scores its prompt (top-k, target ids, draws) gets all its prompt numbers
+            # from one pass of the training model (`workbench.engine.local.sample`), as the HF sampler
+            # gives them: its prompt logprobs then equal its target and top-k logprobs of the same ids
+            if request.include_prompt_logprobs and not request.scores_prompt:
                 # vLLM 0.32 applies an adapter on the output embedding to prompt positions with one
                 # adapter index per sampled row (an einsum shape error unless there is one row): the
                 # prompt's logprobs come from a call of their own, with one row
@@ -273,12 +279,8 @@ class VLLMSampler:
                     topk_logprobs=topk,
                 )
             )
-        if len(rows) == 1 and request.num_samples > 1:
-            row = rows[0]
-            rows = [
-                SampledSequence(list(row.tokens), list(row.logprobs), row.stop_reason)
-                for _ in range(request.num_samples)
-            ]
+        if len(rows) == 1 and request.num_samples > 1:  # each sample its own copy, its top-k included
+            rows = [copy.deepcopy(rows[0]) for _ in range(request.num_samples)]
         return rows
 
     def close(self) -> None:
