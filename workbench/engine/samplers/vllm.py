@@ -22,10 +22,10 @@ quantity the HF sampler and `forward` report at temperature 1; `topk_sample_logp
 tempered distribution's logprobs, which vLLM's raw mode does not give: the engine then scores the
 sequences again with the training model (`workbench.engine.local.sample`), as it does the prompt scores
 vLLM has no option for (target ids, prompt draws, top-k of the prompt) and, in a request that asks for
-those, the prompt's logprobs (one pass, so that they agree with each other exactly). On platforms with sleep mode
-(CUDA), when GPU memory is short (less than `SLEEP_BELOW_FREE` of it free after sampling), vLLM sleeps
-between sample calls (weights offloaded, KV cache dropped) and wakes for the next one, leaving the
-memory to training. On a CPU there is no sleep mode, and the KV cache takes a fixed
+those, the prompt's logprobs (one pass, so that they agree with each other exactly). On platforms with
+sleep mode (CUDA), when GPU memory is short (less than `SLEEP_BELOW_FREE` of it free after sampling),
+vLLM sleeps between sample calls (weights offloaded, KV cache dropped) and wakes for the next one,
+leaving the memory to training. On a CPU there is no sleep mode, and the KV cache takes a fixed
 `CPU_KV_CACHE_BYTES` of host memory unless `VLLM_CPU_KVCACHE_SPACE` (GiB) says otherwise.
 
 Written against vLLM's public API (`LLM`, `SamplingParams`, `TokensPrompt`, `LoRARequest`, the engine's
