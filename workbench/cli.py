@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="the sampling engine (default: vLLM when installed for the device, else HF generate)",
     )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads per operation (default: one per core other processes leave free)",
+    )
     serve.add_argument("--no-wandb", action="store_true", help="no W&B run")
     serve.add_argument("--quiet", action="store_true", help="no line per operation")
     return parser
@@ -78,6 +84,7 @@ def serve(args: argparse.Namespace) -> int:
         device=args.device,
         sampler=args.sampler,
         max_models=args.max_models,
+        threads=args.threads,
         model_dir=args.model_dir,
         wandb=False if args.no_wandb else None,
     )
@@ -90,7 +97,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"workbench: serving the Tinker API at {server.url}", flush=True)
         print(
             f"workbench: base model {config.base_model} ({info.path}) on {config.device}/{config.dtype}, "
-            f"up to {config.max_models} models; history in {session.model_dir}",
+            f"up to {config.max_models} models; torch threads {session.threads}; "
+            f"history in {session.model_dir}",
             flush=True,
         )
         wandb = session.wandb_run

@@ -38,6 +38,8 @@ class EngineConfig:
         sampler: `"hf"` or `"vllm"` (resolved).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
         max_models: How many LoRA models may share the base at once.
+        threads: torch CPU threads for every operation; None chooses them before each operation from
+            the cores other processes leave free (`workbench.engine.threads`).
     """
 
     base_model: str
@@ -48,12 +50,17 @@ class EngineConfig:
     sampler: str = "hf"
     max_samples_per_request: int = 128
     max_models: int = DEFAULT_MAX_MODELS
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_microbatch", "max_samples_per_request", "max_models"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(f"threads must be an integer >= 1 or None (adaptive), got {self.threads!r}")
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,10 @@ _STOP = object()  # the sentinel that ends the loop
 class Worker:
     """Runs submitted callables one at a time, in submission order, on a daemon thread."""
 
-    def __init__(self, name: str = "workbench-worker"):
+    def __init__(self, name: str = "workbench-worker", before_each: Callable[[], None] | None = None):
+        """`before_each` runs on the worker thread before each operation (or batch of operations), e.g.
+        to set the thread count the operation's torch kernels use."""
+        self._before_each = before_each
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: list[_Job] = []  # jobs taken off the queue while looking for batch companions
         self._closed = False
@@ -129,6 +132,9 @@ class Worker:
             job = self._next()
             if job is _STOP:
                 break
+            if self._before_each is not None:
+                with contextlib.suppress(Exception):  # a failed preparation must not stop the worker
+                    self._before_each()
             if job.batch_key is None:
                 self._run_single(job)
                 job = None  # an idle worker holds no job (and nothing the job's closure holds)

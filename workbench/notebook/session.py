@@ -41,6 +41,7 @@ from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.remote import DEFAULT_PROBE_INTERVAL_S, RemoteEngine, RemoteUnsupportedError
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
+from workbench.engine.threads import ThreadUse
 from workbench.futures import wait_or_withdraw
 from workbench.loops.health import rollout_health
 from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
@@ -100,6 +101,10 @@ class Session:
         max_samples_per_request: the largest `num_samples` one sample call may ask for; bounds memory.
         max_models: how many LoRA models may share the base (this session's run, and those that clients
             of `serve()` create).
+        threads: torch CPU threads for every operation. None (default): before each operation, one per
+            usable core (affinity, cgroup quota) that other processes leave free, since a busy core slows
+            every parallel kernel several times over (`workbench.engine.threads`); `OMP_NUM_THREADS`,
+            when set, fixes it. `sess.threads` says what is in force.
         model_dir: the model's folder, where the session writes its history (`history.jsonl`),
             checkpoints and W&B files; default `$WORKBENCH_RUNS/<model id>` (`./runs` when unset). Its
             name is the model id: the Tinker model id, the W&B run id and the first part of its
@@ -122,6 +127,7 @@ class Session:
         sampler: SamplerChoice = "auto",
         max_samples_per_request: int = 128,
         max_models: int = DEFAULT_MAX_MODELS,
+        threads: int | None = None,
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
         run_dir: str | Path | None = None,  # deprecated name of model_dir
@@ -138,6 +144,7 @@ class Session:
             sampler=sampler,
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
+            threads=threads,
         )
         folder = (
             Path(model_dir) if model_dir is not None else runs_root() / new_model_id(base_model)
@@ -335,6 +342,12 @@ class Session:
     def device(self) -> torch.device:
         where = self.engine.endpoint
         return self._local_engine(f"the model lives on the engine at {where}: it has no local device").device
+
+    @property
+    def threads(self) -> ThreadUse | None:
+        """The torch CPU thread count the engine's operations use now, and why; None for a remote
+        engine (its threads are its server's)."""
+        return self.engine.threads if isinstance(self.engine, Engine) else None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -51,6 +51,7 @@ from workbench.engine.model.base_model import BaseModelInfo, load_base_model, re
 from workbench.engine.model.value_head import default_critic_lora
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice, resolve_sampler
+from workbench.engine.threads import ThreadPolicy, ThreadUse
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
@@ -117,6 +118,8 @@ class Engine:
             the model, else HF, with a notice saying why).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
         max_models: How many LoRA models may share the base at once.
+        threads: torch CPU threads for every operation; None (default) chooses before each operation
+            one per usable core that other processes leave free (`OMP_NUM_THREADS`, when set, fixes it).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class Engine:
         sampler: SamplerChoice = "auto",
         max_samples_per_request: int = 128,
         max_models: int = DEFAULT_MAX_MODELS,
+        threads: int | None = None,
     ):
         resolved_device, resolved_dtype = resolve_device_and_dtype(device, dtype)
         config = EngineConfig(
@@ -141,6 +145,7 @@ class Engine:
             sampler=resolve_sampler(sampler, resolved_device),
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
+            threads=threads,
         )
         # The model is loaded on the worker thread, like every later operation on it. On a CPU the first
         # thread to run a parallel torch kernel keeps an OpenMP thread pool for life; with a second pool
@@ -148,7 +153,8 @@ class Engine:
         # which slows every small kernel on the worker: 25% on decoding steps, 12% on a training step of
         # 32 short sequences (SmolLM2-135M, 2 cores). A notebook that leaves the heavy work to its session
         # then has a single pool.
-        worker = Worker()
+        thread_policy = ThreadPolicy(threads)
+        worker = Worker(before_each=thread_policy.apply)
 
         def load() -> tuple[AdaptedModel, PreTrainedTokenizerBase]:
             base, tokenizer, info = load_base_model(base_model, resolved_device, resolved_dtype)
@@ -159,7 +165,9 @@ class Engine:
         except BaseException:
             worker.close(wait=False)  # the thread ends once the load does (at once, if it failed)
             raise
-        self._state = EngineState(config, model, tokenizer, resolved_device, resolved_dtype, worker)
+        self._state = state = EngineState(config, model, tokenizer, resolved_device, resolved_dtype, worker)
+        thread_policy.count_as_own(lambda: state.vllm.engine_processes if state.vllm is not None else ())
+        self._thread_policy = thread_policy
         self._state.sampler_falls_back = sampler == "auto"
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
 
@@ -173,6 +181,11 @@ class Engine:
     @property
     def config(self) -> EngineConfig:
         return self._state.config
+
+    @property
+    def threads(self) -> ThreadUse:
+        """The torch thread count the worker uses now, and why (`workbench.engine.threads`)."""
+        return self._thread_policy.in_force
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

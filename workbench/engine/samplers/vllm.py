@@ -144,6 +144,11 @@ class VLLMSampler:
             raise
 
     @property
+    def engine_processes(self) -> set[psutil.Process]:
+        """vLLM's engine processes (EngineCore, Worker) started for this sampler."""
+        return self._processes
+
+    @property
     def resident(self) -> list[Hashable]:
         """The weights vLLM holds now, least recently used first."""
         return list(self._resident)

@@ -71,6 +71,14 @@ def models_field(session: Session) -> str:
     return f'<span title="{ids}">{own} (this session) + {listed}</span>'
 
 
+def threads_field(session: Session) -> str:
+    """The torch threads in force, e.g. "1/2" when another process keeps one of two cores busy."""
+    use = session.threads
+    if use is None:
+        return ""
+    return f'<span title="{html.escape(str(use))}">{use.threads}/{use.usable_cores}</span>'
+
+
 def server_field(session: Session) -> str:
     """Where the session serves the Tinker API, or off."""
     running = [server for server in session.servers if server.running]
@@ -104,6 +112,7 @@ class StatusBar:
                     "device", "device", f"{html.escape(sess.config.device)}/{html.escape(sess.config.dtype)}"
                 ),
                 _field("memory", "memory", format_bytes(memory_in_use(sess.device))),
+                _field("threads", "threads", threads_field(sess)),
             ]
             if endpoint is None
             else [_field("engine", "engine", html.escape(endpoint))]

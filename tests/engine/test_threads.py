@@ -1,0 +1,121 @@
+"""The worker's thread policy: one torch thread per usable core that other processes leave free, unless
+the user fixes the count (`threads=`, `OMP_NUM_THREADS`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import workbench as wb
+from workbench.engine.threads import (
+    OthersBusyMeter,
+    ThreadPolicy,
+    cgroup_quota_cores,
+    cgroup_usage_seconds,
+    threads_for,
+    usable_cpus,
+)
+
+USABLE = len(usable_cpus()[0])
+DATUM = wb.Datum(model_input=wb.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4]})
+
+
+@pytest.fixture
+def busy_core() -> Iterator[subprocess.Popen[bytes]]:
+    """A second process keeping one core busy (it ends itself after 60 s whatever happens)."""
+    code = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
+    process = subprocess.Popen([sys.executable, "-c", code])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def worker_threads(session: wb.Session) -> int:
+    """torch's thread count inside an operation on the session's worker (a custom loss runs there)."""
+    seen = []
+
+    def loss_fn(data, logprobs_list):
+        seen.append(torch.get_num_threads())
+        return -logprobs_list[0].sum(), {}
+
+    session.policy.forward_backward_custom([DATUM], loss_fn).result()
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    ("usable", "others", "threads"),
+    [(2, 0.0, 2), (2, 0.3, 2), (2, 0.67, 1), (2, 1.0, 1), (2, 2.0, 1), (8, 2.5, 5), (1, 5.0, 1)],
+)
+def test_one_thread_per_core_the_others_leave_free(usable: int, others: float, threads: int) -> None:
+    assert threads_for(usable, others) == threads
+
+
+def test_the_cgroup_quota_and_usage_are_read_from_cpu_max_and_cpu_stat(tmp_path: Path) -> None:
+    assert cgroup_quota_cores(tmp_path) is None and cgroup_usage_seconds(tmp_path) is None
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_quota_cores(tmp_path) is None
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n")
+    assert cgroup_quota_cores(tmp_path) == 1.5
+    assert cgroup_usage_seconds(tmp_path) == 2.5
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the busy time comes from Linux's /proc/stat")
+def test_the_meter_sees_a_busy_process_and_not_the_processes_counted_as_own(busy_core) -> None:
+    plain, owning = OthersBusyMeter(), OthersBusyMeter()
+    owning.own_processes = lambda: [psutil.Process(busy_core.pid)]
+    plain.read(), owning.read()
+    time.sleep(1.5)
+    others, others_without_it = plain.read(), owning.read()
+    # the busy process gets at least ~2/3 of a core even beside this test's own work
+    assert others > 0.6, others
+    assert others - others_without_it > 0.6, (others, others_without_it)
+
+
+def test_a_fixed_count_is_used_and_shown() -> None:
+    with wb.Session("tiny", wb.LoraConfig(rank=4), threads=1, wandb=False) as session:
+        assert worker_threads(session) == 1
+        use = session.threads
+        assert (use.threads, use.chosen_by, use.usable_cores) == (1, "threads=", USABLE)
+        assert "set by threads=" in str(use)
+
+
+def test_omp_num_threads_fixes_the_count_as_torch_users_expect(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    use = ThreadPolicy().in_force
+    assert (use.threads, use.chosen_by) == (3, "OMP_NUM_THREADS")
+    assert ThreadPolicy(2).in_force.chosen_by == "threads="  # the argument wins over the environment
+
+
+@pytest.mark.parametrize("threads", [0, -1, True, 1.5, "2"])
+def test_a_bad_count_is_refused_before_anything_loads(threads: object) -> None:
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        wb.Session("tiny", threads=threads, wandb=False)
+
+
+@pytest.mark.skipif(USABLE < 2 or sys.platform != "linux", reason="needs two usable cores on Linux")
+def test_adaptive_threads_step_aside_for_a_busy_process_and_come_back(
+    busy_core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with wb.Session("tiny", wb.LoraConfig(rank=4), wandb=False) as session:
+        assert session.threads.chosen_by == "adaptive"
+        time.sleep(1.5)
+        assert worker_threads(session) == USABLE - 1
+        assert session.threads.threads == USABLE - 1 and session.threads.others_busy_cores > 0.6
+        panel = session.panel()
+        panel.refresh()
+        assert f"{USABLE - 1}/{USABLE}" in panel.status.widget.value
+        busy_core.kill()
+        busy_core.wait()
+        deadline = time.monotonic() + 20  # the machine may be busy with something else for a while
+        while worker_threads(session) != USABLE and time.monotonic() < deadline:
+            time.sleep(0.6)
+        assert session.threads.threads == USABLE, session.threads
