@@ -45,8 +45,8 @@ while time.monotonic() < end and os.getppid() == parent:
     pass
 stop()
 """
-# The contended run's time bound: this many times the quiet run's time, plus a margin. A benchmark that
-# runs longer than that is stopped with an error, not measured half contended.
+# The contended run's time bound: this many times the quiet run's time, plus a margin. A measurement that
+# outlasts it ends in an error rather than in figures taken half contended.
 MAX_SLOWDOWN = 50.0
 MARGIN_S = 60.0
 
