@@ -138,6 +138,7 @@ bench: env
 	$(BIN)/python bench/checkpoint.py --model smollm2-135m
 	$(BIN)/python bench/server.py --model smollm2-135m
 	$(BIN)/python bench/remote.py --model smollm2-135m
+	$(BIN)/python bench/tinker_server.py --base-model smollm2-135m
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/cold_start.py
 	$(BIN)/python bench/peers.py

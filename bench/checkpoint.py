@@ -25,6 +25,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
+from contention import quiet_and_contended  # bench/contention.py, beside this script
+
 import workbench as wb
 
 
@@ -51,18 +53,37 @@ def main() -> None:
     sess.policy.forward_backward(data, "cross_entropy").result()
     sess.policy.optim_step(wb.AdamParams(learning_rate=1e-4)).result()
 
-    save_s = timed(lambda: sess.policy.save_state("bench", overwrite=True).result(), args.repeats)
     path = Path(sess.policy.save_state("bench", overwrite=True).result().folder)
-    load_same_s = timed(lambda: sess.load_state(path), args.repeats)
-    load_weights_s = timed(lambda: sess.policy.load_state(path).result(), args.repeats)
-    new_session_s = timed(
-        lambda: wb.Session(
-            args.model, wb.LoraConfig(rank=args.rank), model_dir=model_dir.parent / "plain", wandb=False
-        ).close(),
-        args.repeats,
-    )
-    load_fresh_s = timed(lambda: wb.Session.from_checkpoint(path, wandb=False).close(), args.repeats)
 
+    def measure() -> dict[str, float]:
+        """Median seconds of each save and load."""
+        return {
+            "save_state": timed(
+                lambda: sess.policy.save_state("bench", overwrite=True).result(), args.repeats
+            ),
+            "load_state (same session)": timed(lambda: sess.load_state(path), args.repeats),
+            "  policy.load_state (weights only)": timed(
+                lambda: sess.policy.load_state(path).result(), args.repeats
+            ),
+            "Session.from_checkpoint (new session)": timed(
+                # its own folder: the checkpoint's is held by `sess`, which is still open
+                lambda: wb.Session.from_checkpoint(
+                    path, model_dir=model_dir.parent / "continued", wandb=False
+                ).close(),
+                args.repeats,
+            ),
+            "  of which Session(...) alone": timed(
+                lambda: wb.Session(
+                    args.model,
+                    wb.LoraConfig(rank=args.rank),
+                    model_dir=model_dir.parent / "plain",
+                    wandb=False,
+                ).close(),
+                args.repeats,
+            ),
+        }
+
+    both = quiet_and_contended(measure)
     files = {p.relative_to(path).as_posix(): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
     total = sum(files.values())
     adapter = files["policy/adapter_model.safetensors"]
@@ -73,17 +94,16 @@ def main() -> None:
     print(
         f"model={args.model} rank={args.rank} adapter parameters={params:,} (fp32), median of {args.repeats}"
     )
-    print(f"{'measure':38s} {'value':>12s}")
-    print(f"{'save_state':38s} {save_s:11.3f}s")
-    print(f"{'load_state (same session)':38s} {load_same_s:11.3f}s")
-    print(f"{'  policy.load_state (weights only)':38s} {load_weights_s:11.3f}s")
-    print(f"{'Session.from_checkpoint (new session)':38s} {load_fresh_s:11.3f}s")
-    print(f"{'  of which Session(...) alone':38s} {new_session_s:11.3f}s")
+    print(f"{'measure':38s} {'quiet':>12s} {'contended':>12s} {'contended / quiet':>18s}")
+    for name, quiet_s in both.quiet.items():
+        busy_s = both.contended[name]
+        print(f"{name:38s} {quiet_s:11.3f}s {busy_s:11.3f}s {busy_s / quiet_s:17.2f}x")
     print(f"{'adapter bytes':38s} {adapter:12,d}")
     print(f"{'checkpoint bytes':38s} {total:12,d}")
     for rel, size in files.items():
         print(f"{'  ' + rel:38s} {size:12,d}")
     print(f"ratio bytes / (3.5 x adapter + 1 MB) = {total / budget:.3f} (target <= 1)")
+    print(both.describe())
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ policy (and on the critic when there is one), then report the process's peak res
 peak CUDA memory on a GPU). For contrast, the third configuration builds the critic the way a
 second-model design does: a second full copy of the base model.
 Target: policy + critic <= 1.15 x policy alone.
+Not measured contended (as the timing benchmarks are): a busy core changes time, not peak memory.
 
     python bench/critic_memory.py --model smollm2-135m
 """

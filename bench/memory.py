@@ -11,6 +11,7 @@ is `bench/train.py`'s raw loop: logits for the whole sequence, fp32 `cross_entro
 Two models: `smollm2-135m` (V = 49,152), and the same body with a randomly initialised V = 151,936
 output layer (the vocabulary of the Qwen2/Qwen3 family), built once into a temporary folder.
 Target: workbench <= 0.5 x the raw loop at T = 2048 on smollm2-135m.
+Not measured contended (as the timing benchmarks are): a busy core changes time, not peak memory.
 
     python bench/memory.py
     python bench/memory.py --lengths 512 1024 2048 4096 --models smollm2-135m

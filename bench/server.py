@@ -3,7 +3,10 @@
 
 Both sides run on one engine in one process, on two models made alike (same LoRA, same seed), called
 alternately: the in-process side is the floor, the difference is what HTTP, protobuf, the future
-table and the SDK's polling add. Target: through the server / in-process <= 1.05 for both.
+table and the SDK's polling add. Target: through the server / in-process <= 1.05 for both. Both are
+measured twice, on a quiet machine and with a second process keeping one core busy
+(`bench/contention.py`: what a notebook always has beside the engine), with the time contended / quiet.
+`bench/tinker_server.py` times the same client against any Tinker server by URL.
 
     python bench/server.py --model tiny
     python bench/server.py --model smollm2-135m
@@ -24,6 +27,7 @@ os.environ.setdefault("TINKER_API_KEY", "tml-local")
 
 import tinker
 import torch
+from contention import MODES, quiet_and_contended  # bench/contention.py, beside this script
 from tinker import types
 
 import workbench as wb
@@ -113,14 +117,29 @@ def main() -> None:
         f"model={args.model} rank={settings['rank']} device={session.device} dtype={session.config.dtype} "
         f"threads={torch.get_num_threads()} timed calls={calls} each, alternating (median)"
     )
-    print(f"{'call':40s} {'in-process s':>13s} {'server s':>9s} {'ratio':>6s}  target")
-    for name, (server_fn, local_fn) in (
-        (f"SFT step ({count}x{length} tokens)", (remote_step, local_step)),
-        (f"sample ({num_samples}x{max_tokens} tokens)", (remote_sample, local_sample)),
+    calls_by_name = (
+        (f"SFT step ({count}x{length} tokens)", local_step, remote_step),
+        (f"sample ({num_samples}x{max_tokens} tokens)", local_sample, remote_sample),
+    )
+
+    def measure() -> list[tuple[float, float]]:
+        """In-process and through-the-server median seconds of each call."""
+        return [timed_pair(local_fn, server_fn, calls) for _, local_fn, server_fn in calls_by_name]
+
+    both = quiet_and_contended(measure)
+    for mode, rows in zip(MODES, (both.quiet, both.contended), strict=True):
+        print(f"{mode}:\n{'call':40s} {'in-process s':>13s} {'server s':>9s} {'ratio':>6s}  target")
+        for (name, _, _), (local_s, server_s) in zip(calls_by_name, rows, strict=True):
+            print(
+                f"{name:40s} {local_s:13.4f} {server_s:9.4f} {server_s / local_s:6.3f}  server/in-process <= 1.05"
+            )
+    print(both.describe())
+    for (name, _, _), (local_quiet, server_quiet), (local_busy, server_busy) in zip(
+        calls_by_name, both.quiet, both.contended, strict=True
     ):
-        local_s, server_s = timed_pair(local_fn, server_fn, calls)
         print(
-            f"{name:40s} {local_s:13.4f} {server_s:9.4f} {server_s / local_s:6.3f}  server/in-process <= 1.05"
+            f"{name}: time contended / quiet: through the server {server_busy / server_quiet:.2f}x, "
+            f"in-process {local_busy / local_quiet:.2f}x"
         )
     client.close("success").result()
     session.close()

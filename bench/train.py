@@ -5,7 +5,9 @@ same process, timed alternately. Two batches:
   (a) equal lengths: workbench / raw should be >= 0.95 (the API costs nothing);
   (b) ragged lengths spread over 16..256: workbench (length-bucketed micro-batches) against the raw loop
       padding the whole batch to its longest sequence; should be >= 1.5x.
-Tokens/s counts real (non-padding) tokens.
+Tokens/s counts real (non-padding) tokens. Both batches are timed twice, on a quiet machine and with a
+second process keeping one core busy (`bench/contention.py`: what a notebook always has beside the
+engine), with the step time contended / quiet of each side.
 
     python bench/train.py --model tiny
     python bench/train.py --model smollm2-135m
@@ -25,6 +27,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import peft
 import torch
 import torch.nn.functional as F
+from contention import MODES, quiet_and_contended  # bench/contention.py, beside this script
 from transformers import AutoModelForCausalLM
 
 import workbench as wb
@@ -151,19 +154,36 @@ def main() -> None:
         f"model={args.model} rank={lora.rank} device={session.device} dtype={session.config.dtype} "
         f"threads={torch.get_num_threads()} timed steps={steps}x5 blocks (median)"
     )
-    rows = []
-    for name, sequences in (("(a) equal lengths", equal), ("(b) ragged 16..256", ragged)):
-        real_tokens = sum(len(s) - 1 for s in sequences)
-        datums = to_datums(sequences)
-        raw_s, ours_s = timed_pair(
-            lambda s=sequences: raw.step(s), lambda d=datums: workbench_step(session, d), steps
-        )
-        rows.append((name, real_tokens, real_tokens / raw_s, real_tokens / ours_s))
-    print(f"{'batch':22s} {'tokens':>7s} {'raw tok/s':>10s} {'workbench tok/s':>16s} {'ratio':>6s}  target")
-    for (name, tokens, raw_tps, ours_tps), target in zip(
-        rows, ("workbench/raw >= 0.95", "workbench/raw-padded >= 1.5"), strict=True
+    batches = (("(a) equal lengths", equal), ("(b) ragged 16..256", ragged))
+
+    def measure() -> list[tuple[str, int, float, float]]:
+        """Per batch: its name, real tokens, raw and workbench seconds per step."""
+        rows = []
+        for name, sequences in batches:
+            datums = to_datums(sequences)
+            raw_s, ours_s = timed_pair(
+                lambda s=sequences: raw.step(s), lambda d=datums: workbench_step(session, d), steps
+            )
+            rows.append((name, sum(len(s) - 1 for s in sequences), raw_s, ours_s))
+        return rows
+
+    both = quiet_and_contended(measure)
+    targets = ("workbench/raw >= 0.95", "workbench/raw-padded >= 1.5")
+    header = f"{'batch':22s} {'tokens':>7s} {'raw tok/s':>10s} {'workbench tok/s':>16s} {'ratio':>6s}  target"
+    for mode, rows in zip(MODES, (both.quiet, both.contended), strict=True):
+        print(f"{mode}:\n{header}")
+        for (name, tokens, raw_s, ours_s), target in zip(rows, targets, strict=True):
+            print(
+                f"{name:22s} {tokens:7d} {tokens / raw_s:10.1f} {tokens / ours_s:16.1f} {raw_s / ours_s:6.2f}  {target}"
+            )
+    print(both.describe())
+    for (name, _, raw_quiet, ours_quiet), (_, _, raw_busy, ours_busy) in zip(
+        both.quiet, both.contended, strict=True
     ):
-        print(f"{name:22s} {tokens:7d} {raw_tps:10.1f} {ours_tps:16.1f} {ours_tps / raw_tps:6.2f}  {target}")
+        print(
+            f"{name}: step time contended / quiet: workbench {ours_busy / ours_quiet:.2f}x, "
+            f"raw loop {raw_busy / raw_quiet:.2f}x"
+        )
     session.close()
 
 
