@@ -9,6 +9,11 @@ The `sampler` fixture runs a test once per sampling engine ("hf", "vllm"), and `
 session sampling with it. vLLM's CPU attention kernels take head sizes from 32 up, and the tiny model's
 heads have 16 dimensions, so the vLLM runs use `tiny_for_vllm`: the tiny model with the same tokenizer,
 vocabulary and layers, and heads of 32 dimensions.
+
+The thread count is fixed (`OMP_NUM_THREADS`, torch's default count) for every session the tests make:
+a parallel reduction's bits depend on it, and the tests that compare a run with itself bit for bit must
+compare like with like whatever else the machine is running. `tests/engine/test_threads.py` lifts it to
+test the adaptive count.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import pytest
 import torch
 
 import workbench as wb
+
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
