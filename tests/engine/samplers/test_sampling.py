@@ -1,15 +1,17 @@
 """Sampling on the tiny model: SamplingParams in full, batching, versions, agreement with training.
 
-The tests of what a sample promises run once per sampling engine (the `sampled` session and `sampler`
-fixtures: HF `generate`, and vLLM where it is installed); those about HF's own decoding loop, and about
-what the engine does the same way for both (validation, seeding, batching, history rows, prompt
-types), run on HF alone.
+The tests of what a sample promises run once per sampling engine (the `sampler` fixture: HF `generate`,
+and vLLM where it is installed): those that only sample share one session per engine for the module
+(`shared_sampled`: a vLLM engine takes about 15 s to start and stop on a CPU), those that train keep a
+fresh one each (`sampled`); those about HF's own decoding loop, and about what the engine does the same
+way for both (validation, seeding, batching, history rows, prompt types), run on HF alone.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib.util
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -20,6 +22,16 @@ from tests.datums import unweighted_datum
 from workbench.engine.samplers.hf import HFSampler, draw_tokens
 
 PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
+
+
+@pytest.fixture(scope="module")
+def shared_sampled(sampler: str, sampled_model: str) -> Iterator[wb.Session]:
+    """One session per sampling engine for the module's tests that only sample from it (none trains or
+    closes it): made as `sampled` is, so its weights are a fresh session's and a seeded request draws
+    what it would draw on one; unseeded requests only advance the session's seed generator."""
+    session = wb.Session(sampled_model, wb.LoraConfig(rank=4), seed=0, sampler=sampler)
+    yield session
+    session.close()
 
 
 def _ids(sess: wb.Session, text: str) -> list[int]:
@@ -44,41 +56,47 @@ def _snapshot_bytes(sess: wb.Session) -> int:
     return sess.engine.model_status(sess.model_id).snapshot_bytes
 
 
-def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(sampled: wb.Session) -> None:
+def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(shared_sampled: wb.Session) -> None:
     """At temperature 1, whatever top-k and top-p truncate: the model's logprob, what forward computes."""
-    sc = sampled.sampling_client()
+    sc = shared_sampled.sampling_client()
     params = wb.SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, stop=[])
-    futures = [sc.sample(_ids(sampled, p), 3, params) for p in PROMPTS]  # different prompt lengths, one batch
+    futures = [
+        sc.sample(_ids(shared_sampled, p), 3, params) for p in PROMPTS
+    ]  # different prompt lengths, one batch
     worst = 0.0
     for prompt, future in zip(PROMPTS, futures, strict=True):
         response = future.result()
         assert len(response.sequences) == 3
         for seq in response.sequences:
             assert len(seq.tokens) == len(seq.logprobs) == 12 and seq.stop_reason == "length"
-            scored = _forward_logprobs(sampled, _ids(sampled, prompt), seq.tokens)
+            scored = _forward_logprobs(shared_sampled, _ids(shared_sampled, prompt), seq.tokens)
             worst = max(worst, max(abs(a - b) for a, b in zip(scored, seq.logprobs, strict=True)))
     assert worst <= 1e-4
 
 
-def test_agreement_probe_reports(sampled: wb.Session, capsys) -> None:
-    report = wb.check_logprob_agreement(sampled, [_ids(sampled, p) for p in PROMPTS], num_samples=2)
+def test_agreement_probe_reports(shared_sampled: wb.Session, capsys) -> None:
+    report = wb.check_logprob_agreement(
+        shared_sampled, [_ids(shared_sampled, p) for p in PROMPTS], num_samples=2
+    )
     assert report.num_tokens > 0 and report.max_abs_diff <= 1e-4
     assert "max |Δ|" in capsys.readouterr().out
 
 
-def test_same_seed_same_tokens_even_when_batched_with_others(sampled: wb.Session) -> None:
-    sc = sampled.sampling_client()
+def test_same_seed_same_tokens_even_when_batched_with_others(shared_sampled: wb.Session) -> None:
+    sc = shared_sampled.sampling_client()
     params = wb.SamplingParams(max_tokens=10, temperature=1.0, seed=1234)
-    alone = sc.sample(_ids(sampled, PROMPTS[0]), 4, params).result()
-    again = sc.sample(_ids(sampled, PROMPTS[0]), 4, params).result()
-    other = sc.sample(_ids(sampled, PROMPTS[1]), 5, wb.SamplingParams(max_tokens=20, temperature=0.7, seed=1))
-    batched = sc.sample(_ids(sampled, PROMPTS[0]), 4, params)
+    alone = sc.sample(_ids(shared_sampled, PROMPTS[0]), 4, params).result()
+    again = sc.sample(_ids(shared_sampled, PROMPTS[0]), 4, params).result()
+    other = sc.sample(
+        _ids(shared_sampled, PROMPTS[1]), 5, wb.SamplingParams(max_tokens=20, temperature=0.7, seed=1)
+    )
+    batched = sc.sample(_ids(shared_sampled, PROMPTS[0]), 4, params)
     other.result()
     tokens = [s.tokens for s in alone.sequences]
     assert tokens == [s.tokens for s in again.sequences] == [s.tokens for s in batched.result().sequences]
     assert len({tuple(t) for t in tokens}) > 1  # the samples differ from each other
     different = sc.sample(
-        _ids(sampled, PROMPTS[0]), 4, wb.SamplingParams(max_tokens=10, temperature=1.0, seed=99)
+        _ids(shared_sampled, PROMPTS[0]), 4, wb.SamplingParams(max_tokens=10, temperature=1.0, seed=99)
     ).result()
     assert [s.tokens for s in different.sequences] != tokens
 
@@ -104,19 +122,19 @@ def test_unseeded_requests_are_reproducible_from_the_session_seed() -> None:
     assert results[0][:3] != results[0][3:]  # consecutive unseeded calls draw different seeds
 
 
-def test_temperature_zero_and_top_k_one_are_greedy(sampled: wb.Session) -> None:
-    prompt = _ids(sampled, PROMPTS[2])
-    sc = sampled.sampling_client()
+def test_temperature_zero_and_top_k_one_are_greedy(shared_sampled: wb.Session) -> None:
+    prompt = _ids(shared_sampled, PROMPTS[2])
+    sc = shared_sampled.sampling_client()
     greedy = sc.sample(prompt, 2, wb.SamplingParams(max_tokens=8, temperature=0.0)).result()
     top1 = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=8, temperature=1.5, top_k=1)).result()
     tokens = greedy.sequences[0].tokens
     assert greedy.sequences[1].tokens == tokens == top1.sequences[0].tokens
     # HF samples from the logits computed here, exactly; vLLM computes them its own way, so on a random
     # model whose top logits can lie closer than float error, its choice is the argmax up to that error
-    tolerance = 0.0 if sampled.engine.config.sampler == "hf" else 1e-4
+    tolerance = 0.0 if shared_sampled.engine.config.sampler == "hf" else 1e-4
     context = list(prompt)
     for token in tokens:
-        logits = _logits_after(sampled, context)
+        logits = _logits_after(shared_sampled, context)
         assert logits[token] >= logits.max() - tolerance
         context.append(token)
 
@@ -173,14 +191,14 @@ def test_each_prompt_is_computed_once_for_all_its_samples(tiny: wb.Session) -> N
     assert embedded == [len(prompt) - 1] + [8] * 5
 
 
-def test_top_p_samples_only_from_the_nucleus(sampled: wb.Session) -> None:
-    prompt = _ids(sampled, PROMPTS[0])
+def test_top_p_samples_only_from_the_nucleus(shared_sampled: wb.Session) -> None:
+    prompt = _ids(shared_sampled, PROMPTS[0])
     response = (
-        sampled.sampling_client()
+        shared_sampled.sampling_client()
         .sample(prompt, 8, wb.SamplingParams(max_tokens=1, temperature=1.0, top_p=0.05, seed=0))
         .result()
     )
-    probs = torch.softmax(_logits_after(sampled, prompt), -1)
+    probs = torch.softmax(_logits_after(shared_sampled, prompt), -1)
     ranked = probs.argsort(descending=True).tolist()
     nucleus = set()
     mass = 0.0
@@ -192,9 +210,9 @@ def test_top_p_samples_only_from_the_nucleus(sampled: wb.Session) -> None:
     assert {s.tokens[0] for s in response.sequences} <= nucleus
 
 
-def test_stop_token_ids_and_stop_strings(sampled: wb.Session) -> None:
-    prompt = _ids(sampled, PROMPTS[0])
-    sc = sampled.sampling_client()
+def test_stop_token_ids_and_stop_strings(shared_sampled: wb.Session) -> None:
+    prompt = _ids(shared_sampled, PROMPTS[0])
+    sc = shared_sampled.sampling_client()
     free = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[])).result().sequences[0]
     stop_token = free.tokens[5]
     first = free.tokens.index(stop_token)
@@ -207,20 +225,20 @@ def test_stop_token_ids_and_stop_strings(sampled: wb.Session) -> None:
     assert stopped.tokens == free.tokens[: first + 1]  # the stop token is included
     assert stopped.logprobs == free.logprobs[: first + 1]
 
-    text = sampled.tokenizer.decode(free.tokens[3:5])
+    text = shared_sampled.tokenizer.decode(free.tokens[3:5])
     by_string = (
         sc.sample(prompt, 1, wb.SamplingParams(max_tokens=20, seed=7, stop=[text])).result().sequences[0]
     )
     assert by_string.stop_reason == "stop"
-    assert text in sampled.tokenizer.decode(by_string.tokens)
-    assert text not in sampled.tokenizer.decode(by_string.tokens[:-1])
+    assert text in shared_sampled.tokenizer.decode(by_string.tokens)
+    assert text not in shared_sampled.tokenizer.decode(by_string.tokens[:-1])
     assert by_string.tokens == free.tokens[: len(by_string.tokens)]
 
 
-def test_eos_stops_by_default_and_not_with_an_empty_stop_list(sampled: wb.Session) -> None:
-    eos = sampled.tokenizer.eos_token_id
-    prompt = _ids(sampled, "The answer is")
-    sc = sampled.sampling_client()
+def test_eos_stops_by_default_and_not_with_an_empty_stop_list(shared_sampled: wb.Session) -> None:
+    eos = shared_sampled.tokenizer.eos_token_id
+    prompt = _ids(shared_sampled, "The answer is")
+    sc = shared_sampled.sampling_client()
     params = {"max_tokens": 60, "temperature": 1.0, "seed": 3}
     free = sc.sample(prompt, 64, wb.SamplingParams(**params, stop=[])).result().sequences
     rows = [i for i, s in enumerate(free) if eos in s.tokens]
@@ -232,12 +250,12 @@ def test_eos_stops_by_default_and_not_with_an_empty_stop_list(sampled: wb.Sessio
         assert default[i].tokens == free[i].tokens[:cut] and default[i].stop_reason == "stop"
 
 
-def test_prompt_logprobs_and_compute_logprobs(sampled: wb.Session) -> None:
-    prompt = _ids(sampled, PROMPTS[0])
-    sc = sampled.sampling_client()
+def test_prompt_logprobs_and_compute_logprobs(shared_sampled: wb.Session) -> None:
+    prompt = _ids(shared_sampled, PROMPTS[0])
+    sc = shared_sampled.sampling_client()
     response = sc.sample(prompt, 1, wb.SamplingParams(max_tokens=2), include_prompt_logprobs=True).result()
     assert response.prompt_logprobs[0] is None and len(response.prompt_logprobs) == len(prompt)
-    expected = _forward_logprobs(sampled, prompt[:1], prompt[1:])
+    expected = _forward_logprobs(shared_sampled, prompt[:1], prompt[1:])
     assert response.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-5)
     assert sc.compute_logprobs(prompt).result() == response.prompt_logprobs
     assert sc.sample(prompt, 1, wb.SamplingParams(max_tokens=2)).result().prompt_logprobs is None
@@ -398,9 +416,9 @@ def test_prompts_take_the_token_types_datums_take(tiny: wb.Session) -> None:
     tiny.policy.forward([datum], "cross_entropy").result()
 
 
-def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(sampled: wb.Session) -> None:
-    tokens = _ids(sampled, PROMPTS[2])
-    client = sampled.sampling_client()
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(shared_sampled: wb.Session) -> None:
+    tokens = _ids(shared_sampled, PROMPTS[2])
+    client = shared_sampled.sampling_client()
     greedy = client.sample(tokens, 1, wb.SamplingParams(max_tokens=4, temperature=0.0)).result()
     tiny_nucleus = client.sample(tokens, 2, wb.SamplingParams(max_tokens=4, top_p=1e-300)).result()
     assert all(seq.tokens == greedy.sequences[0].tokens for seq in tiny_nucleus.sequences)
