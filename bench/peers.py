@@ -17,7 +17,10 @@ makes, with the datums built from token lists inside the step).
        reward. Workbench: a sampling client from `save_weights_and_get_sampling_client`, group-relative
        advantages, `forward_backward(importance_sampling)` on all 32 completions, `optim_step`. TRL:
        `GRPOTrainer` generating with transformers (no vLLM), one optimizer step per generation batch.
-       Seconds per step. Target: workbench / TRL <= 0.7.
+       Seconds per step. Target: workbench / TRL <= 0.7. With `--vllm-python`, workbench samples with
+       vLLM (its CPU build here, in that interpreter's environment: `make vllm-env`); TRL still generates
+       with transformers: TRL 1.16 supports vLLM 0.22 to 0.31 only (the CPU build here is 0.32), and its
+       colocate mode drives vLLM's workers directly through `torch.distributed`, written for GPUs.
 Each task runs twice, on a quiet machine and with a second process keeping one core busy while both
 sides' children run (`bench/contention.py`: what a notebook always has beside the engine), with each
 side's median step time contended / quiet.
@@ -45,6 +48,7 @@ Settings that differ (each side's natural way of doing the same step):
 
     python bench/peers.py
     python bench/peers.py --tasks sft --steps 6
+    python bench/peers.py --tasks grpo --vllm-python .venv-vllm/bin/python
 
 Needs `trl` (`pip install -e .[peers]`); without it, says so and exits with code 0.
 """
@@ -229,8 +233,8 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- workbench side
 
 
-def workbench_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
-    """The same steps with a workbench Session; the seconds of the timed steps."""
+def workbench_run(task: str, warmup: int, steps: int, sampler: str = "hf") -> dict[str, Any]:
+    """The same steps with a workbench Session sampling with `sampler`; the seconds of the timed steps."""
     import torch
 
     import workbench as wb
@@ -239,6 +243,7 @@ def workbench_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
         MODEL,
         workbench_lora(),
         seed=0,
+        sampler=sampler,
         wandb=False,
         model_dir=tempfile.mkdtemp(prefix="workbench-peers-"),
     )
@@ -289,9 +294,14 @@ def workbench_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------- driver
 
 
-def run_child(side: str, task: str, warmup: int, steps: int) -> dict[str, Any]:
+def run_child(
+    side: str, task: str, warmup: int, steps: int, vllm_python: str | None = None
+) -> dict[str, Any]:
+    """One side's run in a fresh process; workbench's with vLLM sampling under `vllm_python`."""
+    python = vllm_python if side == "workbench" and vllm_python else sys.executable
+    sampler = ["--sampler", "vllm"] if python is vllm_python else []
     out = subprocess.run(
-        [sys.executable, __file__, "--child", side, task, "--warmup", str(warmup), "--steps", str(steps)],
+        [python, __file__, "--child", side, task, "--warmup", str(warmup), "--steps", str(steps), *sampler],
         capture_output=True,
         text=True,
         check=False,
@@ -306,17 +316,25 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", choices=("sft", "grpo"), default=["sft", "grpo"])
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="workbench samples GRPO's completions with vLLM, in this interpreter's environment "
+        "(e.g. .venv-vllm/bin/python); TRL stays in this one, generating with transformers",
+    )
     parser.add_argument("--child", nargs=2, metavar=("SIDE", "TASK"), help=argparse.SUPPRESS)
+    parser.add_argument("--sampler", default="hf", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child and args.child[0] == "workbench":  # workbench's side needs no TRL
+        print(json.dumps(workbench_run(args.child[1], args.warmup, args.steps, args.sampler)))
+        return
     if importlib.util.find_spec("trl") is None:
         print("bench/peers.py compares against TRL, which is not installed: pip install -e '.[peers]'")
         return
     if args.warmup < 1 or args.steps < 1:
         sys.exit("--warmup and --steps must be >= 1")
     if args.child:
-        side, task = args.child
-        run = trl_run if side == "trl" else workbench_run
-        print(json.dumps(run(task, args.warmup, args.steps)))
+        print(json.dumps(trl_run(args.child[1], args.warmup, args.steps)))
         return
     import trl
 
@@ -327,7 +345,9 @@ def main() -> None:
     print(f"{'task':54s} {'TRL':>9s} {'workbench':>10s} {'ratio':>6s}  target")
     for task in args.tasks:
         both = quiet_and_contended(
-            lambda task=task: {side: run_child(side, task, args.warmup, args.steps) for side in SIDES}
+            lambda task=task: {
+                side: run_child(side, task, args.warmup, args.steps, args.vllm_python) for side in SIDES
+            }
         )
         step_seconds = {}  # (mode, side): seconds per step, the figure the contended / quiet ratio compares
         for mode, figures in zip(MODES, (both.quiet, both.contended), strict=True):
