@@ -30,16 +30,17 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 MODES = ("quiet", "contended")
 
-# Spins until its bound or its parent's end; on SIGTERM (or at its bound) prints the CPU seconds it used.
+# Spins until its bound or its parent's end; on SIGTERM (or at its bound) prints the CPU seconds it spun.
 BUSY_LOOP = """
 import os, signal, time
 parent, end = os.getppid(), time.monotonic() + {bound_s!r}
 def stop(*_):
     try:
-        print(time.process_time(), flush=True)
+        print(time.process_time() - started, flush=True)
     finally:
         os._exit(0)  # no flush at exit: a parent that is gone has closed the pipe
 signal.signal(signal.SIGTERM, stop)
+started = time.process_time()  # the share counts the spinning only, not the interpreter's start
 print("busy", flush=True)
 while time.monotonic() < end and os.getppid() == parent:
     pass
