@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -40,6 +41,10 @@ import torch
 import workbench as wb
 
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+# The Ctrl-C tests press it as a kernel does (SIGINT to the main thread), which raises KeyboardInterrupt
+# through Python's default handler; a runner that starts the tests with SIGINT ignored (a background job
+# of a non-interactive shell) would leave nothing to raise it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
