@@ -67,7 +67,10 @@ def test_the_cgroup_quota_and_usage_are_read_from_cpu_max_and_cpu_stat(tmp_path:
     assert cgroup_usage_seconds(tmp_path) == 2.5
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the busy time comes from Linux's /proc/stat")
+@pytest.mark.skipif(
+    USABLE < 2 or sys.platform != "linux",
+    reason="needs two usable cores (on one, the busy process shares it with the test) and /proc/stat",
+)
 def test_the_meter_sees_a_busy_process_and_not_the_processes_counted_as_own(busy_core) -> None:
     plain, owning = OthersBusyMeter(), OthersBusyMeter()
     owning.own_processes = lambda: [psutil.Process(busy_core.pid)]
