@@ -28,8 +28,12 @@ OpenMP team). Quiet, this is torch's own default (one thread per usable core). U
 busy time is the cgroup's, not the machine's: the other processes that matter are those sharing the
 quota.
 
-A user who sets the count gets exactly that, always: `Session(threads=N)` / `Engine(threads=N)`, or
-`OMP_NUM_THREADS`, which torch users expect to be obeyed. `Session.threads` and the panel say what is in
+A pass over several datums (`forward_backward`, `forward`) does better than any thread count: it runs on
+one single-threaded stream per usable core, which meet at no barrier (`workbench.engine.local.streams`);
+the count above is what everything else uses (sampling, a one-datum step, the optimizer).
+
+A user who sets the count gets exactly that, always (N threads, or N streams): `Session(threads=N)` /
+`Engine(threads=N)`, or `OMP_NUM_THREADS`, which torch users expect to be obeyed. `Session.threads` and the panel say what is in
 force and why.
 """
 
@@ -217,6 +221,13 @@ class ThreadPolicy:
         """Count these processes' CPU time as this process's own (the engine's vLLM processes, which
         sample while the worker waits for them, and never beside its torch kernels)."""
         self._meter.own_processes = processes
+
+    @property
+    def streams(self) -> int:
+        """How many single-threaded streams a pass over several datums runs on
+        (`workbench.engine.local.streams`): the set count, else every usable core, busy or not (a stream
+        whose core another process shares takes fewer chunks; no barrier waits for it)."""
+        return self._fixed or self._meter.usable_cores
 
     @property
     def in_force(self) -> ThreadUse:

@@ -486,7 +486,8 @@ def test_failure_inside_an_operation_leaves_the_accumulated_gradient(tiny: wb.Se
 
 def test_out_of_memory_mid_batch_restores_gradients_and_recovers() -> None:
     data = ragged_ce_batch(seed=6, count=6, min_len=10, max_len=60, vocab=900)
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=80) as sess:
+    # one thread: the micro-batches run one after another (on streams, see the test after this one)
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=80, threads=1) as sess:
         sess.policy.forward_backward(data[:2], "cross_entropy").result()
         before = sess.state_digest()
         calls = {"n": 0}

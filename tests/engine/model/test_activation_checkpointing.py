@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -63,16 +64,24 @@ def _data(count: int, length: int) -> list[wb.Datum]:
     return data
 
 
+def _counting(counts: list[int], index: int) -> Callable[..., None]:
+    """A forward pre-hook that adds one to `counts[index]` (under a lock: passes may run on two streams)."""
+    lock = threading.Lock()
+
+    def count(*_: object) -> None:
+        with lock:
+            counts[index] += 1
+
+    return count
+
+
 @contextlib.contextmanager
 def _mlp_calls(sess: wb.Session) -> Iterator[list[int]]:
     """Within the block, how many times each decoder layer's MLP is entered (a recomputation stops at the
     last tensor it needs, so a checkpointed layer's MLP is entered again in backward)."""
     layers = sess.engine.torch_model.get_decoder().layers
     calls = [0] * len(layers)
-    hooks = [
-        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-        for i, layer in enumerate(layers)
-    ]
+    hooks = [layer.mlp.register_forward_pre_hook(_counting(calls, i)) for i, layer in enumerate(layers)]
     try:
         yield calls
     finally:
@@ -82,7 +91,10 @@ def _mlp_calls(sess: wb.Session) -> Iterator[list[int]]:
 
 def _train(budget: int, data: list[wb.Datum]) -> tuple[list[int], dict, dict[str, torch.Tensor]]:
     """Layer-by-layer MLP call counts of one training call, its output, and the gradient it leaves."""
-    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=budget) as sess:
+    # one thread: on streams a batch is cut into chunks within F, which checkpoint nothing
+    with wb.Session(
+        "tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=budget, threads=1
+    ) as sess:
         # the tiny model's own F is above 100,000 tokens: take SmolLM2's, so that these small batches
         # exercise the rule
         sess.engine._state.model.full_activation_limit = SMOLLM2_LIMIT
@@ -109,14 +121,25 @@ def test_a_long_training_microbatch_checkpoints_layers_and_gives_the_same_number
         torch.testing.assert_close(gradient, alone_gradients[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_the_tiny_model_trains_4096_tokens_in_one_pass_without_recomputation(tiny: wb.Session) -> None:
-    with _mlp_calls(tiny) as calls:
+@contextlib.contextmanager
+def _decoder_passes(sess: wb.Session) -> Iterator[list[int]]:
+    """Within the block, how many forward passes the decoder makes (one per micro-batch or stream chunk)."""
+    passes = [0]
+    hook = sess.engine.torch_model.get_decoder().register_forward_pre_hook(_counting(passes, 0))
+    try:
+        yield passes
+    finally:
+        hook.remove()
+
+
+def test_the_tiny_model_trains_4096_tokens_without_recomputation(tiny: wb.Session) -> None:
+    with _mlp_calls(tiny) as calls, _decoder_passes(tiny) as passes:
         tiny.policy.forward_backward(_data(32, 128), "importance_sampling").result()
-    assert calls == [1, 1]
+    assert calls == [passes[0]] * 2
 
 
 def test_forward_passes_never_checkpoint(tiny: wb.Session) -> None:
     tiny.engine._state.model.full_activation_limit = SMOLLM2_LIMIT  # 1200 tokens are past it
-    with _mlp_calls(tiny) as calls:
+    with _mlp_calls(tiny) as calls, _decoder_passes(tiny) as passes:
         tiny.policy.forward(_data(6, 200), "importance_sampling").result()
-    assert calls[0] == 1
+    assert calls == [passes[0]] * 2

@@ -165,7 +165,9 @@ class Engine:
         except BaseException:
             worker.close(wait=False)  # the thread ends once the load does (at once, if it failed)
             raise
-        self._state = state = EngineState(config, model, tokenizer, resolved_device, resolved_dtype, worker)
+        self._state = state = EngineState(
+            config, model, tokenizer, resolved_device, resolved_dtype, worker, thread_policy.streams
+        )
         thread_policy.count_as_own(lambda: state.vllm.engine_processes if state.vllm is not None else ())
         self._thread_policy = thread_policy
         self._state.sampler_falls_back = sampler == "auto"

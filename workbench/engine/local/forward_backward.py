@@ -24,6 +24,7 @@ from workbench.engine.interface import CustomLossFn
 from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.provenance import attach_sampling_records
 from workbench.engine.local.state import EngineState
+from workbench.engine.local.streams import run_on_streams, stream_chunks
 from workbench.engine.model.batching import (
     MicroBatch,
     PreparedDatum,
@@ -184,6 +185,19 @@ def predict(
     return logprobs_B_T, {} if entropy_B_T is None else {"entropy": entropy_B_T}
 
 
+@dataclass
+class ChunkResult:
+    """What one micro-batch (or stream chunk) of a built-in-loss pass gives back: its per-position
+    outputs, what the metrics add up, and, when it trains, its gradient per trainable parameter."""
+
+    micro: MicroBatch
+    per_position: dict[str, Tensor]
+    elementwise_loss_B_T: Tensor
+    active_B_T: Tensor
+    diagnostics: dict[str, Tensor]
+    gradients: Sequence[Tensor | None] | None
+
+
 def run_loss(
     state: EngineState,
     lora_model: LoraModel,
@@ -196,47 +210,72 @@ def run_loss(
 ) -> ForwardBackwardOutput:
     """`forward` (op "forward") or `forward_backward` (op "forward_backward") with a built-in loss.
 
-    Without `with_loss` (a critic `forward` given no returns), only the predictions come back.
+    Without `with_loss` (a critic `forward` given no returns), only the predictions come back. On a CPU
+    the policy's and the critic's passes over several datums run on single-threaded streams
+    (`workbench.engine.local.streams`); each chunk's gradient is added in chunk order either way.
     """
     backward = op == "forward_backward"
     outputs: list[dict[str, TensorData]] = [{} for _ in batch]
     totals = MetricTotals()
     pad = state.tokenizer.pad_token_id
+    lengths = [item.length for item in batch]
+    token_limit = state.model.full_activation_limit if backward else None
+    plan = plan_microbatches(lengths, state.config.max_tokens_per_microbatch, token_limit)
+    chunks = None if role is Role.REFERENCE else stream_chunks(plan, lengths, state.streams, token_limit)
+    parameters = list(lora_model.role_adapter(role).trainable.parameters.values()) if backward else []
 
-    def run_microbatches() -> None:
-        for indices in plan_microbatches(
-            [item.length for item in batch],
-            state.config.max_tokens_per_microbatch,
-            state.model.full_activation_limit if backward else None,
-        ):
-            micro = collate(batch, indices, pad, state.device)
-            mask_B_T = micro.attention_mask_B_T.bool()
-            with torch.set_grad_enabled(backward):
-                prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy)
-                if with_loss:
-                    result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
-                    if backward:
-                        result.elementwise_loss_B_T.sum().backward()
-                    totals.add(
-                        result.elementwise_loss_B_T, result.active_B_T, {**extra, **result.diagnostics}
-                    )
-                    per_position = {
-                        spec.head: prediction_B_T,
-                        "elementwise_loss": result.elementwise_loss_B_T,
-                    }
-                else:
-                    totals.add(torch.zeros_like(prediction_B_T), mask_B_T, extra)
-                    per_position = {spec.head: prediction_B_T}
-            scatter_outputs(outputs, micro, per_position)
+    def run_chunk(indices: list[int]) -> ChunkResult:
+        micro = collate(batch, indices, pad, state.device)
+        mask_B_T = micro.attention_mask_B_T.bool()
+        with torch.set_grad_enabled(backward):
+            prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy)
+            if not with_loss:
+                return ChunkResult(
+                    micro,
+                    {spec.head: prediction_B_T},
+                    torch.zeros_like(prediction_B_T),
+                    mask_B_T,
+                    extra,
+                    None,
+                )
+            result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
+            gradients = (
+                torch.autograd.grad(result.elementwise_loss_B_T.sum(), parameters, allow_unused=True)
+                if backward
+                else None
+            )
+        loss_B_T = result.elementwise_loss_B_T.detach()
+        return ChunkResult(
+            micro,
+            {spec.head: prediction_B_T.detach(), "elementwise_loss": loss_B_T},
+            loss_B_T,
+            result.active_B_T,
+            {name: values.detach() for name, values in {**extra, **result.diagnostics}.items()},
+            gradients,
+        )
+
+    def take(chunk: ChunkResult) -> None:
+        totals.add(chunk.elementwise_loss_B_T, chunk.active_B_T, chunk.diagnostics)
+        scatter_outputs(outputs, chunk.micro, chunk.per_position)
+        for param, grad in zip(parameters, chunk.gradients or (), strict=False):
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def run_all() -> None:
+        if chunks is None:
+            for indices in plan:
+                take(run_chunk(indices))
+            return
+        with state.model.using(lora_model.role_adapter(role).adapter):  # the streams only read the model
+            run_on_streams(run_chunk, chunks, state.streams, take)
 
     if backward:
         with lora_model.role_adapter(role).trainable.accumulating(
             f"{op} with {spec.fn.__name__!r} on {state.adapter_label(lora_model, role)}"
         ):
-            run_microbatches()
+            run_all()
     else:
-        with torch.no_grad():
-            run_microbatches()
+        run_all()
     metrics = totals.metrics(spec, with_loss)
     state.record(op, lora_model, state.adapter_label(lora_model, role), metrics)
     return ForwardBackwardOutput(
