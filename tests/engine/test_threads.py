@@ -97,6 +97,16 @@ def test_omp_num_threads_fixes_the_count_as_torch_users_expect(monkeypatch: pyte
     assert ThreadPolicy(2).in_force.chosen_by == "threads="  # the argument wins over the environment
 
 
+def test_a_batch_runs_on_one_stream_per_usable_core_or_per_set_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert ThreadPolicy().streams == USABLE  # busy or not: a stream on a shared core takes fewer chunks
+    assert ThreadPolicy(3).streams == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert ThreadPolicy().streams == 1
+
+
 @pytest.mark.parametrize("threads", [0, -1, True, 1.5, "2"])
 def test_a_bad_count_is_refused_before_anything_loads(threads: object) -> None:
     with pytest.raises(ValueError, match="threads must be an integer >= 1"):

@@ -4,18 +4,23 @@ Why. torch runs one batch on an OpenMP team whose threads meet at a barrier afte
 another process takes one of the team's cores, every kernel waits for the thread that lost it
 (`workbench.engine.threads`). The thread policy then falls back to one thread, which leaves the
 contended core's fair share unused. Cutting the batch into chunks and giving them to one single-threaded
-stream per core, each taking the next chunk when it finishes its last, has no barrier at all: a stream
-slowed by another process takes fewer chunks, and the other stream takes the rest. Measured on
-SmolLM2-135M, fp32, rank-8 LoRA, 2 cores (AMD EPYC), a forward and backward over 8 × 128 tokens, seconds,
-quiet → one core kept busy by another process:
+stream per core has no barrier at all: with three runnable threads on two cores the scheduler gives each
+about two thirds of a core, moving them between cores, so both streams go on at the same pace. Measured
+on SmolLM2-135M, fp32, rank-8 LoRA, 2 cores (AMD EPYC), `forward_backward` + `optim_step` over 8 × 128
+tokens, seconds, quiet → one core kept busy by another process:
 
-    one batch, 2 OpenMP threads          3.47 → 10.77
-    one batch, 1 thread                  5.31 →  5.41
-    2 streams, 4 chunks of 2 datums      2.95 →  4.17
+    one batch, 2 OpenMP threads                          3.46 → 11.66
+    one batch, 1 thread                                  5.56 →  5.24
+    2 streams, one chunk of 4 datums each                3.32 →  4.62
+    2 streams, two chunks of 2 each (taken in turn)      3.47 →  5.08
+    2 streams, four chunks of 1 each                     3.57 →  5.32
 
-Streams are faster even on a quiet machine (no barrier, and each thread keeps its own data hot); sampling
-is not run this way: a decoding step reads every weight once for the whole batch, so halving the batch
-nearly doubles the reads (measured 3.50 s with 2 threads against 3.84 s on 2 streams, quiet).
+So each stream gets one chunk: more, smaller chunks balance nothing the scheduler does not, and each
+pass has its fixed costs (the collation, the output layer's chunked logprobs, one autograd call). A
+pass has more chunks only where the model's full-activation limit cuts them smaller; the streams then
+take them in turn. Sampling is not run this way: a decoding step reads every weight once for the whole
+batch, so halving the batch nearly doubles the reads (32 sequences × 16 new tokens: 3.50 s on 2 threads,
+3.84 s on 2 streams, quiet).
 
 Each chunk's gradient is its own `torch.autograd.grad`, and the chunks' gradients are added in chunk
 order whatever stream finished first, so a pass gives the same bits every time on one machine. The cut
@@ -38,8 +43,8 @@ import torch
 
 R = TypeVar("R")
 
-# Chunks per stream: with one chunk each, a stream slowed by another process would hold the whole pass.
-CHUNKS_PER_STREAM = 2
+# Chunks per stream (see the measurements above: more only add per-pass costs).
+CHUNKS_PER_STREAM = 1
 
 
 def stream_chunks(
