@@ -34,10 +34,14 @@ def _recording_threads(sess: wb.Session) -> tuple[list[tuple[str, int]], torch.u
 # ---------------------------------------------------------------------------------------------- the cut
 
 
-def test_the_cut_gives_each_stream_one_chunk_within_the_token_limit() -> None:
+def test_the_cut_gives_each_stream_chunks_of_about_512_tokens_within_the_limit() -> None:
     lengths = [10] * 8
     assert stream_chunks([list(range(8))], lengths, 2, None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert stream_chunks([list(range(8))], lengths, 3, None) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    # about CHUNK_TOKENS padded tokens a chunk, as many chunks for each stream: 1280 tokens, 2 each
+    assert stream_chunks([list(range(32))], [40] * 32, 2, None) == [
+        list(range(i, i + 8)) for i in (0, 8, 16, 24)
+    ]
     # no chunk over the limit: 3 datums of 10 tokens fit in 35, and the streams take the chunks in turn
     assert stream_chunks([list(range(8))], lengths, 2, 35) == [[0, 1, 2], [3, 4, 5], [6, 7]]
     assert stream_chunks([[5, 6, 7], [0, 1, 2, 3, 4]], [10] * 5 + [30] * 3, 2, 60) == [

@@ -11,14 +11,17 @@ tokens, seconds, quiet → one core kept busy by another process:
 
     one batch, 2 OpenMP threads                          3.46 → 11.66
     one batch, 1 thread                                  5.56 →  5.24
-    2 streams, one chunk of 4 datums each                3.32 →  4.62
-    2 streams, two chunks of 2 each (taken in turn)      3.47 →  5.08
-    2 streams, four chunks of 1 each                     3.57 →  5.32
+    2 streams, one chunk of 4 datums (512 tokens) each   3.32 →  4.62
+    2 streams, two chunks each, of 256 tokens            3.47 →  5.08
+    2 streams, four chunks each, of 128 tokens           3.57 →  5.32
 
-So each stream gets one chunk: more, smaller chunks balance nothing the scheduler does not, and each
-pass has its fixed costs (the collation, the output layer's chunked logprobs, one autograd call). A
-pass has more chunks only where the model's full-activation limit cuts them smaller; the streams then
-take them in turn. Sampling is not run this way: a decoding step reads every weight once for the whole
+The chunk size matters, quiet too; `forward_backward(importance_sampling)` over 32 datums of 34–46 tokens
+(a GRPO step's batch), seconds, quiet, by padded tokens per chunk: 736 → 4.41, 368 → 3.95, 184 → 4.10,
+92 → 4.94. Each pass has fixed costs (the collation, the output layer's chunked logprobs, one autograd
+call), and a chunk well past 512 tokens is slower again (not profiled). So a pass is
+cut into chunks of about `CHUNK_TOKENS` padded tokens, as many for each stream (the scheduler already
+shares the cores evenly, so more chunks balance nothing), and fewer where the model's full-activation
+limit requires. Sampling is not run this way: a decoding step reads every weight once for the whole
 batch, so halving the batch nearly doubles the reads (32 sequences × 16 new tokens: 3.50 s on 2 threads,
 3.84 s on 2 streams, quiet).
 
@@ -43,21 +46,24 @@ import torch
 
 R = TypeVar("R")
 
-# Chunks per stream (see the measurements above: more only add per-pass costs).
-CHUNKS_PER_STREAM = 1
+# The padded tokens a chunk aims at (see the measurements above).
+CHUNK_TOKENS = 512
 
 
 def stream_chunks(
     plan: Sequence[Sequence[int]], lengths: Sequence[int], streams: int, token_limit: int | None
 ) -> list[list[int]] | None:
     """Cut a micro-batch plan (length-grouped datum indices, longest group first) into chunks for
-    `streams` streams: each group into pieces of at most ⌈datums / (CHUNKS_PER_STREAM · streams)⌉ datums
-    and at most `token_limit` padded tokens. None where streams do not apply: one stream, fewer than two
-    chunks, or a datum alone over `token_limit`."""
+    `streams` streams: k = ⌈padded tokens / (streams · CHUNK_TOKENS)⌉ chunks per stream, so each group
+    into pieces of at most ⌈datums / (streams · k)⌉ datums, and of at most `token_limit` padded tokens.
+    None where streams do not apply: one stream, fewer than two chunks, or a datum alone over
+    `token_limit`."""
     if streams < 2:
         return None
     datums = sum(len(group) for group in plan)
-    most = math.ceil(datums / (CHUNKS_PER_STREAM * streams))
+    padded = sum(len(group) * max(lengths[index] for index in group) for group in plan)
+    per_stream = max(1, math.ceil(padded / (streams * CHUNK_TOKENS)))
+    most = math.ceil(datums / (streams * per_stream))
     chunks: list[list[int]] = []
     for group in plan:
         longest = max(lengths[index] for index in group)
