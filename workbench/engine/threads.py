@@ -33,8 +33,8 @@ one single-threaded stream per usable core, which meet at no barrier (`workbench
 the count above is what everything else uses (sampling, a one-datum step, the optimizer).
 
 A user who sets the count gets exactly that, always (N threads, or N streams): `Session(threads=N)` /
-`Engine(threads=N)`, or `OMP_NUM_THREADS`, which torch users expect to be obeyed. `Session.threads` and the panel say what is in
-force and why.
+`Engine(threads=N)`, or `OMP_NUM_THREADS`, which torch users expect to be obeyed. `Session.threads` and
+the panel say what is in force and why.
 """
 
 from __future__ import annotations
@@ -225,8 +225,8 @@ class ThreadPolicy:
     @property
     def streams(self) -> int:
         """How many single-threaded streams a pass over several datums runs on
-        (`workbench.engine.local.streams`): the set count, else every usable core, busy or not (a stream
-        whose core another process shares takes fewer chunks; no barrier waits for it)."""
+        (`workbench.engine.local.streams`): the set count, else every usable core, busy or not (the
+        scheduler shares the cores evenly between the streams and the busy process; no barrier waits)."""
         return self._fixed or self._meter.usable_cores
 
     @property

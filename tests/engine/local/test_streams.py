@@ -119,7 +119,7 @@ def test_a_batch_runs_on_single_threaded_streams_and_one_datum_on_the_worker() -
     assert {threads for _, threads in streamed} == {1}
     assert len({name for name, _ in streamed}) == 2
     # one datum, and the reference (adapters off for the whole pass), stay on the worker's threads
-    assert [(threads) for _, threads in alone] == [2] and not alone[0][0].startswith("workbench-stream")
+    assert [threads for _, threads in alone] == [2] and not alone[0][0].startswith("workbench-stream")
     assert reference and not any(name.startswith("workbench-stream") for name, _ in reference)
 
 

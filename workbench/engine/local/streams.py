@@ -18,10 +18,10 @@ tokens, seconds, quiet → one core kept busy by another process:
 The chunk size matters, quiet too; `forward_backward(importance_sampling)` over 32 datums of 34–46 tokens
 (a GRPO step's batch), seconds, quiet, by padded tokens per chunk: 736 → 4.41, 368 → 3.95, 184 → 4.10,
 92 → 4.94. Each pass has fixed costs (the collation, the output layer's chunked logprobs, one autograd
-call), and a chunk well past 512 tokens is slower again (not profiled). So a pass is
-cut into chunks of about `CHUNK_TOKENS` padded tokens, as many for each stream (the scheduler already
-shares the cores evenly, so more chunks balance nothing), and fewer where the model's full-activation
-limit requires. Sampling is not run this way: a decoding step reads every weight once for the whole
+call), and a chunk well past 512 tokens is slower again (not profiled). So a pass is cut into chunks of
+about `CHUNK_TOKENS` padded tokens, as many for each stream (the scheduler already shares the cores
+evenly, so more chunks balance nothing), and smaller ones where the model's full-activation limit
+requires. Sampling is not run this way: a decoding step reads every weight once for the whole
 batch, so halving the batch nearly doubles the reads (32 sequences × 16 new tokens: 3.50 s on 2 threads,
 3.84 s on 2 streams, quiet).
 
@@ -60,13 +60,13 @@ def stream_chunks(
     `token_limit`."""
     if streams < 2:
         return None
+    longest_of_group = [max(lengths[index] for index in group) for group in plan]
     datums = sum(len(group) for group in plan)
-    padded = sum(len(group) * max(lengths[index] for index in group) for group in plan)
+    padded = sum(len(group) * longest for group, longest in zip(plan, longest_of_group, strict=True))
     per_stream = max(1, math.ceil(padded / (streams * CHUNK_TOKENS)))
     most = math.ceil(datums / (streams * per_stream))
     chunks: list[list[int]] = []
-    for group in plan:
-        longest = max(lengths[index] for index in group)
+    for group, longest in zip(plan, longest_of_group, strict=True):
         size = most
         if token_limit is not None:
             if longest > token_limit:
