@@ -104,8 +104,16 @@ def test_a_batch_runs_on_single_threaded_streams_and_one_datum_on_the_worker() -
     data = ragged_ce_batch(seed=3, count=8, min_len=10, max_len=40, vocab=900)
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, threads=2) as sess:
         seen, hook = _recording_threads(sess)
+        # both chunks' forwards must be under way at once (on one core too): two streams, not one in turn
+        both_started = threading.Barrier(2, timeout=30)
+
+        def wait_for_the_other(module: torch.nn.Module, args: object) -> None:
+            both_started.wait()
+
+        together = sess.engine.torch_model.get_decoder().register_forward_pre_hook(wait_for_the_other)
         try:
             sess.policy.forward_backward(data, "cross_entropy").result()
+            together.remove()
             streamed = list(seen)
             seen.clear()
             sess.policy.forward_backward(data[:1], "cross_entropy").result()
@@ -114,6 +122,7 @@ def test_a_batch_runs_on_single_threaded_streams_and_one_datum_on_the_worker() -
             sess.engine.forward(sess.model_id, wb.Role.REFERENCE, data, "cross_entropy").result()
             reference = list(seen)
         finally:
+            together.remove()
             hook.remove()
     assert len(streamed) == 2 and {name.startswith("workbench-stream") for name, _ in streamed} == {True}
     assert {threads for _, threads in streamed} == {1}
