@@ -86,25 +86,31 @@ def test_a_fixed_count_is_used_and_shown() -> None:
     with wb.Session("tiny", wb.LoraConfig(rank=4), threads=1, wandb=False) as session:
         assert worker_threads(session) == 1
         use = session.threads
-        assert (use.threads, use.chosen_by, use.usable_cores) == (1, "threads=", USABLE)
-        assert "set by threads=" in str(use)
+        assert (use.threads, use.chosen_by, use.usable_cores, use.streams) == (1, "threads=", USABLE, 1)
+        assert "set by threads=" in str(use) and "streams" not in str(use)
 
 
 def test_omp_num_threads_fixes_the_count_as_torch_users_expect(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    use = ThreadPolicy().in_force
+    use = ThreadPolicy(None, on_cpu=True).in_force
     assert (use.threads, use.chosen_by) == (3, "OMP_NUM_THREADS")
-    assert ThreadPolicy(2).in_force.chosen_by == "threads="  # the argument wins over the environment
+    assert (
+        ThreadPolicy(2, on_cpu=True).in_force.chosen_by == "threads="
+    )  # the argument wins over the environment
 
 
 def test_a_batch_runs_on_one_stream_per_usable_core_or_per_set_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert ThreadPolicy().streams == USABLE  # busy or not: a stream on a shared core takes fewer chunks
-    assert ThreadPolicy(3).streams == 3
+    # busy or not: a stream on a shared core takes fewer chunks
+    assert ThreadPolicy(None, on_cpu=True).streams == USABLE
+    fixed = ThreadPolicy(3, on_cpu=True)
+    assert fixed.streams == fixed.in_force.streams == 3
+    assert "batches on 3 streams" in str(fixed.in_force)
+    assert ThreadPolicy(3, on_cpu=False).streams == 1  # on a GPU a batch stays on the worker
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert ThreadPolicy().streams == 1
+    assert ThreadPolicy(None, on_cpu=True).streams == 1
 
 
 @pytest.mark.parametrize("threads", [0, -1, True, 1.5, "2"])
@@ -125,7 +131,11 @@ def test_adaptive_threads_step_aside_for_a_busy_process_and_come_back(
         assert session.threads.threads == USABLE - 1 and session.threads.others_busy_cores > 0.6
         panel = session.panel()
         panel.refresh()
-        assert f"{USABLE - 1}/{USABLE}" in panel.status.widget.value
+        # the threads step aside; a batch's streams stay
+        assert f"{USABLE - 1}/{USABLE}, {USABLE} streams" in panel.status.widget.value
+        assert f"busy on {session.threads.others_busy_cores:.1f}; batches on {USABLE} streams" in str(
+            session.threads
+        )
         busy_core.kill()
         busy_core.wait()
         deadline = time.monotonic() + 20  # the machine may be busy with something else for a while

@@ -40,6 +40,7 @@ the panel say what is in force and why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -70,19 +71,24 @@ class ThreadUse:
         others_busy_cores: Cores' worth of CPU time other processes used over the last window (adaptive
             only; 0.0 before the first window).
         chosen_by: `"adaptive"`, `"threads="` (the session's argument) or `"OMP_NUM_THREADS"`.
+        streams: Single-threaded streams a pass over several datums runs on
+            (`workbench.engine.local.streams`); 1 where such a pass runs on the worker's threads (a GPU,
+            or one thread set).
     """
 
     threads: int
     usable_cores: int
     others_busy_cores: float
     chosen_by: str
+    streams: int
 
     def __str__(self) -> str:
+        batches = f"; batches on {self.streams} streams" if self.streams > 1 else ""
         if self.chosen_by != "adaptive":
-            return f"{self.threads} (set by {self.chosen_by}; {self.usable_cores} usable cores)"
+            return f"{self.threads} (set by {self.chosen_by}; {self.usable_cores} usable cores{batches})"
         return (
             f"{self.threads} of {self.usable_cores} usable cores "
-            f"(other processes busy on {self.others_busy_cores:.1f})"
+            f"(other processes busy on {self.others_busy_cores:.1f}{batches})"
         )
 
 
@@ -199,10 +205,11 @@ class OthersBusyMeter:
 class ThreadPolicy:
     """Sets torch's thread count on the worker thread before its operations (see the module docstring).
 
-    `apply()` runs on the worker thread only; `in_force` may be read from any thread.
+    `apply()` runs on the worker thread only; `in_force` may be read from any thread. `on_cpu` False (the
+    model is on a GPU): passes over several datums stay on the worker, one stream.
     """
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None, *, on_cpu: bool):
         self._meter = OthersBusyMeter()
         usable = self._meter.usable_cores
         from_env = os.environ.get("OMP_NUM_THREADS", "").strip()
@@ -214,7 +221,8 @@ class ThreadPolicy:
             fixed, chosen_by = None, "adaptive"
         self._fixed = fixed
         self._lock = threading.Lock()
-        self._in_force = ThreadUse(fixed or usable, usable, 0.0, chosen_by)
+        streams = (fixed or usable) if on_cpu else 1
+        self._in_force = ThreadUse(fixed or usable, usable, 0.0, chosen_by, streams)
         self._applied: int | None = None
 
     def count_as_own(self, processes: Callable[[], Iterable[psutil.Process]]) -> None:
@@ -225,9 +233,10 @@ class ThreadPolicy:
     @property
     def streams(self) -> int:
         """How many single-threaded streams a pass over several datums runs on
-        (`workbench.engine.local.streams`): the set count, else every usable core, busy or not (the
-        scheduler shares the cores evenly between the streams and the busy process; no barrier waits)."""
-        return self._fixed or self._meter.usable_cores
+        (`workbench.engine.local.streams`): on a CPU the set count, else every usable core, busy or not
+        (the scheduler shares the cores evenly between the streams and the busy process; no barrier
+        waits); 1 on a GPU."""
+        return self._in_force.streams
 
     @property
     def in_force(self) -> ThreadUse:
@@ -239,7 +248,9 @@ class ThreadPolicy:
         use = self.in_force
         if self._fixed is None and self._meter.seconds_since_reading() >= DECISION_INTERVAL_S:
             others = self._meter.read()
-            use = ThreadUse(threads_for(use.usable_cores, others), use.usable_cores, others, use.chosen_by)
+            use = dataclasses.replace(
+                use, threads=threads_for(use.usable_cores, others), others_busy_cores=others
+            )
             with self._lock:
                 self._in_force = use
         if use.threads != self._applied:

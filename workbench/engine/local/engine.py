@@ -153,7 +153,7 @@ class Engine:
         # which slows every small kernel on the worker: 25% on decoding steps, 12% on a training step of
         # 32 short sequences (SmolLM2-135M, 2 cores). A notebook that leaves the heavy work to its session
         # then has a single pool.
-        thread_policy = ThreadPolicy(threads)
+        thread_policy = ThreadPolicy(threads, on_cpu=resolved_device.type == "cpu")
         worker = Worker(before_each=thread_policy.apply)
 
         def load() -> tuple[AdaptedModel, PreTrainedTokenizerBase]:

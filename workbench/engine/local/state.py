@@ -65,7 +65,7 @@ class EngineState:
         self.dtype = dtype
         self.worker = worker  # the thread that loaded `model` and runs every operation on it
         # single-threaded streams for a CPU pass over several datums (`workbench.engine.local.streams`)
-        self.streams = streams if device.type == "cpu" else 1
+        self.streams = streams
         self.history = MetricsHistory()
         self.lora_models: dict[str, LoraModel] = {}
         # Draws the seeds of sampling requests that give none, on the worker in submission order, so a

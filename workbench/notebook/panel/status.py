@@ -72,11 +72,13 @@ def models_field(session: Session) -> str:
 
 
 def threads_field(session: Session) -> str:
-    """The torch threads in force, e.g. "1/2" when another process keeps one of two cores busy."""
+    """The torch threads in force and the streams a batch runs on, e.g. "1/2, 2 streams" when
+    another process keeps one of two cores busy (the streams stay: they wait at no barrier)."""
     use = session.threads
     if use is None:
         return ""
-    return f'<span title="{html.escape(str(use))}">{use.threads}/{use.usable_cores}</span>'
+    streams = f", {use.streams} streams" if use.streams > 1 else ""
+    return f'<span title="{html.escape(str(use))}">{use.threads}/{use.usable_cores}{streams}</span>'
 
 
 def server_field(session: Session) -> str:
