@@ -142,3 +142,4 @@ bench: env
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/cold_start.py
 	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/cpu_share.py
