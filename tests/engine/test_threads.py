@@ -94,9 +94,8 @@ def test_omp_num_threads_fixes_the_count_as_torch_users_expect(monkeypatch: pyte
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     use = ThreadPolicy(None, on_cpu=True).in_force
     assert (use.threads, use.chosen_by) == (3, "OMP_NUM_THREADS")
-    assert (
-        ThreadPolicy(2, on_cpu=True).in_force.chosen_by == "threads="
-    )  # the argument wins over the environment
+    # the argument wins over the environment
+    assert ThreadPolicy(2, on_cpu=True).in_force.chosen_by == "threads="
 
 
 def test_a_batch_runs_on_one_stream_per_usable_core_or_per_set_thread(
