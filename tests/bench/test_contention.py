@@ -35,8 +35,9 @@ def test_the_busy_process_spins_while_open_and_is_stopped_on_exit() -> None:
         time.sleep(0.5)
         assert busy.process.poll() is None
     assert busy.process.returncode is not None
-    # it used CPU the whole time, not a sleep (margin for a loaded machine: at least a fifth of a core)
-    assert busy.core_share is not None and 0.2 < busy.core_share <= 1.1
+    # it used CPU the whole time, not a sleep (a sleeping process would use ~0; a loaded machine may leave
+    # it a small share)
+    assert busy.core_share is not None and 0.05 < busy.core_share <= 1.1
 
 
 def test_the_busy_process_ends_at_its_bound_and_the_context_says_so() -> None:

@@ -254,6 +254,34 @@ def test_save_and_load_state(remote_url: Served) -> None:
         assert sess.list_checkpoints() == []
 
 
+def step_then_forward(sess: wb.Session) -> tuple[float, float]:
+    """One SFT step's loss, then a forward's loss after it."""
+    loss = sess.policy.forward_backward([ce_datum(TOKENS[1])], "cross_entropy").result().metrics["loss:sum"]
+    sess.policy.optim_step({"learning_rate": 1e-1}).result()
+    return loss, sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+
+
+def test_a_weights_only_load_starts_the_optimizer_afresh(remote_url: Served) -> None:
+    """SDK 0.38's `load_state` ("weights only, optimizer resets") through a remote session: a run that
+    trained on, with a gradient pending, loads a checkpoint and steps exactly as a new session that loads
+    the same checkpoint (equal weights before the step, so kept Adam moments or a kept pending gradient
+    would show)."""
+    with connect(remote_url) as sess:
+        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
+        sess.policy.optim_step({"learning_rate": 1e-2}).result()
+        path = sess.policy.save_state("one").result().path
+        for _ in range(2):
+            sess.policy.forward_backward([ce_datum(TOKENS[1])], "cross_entropy").result()
+            sess.policy.optim_step({"learning_rate": 1e-1}).result()
+        sess.policy.forward_backward([ce_datum(TOKENS[1])], "cross_entropy").result()  # pending
+        sess.policy.load_state(path).result()
+        loaded = step_then_forward(sess)
+    with connect(remote_url) as fresh:
+        fresh.policy.load_state(path).result()
+        expected = step_then_forward(fresh)
+    assert loaded == pytest.approx(expected, rel=1e-5), (loaded, expected)
+
+
 def test_run_loop_and_panel(remote_url: Served) -> None:
     """The background run loop steps with live settings; the panel's status names the engine's URL."""
     with connect(remote_url) as sess:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import workbench as wb
+from workbench.engine import threads as threads_module
 from workbench.engine.threads import (
     OthersBusyMeter,
     ThreadPolicy,
@@ -67,19 +68,24 @@ def test_the_cgroup_quota_and_usage_are_read_from_cpu_max_and_cpu_stat(tmp_path:
     assert cgroup_usage_seconds(tmp_path) == 2.5
 
 
-@pytest.mark.skipif(
-    USABLE < 2 or sys.platform != "linux",
-    reason="needs two usable cores (on one, the busy process shares it with the test) and /proc/stat",
-)
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/stat")
 def test_the_meter_sees_a_busy_process_and_not_the_processes_counted_as_own(busy_core) -> None:
+    """The two meters differ by exactly the busy process's CPU time, whatever else the machine runs (the
+    busy process's share depends on the machine's load; what the meter does with it does not)."""
     plain, owning = OthersBusyMeter(), OthersBusyMeter()
     owning.own_processes = lambda: [psutil.Process(busy_core.pid)]
+    busy = psutil.Process(busy_core.pid)
+    time.sleep(0.3)  # past the interpreter's start
     plain.read(), owning.read()
+    started, busy_before = time.monotonic(), sum(busy.cpu_times()[:2])
     time.sleep(1.5)
     others, others_without_it = plain.read(), owning.read()
-    # the busy process gets at least ~2/3 of a core even beside this test's own work
-    assert others > 0.6, others
-    assert others - others_without_it > 0.6, (others, others_without_it)
+    busy_share = (sum(busy.cpu_times()[:2]) - busy_before) / (time.monotonic() - started)
+    assert busy_share > 0.05, busy_share  # it spun (a sleeping process would use ~0)
+    # the busy process is among the others in one, counted as own in the other (margin: the readings'
+    # few milliseconds apart, and CPU-time ticks of 10 ms over 1.5 s)
+    assert others >= busy_share - 0.1, (others, busy_share)
+    assert others - others_without_it == pytest.approx(busy_share, abs=0.1)
 
 
 def test_a_fixed_count_is_used_and_shown() -> None:
@@ -118,26 +124,26 @@ def test_a_bad_count_is_refused_before_anything_loads(threads: object) -> None:
         wb.Session("tiny", threads=threads, wandb=False)
 
 
-@pytest.mark.skipif(USABLE < 2 or sys.platform != "linux", reason="needs two usable cores on Linux")
+@pytest.mark.skipif(USABLE < 2, reason="needs two usable cores (one to step aside from)")
 def test_adaptive_threads_step_aside_for_a_busy_process_and_come_back(
-    busy_core, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The policy's choice from what the meter reads: the reading is injected, so the test holds whatever
+    the machine is doing (the meter itself is tested against a real busy process above)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    others_busy = {"cores": 1.0}
+    monkeypatch.setattr(OthersBusyMeter, "read", lambda _meter: others_busy["cores"])
+    monkeypatch.setattr(threads_module, "DECISION_INTERVAL_S", 0.0)  # decide before every operation
     with wb.Session("tiny", wb.LoraConfig(rank=4), wandb=False) as session:
         assert session.threads.chosen_by == "adaptive"
-        time.sleep(1.5)
         assert worker_threads(session) == USABLE - 1
-        assert session.threads.threads == USABLE - 1 and session.threads.others_busy_cores > 0.6
+        assert session.threads.threads == USABLE - 1 and session.threads.others_busy_cores == 1.0
         panel = session.panel()
         panel.refresh()
         # the threads step aside; a batch's streams stay
         assert f"{USABLE - 1}/{USABLE}, {USABLE} streams" in panel.status.widget.value
-        assert f"busy on {session.threads.others_busy_cores:.1f}; batches on {USABLE} streams" in str(
-            session.threads
-        )
-        busy_core.kill()
-        busy_core.wait()
-        deadline = time.monotonic() + 20  # the machine may be busy with something else for a while
-        while worker_threads(session) != USABLE and time.monotonic() < deadline:
-            time.sleep(0.6)
-        assert session.threads.threads == USABLE, session.threads
+        assert f"busy on 1.0; batches on {USABLE} streams" in str(session.threads)
+        panel.close()
+        others_busy["cores"] = 0.1  # below BUSY_CORE_THRESHOLD: nobody holds a core
+        assert worker_threads(session) == USABLE
+        assert session.threads.threads == USABLE and session.threads.others_busy_cores == 0.1

@@ -399,19 +399,35 @@ def test_save_and_overwrite_with_confirmation(panel: wb.Panel, tiny: wb.Session)
 
 
 def test_load_asks_then_restores_the_saved_state(panel: wb.Panel, tiny: wb.Session) -> None:
+    """Both loads, as the SDK names them: `load_state_with_optimizer` (the default) puts the step counter
+    back; `load_state` loads the weights alone and starts the optimizer afresh."""
     c = panel.checkpoints
     saved = tiny.engine.inspect(tiny.model_id, wb.Role.POLICY).parameters
     tiny.policy.save_state("start").result()  # saved from a cell: the tab lists it on refresh
     tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
     panel.refresh()
     assert c.choice.options == (("start (state, step 0)", str(tiny.list_checkpoints()[0].path)),)
+    assert [label for label, _ in c.load_kind.options] == [
+        "load_state_with_optimizer",
+        "load_state (weights only)",
+    ]
     c.load_button.click()
     assert "Load start?" in c.confirm_text.value and tiny.step == 2  # nothing happens before Confirm
     _act(panel, c.confirm_button)
     assert tiny.step == 0
     loaded = tiny.engine.inspect(tiny.model_id, wb.Role.POLICY).parameters
     assert loaded.keys() == saved.keys() and all(torch.equal(p, saved[name]) for name, p in loaded.items())
-    assert "loaded start (step 0)" in c.feedback.text
+    assert "loaded start (step 0; with its optimizer state)" in c.feedback.text
+
+    tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
+    c.load_kind.value = wb.Restore.WEIGHTS
+    c.load_button.click()
+    assert "optimizer starts afresh" in c.confirm_text.value
+    _act(panel, c.confirm_button)
+    assert tiny.step == 2  # weights only: the counter counts on
+    loaded = tiny.engine.inspect(tiny.model_id, wb.Role.POLICY).parameters
+    assert all(torch.equal(p, saved[name]) for name, p in loaded.items())
+    assert "weights only; the optimizer starts afresh" in c.feedback.text
 
 
 def test_delete_asks_then_removes_the_checkpoint(panel: wb.Panel, tiny: wb.Session) -> None:

@@ -25,6 +25,7 @@ from tinker.lib.public_interfaces.training_client import fetch_training_info
 
 import workbench as wb
 from tests.datums import ce_datum, sdk_ce_datum
+from tests.tinker_api.test_service_client import check_a_weights_only_load_starts_the_optimizer_afresh
 from workbench.server import ServerConfig, TinkerServer
 
 API_KEY = "tml-test-key-0123"
@@ -579,3 +580,7 @@ def test_non_finite_metrics_reach_the_sdk_as_floats() -> None:
     parsed = json.loads(body)
     assert np.isnan(parsed["metrics"]["grad_norm"]) and parsed["metrics"]["x"] == float("inf")
     assert types.OptimStepResponse.model_validate(parsed).metrics["x"] == float("inf")
+
+
+def test_a_weights_only_load_over_http_starts_the_optimizer_afresh(client: tinker.ServiceClient) -> None:
+    check_a_weights_only_load_starts_the_optimizer_afresh(client)

@@ -706,8 +706,9 @@ def test_after_a_restart_the_listings_show_the_runs_on_disk(sess: wb.Session) ->
     finally:
         first.stop()
     second = TinkerServer(sess.engine, ServerConfig())  # a new server: nothing in memory about the run
+    second_client = tinker.ServiceClient(base_url=second.url)
     try:
-        rest = tinker.ServiceClient(base_url=second.url).create_rest_client()
+        rest = second_client.create_rest_client()
         assert saved in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
         assert model.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
         assert rest.get_training_run(model.model_id).result().last_checkpoint.tinker_path == saved
@@ -718,6 +719,7 @@ def test_after_a_restart_the_listings_show_the_runs_on_disk(sess: wb.Session) ->
         )
         assert refused.status_code == 403
     finally:
+        second_client.close("success").result()  # its heartbeat would outlive the server
         second.stop()
 
 

@@ -12,7 +12,7 @@ import tinker
 import torch
 
 import workbench as wb
-from tests.datums import ce_datum, random_tokens
+from tests.datums import ce_datum, random_tokens, sdk_ce_datum
 
 
 @pytest.fixture
@@ -159,11 +159,54 @@ def test_load_state_is_weights_only_and_with_optimizer_is_everything(service: wb
     _train(client, 1)
     after_three = client.engine.inspect(client.model_id)
     client.load_state(saved).result()
-    assert client.step == 3  # the optimizer's counters are left as they were
+    assert client.step == 3  # the step counter counts on; the optimizer's moments start afresh
     client.load_state_with_optimizer(saved).result()
     assert client.step == 2
     loaded = client.engine.inspect(client.model_id)
     assert any(not torch.equal(loaded.parameters[k], after_three.parameters[k]) for k in loaded.parameters)
+
+
+def _sdk_data(seed: int = 0, count: int = 3) -> list[tinker.Datum]:
+    """`_data` built with the SDK's own types, which every client (in-process or over HTTP) takes."""
+    rng = random.Random(seed)
+    return [sdk_ce_datum(random_tokens(rng, 10, 900)) for _ in range(count)]
+
+
+def _train_sdk(client: wb.TrainingClient | tinker.TrainingClient, steps: int) -> None:
+    for _ in range(steps):
+        client.forward_backward(_sdk_data(), "cross_entropy").result()
+        client.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+
+
+def check_a_weights_only_load_starts_the_optimizer_afresh(
+    service: wb.ServiceClient | tinker.ServiceClient,
+) -> None:
+    """SDK 0.38's `load_state`: "only the model weights, not optimizer state ... (weights only, optimizer
+    resets)". A client that trained on, with a gradient pending, then loads a checkpoint, steps exactly as a
+    client made from that checkpoint with `create_training_client_from_state` (the weights before the step
+    are equal, so any Adam moment or pending gradient kept would show in the step). Shared by the
+    in-process, HTTP and remote-session tests."""
+    saver = service.create_lora_training_client("tiny", rank=4, seed=0).result()
+    _train_sdk(saver, 2)
+    path = saver.save_state("two").result().path
+    loader = service.create_lora_training_client("tiny", rank=4, seed=1).result()
+    _train_sdk(loader, 3)
+    loader.forward_backward(_sdk_data(seed=7), "cross_entropy").result()  # pending: dropped by the load
+    loader.load_state(path).result()
+    fresh = service.create_training_client_from_state(path).result()
+    check = _sdk_data(seed=3)
+    losses = {}
+    for name, client in (("loaded", loader), ("fresh", fresh)):
+        before = client.forward(check, "cross_entropy").result().metrics["loss:sum"]
+        client.forward_backward(_sdk_data(), "cross_entropy").result()
+        client.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        losses[name] = (before, client.forward(check, "cross_entropy").result().metrics["loss:sum"])
+    assert losses["loaded"][0] == losses["fresh"][0]  # the same weights before the step
+    assert losses["loaded"][1] == pytest.approx(losses["fresh"][1], rel=1e-6, abs=1e-6), losses
+
+
+def test_a_weights_only_load_starts_the_optimizer_afresh(service: wb.ServiceClient) -> None:
+    check_a_weights_only_load_starts_the_optimizer_afresh(service)
 
 
 def test_a_client_from_a_state_starts_a_new_run(service: wb.ServiceClient) -> None:

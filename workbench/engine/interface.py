@@ -47,7 +47,9 @@ from workbench.types import (
 class Restore(enum.Enum):
     """How much of a state checkpoint a load puts back."""
 
-    WEIGHTS = "weights"  # the adapters' weights (and the critic's value head): Tinker's `load_state`
+    # the adapters' weights (and the critic's value head); the optimizer starts afresh and a pending
+    # gradient is dropped: Tinker's `load_state`
+    WEIGHTS = "weights"
     WITH_OPTIMIZER = "with_optimizer"  # + AdamW state, step counters, pending gradients
     EVERYTHING = "everything"  # + every RNG: an exact resume
 

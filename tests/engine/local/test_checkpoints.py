@@ -237,18 +237,15 @@ def test_load_state_with_optimizer_into_a_live_session(sess: wb.Session) -> None
     assert _equal(_params(sess), after_step)
 
 
-def test_load_state_restores_the_weights_and_leaves_the_optimizer_alone(sess: wb.Session) -> None:
-    """Tinker's `load_state`: the weights (the critic's value head included) come back; AdamW state, step
-    counters and the accumulated gradient stay as they were."""
+def test_load_state_restores_the_weights_and_starts_the_optimizer_afresh(sess: wb.Session) -> None:
+    """Tinker's `load_state` ("weights only, optimizer resets"): the weights (the critic's value head
+    included) come back; the AdamW state of policy and critic is a new model's, the accumulated gradient is
+    dropped, and the step counters count on."""
     _train(sess, 2)
     sess.policy.save_state("mid").result()
     saved_policy, saved_critic = _params(sess), _params(sess, "critic")
     _train(sess, 2)
-    sess.policy.forward_backward(
-        _data(sess), "cross_entropy"
-    ).result()  # a pending gradient, kept by the load
-    before = _files(Path(sess.policy.save_state("before").result().folder))
-    grads_before = sess.engine.inspect(sess.model_id, wb.Role.POLICY).gradients
+    sess.policy.forward_backward(_data(sess), "cross_entropy").result()  # a pending gradient: dropped
     assert not _equal(_params(sess), saved_policy)
 
     response = sess.policy.load_state(f"tinker://{sess.model_id}/weights/mid").result()
@@ -258,24 +255,18 @@ def test_load_state_restores_the_weights_and_leaves_the_optimizer_alone(sess: wb
     assert sess.policy.step == 4 and sess.critic.step == 4
     assert sess.policy.weights_version == 5 and sess.critic.weights_version == 5  # max(saved, current) + 1
     policy_now = sess.engine.inspect(sess.model_id, wb.Role.POLICY)
-    assert policy_now.pending_backward_calls == 1
-    assert policy_now.gradients.keys() == grads_before.keys()
-    assert all(torch.equal(policy_now.gradients[n], g) for n, g in grads_before.items() if g is not None)
-    assert all((policy_now.gradients[n] is None) == (g is None) for n, g in grads_before.items())
+    assert policy_now.pending_backward_calls == 0
+    assert all(g is None for g in policy_now.gradients.values())
     after = _files(Path(sess.policy.save_state("after").result().folder))
-    for rel in before:
-        if rel.startswith(("optimizer/", "gradients/")):
-            assert after[rel] == before[rel], (
-                rel
-            )  # AdamW moments, hyperparameters and the gradient: untouched
-    counters = {
-        role: {k: v for k, v in c.items() if k != "weights_version"}
-        for role, c in json.loads(before["state.json"])["adapters"].items()
-    }
-    assert {
-        role: {k: v for k, v in c.items() if k != "weights_version"}
-        for role, c in json.loads(after["state.json"])["adapters"].items()
-    } == counters
+    assert not any(rel.startswith("gradients/") for rel in after)
+    for role in ("policy", "critic"):
+        moments = safetensors.torch.load(after[f"optimizer/{role}.safetensors"])
+        assert moments == {}, (role, sorted(moments)[:3])  # no Adam moment, as in a new model
+        (group,) = json.loads(after[f"optimizer/{role}.json"])["param_groups"]
+        defaults = wb.AdamParams()
+        assert (group["lr"], group["weight_decay"]) == (defaults.learning_rate, defaults.weight_decay)
+    response = sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    assert not response.applied and "no gradient accumulated" in response.skipped_reason
 
 
 def test_load_state_errors_leave_the_session_unchanged(sess: wb.Session, tmp_path: Path) -> None:

@@ -29,8 +29,10 @@ so a checkpoint loads into any run whatever its adapters are called on that engi
 Loading is two-phase. `read` verifies the manifest and parses every file without looking at an engine;
 `restore` (on the worker thread) checks the parsed state against the run (base model identity, critic
 present or not, each adapter's rank/alpha/targets, tensor names and shapes) and only then changes
-anything. How much it restores is the caller's choice (`Restore`): the weights alone (Tinker's
-`load_state`), the weights with the optimizer state and counters (`load_state_with_optimizer`), or
+anything. How much it restores is the caller's choice (`Restore`): the weights alone, with the
+optimizer started afresh and any pending gradient dropped (Tinker's `load_state`: "weights only,
+optimizer resets", as `create_training_client_from_state` starts), the weights with the optimizer state
+and counters (`load_state_with_optimizer`), or
 everything including the process-global python, numpy and torch RNGs and the engine's sampling
 generator, so a training loop that draws from them continues as the uninterrupted run would
 (`Session.from_checkpoint`, `Session.load_state`).
@@ -419,6 +421,7 @@ def restore(
                 else max(adapter_state.weights_version, trainable.weights_version) + 1
             )
             if restore is Restore.WEIGHTS:
+                trainable.reset_optimizer()  # Tinker's weights-only load: the optimizer starts afresh
                 continue
             index = {canonical: i for i, canonical in enumerate(canonical_names(model).values())}
             trainable.optimizer.load_state_dict(

@@ -78,18 +78,30 @@ class TrainableAdapter:
     def __init__(self, name: str, parameters: dict[str, nn.Parameter]):
         self.name = name
         self.parameters = parameters
+        self.optimizer = self._fresh_optimizer()
+        self.step = 0  # optimizer steps applied
+        self.weights_version = 0  # bumped by every change of the weights
+        self.pending_backward_calls = 0  # forward_backward calls accumulated since the last step
+
+    def _fresh_optimizer(self) -> torch.optim.AdamW:
+        """AdamW with no moments yet and `AdamParams`' defaults (every `optim_step` sets its own)."""
         defaults = AdamParams()
-        self.optimizer = torch.optim.AdamW(
-            list(parameters.values()),
+        return torch.optim.AdamW(
+            list(self.parameters.values()),
             lr=defaults.learning_rate,
             betas=(defaults.beta1, defaults.beta2),
             eps=defaults.eps,
             weight_decay=defaults.weight_decay,
             foreach=False,
         )
-        self.step = 0  # optimizer steps applied
-        self.weights_version = 0  # bumped by every change of the weights
-        self.pending_backward_calls = 0  # forward_backward calls accumulated since the last step
+
+    def reset_optimizer(self) -> None:
+        """Start the optimizer afresh, as a new model's: no Adam moments (so the next step's bias
+        correction is step 1's), default hyperparameters, and no accumulated gradient. What Tinker's
+        weights-only `load_state` does to the client's optimizer ("weights only, optimizer resets").
+        The step counter keeps counting the steps this adapter has applied."""
+        self.optimizer = self._fresh_optimizer()
+        self.clear_gradients()
 
     # ------------------------------------------------------------------------------------------ gradients
 

@@ -67,6 +67,15 @@ class CheckpointsTab:
         self.export_path = ipywidgets.Text(placeholder="folder for the merged model", description="export to")
         self.save_button = ipywidgets.Button(description="Save", icon="save")
         self.load_button = ipywidgets.Button(description="Load", icon="upload")
+        # the two loads as the SDK names them (`TrainingClient.load_state*`)
+        self.load_kind = ipywidgets.Dropdown(
+            options=(
+                ("load_state_with_optimizer", Restore.WITH_OPTIMIZER),
+                ("load_state (weights only)", Restore.WEIGHTS),
+            ),
+            value=Restore.WITH_OPTIMIZER,
+            description="load as",
+        )
         self.delete_button = ipywidgets.Button(description="Delete", icon="trash", button_style="warning")
         self.export_button = ipywidgets.Button(description="Export merged", icon="file-export")
         self.confirm_text = ipywidgets.HTML()
@@ -91,7 +100,7 @@ class CheckpointsTab:
             [
                 self.table,
                 ipywidgets.HBox([self.name, self.save_button]),
-                ipywidgets.HBox([self.choice, self.load_button, self.delete_button]),
+                ipywidgets.HBox([self.choice, self.load_kind, self.load_button, self.delete_button]),
                 ipywidgets.HBox([self.export_path, self.export_button]),
                 self.confirm_row,
                 self.feedback.widget,
@@ -157,17 +166,26 @@ class CheckpointsTab:
         if info.kind != "state":
             raise ValueError(f"{info.name} holds sampler weights only; load a state checkpoint")
 
-        def load() -> None:
-            # what `sess.load_state` restores (everything, RNGs included), without blocking the kernel
-            future = self.session.engine.load_state(
-                self.session.model_id, info.tinker_path or str(info.path), Restore.EVERYTHING
-            ).future()
-            self._track(future, lambda _response: f"loaded {info.name} (step {info.step})")
+        restore = self.load_kind.value
+        with_optimizer = restore is Restore.WITH_OPTIMIZER
 
-        self._ask(
-            f"Load {info.name}? The policy's weights and optimizer state are replaced by step {info.step}'s.",
-            load,
+        def load() -> None:
+            # what `sess.policy.load_state_with_optimizer(path)` / `load_state(path)` does, without
+            # blocking the kernel
+            future = self.session.engine.load_state(
+                self.session.model_id, info.tinker_path or str(info.path), restore
+            ).future()
+            how = (
+                "with its optimizer state" if with_optimizer else "weights only; the optimizer starts afresh"
+            )
+            self._track(future, lambda _response: f"loaded {info.name} (step {info.step}; {how})")
+
+        replaced = (
+            "weights, optimizer state and step counter are"
+            if with_optimizer
+            else "weights are (the optimizer starts afresh and a pending gradient is dropped)"
         )
+        self._ask(f"Load {info.name}? The policy's {replaced} replaced by step {info.step}'s.", load)
 
     def _on_delete(self, _button: ipywidgets.Button) -> None:
         info = self._selected()
