@@ -48,7 +48,7 @@ class SkyRLServer:
         command += ["--base-model", self.base_model, "--backend", "jax"]
         command += [
             "--backend-config",
-            json.dumps({"max_lora_adapters": max_lora_adapters, "max_lora_rank": 8}),
+            json.dumps({"max_lora_adapters": max_lora_adapters, "max_lora_rank": 32}),  # its default rank
         ]
         command += ["--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
         command += ["--database-url", f"sqlite:///{folder / 'skyrl.sqlite'}"]

@@ -317,6 +317,65 @@ def test_close_frees_the_servers_models(remote_url: Served) -> None:
         assert sess.closed
 
 
+def test_a_session_that_names_no_adapter_gets_the_one_the_server_builds(remote_url: Served) -> None:
+    """A newcomer's first call, `Session.connect(url, base_model=...)`, works on every server: with no
+    `lora`, the session takes `LoraConfig()` in the layout the server builds, and says which."""
+    expected = SKYRL.default_lora() if remote_url.engine == "skyrl" else wb.LoraConfig()
+    assert expected.rank == wb.LoraConfig().rank
+    with wb.Session.connect(remote_url.url, base_model=remote_url.base_model, wandb=False) as sess:
+        assert sess.config.lora == expected
+        layers = "attn+mlp" if remote_url.engine == "skyrl" else "attn+mlp+unembed"
+        assert f"rank=32, alpha=32, {layers}, {remote_url.url}" in repr(sess)
+        loss = (
+            sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+        )
+        assert np.isfinite(loss)
+    if remote_url.engine == "skyrl":  # an explicit adapter the server would not honour is still refused
+        with pytest.raises(wb.RemoteUnsupportedError, match="train_unembed=True"):
+            wb.Session.connect(
+                remote_url.url, base_model=remote_url.base_model, lora=wb.LoraConfig(rank=4), wandb=False
+            )
+
+
+@pytest.mark.skyrl
+def test_load_state_on_a_full_server_takes_the_replaced_models_slot(skyrl_server) -> None:
+    """SkyRL holds at most `max_lora_adapters` models: with every slot taken, a new session is refused with
+    a message that says so, and a `load_state` frees the model it replaces before creating the new one
+    (where it used to fail with "Maximum number of LoRA adapters (4) reached"); a wrong path still changes
+    nothing."""
+    served = Served("skyrl", skyrl_server.url, skyrl_server.base_model)
+    with connect(served) as sess:
+        sess.policy.forward_backward([ce_datum(TOKENS[0])], "cross_entropy").result()
+        sess.policy.optim_step({"learning_rate": 1e-2}).result()
+        saved = sess.policy.save_state("one").result().path
+        before = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+        others: list[wb.Session] = []
+        try:
+            while True:  # fill the server (its slots: max_lora_adapters, less any it keeps for itself)
+                assert len(others) < 4
+                try:
+                    others.append(connect(served))
+                except RuntimeError as error:
+                    assert "has no free adapter slot" in str(
+                        error
+                    ) and "Maximum number of LoRA adapters" in str(error)
+                    break
+            remote_before = sess.engine.remote_model_id(sess.model_id)
+            with pytest.raises(RuntimeError, match="load_state"):
+                sess.load_state(saved.replace("one", "missing"))
+            assert (
+                sess.engine.remote_model_id(sess.model_id) == remote_before
+            )  # a failed load changes nothing
+            sess.policy.forward_backward([ce_datum(TOKENS[1])], "cross_entropy").result()  # queued on the old
+            sess.policy.load_state(saved).result()
+            assert sess.engine.remote_model_id(sess.model_id) != remote_before
+            after = sess.policy.forward([ce_datum(TOKENS[0])], "cross_entropy").result().metrics["loss:sum"]
+            assert after == pytest.approx(before, rel=1e-5)
+        finally:
+            for other in others:
+                other.close()
+
+
 def test_what_the_remote_engine_cannot_do_is_refused_before_sending(remote_url: Served) -> None:
     with connect(remote_url) as sess:
         local_only = sorted(set(wb.LOSSES) - set(sess.engine.losses))

@@ -280,6 +280,11 @@ class RemoteEngine:
             except (EngineUnreachableError, SessionClosedError):
                 raise
             except Exception as error:  # the SDK's own checks of what the service answered
+                if self._profile.has_no_free_slot(error):
+                    raise RuntimeError(
+                        f"{what}: {self._profile.name} at {self._url} has no free adapter slot ({error}); close "
+                        "a session on it, or start it with room for more models"
+                    ) from error
                 raise RemoteProtocolError(
                     f"{what} failed inside the tinker SDK {tinker.__version__} on what {self._profile.name} "
                     f"at {self._url} answered ({type(error).__name__}: {error}): the service speaks another "
@@ -320,6 +325,10 @@ class RemoteEngine:
         self._history.record(op, label, step, metrics)
 
     # ------------------------------------------------------------------------------------------ models
+
+    def default_lora(self) -> LoraConfig:
+        """The adapter a session that names none gets: `LoraConfig()` in the layout the service builds."""
+        return self._profile.default_lora()
 
     def create_model(
         self,
@@ -766,19 +775,32 @@ class RemoteEngine:
         tinker_path = self._tinker_path(path, "load_state")
         with self._submitting:
             self.check_open()
-            client = self._wait(
-                "load_state", self._create_client(lora_model.lora, lora_model.seed, lora_model.user_metadata)
-            )
+            replaced = lora_model.remote_id
+            try:
+                client = self._wait(
+                    "load_state",
+                    self._create_client(lora_model.lora, lora_model.seed, lora_model.user_metadata),
+                )
+                freed_first = False
+            except RuntimeError as error:
+                if not self._profile.has_no_free_slot(error):
+                    raise
+                client, freed_first = self._create_in_the_replaced_slot(lora_model, tinker_path), True
             load = client.load_state if restore is Restore.WEIGHTS else client.load_state_with_optimizer
             try:
                 with warnings.catch_warnings():  # SDK 0.38 would have a load create the model; SkyRL
                     warnings.simplefilter("ignore", FutureWarning)  # refuses that, and the two-step way works
                     sent = load(tinker_path)
                 self._wait("load_state", sent)
-            except Exception:
+            except Exception as error:
                 self._profile.free_models(self._url, [client.model_id])
+                if freed_first:
+                    raise RuntimeError(
+                        f"load_state: {tinker_path} did not load ({error}), and the model {replaced!r} was freed "
+                        f"first to make room on the full service at {self._url}: load a checkpoint again to go on"
+                    ) from error
                 raise
-            replaced, lora_model.client, lora_model.remote_id = lora_model.remote_id, client, client.model_id
+            lora_model.client, lora_model.remote_id = client, client.model_id
             lora_model.earlier_remote_ids.append(replaced)
 
         def finish(_: Any) -> LoadWeightsResponse:
@@ -801,10 +823,23 @@ class RemoteEngine:
                     "replaced": replaced,
                 },
             )
-            self._profile.free_models(self._url, [replaced])
+            if not freed_first:
+                self._profile.free_models(self._url, [replaced])
             return LoadWeightsResponse(path=tinker_path)
 
         return self._submit(lambda: None, finish)
+
+    def _create_in_the_replaced_slot(self, lora_model: _RemoteModel, tinker_path: str) -> Any:
+        """The new model of a `load_state` on a service whose adapter slots are all taken (SkyRL's
+        `max_lora_adapters`): the model it replaces is freed first, once the checkpoint is known to exist
+        (so a wrong path still changes nothing) and the operations queued on that model have finished;
+        then the new model takes its slot. Called holding `_submitting`, in the caller's thread."""
+        self._wait("load_state", self._rest_client().get_weights_info_by_tinker_path(tinker_path))
+        self._worker.submit(lambda: None).result()  # after everything queued on the replaced model
+        self._profile.free_models(self._url, [lora_model.remote_id])
+        return self._wait(
+            "load_state", self._create_client(lora_model.lora, lora_model.seed, lora_model.user_metadata)
+        )
 
     def _rest_client(self) -> tinker.RestClient:
         if self._rest is None:

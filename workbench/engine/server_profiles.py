@@ -11,7 +11,8 @@ differently is adapted or reported rather than silently different:
   `sample_sequence_ids`, which SDK 0.38 requires; it reports no `loss:sum`, and its optimizer metrics
   under its own names (`skyrl.ai/grad_norm`); it builds every adapter as `LoraConfig(rank, alpha=32,
   seed)` with attention and MLP layers and no unembedding; it accepts a weights load only as a model's
-  first request; its models stay loaded after the SDK session ends, until `POST /api/v1/unload_model`;
+  first request; its models stay loaded after the SDK session ends, until `POST /api/v1/unload_model`,
+  and a new model is refused once `max_lora_adapters` are loaded ("Maximum number of LoRA adapters");
   its prompt logprobs start at the prompt's second token (the protocol's first entry, None, is left out).
 - Any other service is taken to speak the installed SDK's protocol (`workbench serve`, hosted Tinker).
 """
@@ -64,6 +65,26 @@ class ServerProfile:
     sends_sequence_ids: bool = True  # its asample futures carry `sample_sequence_ids`
     unload_model_path: str | None = None  # the endpoint that frees a model, where it has one
     prompt_logprobs_from_second_token: bool = False  # it leaves out the first token's (None) entry
+    no_free_slot_message: str | None = (
+        None  # what its refusal of a model says when its adapter slots are full
+    )
+
+    def has_no_free_slot(self, error: BaseException) -> bool:
+        """Whether `error` is this service refusing a new model because every adapter slot is taken."""
+        return self.no_free_slot_message is not None and self.no_free_slot_message in str(error)
+
+    def default_lora(self) -> LoraConfig:
+        """The adapter a session gets when it names none: `LoraConfig()`'s rank, in the layout this
+        service builds (every field it would not honour set to what it builds)."""
+        layout = self.adapter_layout
+        if layout is None:
+            return LoraConfig()
+        return LoraConfig(
+            alpha=layout.alpha,
+            train_attn=layout.train_attn,
+            train_mlp=layout.train_mlp,
+            train_unembed=layout.train_unembed,
+        )
 
     def rename_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
         """The service's metrics under workbench's names (those it names its own way mapped or dropped)."""
@@ -103,6 +124,7 @@ SKYRL = ServerProfile(
     sends_sequence_ids=False,
     unload_model_path="/api/v1/unload_model",
     prompt_logprobs_from_second_token=True,
+    no_free_slot_message="Maximum number of LoRA adapters",  # its backend's `max_lora_adapters`
 )
 
 SKYRL_ROOT_NAME = "Tinker API Mock"

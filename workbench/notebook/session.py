@@ -186,7 +186,9 @@ class Session:
         Args:
             url: The service's base URL; default `$TINKER_BASE_URL`.
             base_model: The base model, as the service names it (its capabilities list them).
-            lora: The policy's adapter, as for `Session(...)`.
+            lora: The policy's adapter, as for `Session(...)`; default: `LoraConfig()` in the layout
+                the service builds (SkyRL's: alpha 32, attention and MLP, no unembedding), shown in the
+                session's repr and its config in the history.
             api_key: The service's key; default `$TINKER_API_KEY` (read by the SDK).
             seed: Seeds the adapter's initialisation unless `lora.seed` is set.
             model_dir: The local folder for the history and W&B files; default `<runs root>/<run id>`.
@@ -197,8 +199,9 @@ class Session:
         url = url or os.environ.get("TINKER_BASE_URL")
         if not url:
             raise ValueError("Session.connect needs the service's URL: pass url=... or set TINKER_BASE_URL")
-        lora_config = to_lora_config(lora if lora is not None else LoraConfig())
         engine = RemoteEngine(url, base_model, api_key=api_key, seed=seed, probe_interval_s=probe_interval_s)
+        # no adapter named: the one the service builds (an explicit one it would not honour is refused)
+        lora_config = to_lora_config(lora) if lora is not None else engine.default_lora()
         folder = (
             Path(model_dir) if model_dir is not None else runs_root() / new_model_id(base_model)
         ).absolute()
@@ -211,6 +214,10 @@ class Session:
             raise
         session = cls.__new__(cls)
         cls._attach(session, engine, model_id, wandb)
+        if lora is None:  # say which adapter the service's layout gave (W&B's events; the repr)
+            engine.history.event(
+                "adapter", {"lora": dataclasses.asdict(lora_config), "from": "the service's layout"}
+            )
         return session
 
     def _attach(self, engine: EngineInterface, model_id: str, wandb: WandbSetting) -> None:
@@ -647,7 +654,20 @@ class Session:
         if self.closed:
             return f"Session({config.base_model!r}, closed)"
         where = self.engine.endpoint or f"{config.device}/{config.dtype}"
-        return f"Session({config.base_model!r}, rank={self.config.lora.rank}, {where}, step {self.step})"
+        lora = self.config.lora
+        layers = "+".join(
+            name
+            for name, on in (
+                ("attn", lora.train_attn),
+                ("mlp", lora.train_mlp),
+                ("unembed", lora.train_unembed),
+            )
+            if on
+        )
+        return (
+            f"Session({config.base_model!r}, rank={lora.rank}, alpha={lora.alpha:g}, {layers}, {where}, "
+            f"step {self.step})"
+        )
 
 
 _open_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
