@@ -163,38 +163,55 @@ def save_twin(family: str, folder: Path, dense: bool = False, head_dim: int = 16
     return str(folder)
 
 
+def lora_counts(base_model: str, lora_rank: int = 4) -> dict[str, object]:
+    """What a default `LoraConfig(rank=lora_rank)` adapts on `base_model`: the LoRA tensors, their
+    parameters by kind (attn, mlp, unembed), and the adapted weights by leaf name with their count."""
+    import workbench as wb
+
+    lora = wb.LoraConfig(rank=lora_rank)
+    with wb.Session(base_model, lora, seed=0, wandb=False) as sess:
+        adapted = sess.base_info.adapted_weights(lora)
+        kind_of_module = {name.rsplit(".", 1)[0]: kind for name, kind in adapted.items()}
+        params = {
+            name: p
+            for name, p in sess.engine.torch_model.named_parameters()
+            if "lora_" in name and ".policy." in name
+        }
+        by_kind: dict[str, int] = {}
+        for name, param in params.items():
+            module = name.split(".lora_")[0].removeprefix("base_model.model.").replace(".base_layer", "")
+            kind = kind_of_module[module]
+            by_kind[kind] = by_kind.get(kind, 0) + param.numel()
+        leaves: dict[str, int] = {}
+        for name in adapted:
+            parts = name.removesuffix(".weight").split(".")
+            leaf = (
+                ".".join(parts[-2:])
+                if len(parts) > 1 and parts[-2] in ("experts", "shared_experts", "shared_expert")
+                else parts[-1]
+            )
+            leaves[leaf] = leaves.get(leaf, 0) + 1
+        return {"tensors": len(params), "parameters": by_kind, "adapted": dict(sorted(leaves.items()))}
+
+
 def _print_counts() -> None:
     import tempfile
 
-    import workbench as wb
-
-    lora = wb.LoraConfig(rank=4)
     with tempfile.TemporaryDirectory() as scratch:
         for family in FAMILIES:
-            rows = []
+            print(f"{family}  (LoraConfig(rank=4), defaults: train_attn, train_mlp, train_unembed)")
             for dense in (False, True):
-                folder = save_twin(family, Path(scratch) / f"{family}-{dense}", dense=dense)
-                with wb.Session(folder, lora, seed=0) as sess:
-                    params = sess.engine.inspect(sess.model_id, wb.Role.POLICY).parameters
-                    by_kind: dict[str, int] = {}
-                    for name, kind in sess.base_info.adapted_weights(lora).items():
-                        module = name.removesuffix(".weight")
-                        count = sum(p.numel() for n, p in params.items() if n.startswith(module + "."))
-                        by_kind[kind] = by_kind.get(kind, 0) + count
-                    adapted = sorted(
-                        {
-                            name.split(".")[-1] if name.endswith(".weight") is False else name.split(".")[-2]
-                            for name in sess.base_info.adapted_weights(lora)
-                        }
-                    )
-                    rows.append(
-                        (dense, len(params), sum(p.numel() for p in params.values()), by_kind, adapted)
-                    )
-            print(f"{family}:")
-            for dense, tensors, total, by_kind, adapted in rows:
-                print(
-                    f"  {'dense' if dense else 'MoE  '} {tensors:3d} LoRA tensors, {total:7d} parameters {by_kind}  {adapted}"
+                folder = save_twin(
+                    family, Path(scratch) / f"{family}-{'dense' if dense else 'moe'}", dense=dense
                 )
+                counts = lora_counts(folder)
+                parameters = counts["parameters"]
+                total = sum(parameters.values())
+                print(
+                    f"  {'dense twin' if dense else 'MoE twin  '}  {counts['tensors']:3d} LoRA tensors, "
+                    f"{total:6d} parameters: {parameters}"
+                )
+                print(f"              adapted weights (count): {counts['adapted']}")
 
 
 if __name__ == "__main__":
