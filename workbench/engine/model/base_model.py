@@ -20,9 +20,7 @@ gradient. The router itself is not adapted (it picks experts; it is not one of t
 projections). Hosted Tinker shares the factor on the hidden-size side across experts ("shared-outer
 LoRA", `tinker_cookbook.hyperparam_utils.get_lora_param_count`) and gives gate and up their own
 adapters; per-expert pairs on the fused weights hold that form as a special case, with more
-parameters (docs/models.md counts them). The router-selected experts are the same either way:
-adapters change the expert weights, never which experts a token goes to in the base model's
-forward pass... until the adapted attention changes the hidden states the router reads, as in Tinker.
+parameters (docs/models.md counts them).
 
 A `LoraConfig` that asks for a kind of layer the model has none of, or whose chosen blocks hold a
 weight LoRA cannot adapt (a quantized expert stack, a GPT-2 style `Conv1D`), is refused with the

@@ -38,20 +38,21 @@ def vllm_unavailable_reason(device: torch.device) -> str | None:
 def vllm_cannot_sample_experts(expert_weights: Collection[str]) -> str | None:
     """Why vLLM cannot sample a model with these fused expert stacks, or None when it has none.
 
-    The adapters of such a model include per-expert LoRA on the fused expert weights (peft's
-    `target_parameters`), and vLLM cannot apply them faithfully: its CPU build has no fused-MoE LoRA
-    kernels (vLLM 0.32's `PunicaWrapperCPU` leaves `add_lora_fused_moe` and
-    `moe_lora_align_block_size` unimplemented), and its CUDA build reads peft's fused 3-D expert layout
-    only for the families it marks `is_3d_moe_weight` (gpt-oss, Qwen3-VL-MoE, ...), expecting
-    per-expert 2-D keys from the others (Qwen3-MoE, Mixtral, DeepSeek). Sampling with HF `generate`
-    uses the live adapter exactly.
+    vLLM runs with LoRA enabled (each weight version is a LoRA adapter), and then wraps a mixture of
+    experts' fused-MoE layers for LoRA. Its CPU build cannot run them: that path calls Triton kernels,
+    which the CPU build lacks (vLLM 0.32's `PunicaWrapperCPU` leaves `add_lora_fused_moe` and
+    `moe_lora_align_block_size` unimplemented; a Qwen3-MoE twin fails its first `generate`, base model
+    included, with "module 'triton.language' has no attribute 'float32'"). Its CUDA build reads peft's
+    fused 3-D expert adapters only for the families it marks `is_3d_moe_weight` (gpt-oss, Qwen3-VL-MoE,
+    ...) and expects per-expert 2-D keys from the others (Qwen3-MoE, Mixtral, DeepSeek), which is not
+    checked here. HF `generate` samples with the live adapter exactly.
     """
     if not expert_weights:
         return None
     return (
-        "vLLM cannot apply LoRA to a mixture of experts' fused expert weights here (the CPU build has no "
-        "fused-MoE LoRA kernels, and the CUDA build reads peft's fused expert adapters for a few families "
-        "only); sample with sampler='hf'"
+        "vLLM cannot sample a mixture of experts with LoRA here (the CPU build has no fused-MoE LoRA "
+        "kernels, and the CUDA build reads peft's fused expert adapters for a few families only); "
+        "sample with sampler='hf'"
     )
 
 
