@@ -11,6 +11,7 @@ from pathlib import Path
 import peft
 import pytest
 import safetensors.torch
+import tinker
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
@@ -121,6 +122,17 @@ def test_what_a_config_asks_for_and_the_model_cannot_provide_is_refused(tmp_path
         wb.Session(folder, wb.LoraConfig(rank=2, train_attn=False))
     with wb.Session(folder, wb.LoraConfig(rank=2, train_attn=False, train_mlp=False)) as sess:
         assert {n.split(".lora_")[0].split(".")[-1] for n in _live_lora(sess)} == {"lm_head"}
+        # the same refusal for a second model, in-process and over HTTP, and the session is unchanged
+        before = sess.state_digest()
+        with pytest.raises(ValueError, match=r"train_attn=True.*c_attn"):
+            sess.service_client().create_lora_training_client(base_model=folder, rank=2).result()
+        with (
+            sess.serve() as server,
+            tinker.ServiceClient(base_url=server.url, api_key="tml-local") as service,
+            pytest.raises(tinker.RequestFailedError, match=r"train_attn=True.*c_attn"),
+        ):
+            service.create_lora_training_client(base_model=folder, rank=2).result()
+        assert sess.state_digest() == before
 
 
 def _router_picks(sess: wb.Session) -> tuple[list[torch.Tensor], list]:
