@@ -46,7 +46,7 @@ from workbench.engine.model.builtin_models import BUILTIN_MODELS
 from workbench.types import LoraConfig
 
 _ATTENTION_MARKERS = ("attn", "attention")
-_MLP_MARKERS = ("mlp", "feed_forward", "ffn")
+_MLP_MARKERS = ("mlp", "feed_forward", "ffn", "moe")  # `moe`: GraniteMoE's `block_sparse_moe`
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,10 @@ def classify_linear_layers(model: nn.Module) -> dict[str, str]:
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        kinds[name] = "unembed" if module is unembed else _block_kind(name) or "other"
+        if module is unembed:
+            kinds[name] = "unembed"
+        else:
+            kinds[name] = "other" if _is_router(module) else _block_kind(name) or "other"
     return kinds
 
 
@@ -235,8 +238,10 @@ def _is_expert_stack(module: nn.Module, param: nn.Parameter) -> bool:
 
 
 def _is_router(module: nn.Module) -> bool:
-    """A mixture of experts' router (`Qwen3MoeTopKRouter`, `GptOssTopKRouter`, ...): not adapted."""
-    return "router" in type(module).__name__.lower()
+    """A mixture of experts' router (`Qwen3MoeTopKRouter`, `GptOssTopKRouter`, Llama 4's `nn.Linear`
+    `Llama4Router`, GraniteMoE's `GraniteMoeTopKGating`, ...): not adapted."""
+    name = type(module).__name__.lower()
+    return "router" in name or "gating" in name
 
 
 def classify_expert_weights(model: nn.Module) -> dict[str, str]:
