@@ -96,7 +96,8 @@ vllm-env: $(VLLM_STAMP)
 
 # The tests marked `vllm` (each sampling promise on the vLLM sampler, its adapter cache and processes),
 # in the files that hold them (the others need packages this environment leaves out).
-VLLM_TESTS := tests/engine/samplers tests/server/test_server.py tests/engine/test_remote_engine.py
+VLLM_TESTS := tests/engine/samplers tests/server/test_server.py tests/engine/test_remote_engine.py \
+	tests/engine/model/test_moe.py
 test-vllm: vllm-env
 	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
 

@@ -17,6 +17,7 @@ re-running a notebook cell that makes a session frees the old one's memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import threading
 import weakref
@@ -50,7 +51,12 @@ from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import BaseModelInfo, load_base_model, resolve_device_and_dtype
 from workbench.engine.model.value_head import default_critic_lora
 from workbench.engine.roles import Role
-from workbench.engine.samplers import SamplerChoice, resolve_sampler
+from workbench.engine.samplers import (
+    SamplerChoice,
+    notice_fallback,
+    resolve_sampler,
+    vllm_cannot_sample_experts,
+)
 from workbench.engine.threads import ThreadPolicy, ThreadUse
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
@@ -165,8 +171,19 @@ class Engine:
         except BaseException:
             worker.close(wait=False)  # the thread ends once the load does (at once, if it failed)
             raise
+        experts_refused = config.sampler == "vllm" and vllm_cannot_sample_experts(model.info.expert_weights)
+        if experts_refused:
+            if sampler == "vllm":
+                worker.close(wait=False)
+                raise ValueError(f"sampler='vllm' cannot sample {base_model}: {experts_refused}")
+            notice_fallback(experts_refused)
+            config = dataclasses.replace(config, sampler="hf")
+        # peft adapts a mixture of experts' expert stacks by registering a parametrization on the
+        # experts module for the length of each forward pass (`ParamWrapper`): a pass changes the module,
+        # so passes on such a model cannot share it across streams, and run on the worker's threads
+        streams = 1 if model.info.expert_weights else thread_policy.streams
         self._state = state = EngineState(
-            config, model, tokenizer, resolved_device, resolved_dtype, worker, thread_policy.streams
+            config, model, tokenizer, resolved_device, resolved_dtype, worker, streams
         )
         thread_policy.count_as_own(lambda: state.vllm.engine_processes if state.vllm is not None else ())
         self._thread_policy = thread_policy

@@ -2,8 +2,10 @@
 
 For serving stacks that take a plain model folder (`AutoModelForCausalLM.from_pretrained`, vLLM without
 LoRA, llama.cpp converters). The session's model is never modified: a second copy of the base is loaded
-on the CPU and each adapted layer gets `W + ΔW`, with ΔW computed by peft from the live adapter
-(`get_delta_weight`, which reads and does not merge). When the policy adapts the output layer of a model
+on the CPU and each adapted weight gets `W + ΔW`, with ΔW computed by peft from the live adapter
+(`get_delta_weight`, which reads and does not merge): a linear layer's weight, or a mixture of experts'
+fused expert stack (peft's `ParamWrapper`, whose ΔW is one (experts, ·, ·) stack laid out as the
+parameter is, each expert's `B_e A_e` scaled). When the policy adapts the output layer of a model
 whose input and output embeddings are tied (SmolLM2), the copy is untied first: the merged output layer
 is saved as its own tensor and the config says `tie_word_embeddings=False`, while the input embedding
 keeps the base weights, as in the session.
@@ -19,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import LoraLayer, ParamWrapper
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -27,6 +29,15 @@ from workbench.engine.local.state import EngineState
 from workbench.engine.model.base_model import load_base_model
 from workbench.futures import APIFuture
 from workbench.storage.checkpoint_store import CheckpointError
+
+
+def _adapted_weight(model: nn.Module, name: str, layer: LoraLayer) -> nn.Parameter:
+    """The weight of the clean base `model` that the peft layer `name` adapts: a linear layer's weight,
+    or, for a `ParamWrapper` (nested ones sit under `.base_layer`), the expert stack it targets."""
+    if isinstance(layer, ParamWrapper):
+        module = model.get_submodule(name.replace(".base_layer", ""))
+        return getattr(module, layer.parameter_name)
+    return model.get_submodule(name).weight
 
 
 def _export(state: EngineState, model_id: str, target: Path) -> Path:
@@ -46,15 +57,15 @@ def _export(state: EngineState, model_id: str, target: Path) -> Path:
             progress.update()
             output = merged.get_output_embeddings()
             tied = output.weight is merged.get_input_embeddings().weight
-            if tied and any(merged.get_submodule(name) is output for name, _ in adapted):
+            if tied and any(
+                _adapted_weight(merged, name, module) is output.weight for name, module in adapted
+            ):
                 output.weight = nn.Parameter(output.weight.detach().clone(), requires_grad=False)
                 merged.config.tie_word_embeddings = False
             with torch.no_grad():
                 for name, module in adapted:
-                    layer = merged.get_submodule(name)
-                    layer.weight += module.get_delta_weight(adapter).to(
-                        device="cpu", dtype=layer.weight.dtype
-                    )
+                    weight = _adapted_weight(merged, name, module)
+                    weight += module.get_delta_weight(adapter).to(device="cpu", dtype=weight.dtype)
                     progress.update()
             merged.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

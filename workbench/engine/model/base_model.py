@@ -8,6 +8,23 @@ adapter costs its own parameters only.
 Which layers get adapters follows Tinker's `LoraConfig`: attention projections (`train_attn`), MLP
 projections (`train_mlp`) and the output embedding (`train_unembed`). Layers are classified by where
 they sit in the module tree (under an attention or an MLP block), so any HF decoder works.
+
+`train_mlp` covers every MLP weight: dense MLPs, shared experts and the routed experts of a mixture of
+experts. transformers keeps routed experts as fused 3-D parameters, (experts, ·, ·) stacks such as
+`mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, not as `nn.Linear` layers; they are adapted
+with peft's own support for parameters (`target_parameters`, `peft.tuners.lora.ParamWrapper`), which
+gives every expert its own pair: A of shape (experts·r, in) and B of shape (out, experts·r), read as
+A_e (r, in) and B_e (out, r), so expert e's weight becomes W_e + (alpha/r)·B_e·A_e. An expert the
+router does not pick for any token contributes nothing to the output, so its A_e and B_e get a zero
+gradient. The router itself is not adapted (it picks experts; it is not one of the token's
+projections). Hosted Tinker shares the factor on the hidden-size side across experts ("shared-outer
+LoRA", `tinker_cookbook.hyperparam_utils.get_lora_param_count`) and gives gate and up their own
+adapters; per-expert pairs on the fused weights hold that form as a special case, with more
+parameters (docs/models.md counts them).
+
+A `LoraConfig` that asks for a kind of layer the model has none of, or whose chosen blocks hold a
+weight LoRA cannot adapt (a quantized expert stack, a GPT-2 style `Conv1D`), is refused with the
+names; nothing is silently left out.
 """
 
 from __future__ import annotations
@@ -21,6 +38,7 @@ from pathlib import Path
 import peft
 import torch
 import transformers
+from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -28,7 +46,7 @@ from workbench.engine.model.builtin_models import BUILTIN_MODELS
 from workbench.types import LoraConfig
 
 _ATTENTION_MARKERS = ("attn", "attention")
-_MLP_MARKERS = ("mlp", "feed_forward", "ffn")
+_MLP_MARKERS = ("mlp", "feed_forward", "ffn", "moe")  # `moe`: GraniteMoE's `block_sparse_moe`
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,18 @@ class BaseModelInfo:
     linear_layers: Mapping[str, str] = field(
         default_factory=dict, repr=False
     )  # name -> attn | mlp | unembed | other
+    expert_weights: Mapping[str, str] = field(
+        default_factory=dict, repr=False
+    )  # parameter name of a 3-D (experts, ·, ·) stack -> attn | mlp
+    unadaptable_weights: Mapping[str, str] = field(
+        default_factory=dict, repr=False
+    )  # parameter name -> attn | mlp: a weight in such a block that LoRA cannot adapt
+
+    def adapted_weights(self, lora: LoraConfig) -> dict[str, str]:
+        """The weights `lora` adapts on this model, by kind: `<linear layer>.weight` and expert stacks."""
+        wanted = _wanted_kinds(lora)
+        linear = {f"{name}.weight": kind for name, kind in self.linear_layers.items() if wanted[kind]}
+        return linear | {name: kind for name, kind in self.expert_weights.items() if wanted[kind]}
 
     def identity(self) -> dict[str, object]:
         return {
@@ -151,6 +181,8 @@ def load_base_model(
         max_length=config.max_position_embeddings,
         logits_from_hidden_states=logits_from_hidden_states(model),
         linear_layers=classify_linear_layers(model),
+        expert_weights=classify_expert_weights(model),
+        unadaptable_weights=classify_unadaptable_weights(model),
     )
     return model, tokenizer, info
 
@@ -182,16 +214,103 @@ def classify_linear_layers(model: nn.Module) -> dict[str, str]:
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        parts = name.split(".")
         if module is unembed:
             kinds[name] = "unembed"
-        elif any(marker in part for part in parts for marker in _ATTENTION_MARKERS):
-            kinds[name] = "attn"
-        elif any(marker in part for part in parts for marker in _MLP_MARKERS):
-            kinds[name] = "mlp"
         else:
-            kinds[name] = "other"
+            kinds[name] = "other" if _is_router(module) else _block_kind(name) or "other"
     return kinds
+
+
+def _block_kind(name: str) -> str | None:
+    """`attn` or `mlp` for a name under an attention or an MLP block, else None."""
+    parts = name.split(".")
+    if any(marker in part for part in parts for marker in _ATTENTION_MARKERS):
+        return "attn"
+    if any(marker in part for part in parts for marker in _MLP_MARKERS):
+        return "mlp"
+    return None
+
+
+def _is_expert_stack(module: nn.Module, param: nn.Parameter) -> bool:
+    """A fused stack of per-expert weight matrices, (experts, ·, ·), as transformers 5 stores routed
+    experts: what peft's `ParamWrapper` adapts."""
+    return not isinstance(module, nn.Linear) and param.dim() == 3 and param.is_floating_point()
+
+
+def _is_router(module: nn.Module) -> bool:
+    """A mixture of experts' router (`Qwen3MoeTopKRouter`, `GptOssTopKRouter`, Llama 4's `nn.Linear`
+    `Llama4Router`, GraniteMoE's `GraniteMoeTopKGating`, ...): not adapted."""
+    name = type(module).__name__.lower()
+    return "router" in name or "gating" in name
+
+
+def classify_expert_weights(model: nn.Module) -> dict[str, str]:
+    """Every fused expert stack of a model by kind (`mlp` for routed experts), by parameter name."""
+    kinds: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}"
+            kind = _block_kind(name)
+            if kind is not None and _is_expert_stack(module, param):
+                kinds[name] = kind
+    return kinds
+
+
+def classify_unadaptable_weights(model: nn.Module) -> dict[str, str]:
+    """The weight matrices inside attention and MLP blocks that LoRA cannot adapt, by kind: neither an
+    `nn.Linear`'s weight, nor a floating-point expert stack, nor a router's (quantized blocks, GPT-2's
+    `Conv1D`, ...). Biases and norms (1-D, or an expert stack's (experts, out) biases) are not weights."""
+    kinds: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        if _is_router(module):
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}"
+            kind = _block_kind(name)
+            if kind is None or param.dim() < 2 or _is_expert_stack(module, param):
+                continue
+            if isinstance(module, nn.Linear) and param_name == "weight":
+                continue
+            if param.dim() == 2 and param_name.endswith("bias"):
+                continue
+            kinds[name] = kind
+    return kinds
+
+
+def _wanted_kinds(lora: LoraConfig) -> dict[str, bool]:
+    return {"attn": lora.train_attn, "mlp": lora.train_mlp, "unembed": lora.train_unembed, "other": False}
+
+
+_KIND_FLAGS = {"attn": "train_attn", "mlp": "train_mlp", "unembed": "train_unembed"}
+_KIND_NAMES = {"attn": "attention projection", "mlp": "MLP weight", "unembed": "output embedding"}
+
+
+def check_lora_fits(info: BaseModelInfo, lora: LoraConfig) -> None:
+    """Refuse a `lora` that asks for what the model cannot provide: a kind of layer it has none of, or a
+    chosen block holding a weight LoRA cannot adapt. Nothing is left out silently."""
+    adapted = info.adapted_weights(lora)
+    for kind, flag in _KIND_FLAGS.items():
+        if not getattr(lora, flag):
+            continue
+        blocked = sorted(name for name, other in info.unadaptable_weights.items() if other == kind)
+        if blocked:
+            shown = ", ".join(blocked[:3]) + (f" and {len(blocked) - 3} more" if len(blocked) > 3 else "")
+            raise ValueError(
+                f"LoraConfig({flag}=True) asks for adapters on every {_KIND_NAMES[kind]}, and this "
+                f"{info.model_type} model ({info.name}) has some LoRA cannot adapt (neither a linear layer "
+                f"nor a floating-point expert stack): {shown}; set {flag}=False"
+            )
+        if kind not in adapted.values():
+            raise ValueError(
+                f"LoraConfig({flag}=True) asks for adapters on every {_KIND_NAMES[kind]}, and this "
+                f"{info.model_type} model ({info.name}) has none LoRA can adapt; set {flag}=False"
+            )
+
+
+def lora_target_parameters(expert_weights: Mapping[str, str], lora: LoraConfig) -> list[str]:
+    """The expert stacks `lora` asks to adapt, as peft `target_parameters` (full parameter names)."""
+    wanted = _wanted_kinds(lora)
+    return sorted(name for name, kind in expert_weights.items() if wanted[kind])
 
 
 def lora_target_modules(linear_layers: Mapping[str, str], lora: LoraConfig) -> list[str]:
@@ -200,31 +319,58 @@ def lora_target_modules(linear_layers: Mapping[str, str], lora: LoraConfig) -> l
     Leaf names (`q_proj`, ...) are used when they pick out exactly the chosen layers, which keeps the
     adapter config short and readable by vLLM; otherwise the full module paths are used.
     """
-    wanted_kinds = {
-        "attn": lora.train_attn,
-        "mlp": lora.train_mlp,
-        "unembed": lora.train_unembed,
-        "other": False,
-    }
+    wanted_kinds = _wanted_kinds(lora)
     chosen = [name for name, kind in linear_layers.items() if wanted_kinds[kind]]
     others = [name for name, kind in linear_layers.items() if not wanted_kinds[kind]]
     if not chosen:
-        raise ValueError(f"{lora} selects no linear layer of this model")
+        return []
     leaves = {name.split(".")[-1] for name in chosen}
     if not any(name.split(".")[-1] in leaves for name in others):
         return sorted(leaves)
     return chosen
 
 
-def _lora_peft_config(linear_layers: Mapping[str, str], lora: LoraConfig) -> peft.LoraConfig:
-    return peft.LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=0.0,
-        target_modules=lora_target_modules(linear_layers, lora),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+def _lora_peft_config(model: nn.Module, info: BaseModelInfo, lora: LoraConfig) -> peft.LoraConfig:
+    """peft's config for `lora` on `model` (the base model, or the peft model holding it).
+
+    peft rewrites the config of mixture-of-experts models whose layout changed in transformers 5
+    (`convert_peft_config_for_transformers`, so that adapters trained on the old per-expert layout
+    still load): a target module named like an old expert projection (`gate_proj`, `up_proj`,
+    `down_proj`, `w1`...) is taken to mean the fused expert stack and dropped, even where it is a real
+    linear layer (DeepSeek-V3's dense first layers and shared experts, GLM-4-MoE's, ...). Those layers
+    are targeted through their weight parameter instead (`<layer>.weight`, peft's `ParamWrapper` on a
+    2-D parameter: the same `W + (alpha/r)·B·A`, the same file keys), which the rewrite leaves alone.
+    """
+    check_lora_fits(info, lora)
+    modules = lora_target_modules(info.linear_layers, lora)
+    parameters = lora_target_parameters(info.expert_weights, lora)
+
+    def config() -> peft.LoraConfig:
+        return peft.LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=0.0,
+            target_modules=modules or None,
+            target_parameters=parameters or None,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+
+    rewritten = config()
+    convert_peft_config_for_transformers(rewritten, model=model, conversions=None)
+    dropped = set(modules) - set(rewritten.target_modules or ())
+    if dropped:
+        chosen = info.adapted_weights(lora)
+        parameters = sorted(
+            {*parameters}
+            | {
+                f"{name}.weight"
+                for name in info.linear_layers
+                if f"{name}.weight" in chosen and (name in dropped or name.split(".")[-1] in dropped)
+            }
+        )
+        modules = [name for name in modules if name not in dropped]
+    return config()
 
 
 def attach_lora(
@@ -235,7 +381,7 @@ def attach_lora(
     with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(seed)
         peft_model = peft.get_peft_model(
-            model, _lora_peft_config(info.linear_layers, lora), adapter_name=adapter_name
+            model, _lora_peft_config(model, info, lora), adapter_name=adapter_name
         )
     peft_model.eval()
     return peft_model
@@ -247,7 +393,7 @@ def add_lora_adapter(
     """Add another adapter on the same frozen base weights."""
     with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(seed)
-        peft_model.add_adapter(adapter_name, _lora_peft_config(info.linear_layers, lora))
+        peft_model.add_adapter(adapter_name, _lora_peft_config(peft_model, info, lora))
     peft_model.eval()
 
 

