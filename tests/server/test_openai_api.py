@@ -7,7 +7,12 @@ Every test that takes `sampler` runs on HF generate and, marked `vllm`, on vLLM 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,6 +22,7 @@ from tinker import types
 
 import workbench as wb
 from tests.datums import sft_datum
+from workbench.engine.model.base_model import resolve_model_path
 from workbench.loops.datasets import colours_quiz_file
 from workbench.server import TinkerServer
 
@@ -374,3 +380,80 @@ def test_a_remote_session_gets_an_openai_client_of_its_service(sess: wb.Session,
         assert ours.choices[0].model_extra["token_ids"] == local.choices[0].model_extra["token_ids"]
     finally:
         remote.close()
+
+
+def test_workbench_serve_speaks_both_apis_to_the_clients_and_the_lm_eval_command(tmp_path: Path) -> None:
+    """`workbench serve` in its own process, with a key: the openai and anthropic clients, and
+    `lm_eval --model local-completions` as a user types it, on the colours quiz."""
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "WORKBENCH_RUNS": str(tmp_path / "runs"),
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    key = "tml-serve-secret"
+    command = [
+        sys.executable,
+        "-m",
+        "workbench.cli",
+        "serve",
+        "--base-model",
+        "tiny",
+        "--port",
+        "0",
+        "--no-wandb",
+    ]
+    server = subprocess.Popen(
+        command,
+        env={**env, "WORKBENCH_API_KEY": key},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        lines = []
+        for line in server.stdout:
+            lines.append(line)
+            if "OpenAI's API at" in line:
+                break
+        url = lines[-1].split(" at ")[1].split("/oai/")[0]
+        api = openai.OpenAI(base_url=f"{url}/oai/api/v1", api_key=key, max_retries=0)
+        reply = api.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=5, temperature=0)
+        assert reply.usage.completion_tokens >= 1
+        import anthropic
+
+        message = anthropic.Anthropic(
+            base_url=f"{url}/anthropic/api", api_key=key, max_retries=0
+        ).messages.create(model="tiny", max_tokens=5, messages=QUESTION, extra_body={"temperature": 0})
+        assert message.content[0].text == reply.choices[0].message.content
+        tasks = tmp_path / "tasks"
+        tasks.mkdir()
+        (tasks / "colours_quiz_mc.yaml").write_text(json.dumps(MULTIPLE_CHOICE))  # JSON is YAML
+        tokenizer = resolve_model_path("tiny")
+        evaluated = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "lm_eval"),
+                "--model",
+                "local-completions",
+                "--tasks",
+                "colours_quiz_mc",
+                "--include_path",
+                str(tasks),
+                "--model_args",
+                f"model=tiny,base_url={url}/oai/api/v1/completions,tokenizer_backend=huggingface,"
+                f"tokenizer={tokenizer},num_concurrent=1,max_retries=1",
+                "--output_path",
+                str(tmp_path / "results"),
+            ],
+            env={**env, "OPENAI_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        assert "colours_quiz_mc" in evaluated.stdout and "acc" in evaluated.stdout
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
