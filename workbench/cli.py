@@ -7,6 +7,9 @@ unmodified `tinker` SDK and tinker-cookbook scripts train on it:
 
     TINKER_API_KEY=tml-local python -m tinker_cookbook.recipes.sl_loop base_url=http://127.0.0.1:8000 ...
 
+and OpenAI's and Anthropic's APIs on the same port (`/oai/api/v1`, `/anthropic/api`), for evaluation
+harnesses and chat clients.
+
 It prints where it serves and the model, then one line per operation that clients run (`--quiet` keeps
 only the first lines). The session's model folder gets the history of every operation (`history.jsonl`)
 and its W&B run, as in the notebook. Binding anything but a loopback address requires an API key
@@ -108,6 +111,11 @@ def serve(args: argparse.Namespace) -> int:
         key_hint = "the server's key" if api_key else "tml-local"
         print(
             f"workbench: clients: TINKER_API_KEY={key_hint} tinker.ServiceClient(base_url={server.url!r})",
+            flush=True,
+        )
+        print(
+            f"workbench: OpenAI's API at {server.url}/oai/api/v1, Anthropic's at {server.url}/anthropic/api "
+            "(the same key)",
             flush=True,
         )
         if not args.quiet:

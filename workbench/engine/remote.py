@@ -206,6 +206,11 @@ class RemoteEngine:
         return self._url
 
     @property
+    def api_key(self) -> str | None:
+        """The key given for the service (None: the SDK reads `TINKER_API_KEY`)."""
+        return self._api_key
+
+    @property
     def losses(self) -> tuple[str, ...]:
         """The losses the service accepts (those its capabilities list, else every one the SDK names)."""
         return self._losses

@@ -3,6 +3,9 @@
 - `pirate_sft`: 32 questions answered in one recognisable style ("Arr, ..., matey!"), so a few steps of
   supervised fine-tuning visibly change how a model answers questions it was not trained on.
 - `addition_problems`: "What is a + b?" with the exact answer, for RL with a verifiable reward.
+- `colours_quiz_file`: 16 "What colour is ...?" questions with four choices (the answer's index and its
+  word as `target`), a JSONL file an evaluation harness reads by path (lm-evaluation-harness's `json`
+  datasets: tutorial 12).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import importlib.resources
 import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 _ASSETS = importlib.resources.files("workbench").joinpath("assets")
 
@@ -38,3 +42,8 @@ def addition_problems(count: int, *, seed: int = 0, largest: int = 9) -> list[QA
         a, b = rng.randint(0, largest), rng.randint(0, largest)
         problems.append(QA(question=f"What is {a} + {b}? Reply with the number only.", answer=str(a + b)))
     return problems
+
+
+def colours_quiz_file() -> Path:
+    """The colours quiz's JSONL file: one `{"question", "choices", "answer", "target"}` object a line."""
+    return Path(str(_ASSETS / "colours_quiz.jsonl"))

@@ -66,6 +66,7 @@ from workbench.tinker_api.service_client import ServiceClient
 from workbench.types import ForwardBackwardOutput, LoadWeightsResponse, LoraConfig
 
 if TYPE_CHECKING:
+    import openai
     from matplotlib.figure import Figure
 
     from workbench.notebook.panel import Panel
@@ -630,6 +631,28 @@ class Session:
         )
         self.servers.append(server)
         return server
+
+    def openai_client(self, **client_options: Any) -> openai.OpenAI:
+        """An `openai.OpenAI` client of this session's engine, for code written against OpenAI's API
+        (evaluation harnesses, agent frameworks): `model=sess.model_id` samples the policy's current
+        weights, the base model's name the base, a `tinker://.../sampler_weights/...` path a checkpoint.
+
+        A local session serves it from its running server (the newest that still runs), starting one
+        with `serve()` if there is none; a remote session (`Session.connect`) talks to its service's
+        `<url>/oai/api/v1`, as hosted Tinker and `workbench serve` have it, with the session's key.
+        `client_options` go to `openai.OpenAI` (`timeout`, `max_retries`, ...).
+        """
+        import openai  # the openai package is needed only here
+
+        if isinstance(self.engine, Engine):
+            running = [server for server in self.servers if server.running]
+            server = running[-1] if running else self.serve()
+            base_url, api_key = server.url, server.config.api_key or "tml-local"
+        else:
+            assert isinstance(self.engine, RemoteEngine)
+            base_url = str(self.engine.endpoint).rstrip("/")
+            api_key = self.engine.api_key or os.environ.get("TINKER_API_KEY") or "tml-local"
+        return openai.OpenAI(base_url=f"{base_url}/oai/api/v1", api_key=api_key, **client_options)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 

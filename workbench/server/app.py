@@ -41,8 +41,9 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from workbench.server import schemas, wire
+from workbench.server import anthropic_api, openai_api, schemas, wire
 from workbench.server.errors import ENVELOPE_BYTES, BodyTooLarge, RequestError, error_body
+from workbench.server.served_weights import ServedWeights
 from workbench.server.service import SampleResult, TinkerService
 from workbench.storage.archive import export_archive
 from workbench.types import ForwardBackwardOutput
@@ -353,4 +354,11 @@ def create_app(service: TinkerService) -> FastAPI:
             background=BackgroundTask(shutil.rmtree, scratch, True),
         )
 
+    # ------------------------------------------------------------------------------------------ compatible APIs
+
+    # OpenAI's and Anthropic's APIs on the same engine, key and port (`app.state.served_weights.release_all()`
+    # lets go of the weights they keep loaded)
+    app.state.served_weights = weights = ServedWeights(service)
+    app.include_router(openai_api.openai_router(service, weights), prefix=openai_api.PREFIX)
+    app.include_router(anthropic_api.anthropic_router(service, weights), prefix=anthropic_api.PREFIX)
     return app

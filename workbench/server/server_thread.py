@@ -41,8 +41,9 @@ class TinkerServer:
         self._socket.listen(128)
         self._loop = asyncio.new_event_loop()
         self.service = TinkerService(engine, self.config, self._loop)
+        self._app = create_app(self.service)
         uvicorn_config = uvicorn.Config(
-            create_app(self.service),
+            self._app,
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -96,6 +97,7 @@ class TinkerServer:
                 await housekeeping
             for session in self.service.sessions.live():  # no client can reach their models any more
                 self.service.end_session(session, "the server stopped")
+            self._app.state.served_weights.release_all()
 
     async def _housekeeping(self) -> None:
         interval = min(5.0, self.config.session_timeout_s / 4)

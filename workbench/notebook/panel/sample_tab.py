@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import ipywidgets
 
 from workbench.loops.chat import chat_prompt
+from workbench.notebook.panel.chat_box import ChatBox
 from workbench.notebook.panel.feedback import Feedback
 from workbench.notebook.token_view import STOP_REASONS, render_sample
 from workbench.tinker_api.clients import SamplingClient
@@ -85,6 +86,9 @@ class SampleTab:
                 self.output,
             ]
         )
+        self.chat_box = ChatBox(session)
+        """A conversation with the live policy, the base model or a checkpoint (below the outputs)."""
+        self.widget.children = (*self.widget.children, self.chat_box.widget)
 
     # ------------------------------------------------------------------------------------------ settings
 

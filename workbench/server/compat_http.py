@@ -1,0 +1,76 @@
+"""What the OpenAI- and Anthropic-compatible routes share over HTTP: the key, the body, the event stream.
+
+The key is the Tinker API's: a server started with one takes it from OpenAI clients as
+`Authorization: Bearer <key>` and from Anthropic clients (and Tinker's) as `X-API-Key`. A body is read
+within the server's `max_body_bytes` and must be a JSON object; each API answers a refusal in its own
+error shape (`openai_api`, `anthropic_api`). Streams are server-sent events through Starlette's own
+`StreamingResponse`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from workbench.server.config import ServerConfig
+from workbench.server.errors import RequestError
+
+
+def check_key(request: Request, config: ServerConfig) -> None:
+    """Refuse (401) a request without the server's key, when it has one."""
+    if config.api_key is None:
+        return
+    bearer = request.headers.get("authorization", "")
+    given = bearer[len("Bearer ") :] if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+        raise RequestError(
+            "missing or wrong API key: send the server's key as 'Authorization: Bearer <key>' "
+            "(the openai client's api_key) or 'X-API-Key' (the anthropic client's)",
+            401,
+        )
+
+
+async def json_body(request: Request, config: ServerConfig) -> dict[str, Any]:
+    """The request's JSON object, read within the size limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+        raise RequestError(
+            f"the request body ({declared} bytes) exceeds the limit of {config.max_body_bytes}", 413
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > config.max_body_bytes:
+            raise RequestError(f"the request body exceeds the limit of {config.max_body_bytes} bytes", 413)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def event_stream(events: Iterable[tuple[str | None, Any]], done_marker: bool) -> StreamingResponse:
+    """Server-sent events: each `(event name or None, JSON data)`, then OpenAI's `data: [DONE]` when
+    `done_marker`."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        for name, data in events:
+            head = f"event: {name}\n" if name is not None else ""
+            yield f"{head}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+        if done_marker:
+            yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(
+        lines(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,239 @@
+"""A compatible API's request as the engine's sample calls, and their sequences as decoded completions.
+
+OpenAI's chat and text completions and Anthropic's messages all come down to: some prompts (token ids),
+`n` samples of each, the sampling parameters, stop strings or stop tokens, and how many logprobs to
+report. `GenerationCall` holds one prompt's call; `check_calls` validates every call of a request in the
+caller's thread (ids in the vocabulary, `max_tokens` within what the context leaves, the number of
+sequences within the engine's `max_samples_per_request`), before any of them is queued, so a refused
+request changes nothing and costs nothing sized by it. `generate` then submits them with
+`Engine.sample`: the engine's one ordered sample path, pinned to the weights the request named, batched
+with whatever else queues on the same weights, training included.
+
+A sequence's text is decoded without special tokens and without the end-of-turn token it stopped on,
+and cut before the first stop string it contains (both APIs leave the stop sequence out of the text);
+its token ids and logprobs are every token the sampler drew, the stop token included, so a harness can
+train on exactly what was sampled. `max_tokens=0` asks only for the prompt's logprobs (lm-eval's
+loglikelihood shape): the engine samples one token, which is then left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from workbench.engine.interface import SamplerPin
+from workbench.engine.local.engine import Engine
+from workbench.engine.samplers.requests import check_width, prepare_request
+from workbench.futures import APIFuture
+from workbench.types import ModelInput, SampleResponse, SamplingParams, StopReason, TopkEntries
+
+MAX_STOP_STRINGS = 16
+"""Stop strings one request may name (OpenAI allows 4; lm-eval's tasks may name a few more)."""
+
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives reported per token (OpenAI's limit for chat, vLLM's for both APIs)."""
+
+
+@dataclass(frozen=True)
+class GenerationCall:
+    """One prompt's sample call.
+
+    Attributes:
+        prompt_ids: The prompt's tokens.
+        n: Samples of it.
+        max_tokens: New tokens at most; None for what the context leaves; 0 to score the prompt only.
+        temperature, top_p, top_k, seed: As `SamplingParams` has them.
+        stop_strings: Strings that end a sequence (the end-of-sequence token does too).
+        stop_ids: Tokens that end a sequence when no stop string is given (the end of turn).
+        top_logprobs: Alternatives reported per sampled token (0: none).
+        prompt_logprobs: Whether the prompt's logprobs are reported (`echo`).
+        prompt_top_logprobs: Alternatives reported per prompt token.
+    """
+
+    prompt_ids: list[int]
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
+
+    @property
+    def scores_only(self) -> bool:
+        return self.max_tokens == 0
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters. Stop strings, when given, end a sequence together with the
+        end-of-sequence token (the engine's rule); the end of turn is added to them as text when it is
+        another token. Without strings, the end-of-turn tokens stop it."""
+        stop: list[str] | list[int] = sorted(self.stop_ids)
+        if self.stop_strings:
+            stop = list(self.stop_strings)
+        return SamplingParams(
+            max_tokens=1 if self.scores_only else self.max_tokens,
+            seed=self.seed,
+            stop=stop,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+        )
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled sequence, decoded."""
+
+    text: str
+    token_ids: list[int]  # every token drawn, the stop token included
+    logprobs: list[float]
+    top_logprobs: TopkEntries | None
+    finish: StopReason  # "stop": a stop token or string; "length": max_tokens
+    stop_string: str | None  # the stop string it ended on, if one
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One prompt's result: its tokens, their logprobs when asked (None first), its completions."""
+
+    prompt_ids: list[int]
+    prompt_logprobs: list[float | None] | None
+    prompt_top_logprobs: TopkEntries | None
+    completions: list[Completion]
+
+
+def check_stop_strings(stop: object, where: str) -> tuple[str, ...]:
+    """A stop field: None, one string, or a list of at most `MAX_STOP_STRINGS` non-empty strings."""
+    if stop is None:
+        return ()
+    strings = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(strings, list)
+        or len(strings) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in strings)
+    ):
+        raise ValueError(
+            f"{where} must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them"
+        )
+    return tuple(strings)
+
+
+def check_calls(engine: Engine, calls: Sequence[GenerationCall]) -> None:
+    """Every call checked as `Engine.sample` checks it, and the request's sequences counted, before any
+    is queued; raises ValueError naming the problem."""
+    limit = engine.config.max_samples_per_request
+    total = sum(call.n for call in calls)
+    if not calls or total > limit:
+        raise ValueError(
+            f"a request may ask for 1 to {limit} sequences in all (prompts x n, the server's "
+            f"max_samples_per_request), this one asks for {total}"
+        )
+    vocab_size = engine.base_info.vocab_size
+    for index, call in enumerate(calls):
+        where = f"prompt {index}: " if len(calls) > 1 else ""
+        if call.max_tokens is not None and (
+            isinstance(call.max_tokens, bool) or not isinstance(call.max_tokens, int) or call.max_tokens < 0
+        ):
+            raise ValueError(f"max_tokens must be a non-negative integer, got {call.max_tokens!r}")
+        check_width("top_logprobs", call.top_logprobs, MAX_TOP_LOGPROBS)
+        check_width("prompt top_logprobs", call.prompt_top_logprobs, MAX_TOP_LOGPROBS)
+        try:
+            prepare_request(
+                ModelInput.from_ints(call.prompt_ids),
+                call.n,
+                call.sampling_params(),
+                call.prompt_logprobs,
+                tokenizer=engine.tokenizer,
+                vocab_size=vocab_size,
+                max_length=engine.base_info.max_length,
+                max_samples_per_request=limit,
+                topk_prompt_logprobs=call.prompt_top_logprobs,
+                topk_sample_logprobs=call.top_logprobs,
+            )
+        except ValueError as error:
+            raise ValueError(f"{where}{error}") from None
+
+
+async def generate(
+    engine: Engine, pin: APIFuture[SamplerPin], calls: Sequence[GenerationCall]
+) -> list[Generated]:
+    """Run checked calls on the engine, in order, on the pinned weights; their results decoded."""
+    futures = [
+        engine.sample(
+            pin,
+            call.prompt_ids,
+            call.n,
+            call.sampling_params(),
+            call.prompt_logprobs,
+            topk_prompt_logprobs=call.prompt_top_logprobs,
+            topk_sample_logprobs=call.top_logprobs,
+        )
+        for call in calls
+    ]
+    responses: list[SampleResponse] = [await asyncio.wrap_future(future.future()) for future in futures]
+    return [decode(engine.tokenizer, call, response) for call, response in zip(calls, responses, strict=True)]
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, call: GenerationCall, response: SampleResponse) -> Generated:
+    """A sample response as completions of `call`."""
+    completions = []
+    for sequence in response.sequences:
+        if call.scores_only:
+            completions.append(Completion("", [], [], [] if call.top_logprobs else None, "length", None))
+            continue
+        tokens = list(sequence.tokens)
+        shown = (
+            tokens[:-1]
+            if tokens and sequence.stop_reason == "stop" and tokens[-1] in _ends(tokenizer, call)
+            else tokens
+        )
+        text = tokenizer.decode(shown, skip_special_tokens=True)
+        stop_string = None
+        found = [(text.find(s), s) for s in call.stop_strings if s in text]
+        if found:
+            cut, stop_string = min(found)
+            text = text[:cut]
+        finish: StopReason = "stop" if stop_string is not None else sequence.stop_reason
+        completions.append(
+            Completion(text, tokens, list(sequence.logprobs), sequence.topk_logprobs, finish, stop_string)
+        )
+    return Generated(
+        prompt_ids=list(call.prompt_ids),
+        prompt_logprobs=response.prompt_logprobs,
+        prompt_top_logprobs=response.topk_prompt_logprobs,
+        completions=completions,
+    )
+
+
+def _ends(tokenizer: PreTrainedTokenizerBase, call: GenerationCall) -> frozenset[int]:
+    eos = frozenset() if tokenizer.eos_token_id is None else frozenset({int(tokenizer.eos_token_id)})
+    return call.stop_ids | eos
+
+
+def text_deltas(tokenizer: PreTrainedTokenizerBase, completion: Completion) -> list[str]:
+    """The completion's text in pieces, about one per token (a piece waits for the tokens that complete
+    its characters), whose concatenation is exactly `completion.text`: what a stream sends. Each piece
+    decodes only the tokens since the previous one, so a long completion costs linear time."""
+    deltas: list[str] = []
+    sent, start = "", 0
+    for end in range(1, len(completion.token_ids) + 1):
+        piece = tokenizer.decode(completion.token_ids[start:end], skip_special_tokens=True)
+        if not piece or piece.endswith("\ufffd") or not completion.text.startswith(sent + piece):
+            continue
+        deltas.append(piece)
+        sent, start = sent + piece, end
+    if len(completion.text) > len(sent):
+        deltas.append(completion.text[len(sent) :])
+    return deltas
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    """One token as the logprobs fields name it: its decoded text (special tokens included)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)

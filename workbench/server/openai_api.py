@@ -1,0 +1,664 @@
+"""OpenAI's API on the Tinker server: `/chat/completions`, `/completions` and `/models` under `/oai/api/v1`.
+
+As hosted Tinker serves it, so the unmodified `openai` client, lm-evaluation-harness (`local-completions`,
+`local-chat-completions`), inspect-ai and agent harnesses use a policy while it trains:
+`openai.OpenAI(base_url=f"{srv.url}/oai/api/v1", api_key=<the server's key or anything>)`. The `model`
+field names the weights (`served_weights`); each request runs through the engine's ordered sample path
+on them (`generation`).
+
+Every parameter is supported, ignored or refused (`PARAMETERS` says which and why); a refusal comes in
+OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with status 400 (bad value), 401 (no
+key), 404 (unknown model or path) or 413 (body too large), before anything is queued. Beyond OpenAI's
+fields, as vLLM's `return_token_ids` gives them: each choice carries `token_ids` (every token sampled,
+the stop token included) and the prompt's ids (`prompt_token_ids`: once for a chat, per choice for text
+completions), so an RL harness trains on exactly what was sampled; `top_k` is taken as vLLM takes it.
+
+Streams (`stream: true`) are server-sent events. The engine samples a request whole, so the chunks
+(about one per token) are sent when its sequences are done; their text joins to the unstreamed text.
+A choice's `logprobs` and `token_ids` come in its last content chunk; with
+`stream_options: {"include_usage": true}` a final chunk carries the usage.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat
+from workbench.server.compat_http import check_key, event_stream, json_body
+from workbench.server.errors import RequestError, message_of
+from workbench.server.generation import (
+    MAX_TOP_LOGPROBS,
+    Completion,
+    Generated,
+    GenerationCall,
+    check_calls,
+    check_stop_strings,
+    generate,
+    text_deltas,
+    token_text,
+)
+from workbench.server.served_weights import ServedWeights
+from workbench.server.service import TinkerService
+
+PREFIX = "/oai/api/v1"
+
+PARAMETERS: dict[str, str] = {
+    # both endpoints
+    "model": "supported: a base model, a tinker:// checkpoint path, '<base>;<path>' or a model id",
+    "max_tokens": "supported (0 on /completions: the prompt's logprobs only)",
+    "temperature": "supported: 0 (greedy) or at least 1e-3",
+    "top_p": "supported",
+    "top_k": "supported (vLLM's extension): -1 or >= 1",
+    "n": "supported: prompts x n at most the server's max_samples_per_request",
+    "stop": "supported: a string or up to 16",
+    "seed": "supported: the same seed gives the same tokens",
+    "stream": "supported (sent once the sequences are sampled)",
+    "stream_options": "supported: include_usage",
+    "user": "ignored",
+    "metadata": "ignored",
+    "store": "ignored",
+    "service_tier": "ignored",
+    "return_token_ids": "ignored: token ids always come back",
+    "presence_penalty": "refused unless 0",
+    "frequency_penalty": "refused unless 0",
+    "repetition_penalty": "refused unless 1",
+    "logit_bias": "refused unless empty",
+    "min_p": "refused unless 0",
+    # chat
+    "messages": "supported: system / developer / user / assistant / tool messages with text content",
+    "max_completion_tokens": "supported (as max_tokens)",
+    "logprobs": "supported (chat: true/false; completions: 0 to 20 alternatives)",
+    "top_logprobs": "supported: 0 to 20",
+    "tools": "supported where the chat template renders them in the Qwen / Hermes format, else refused",
+    "tool_choice": "supported: 'auto' and 'none'; refused: 'required' or a named function",
+    "parallel_tool_calls": "ignored",
+    "response_format": "refused unless {'type': 'text'}",
+    "functions": "refused (use tools)",
+    "function_call": "refused (use tools)",
+    "modalities": "refused unless ['text']",
+    "audio": "refused",
+    "prediction": "refused",
+    "reasoning_effort": "refused",
+    "web_search_options": "refused",
+    # completions
+    "prompt": "supported: a string, token ids, or a list of either",
+    "echo": "supported: the prompt's text, tokens and logprobs (None first) come before the completion",
+    "best_of": "refused unless equal to n",
+    "suffix": "refused",
+}
+"""Each request field, and what this server does with it; a field not listed here is ignored."""
+
+_REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "min_p": (None, 0, 0.0),
+    "response_format": (None, {"type": "text"}),
+    "functions": (None,),
+    "function_call": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "suffix": (None, ""),
+}
+
+
+class OpenAIError(RequestError):
+    """A refusal naming the request field it is about (OpenAI's `param`)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message, status)
+        self.param = param
+
+
+def _error_type(status: int) -> str:
+    return {
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+    }.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def _integer(
+    body: Mapping[str, Any], name: str, default: int | None, low: int, high: int | None = None
+) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise OpenAIError(f"{name} must be an integer {bound}, got {value!r}", param=name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OpenAIError(f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _common(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling fields both endpoints share, checked."""
+    for name, allowed in _REFUSED_UNLESS.items():
+        if name in body and body[name] not in allowed:
+            raise OpenAIError(f"{name}: {PARAMETERS[name]} on this server, got {body[name]!r}", param=name)
+    temperature = _number(body, "temperature", 1.0)
+    if not (temperature == 0 or 1e-3 <= temperature <= 100):
+        raise OpenAIError(
+            f"temperature must be 0 (greedy) or in [0.001, 100], got {temperature!r}", param="temperature"
+        )
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise OpenAIError(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
+    top_k = _integer(body, "top_k", -1, -1)
+    if top_k == 0:
+        raise OpenAIError("top_k must be -1 (off) or >= 1, got 0", param="top_k")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise OpenAIError("stream_options must be an object", param="stream_options")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise OpenAIError(f"stream must be true or false, got {stream!r}", param="stream")
+    try:
+        stop = check_stop_strings(body.get("stop"), "stop")
+    except ValueError as error:
+        raise OpenAIError(str(error), param="stop") from None
+    return {
+        "n": _integer(body, "n", 1, 1),
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": _integer(body, "seed", None, -(2**63), 2**63 - 1),
+        "stop_strings": stop,
+        "stream": bool(stream),
+        "include_usage": bool((options or {}).get("include_usage")),
+    }
+
+
+def _usage(results: list[Generated]) -> dict[str, int]:
+    prompt = sum(len(r.prompt_ids) for r in results)
+    completion = sum(len(c.token_ids) for r in results for c in r.completions)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class OpenAIRoutes:
+    """The routes' work, over the Tinker service and the weights it serves."""
+
+    def __init__(self, service: TinkerService, weights: ServedWeights):
+        self.service = service
+        self.weights = weights
+        self.engine = service.engine
+        self.tokenizer = service.engine.tokenizer
+        self.end_of_turn = end_of_turn_ids(self.tokenizer)
+
+    # ------------------------------------------------------------------------------------------ chat
+
+    def chat_calls(self, body: Mapping[str, Any]) -> tuple[GenerationCall, bool]:
+        """The chat request as one generation call, and whether tools were offered."""
+        common = _common(body)
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise OpenAIError("tools must be a list of functions", param="tools")
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise OpenAIError(
+                f"tool_choice {choice!r}: this server cannot force a tool call; use 'auto' or 'none'",
+                param="tool_choice",
+            )
+        offered = bool(tools) and choice != "none"
+        try:
+            prompt = render_chat(self.tokenizer, body.get("messages"), tools if offered else None)
+        except ValueError as error:
+            raise OpenAIError(
+                str(error), param="tools" if str(error).startswith("tools") else "messages"
+            ) from None
+        max_tokens = _integer(body, "max_completion_tokens", None, 1)
+        if max_tokens is None:
+            max_tokens = _integer(body, "max_tokens", None, 1)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise OpenAIError(f"logprobs must be true or false, got {logprobs!r}", param="logprobs")
+        top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+        if top and not logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        call = GenerationCall(
+            prompt_ids=prompt,
+            n=common["n"],
+            max_tokens=max_tokens,
+            temperature=common["temperature"],
+            top_p=common["top_p"],
+            top_k=common["top_k"],
+            seed=common["seed"],
+            stop_strings=self._with_end_of_turn(common["stop_strings"]),
+            stop_ids=self.end_of_turn,
+            top_logprobs=top,
+        )
+        return call, offered
+
+    def _with_end_of_turn(self, strings: tuple[str, ...]) -> tuple[str, ...]:
+        """Stop strings with the end-of-turn tokens' text added where it is not the end-of-sequence token
+        (which stops a sequence anyway), so a reply still ends with its turn."""
+        if not strings:
+            return strings
+        extra = [
+            token_text(self.tokenizer, t)
+            for t in sorted(self.end_of_turn)
+            if t != self.tokenizer.eos_token_id
+        ]
+        return (*strings, *extra)
+
+    def _chat_logprobs(self, completion: Completion, wanted: bool) -> dict[str, Any] | None:
+        if not wanted:
+            return None
+        content = []
+        for position, (token, logprob) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            top = (completion.top_logprobs or [])[position] if completion.top_logprobs else None
+            text = token_text(self.tokenizer, token)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (t := token_text(self.tokenizer, i)),
+                            "logprob": lp,
+                            "bytes": list(t.encode()),
+                        }
+                        for i, lp in (top or [])
+                    ],
+                }
+            )
+        return {"content": content, "refusal": None}
+
+    def chat_message(self, completion: Completion, offered: bool) -> tuple[dict[str, Any], str]:
+        reply = parse_reply(completion.text, offered)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content or None, "refusal": None}
+        finish = "length" if completion.finish == "length" else "stop"
+        if reply.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in reply.tool_calls
+            ]
+            finish = "tool_calls"
+        elif message["content"] is None:
+            message["content"] = ""
+        return message, finish
+
+    async def chat(self, request: Request) -> Response:
+        body = await json_body(request, self.service.config)
+        call, offered = self.chat_calls(body)
+        common = _common(body)
+        results = await self._run(body.get("model"), [call])
+        result = results[0]
+        model, created, response_id = str(body["model"]), int(time.time()), _id("chatcmpl")
+        wanted = bool(body.get("logprobs"))
+        if common["stream"]:
+            return event_stream(
+                self._chat_chunks(
+                    result, offered, wanted, common["include_usage"], response_id, created, model
+                ),
+                done_marker=True,
+            )
+        choices = []
+        for index, completion in enumerate(result.completions):
+            message, finish = self.chat_message(completion, offered)
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": self._chat_logprobs(completion, wanted),
+                    "finish_reason": finish,
+                    "stop_reason": completion.stop_string,
+                    "token_ids": completion.token_ids,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": response_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": _usage(results),
+                "system_fingerprint": None,
+                "prompt_token_ids": result.prompt_ids,
+            }
+        )
+
+    def _chat_chunks(
+        self,
+        result: Generated,
+        offered: bool,
+        wanted: bool,
+        include_usage: bool,
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> Iterator[tuple[None, dict[str, Any]]]:
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> tuple[None, dict[str, Any]]:
+            head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+            return None, {**head, "choices": choices, "usage": None, **extra}
+
+        for index, completion in enumerate(result.completions):
+            message, finish = self.chat_message(completion, offered)
+            yield chunk(
+                [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                prompt_token_ids=result.prompt_ids if index == 0 else None,
+            )
+            pieces = text_deltas(self.tokenizer, completion) if "tool_calls" not in message else []
+            if message.get("content") and "tool_calls" in message:
+                pieces = [message["content"]]
+            for number, piece in enumerate(pieces):
+                last = number == len(pieces) - 1
+                yield chunk(
+                    [
+                        {
+                            "index": index,
+                            "delta": {"content": piece},
+                            "logprobs": self._chat_logprobs(completion, wanted) if last else None,
+                            "finish_reason": None,
+                            **({"token_ids": completion.token_ids} if last else {}),
+                        }
+                    ]
+                )
+            closing: dict[str, Any] = {"index": index, "delta": {}, "finish_reason": finish}
+            if "tool_calls" in message:
+                closing["delta"] = {
+                    "tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+                }
+            if not pieces:
+                closing["logprobs"] = self._chat_logprobs(completion, wanted)
+                closing["token_ids"] = completion.token_ids
+            yield chunk([closing])
+        if include_usage:
+            yield (
+                None,
+                {
+                    "id": response_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage([result]),
+                },
+            )
+
+    # ------------------------------------------------------------------------------------------ completions
+
+    def _prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
+        """Each prompt's tokens, and its text when it was given as text."""
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise OpenAIError(
+                "prompt must be a string, a list of token ids, or a non-empty list of either", param="prompt"
+            )
+        prompts: list[tuple[list[int], str | None]] = []
+        for index, item in enumerate(prompt):
+            if isinstance(item, str):
+                prompts.append((list(self.tokenizer.encode(item)), item))
+            elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                prompts.append((list(item), None))
+            else:
+                raise OpenAIError(f"prompt[{index}] must be a string or a list of token ids", param="prompt")
+        return prompts
+
+    def completion_calls(self, body: Mapping[str, Any]) -> tuple[list[GenerationCall], list[str | None]]:
+        common = _common(body)
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != common["n"]:
+            raise OpenAIError("best_of is refused on this server unless it equals n", param="best_of")
+        prompts = self._prompts(body.get("prompt"))
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise OpenAIError(f"echo must be true or false, got {echo!r}", param="echo")
+        logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        max_tokens = _integer(body, "max_tokens", 16, 0)
+        if max_tokens == 0 and not echo:
+            raise OpenAIError("max_tokens 0 asks for nothing unless echo is true", param="max_tokens")
+        calls = [
+            GenerationCall(
+                prompt_ids=ids,
+                n=common["n"],
+                max_tokens=max_tokens,
+                temperature=common["temperature"],
+                top_p=common["top_p"],
+                top_k=common["top_k"],
+                seed=common["seed"],
+                stop_strings=common["stop_strings"],
+                stop_ids=frozenset()
+                if self.tokenizer.eos_token_id is None
+                else frozenset({self.tokenizer.eos_token_id}),
+                top_logprobs=logprobs or 0,
+                prompt_logprobs=bool(echo and logprobs is not None),
+                prompt_top_logprobs=(logprobs or 0) if echo else 0,
+            )
+            for ids, _ in prompts
+        ]
+        return calls, [text for _, text in prompts]
+
+    def _completion_logprobs(
+        self, result: Generated, completion: Completion, echo: bool, k: int
+    ) -> dict[str, Any]:
+        tokens: list[int] = (result.prompt_ids if echo else []) + completion.token_ids
+        logprobs: list[float | None] = (list(result.prompt_logprobs or []) if echo else []) + list(
+            completion.logprobs
+        )
+        tops = (list(result.prompt_top_logprobs or [None] * len(result.prompt_ids)) if echo else []) + list(
+            completion.top_logprobs or [None] * len(completion.token_ids)
+        )
+        texts = [token_text(self.tokenizer, t) for t in tokens]
+        offsets, at = [], 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": logprobs,
+            "top_logprobs": [
+                None if top is None or not k else {token_text(self.tokenizer, i): lp for i, lp in top}
+                for top in tops
+            ],
+            "text_offset": offsets,
+        }
+
+    async def completions(self, request: Request) -> Response:
+        body = await json_body(request, self.service.config)
+        calls, texts = self.completion_calls(body)
+        common = _common(body)
+        echo = bool(body.get("echo"))
+        k = body.get("logprobs")
+        results = await self._run(body.get("model"), calls)
+        model, created, response_id = str(body["model"]), int(time.time()), _id("cmpl")
+        choices = []
+        for number, (result, text) in enumerate(zip(results, texts, strict=True)):
+            prefix = (text if text is not None else self.tokenizer.decode(result.prompt_ids)) if echo else ""
+            for j, completion in enumerate(result.completions):
+                choices.append(
+                    {
+                        "index": number * calls[number].n + j,
+                        "text": prefix + completion.text,
+                        "logprobs": None
+                        if k is None
+                        else self._completion_logprobs(result, completion, echo, k),
+                        "finish_reason": completion.finish,
+                        "stop_reason": completion.stop_string,
+                        "token_ids": completion.token_ids,
+                        "prompt_token_ids": result.prompt_ids,
+                        "_completion": completion,
+                        "_prefix": prefix,
+                    }
+                )
+        if common["stream"]:
+            return event_stream(
+                self._completion_chunks(
+                    choices, results, common["include_usage"], response_id, created, model
+                ),
+                done_marker=True,
+            )
+        for choice in choices:
+            del choice["_completion"], choice["_prefix"]
+        return JSONResponse(
+            {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": _usage(results),
+                "system_fingerprint": None,
+            }
+        )
+
+    def _completion_chunks(
+        self,
+        choices: list[dict[str, Any]],
+        results: list[Generated],
+        include_usage: bool,
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> Iterator[tuple[None, dict[str, Any]]]:
+        def chunk(choice: dict[str, Any]) -> tuple[None, dict[str, Any]]:
+            head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+            return None, {**head, "choices": [choice], "usage": None}
+
+        for choice in choices:
+            completion: Completion = choice["_completion"]
+            pieces = ([choice["_prefix"]] if choice["_prefix"] else []) + text_deltas(
+                self.tokenizer, completion
+            )
+            for number, piece in enumerate(pieces):
+                last = number == len(pieces) - 1
+                yield chunk(
+                    {
+                        "index": choice["index"],
+                        "text": piece,
+                        "logprobs": choice["logprobs"] if last else None,
+                        "finish_reason": None,
+                        **(
+                            {"token_ids": choice["token_ids"], "prompt_token_ids": choice["prompt_token_ids"]}
+                            if last
+                            else {}
+                        ),
+                    }
+                )
+            yield chunk(
+                {
+                    "index": choice["index"],
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": choice["finish_reason"],
+                }
+            )
+        if include_usage:
+            head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+            yield None, {**head, "choices": [], "usage": _usage(results)}
+
+    # ------------------------------------------------------------------------------------------ shared
+
+    async def _run(self, model: object, calls: list[GenerationCall]) -> list[Generated]:
+        """Check every call, resolve the weights, then sample: a refusal comes before any work."""
+        try:
+            check_calls(self.engine, calls)
+        except ValueError as error:
+            raise OpenAIError(str(error)) from None
+        try:
+            weights = self.weights.resolve(model)
+        except RequestError as error:
+            raise OpenAIError(error.message, error.status, "model") from None
+        try:
+            return await generate(weights.engine, weights.pin, calls)
+        finally:
+            weights.done()
+
+
+def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
+    """The routes under `PREFIX`; the app mounts them with `include_router(..., prefix=PREFIX)`."""
+    routes = OpenAIRoutes(service, weights)
+    router = APIRouter()
+
+    def answer(error: BaseException) -> JSONResponse:
+        status = (
+            error.status
+            if isinstance(error, RequestError)
+            else (400 if isinstance(error, (ValueError, TypeError, KeyError)) else 500)
+        )
+        param = error.param if isinstance(error, OpenAIError) else None
+        message = service.client_message(message_of(error))
+        return JSONResponse(
+            {"error": {"message": message, "type": _error_type(status), "param": param, "code": None}},
+            status_code=status,
+        )
+
+    async def guarded(request: Request, work: Any) -> Response:
+        try:
+            check_key(request, service.config)
+            return await work(request)
+        except Exception as error:  # every failure answered in OpenAI's shape, never a traceback
+            return answer(error)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await guarded(request, routes.chat)
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await guarded(request, routes.completions)
+
+    @router.get("/models")
+    async def models(request: Request) -> Response:
+        async def listing(_: Request) -> Response:
+            return JSONResponse({"object": "list", "data": weights.listing()})
+
+        return await guarded(request, listing)
+
+    @router.get("/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        async def one(_: Request) -> Response:
+            for entry in weights.listing():
+                if entry["id"] == model:
+                    return JSONResponse(entry)
+            raise OpenAIError(f"model {model!r} is not served here (GET /models lists them)", 404, "model")
+
+        return await guarded(request, one)
+
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def unknown(request: Request, path: str) -> Response:
+        async def missing(_: Request) -> Response:
+            raise OpenAIError(
+                f"no endpoint {request.method} {PREFIX}/{path} here: /chat/completions, /completions and /models are served",
+                404,
+            )
+
+        return await guarded(request, missing)
+
+    return router
