@@ -11,11 +11,10 @@ and the URLs are the server's own, signed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import pyrage
 import pytest
