@@ -78,7 +78,8 @@ def tiny_for_vllm(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def build_tiny_twin(folder: Path, layers: int, seed: int) -> str:
     """Another base model: the tiny model's architecture and tokenizer with `layers` layers and weights
-    drawn from `seed`, as a local HF folder (a teacher, a grader, a reference of another size)."""
+    drawn from `seed`, as a local HF folder (a teacher, a grader, a reference of another size). It
+    takes 4,096 positions, room for a grader's 2,048-token answers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from workbench.engine.model.builtin_models import tiny_base_model_dir
@@ -86,6 +87,7 @@ def build_tiny_twin(folder: Path, layers: int, seed: int) -> str:
     tiny = tiny_base_model_dir()
     config = LlamaConfig.from_pretrained(tiny)
     config.num_hidden_layers = layers
+    config.max_position_embeddings = 4096
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         LlamaForCausalLM(config).save_pretrained(folder)
