@@ -20,6 +20,7 @@ from workbench.engine.local.base_models import (
     engine_bytes,
     parse_size,
 )
+from workbench.notebook.panel.status import StatusBar
 from workbench.sdk_conversion import to_sdk_datum
 from workbench.server import ServerConfig, TinkerServer
 
@@ -56,6 +57,10 @@ def test_two_base_models_fit_the_budget_and_a_third_is_refused_naming_it(
     student_of_teacher = service.create_lora_training_client(base_model=tiny_teacher, rank=4).result()
     assert [e.base_info.path for e in sess.base_models.engines()][1:] == [tiny_teacher]
     assert "BaseModels(tiny" in repr(sess) and "of " in repr(sess)  # what is loaded, and the budget
+    status = StatusBar(sess)
+    status.refresh()
+    assert 'data-field="bases"' in status.widget.value and "(budget " in status.widget.value
+    assert tiny_teacher in status.widget.value
 
     with pytest.raises(MemoryBudgetError) as refused:
         service.create_lora_training_client(base_model=big_twin, rank=4)
@@ -123,3 +128,28 @@ def test_a_server_holds_two_base_models_and_refuses_a_third_that_does_not_fit(
                 prompt, 1, tinker.SamplingParams()
             )
         client.close("success")
+
+
+def test_session_connect_drives_the_second_base_model_of_a_server(
+    sess: wb.Session, tiny_teacher: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    assert sess.base_models is not None
+    sess.base_models.engine(tiny_teacher)
+    server = sess.serve()
+    remote = wb.Session.connect(server.url, base_model=tiny_teacher, lora=wb.LoraConfig(rank=4), wandb=False)
+    try:
+        datum = wb.chat_datum(
+            remote.tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+        )
+        loss = remote.policy.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+        remote.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        teacher_engine = sess.base_models.engines()[1]
+        assert len(teacher_engine.model_ids()) == 1 and loss > 0  # the model lives on the teacher's base
+        saved = remote.policy.save_state("one").result().path
+        listed = tinker.RestClient(base_url=server.url).list_checkpoints(saved.split("/")[2]).result()
+        assert [c.tinker_path for c in listed.checkpoints] == [saved]
+        run = tinker.RestClient(base_url=server.url).get_training_run(saved.split("/")[2]).result()
+        assert run.base_model == tiny_teacher
+    finally:
+        remote.close()
