@@ -76,6 +76,32 @@ def tiny_for_vllm(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
+def build_tiny_twin(folder: Path, layers: int, seed: int) -> str:
+    """Another base model: the tiny model's architecture and tokenizer with `layers` layers and weights
+    drawn from `seed`, as a local HF folder (a teacher, a grader, a reference of another size). It
+    takes 4,096 positions, room for a grader's 2,048-token answers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workbench.engine.model.builtin_models import tiny_base_model_dir
+
+    tiny = tiny_base_model_dir()
+    config = LlamaConfig.from_pretrained(tiny)
+    config.num_hidden_layers = layers
+    config.max_position_embeddings = 4096
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(tiny) / name, folder / name)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A second base model beside `tiny`: its twin with 3 layers, other weights."""
+    return build_tiny_twin(tmp_path_factory.mktemp("tiny-teacher"), layers=3, seed=1)
+
+
 @pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def sampler(request: pytest.FixtureRequest) -> str:
     """The sampling engine a test runs against, each in turn. Module-scoped, so that a module can share

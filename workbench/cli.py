@@ -1,9 +1,18 @@
 """The `workbench` command.
 
     workbench serve --base-model smollm2-135m --port 8000
+    workbench serve --base-model Qwen/Qwen3-1.7B --base-model Qwen/Qwen3-8B --allow-base-model Qwen/Qwen3-4B \
+        --memory-budget 70GiB
 
 serves the Tinker REST protocol for a session on this machine's GPU (or CPU) until interrupted, so the
-unmodified `tinker` SDK and tinker-cookbook scripts train on it:
+unmodified `tinker` SDK and tinker-cookbook scripts train on it. The first `--base-model` is the
+session's; every `--base-model` is loaded at start, and each `--allow-base-model` when a client first
+names it (a teacher, a grader, a KL reference), within `--memory-budget` (idle base models are freed
+first; a load that still does not fit is refused, naming the budget and what holds it).
+
+On SIGINT or SIGTERM it stops within `SHUTDOWN_BOUND_S` plus one decoding step: the server stops
+answering, the sampling in progress (HF) fails with "sampling was interrupted" at its next decoding
+step, queued requests fail the same way or finish, and the history is written.
 
     TINKER_API_KEY=tml-local python -m tinker_cookbook.recipes.sl_loop base_url=http://127.0.0.1:8000 ...
 
@@ -27,9 +36,16 @@ import threading
 from collections.abc import Sequence
 
 from workbench.engine.config import DEFAULT_MAX_MODELS
+from workbench.engine.local.base_models import format_size, parse_size
 from workbench.notebook.session import Session
+from workbench.server import ServerConfig, TinkerServer
 
 API_KEY_ENV = "WORKBENCH_API_KEY"
+SHUTDOWN_BOUND_S = 5.0
+"""What `workbench serve` takes to exit after SIGINT/SIGTERM, beyond one decoding step of the sampling
+in progress and the interpreter's exit: 0.5 s to notice, 1 s of graceful HTTP shutdown, the models
+freed and the history written. Measured with a 128 × 4,000-token sample in flight on 2 busy cores: 12 s
+from the signal to the process's exit (before: the generation ran on, over 120 s)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +59,22 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve the Tinker REST protocol for a base model until interrupted.",
     )
     serve.add_argument(
-        "--base-model", default="smollm2-135m", help="a built-in alias, a local HF folder or an HF id"
+        "--base-model",
+        action="append",
+        default=None,
+        help="a built-in alias, a local HF folder or an HF id (repeat for several; the first is the "
+        "session's; default smollm2-135m)",
+    )
+    serve.add_argument(
+        "--allow-base-model",
+        action="append",
+        default=[],
+        help="a base model loaded when a client first names it (repeatable)",
+    )
+    serve.add_argument(
+        "--memory-budget",
+        default=None,
+        help="what the base models' weights may hold together, e.g. 70GiB (default: no bound)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="the address to bind (others need an API key)")
     serve.add_argument("--port", type=int, default=8000, help="the port (0: any free one)")
@@ -81,29 +112,51 @@ def _parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    print(f"workbench: loading {args.base_model} ...", flush=True)
+    base_models = args.base_model or ["smollm2-135m"]
+    budget = None if args.memory_budget is None else parse_size(args.memory_budget)
+    print(f"workbench: loading {base_models[0]} ...", flush=True)
     session = Session(
-        args.base_model,
+        base_models[0],
         device=args.device,
         sampler=args.sampler,
         max_models=args.max_models,
         threads=args.threads,
         model_dir=args.model_dir,
         wandb=False if args.no_wandb else None,
+        memory_budget_bytes=budget,
     )
     stop = threading.Event()
+
+    def stop_now(*_: object) -> None:
+        stop.set()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal ends the process at once
+            signal.signal(signum, signal.SIG_DFL)
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, stop_now)
+    assert session.base_models is not None
     try:
-        server = session.serve(args.host, args.port, api_key=api_key)
-        info, config = session.base_info, session.engine.config
-        print(f"workbench: serving the Tinker API at {server.url}", flush=True)
-        print(
-            f"workbench: base model {config.base_model} ({info.path}) on {config.device}/{config.dtype}, "
-            f"up to {config.max_models} models; torch threads {session.threads}; "
-            f"history in {session.model_dir}",
-            flush=True,
+        for other in base_models[1:]:
+            print(f"workbench: loading {other} ...", flush=True)
+            session.base_models.engine(other)
+        config = ServerConfig(
+            host=args.host, port=args.port, api_key=api_key, allowed_base_models=tuple(args.allow_base_model)
         )
+        server = TinkerServer(session.base_models, config)
+        session.servers.append(server)
+        print(f"workbench: serving the Tinker API at {server.url}", flush=True)
+        for engine in session.base_models.engines():
+            info, engine_config = engine.base_info, engine.config
+            print(
+                f"workbench: base model {engine_config.base_model} ({info.path}) on "
+                f"{engine_config.device}/{engine_config.dtype}, up to {engine_config.max_models} models",
+                flush=True,
+            )
+        if args.allow_base_model:
+            print(f"workbench: loaded on first use: {', '.join(args.allow_base_model)}", flush=True)
+        if budget is not None:
+            print(f"workbench: memory budget {format_size(budget)} ({session.base_models!r})", flush=True)
+        print(f"workbench: torch threads {session.threads}; history in {session.model_dir}", flush=True)
         wandb = session.wandb_run
         if wandb is not None:
             where = wandb.url or f"offline in {wandb.directory} (upload with: wandb sync {wandb.directory})"
@@ -131,6 +184,13 @@ def serve(args: argparse.Namespace) -> int:
         print("workbench: stopping", flush=True)
         return 0
     finally:
+        # The sampling in progress fails at its next decoding step, so a client waiting for it is
+        # answered ("sampling was interrupted") while the server still finishes responses; then the
+        # server stops and the models are freed.
+        for engine in session.base_models.engines():
+            engine.interrupt_sampling()
+        for server in session.servers:
+            server.stop()
         session.close()
 
 

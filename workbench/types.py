@@ -13,6 +13,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Literal
 
 import numpy as np
@@ -559,6 +560,24 @@ class SaveWeightsForSamplerResponse:
 
     path: str
     folder: str = ""
+
+
+@dataclass(frozen=True)
+class SaveWeightsExternalResponse:
+    """Where `save_weights_external` put the adapter's files: `tinker://<run>/external_weights/<name>`
+    (`RestClient.get_external_weights_urls` signs a URL per file) and its local folder."""
+
+    path: str
+    folder: str = ""
+
+
+@dataclass(frozen=True)
+class ExternalWeightsUrlsResponse:
+    """Tinker's `ExternalWeightsUrlsResponse`: a URL per file (relative path -> URL), valid until
+    `expires`."""
+
+    urls: dict[str, str]
+    expires: datetime
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,6 @@ GAPS: dict[str, str] = {
     "forward_backward_custom with a plain function does the same in-process",
     "ServiceClient.copy_weights": "copies weights between Tinker projects; there are no projects",
     "TrainingClient.__init__": "built over the SDK's HTTP holder; ours over an Engine",
-    "TrainingClient.save_weights_external": "HF-format export to Tinker storage; use Session.export_merged",
-    "TrainingClient.save_weights_external_async": "as save_weights_external",
     "SamplingClient.__init__": "built over the SDK's HTTP holder; ours over an Engine and a pin",
     "SamplingClient.create": "the SDK's internal constructor over its HTTP holder",
     "SamplingClient.get_sampler_handle": "hands a sampler to another process; ours samples in this "
@@ -41,8 +39,6 @@ GAPS: dict[str, str] = {
     "RestClient.copy_weights_async": "as ServiceClient.copy_weights",
     "RestClient.get_sampler": "sampler sessions of the Tinker service",
     "RestClient.get_sampler_async": "as get_sampler",
-    "RestClient.get_external_weights_urls": "signed download URLs of Tinker storage",
-    "RestClient.get_external_weights_urls_async": "as get_external_weights_urls",
     "RestClient.publish_checkpoint_from_tinker_path": "sharing checkpoints between Tinker accounts",
     "RestClient.publish_checkpoint_from_tinker_path_async": "as publish",
     "RestClient.unpublish_checkpoint_from_tinker_path": "as publish",

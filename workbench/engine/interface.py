@@ -39,6 +39,7 @@ from workbench.types import (
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
@@ -240,6 +241,15 @@ class EngineInterface(Protocol):
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]: ...
+
+    def save_weights_external(
+        self,
+        model_id: str,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: Sequence[str] | None = None,
+    ) -> APIFuture[SaveWeightsExternalResponse]: ...
 
     def load_state(
         self, model_id: str, path: str | Path, restore: Restore

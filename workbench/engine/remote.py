@@ -84,6 +84,7 @@ from workbench.types import (
     SampledSequence,
     SampleResponse,
     SamplingParams,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     TensorData,
@@ -763,6 +764,34 @@ class RemoteEngine:
         return self._submit(
             lambda: lora_model.client.save_weights_for_sampler(
                 name, ttl_seconds=ttl_seconds, user_metadata=metadata
+            ),
+            finish,
+        )
+
+    def save_weights_external(
+        self,
+        model_id: str,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: Sequence[str] | None = None,
+    ) -> APIFuture[SaveWeightsExternalResponse]:
+        """Save the policy's adapter as external weights on the service; `.path` is its `tinker://`
+        path (`RestClient.get_external_weights_urls` signs its files' URLs there)."""
+        lora_model = self._model(model_id)
+        recipients = None if age_encryption_recipients is None else list(age_encryption_recipients)
+
+        def finish(sent: Any) -> SaveWeightsExternalResponse:
+            path = self._wait("save_weights_external", sent).path
+            self._record("save_weights_external", POLICY_LABEL, lora_model.step, {})
+            self._history.event(
+                "checkpoint", {"name": name, "kind": "external", "path": path, "step": lora_model.step}
+            )
+            return SaveWeightsExternalResponse(path=path)
+
+        return self._submit(
+            lambda: lora_model.client.save_weights_external(
+                name, ttl_seconds=ttl_seconds, age_encryption_recipients=recipients
             ),
             finish,
         )

@@ -36,6 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_MICROBATCH, ModelConfig
 from workbench.engine.interface import EngineInterface, Restore
+from workbench.engine.local.base_models import BaseModels
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.remote import DEFAULT_PROBE_INTERVAL_S, RemoteEngine, RemoteUnsupportedError
@@ -113,6 +114,9 @@ class Session:
         wandb: False for no W&B run; None/True for a run that is online when W&B credentials are
             configured and offline otherwise; a dict of extra `wandb.init` arguments (which win over
             W&B's environment variables, which win over workbench's defaults).
+        memory_budget_bytes: what the base models this session holds may take together (its own, and
+            a teacher or grader its service clients load); a load past it first frees idle ones, then
+            is refused naming the budget and what holds it. None: no bound.
     """
 
     def __init__(
@@ -131,11 +135,18 @@ class Session:
         threads: int | None = None,
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
+        memory_budget_bytes: int | None = None,
         run_dir: str | Path | None = None,  # deprecated name of model_dir
     ):
         model_dir = _model_dir_from(model_dir, run_dir)
         lora_config = to_lora_config(lora if lora is not None else LoraConfig())
         critic_config = None if isinstance(critic, bool) else to_lora_config(critic)
+        if memory_budget_bytes is not None and (
+            isinstance(memory_budget_bytes, bool)
+            or not isinstance(memory_budget_bytes, int)
+            or memory_budget_bytes <= 0
+        ):
+            raise ValueError(f"memory_budget_bytes must be a positive integer, got {memory_budget_bytes!r}")
         engine = Engine(
             base_model,
             seed=seed,
@@ -160,6 +171,8 @@ class Session:
             engine.close()
             raise
         self._attach(engine, model_id, wandb)
+        if self.base_models is not None:
+            self.base_models.memory_budget_bytes = memory_budget_bytes
 
     @classmethod
     def connect(
@@ -224,6 +237,10 @@ class Session:
     def _attach(self, engine: EngineInterface, model_id: str, wandb: WandbSetting) -> None:
         """Speak for `model_id` on `engine`: its clients, its history sinks, its W&B run."""
         self.engine: EngineInterface = engine
+        self.base_models = BaseModels(engine) if isinstance(engine, Engine) else None
+        """The base models this session holds (None for a remote engine: its service holds them): its
+        own, and those its service clients loaded (a teacher, a grader, a reference), each on its
+        engine; `serve()` serves them all."""
         self.model_id = model_id
         self.policy = TrainingClient(engine, model_id, Role.POLICY)
         self.reference = TrainingClient(engine, model_id, Role.REFERENCE)
@@ -424,13 +441,10 @@ class Session:
         next to this one, in this session's history and panel. Takes `tinker.ServiceClient`'s
         arguments, so it can stand in for it: `tinker.ServiceClient = sess.service_client`. Closing the
         client leaves the session open."""
-        return ServiceClient(
-            *sdk_arguments,
-            engine=self._local_engine(
-                f"service_client() needs the model in this process; this session drives {self.engine.endpoint}"
-            ),
-            **sdk_keywords,
+        self._local_engine(
+            f"service_client() needs the model in this process; this session drives {self.engine.endpoint}"
         )
+        return ServiceClient(*sdk_arguments, base_models=self.base_models, **sdk_keywords)
 
     def live_versions(self) -> list[int]:
         """The policy weight versions a sampling client can use now: the current one and those that live
@@ -623,12 +637,11 @@ class Session:
         Returns:
             The running server: `srv.url`, `srv.stop()`. `close()` stops it too.
         """
-        server = TinkerServer(
-            self._local_engine(
-                f"serve() needs the model in this process; this session drives {self.engine.endpoint}"
-            ),
-            ServerConfig(host=host, port=port, api_key=api_key),
+        self._local_engine(
+            f"serve() needs the model in this process; this session drives {self.engine.endpoint}"
         )
+        assert self.base_models is not None
+        server = TinkerServer(self.base_models, ServerConfig(host=host, port=port, api_key=api_key))
         self.servers.append(server)
         return server
 
@@ -664,6 +677,8 @@ class Session:
         if self.current_run is not None and self.current_run.active:
             self.current_run.stop()  # the step in progress finishes; none starts after it
             self.current_run.wait()
+        if self.base_models is not None:
+            self.base_models.close()  # the other base models (a teacher, a grader); its own is next
         self.engine.close()
 
     def __enter__(self) -> Session:
@@ -687,9 +702,12 @@ class Session:
             )
             if on
         )
+        others = ""
+        if self.base_models is not None and len(self.base_models.engines()) > 1:
+            others = f", {self.base_models!r}"
         return (
             f"Session({config.base_model!r}, rank={lora.rank}, alpha={lora.alpha:g}, {layers}, {where}, "
-            f"step {self.step})"
+            f"step {self.step}{others})"
         )
 
 

@@ -16,7 +16,9 @@ reads goes through `TinkerService.client_message`, which names no folder of this
 
 Checkpoint archives are downloaded as the SDK's archive endpoint has it: the endpoint answers 302 with
 a URL of this server signed for 15 minutes (HMAC with a per-server secret), so the download itself
-needs no API key; the file is the checkpoint folder as `workbench.export_archive` writes it.
+needs no API key; the file is the checkpoint folder as `workbench.export_archive` writes it. External
+weights (`save_weights_external`) are downloaded the same way, file by file: `external_weights_urls`
+answers a URL of this server per file, signed with the same key for the same 15 minutes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any
@@ -221,6 +224,12 @@ def create_app(service: TinkerService) -> FastAPI:
         service.save_weights_for_sampler,
         in_order=True,
     )
+    post(
+        "/api/v1/save_weights_external",
+        schemas.SaveWeightsExternalRequest,
+        service.save_weights_external,
+        in_order=True,
+    )
     post("/api/v1/load_weights", schemas.LoadWeightsRequest, service.load_weights, in_order=True)
     post("/api/v1/weights_info", schemas.WeightsInfoRequest, lambda r, _b: service.weights_info(r))
     post(
@@ -332,6 +341,42 @@ def create_app(service: TinkerService) -> FastAPI:
         return Response(
             status_code=302, headers={"Location": url, "Expires": formatdate(expires, usegmt=True)}
         )
+
+    def signed_url(request: Request, path: str) -> tuple[str, int]:
+        expires = int(time.time()) + ARCHIVE_URL_LIFETIME_S
+        return f"{request.base_url}{path}?expires={expires}&signature={signature(path, expires)}", expires
+
+    def check_signature(request: Request, path: str) -> None:
+        expires = _query_int(request, "expires", 0)
+        given = request.query_params.get("signature", "")
+        if expires < time.time() or not hmac.compare_digest(given, signature(path, expires)):
+            raise RequestError("this download link is invalid or has expired; ask for a new one", 403)
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}/external_weights_urls")
+    @guarded
+    async def external_weights_urls(request: Request, run_id: str, segment: str, name: str) -> Response:
+        address = service.checkpoint_address(run_id, f"{segment}/{name}")
+        _, files = service.external_files(address)
+        urls: dict[str, str] = {}
+        expires = 0
+        for file in files:
+            urls[file], expires = signed_url(
+                request, f"api/v1/external_weights/{address.run_id}/{address.name}/{file}"
+            )
+        expires = expires or int(time.time()) + ARCHIVE_URL_LIFETIME_S
+        return _json({"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()})
+
+    @app.get("/api/v1/external_weights/{run_id}/{name}/{file}")
+    async def external_weights_download(request: Request, run_id: str, name: str, file: str) -> Response:
+        try:
+            check_signature(request, f"api/v1/external_weights/{run_id}/{name}/{file}")
+            address = service.checkpoint_address(run_id, f"external_weights/{name}")
+            folder, files = service.external_files(address)
+            if file not in files:
+                raise RequestError(f"{address.tinker_path} has no file {file!r}", 404)
+        except Exception as error:
+            return _refusal(error)
+        return FileResponse(folder / file, media_type="application/octet-stream", filename=file)
 
     @app.get("/api/v1/archives/{run_id}/{segment}/{name}")
     async def archive_download(request: Request, run_id: str, segment: str, name: str) -> Response:

@@ -33,6 +33,8 @@ class ServerConfig:
         long_poll_s: How long `retrieve_future` waits for a result before answering `try_again` (the
             SDK gives each poll 45 s).
         compress_requests: Ask SDKs to zstd-compress forward_backward bodies (`proto_compress_fwdbwd`).
+        allowed_base_models: Base models a client may have loaded on first use (by naming one in a
+            request), beside those the server holds already; nothing else is ever loaded for a client.
     """
 
     host: str = "127.0.0.1"
@@ -42,6 +44,7 @@ class ServerConfig:
     session_timeout_s: float = 120.0
     long_poll_s: float = 30.0
     compress_requests: bool = False
+    allowed_base_models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.api_key is None and not is_loopback(self.host):

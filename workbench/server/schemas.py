@@ -184,6 +184,15 @@ class SaveWeightsForSamplerRequest(StrictBody):
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
+class SaveWeightsExternalRequest(StrictBody):
+    model_id: str
+    path: str
+    seq_id: Counter
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+    type: Literal["save_weights_external"] = "save_weights_external"
+
+
 class LoadWeightsRequest(StrictBody):
     """Either into an existing model (`model_id` + `seq_id`) or creating one (`session_id` +
     `model_seq_id`: SDK 0.38's `create_training_client_from_state*`)."""

@@ -16,6 +16,7 @@ import threading
 
 import uvicorn
 
+from workbench.engine.local.base_models import BaseModels
 from workbench.engine.local.engine import Engine
 from workbench.server.app import create_app
 from workbench.server.config import ServerConfig
@@ -28,11 +29,12 @@ class TinkerServer:
     """The Tinker REST protocol served for an engine, on a background thread.
 
     Args:
-        engine: The engine every request runs on.
-        config: Where to listen, the API key, the limits.
+        base_models: The base models served (each on its engine; the first is the serving session's),
+            or one engine alone.
+        config: Where to listen, the API key, the limits, the base models loaded on first use.
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig | None = None):
+    def __init__(self, base_models: BaseModels | Engine, config: ServerConfig | None = None):
         self.config = config or ServerConfig()
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
@@ -40,7 +42,9 @@ class TinkerServer:
         self._socket.bind((self.config.host, self.config.port))
         self._socket.listen(128)
         self._loop = asyncio.new_event_loop()
-        self.service = TinkerService(engine, self.config, self._loop)
+        if isinstance(base_models, Engine):
+            base_models = BaseModels(base_models)
+        self.service = TinkerService(base_models, self.config, self._loop)
         self._app = create_app(self.service)
         uvicorn_config = uvicorn.Config(
             self._app,

@@ -7,7 +7,13 @@ thread when it is handed over (bad input fails its future with category "user" a
 then runs on the engine's worker in the order it was handed over, which `Sequencer` makes the
 `seq_id` order of each model.
 
-Models: a client's `create_model` adds a run to the engine (a LoRA policy sharing the base, up to the
+Base models: every base model the server holds has its engine (`BaseModels`, the one map from a base
+model to its engine); a model or sampler records the engine it lives on, so each operation goes to its
+base model's worker, in its model's order, and the ordering, limits and hostile-input checks hold per
+model as with one base. A request naming a base model not yet loaded loads it when the server allows it
+(`ServerConfig.allowed_base_models`), within the memory budget; others are refused.
+
+Models: a client's `create_model` adds a run to its base model's engine (a LoRA policy sharing the base, up to the
 engine's `max_models`), under the id the SDK itself derives for `create_training_client_from_state`,
 `"<session id>:train:<model_seq_id>"`. With SkyRL's `model_role: "critic"` it becomes the critic of the
 session's latest policy run instead. A sampling session pins weights on the engine: the base model, a
@@ -30,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.engine.interface import Restore
+from workbench.engine.local.base_models import BaseModels
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.engine.roles import Role
@@ -43,8 +50,8 @@ from workbench.server.future_table import FutureTable, PendingResult
 from workbench.server.ordering import Sequencer, digest_of
 from workbench.server.sessions import ClientSession, ServedModel, ServedSampler, SessionTable
 from workbench.server.wire import ForwardBackwardCall
-from workbench.storage import checkpoint_store
-from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo
+from workbench.storage import checkpoint_store, external_weights
+from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo, CheckpointKind
 from workbench.storage.model_folders import (
     TINKER_SCHEME,
     CheckpointAddress,
@@ -86,11 +93,19 @@ class RunRecord:
     """A run as the training-run endpoints describe it (kept for runs whose session ended)."""
 
     model_dir: Path
+    base_model: str
     owner: str  # the client session that made it ("workbench": the serving session's own)
     lora_rank: int
     last_request: float
     created_at: float
     user_metadata: dict[str, str]
+
+
+CHECKPOINT_TYPES: dict[CheckpointKind, str] = {
+    "state": "training",
+    "sampler": "sampler",
+    "external": "external",
+}
 
 
 def _iso(seconds: float | None) -> str | None:
@@ -129,18 +144,20 @@ class TinkerService:
     """The server's state and the work of every endpoint.
 
     Args:
-        engine: The engine every operation runs on.
+        base_models: The base models served, each on its engine; the first is the serving session's.
         config: The server's settings.
         loop: The server's event loop (engine futures are resolved onto it).
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig, loop: asyncio.AbstractEventLoop):
-        self.engine = engine
+    def __init__(self, base_models: BaseModels, config: ServerConfig, loop: asyncio.AbstractEventLoop):
+        self.base_models = base_models
+        self.engine = base_models.engines()[0]
+        """The first base model's engine (the serving session's): its settings are the server's."""
         self.config = config
         self.futures = FutureTable(loop)
         self.futures.on_finish = self._log_finished
         self.sequencer = Sequencer()
-        self.sessions = SessionTable(engine.config.base_model)
+        self.sessions = SessionTable(self.engine.config.base_model)
         self.models: dict[str, ServedModel] = {}
         self.samplers: dict[str, ServedSampler] = {}
         self.released_samplers: dict[str, None] = {}  # newest last, at most RELEASED_SAMPLERS_KEPT
@@ -151,27 +168,45 @@ class TinkerService:
 
     # ------------------------------------------------------------------------------------------ identity
 
-    @property
-    def base_model(self) -> str:
-        return self.engine.config.base_model
+    def engines(self) -> list[Engine]:
+        """The engines of the base models loaded now, the serving session's first."""
+        return self.base_models.engines()
 
-    @property
-    def model_name(self) -> str:
-        """The base model as clients name it for a tokenizer: the folder (or hub id) it was loaded from."""
-        return self.engine.base_info.path
+    def served_names(self) -> list[str]:
+        """The base models clients may name: those loaded, then those allowed to load on first use."""
+        loaded = [engine.config.base_model for engine in self.engines()]
+        return loaded + [name for name in self.config.allowed_base_models if name not in loaded]
 
-    def check_base_model(self, name: str, where: str) -> None:
-        """A request names this server's base model: its alias, its folder, or its hub id."""
-        served = {self.base_model, self.model_name}
-        if name in served or resolve_model_path(name) in served:
-            return
-        raise RequestError(f"{where}: this server serves {self.base_model!r}, not {name!r}")
+    async def engine_for(self, name: str, where: str) -> Engine:
+        """The engine of the base model a request names (its alias, its folder or its hub id), loaded
+        now (off the event loop) when the server allows it on first use; refused otherwise."""
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"{where}: base_model must be a non-empty string")
+        found = self.base_models.find(name)
+        if found is None:
+            found = next((e for e in self.engines() if name in (e.config.base_model, e.base_info.path)), None)
+        if found is not None:
+            return found
+        allowed = {resolve_model_path(n) for n in self.config.allowed_base_models}
+        if name not in self.config.allowed_base_models and resolve_model_path(name) not in allowed:
+            raise RequestError(f"{where}: this server serves {self.served_names()}, not {name!r}")
+        try:
+            return await asyncio.to_thread(self.base_models.engine, name)
+        except (ValueError, OSError) as error:
+            raise RequestError(f"{where}: {message_of(error)}") from None
+
+    def engine_of_run(self, run_id: str) -> Engine | None:
+        """The engine a run is live on, if any."""
+        return next((e for e in self.engines() if run_id in e.model_ids()), None)
+
+    def live_runs(self) -> dict[str, Engine]:
+        return {run_id: engine for engine in self.engines() for run_id in engine.model_ids()}
 
     def client_message(self, text: str) -> str:
         """An error message as a client may read it: a checkpoint's folder named by its tinker:// path,
         a run's folder by its run, and the runs root, the base model's folder and the home folder by what
         they are, so that no answer tells a client where things are on this machine."""
-        runs = {run_id: self.engine.model_status(run_id).model_dir for run_id in self.engine.model_ids()}
+        runs = {run_id: engine.model_status(run_id).model_dir for run_id, engine in self.live_runs().items()}
         root = str(runs_root())
         for kind, segment in (("state", "weights"), ("sampler", "sampler_weights")):
             folder = (
@@ -190,11 +225,8 @@ class TinkerService:
                     text,
                 )
             text = text.replace(str(model_dir), f"tinker://{run_id}")
-        for folder, name in (
-            (str(runs_root()), "<runs folder>"),
-            (self.model_name, self.base_model),
-            (str(Path.home()), "~"),
-        ):
+        base_folders = [(e.base_info.path, e.config.base_model) for e in self.engines()]
+        for folder, name in [(str(runs_root()), "<runs folder>"), *base_folders, (str(Path.home()), "~")]:
             text = text.replace(folder, name)
         return text
 
@@ -202,15 +234,23 @@ class TinkerService:
         return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": self.config.compress_requests}
 
     def capabilities(self) -> dict[str, Any]:
+        loaded = {
+            engine.config.base_model: {
+                "model_name": engine.config.base_model,
+                "max_context_length": engine.base_info.max_length,
+                "trainable": True,
+                "sampleable": True,
+                "loaded": True,  # beyond the SDK's fields: in memory now, or loaded on first use
+            }
+            for engine in self.engines()
+        }
+        on_first_use = {
+            name: {"model_name": name, "trainable": True, "sampleable": True, "loaded": False}
+            for name in self.served_names()
+            if name not in loaded
+        }
         return {
-            "supported_models": [
-                {
-                    "model_name": self.base_model,
-                    "max_context_length": self.engine.base_info.max_length,
-                    "trainable": True,
-                    "sampleable": True,
-                }
-            ],
+            "supported_models": [*loaded.values(), *on_first_use.values()],
             # beyond the SDK's fields (its response model keeps extras): the losses forward_backward takes
             "supported_loss_fns": sorted(LOSSES),
         }
@@ -242,11 +282,11 @@ class TinkerService:
             del self._creations[model_id]
         policy_runs = {m.run_id for m in served if m.role is Role.POLICY}
         removals = [
-            self.engine.delete_critic(m.run_id)
+            m.engine.delete_critic(m.run_id)
             for m in served
             if m.role is Role.CRITIC and m.run_id not in policy_runs
         ]
-        removals += [self.engine.delete_model(m.run_id) for m in served if m.role is Role.POLICY]
+        removals += [m.engine.delete_model(m.run_id) for m in served if m.role is Role.POLICY]
         log.info("session %s ended (%s): freeing %d model(s)", session.session_id, why, len(served))
         return removals
 
@@ -274,7 +314,7 @@ class TinkerService:
         model.last_request = time.time()
         return model
 
-    def create_model(self, request: schemas.CreateModelRequest, payload: bytes) -> dict[str, Any]:
+    async def create_model(self, request: schemas.CreateModelRequest, payload: bytes) -> dict[str, Any]:
         session = self.sessions.get(request.session_id)
         model_id = f"{session.session_id}:train:{request.model_seq_id}"
         earlier = self._creations.get(model_id)
@@ -284,15 +324,18 @@ class TinkerService:
                     f"model_seq_id {request.model_seq_id} was already used by another request", 409
                 )
             return {"request_id": earlier[1].request_id, "model_id": model_id}
-        self.check_base_model(request.base_model, "create_model")
         _check_optimizer(request.optimizer_config, "create_model")
         metadata = _string_metadata(request.user_metadata, "create_model")
         body = request.lora_config or schemas.LoraConfigBody()
+        engine = await self.engine_for(request.base_model, "create_model")
+        earlier = self._creations.get(model_id)
+        if earlier is not None:  # the same request again, answered while the base model loaded
+            return {"request_id": earlier[1].request_id, "model_id": model_id}
         entry = self.futures.add("create_model", model_id)
         self._creations[model_id] = (digest_of(payload), entry)
         try:
             if request.model_role == "critic":
-                run_id = self._critic_run(session)
+                run_id, engine = self._critic_run(session)
                 critic = LoraConfig(
                     rank=body.rank,
                     seed=body.seed,
@@ -300,12 +343,12 @@ class TinkerService:
                     train_mlp=body.train_mlp,
                     train_attn=body.train_attn,
                 )
-                future: APIFuture[Any] = self.engine.create_critic(run_id, critic)
+                future: APIFuture[Any] = engine.create_critic(run_id, critic)
                 role = Role.CRITIC
             else:
                 lora = LoraConfig(**body.model_dump())
-                future = self.engine.create_model(
-                    lora, seed=self.engine.config.seed, model_id=model_id, user_metadata=metadata
+                future = engine.create_model(
+                    lora, seed=engine.config.seed, model_id=model_id, user_metadata=metadata
                 )
                 run_id, role = model_id, Role.POLICY
         except (ValueError, TypeError) as error:
@@ -313,24 +356,25 @@ class TinkerService:
             return {"request_id": entry.request_id, "model_id": model_id}
 
         def created(_: Any) -> dict[str, Any]:
-            self._register(ServedModel(model_id, run_id, role, session.session_id), session)
+            self._register(ServedModel(model_id, run_id, role, session.session_id, engine), session)
             return {"type": "create_model", "model_id": model_id}
 
         self.futures.resolve_with(entry, future.future(), created)
         return {"request_id": entry.request_id, "model_id": model_id}
 
-    def _critic_run(self, session: ClientSession) -> str:
+    def _critic_run(self, session: ClientSession) -> tuple[str, Engine]:
         policies = [m for m in session.models if m in self.models and self.models[m].role is Role.POLICY]
         if not policies:
             raise ValueError(
                 "a critic (model_role 'critic') shares a policy's run: create the policy with "
                 "create_lora_training_client in this session first"
             )
-        return self.models[policies[-1]].run_id
+        policy = self.models[policies[-1]]
+        return policy.run_id, policy.engine
 
     def _register(self, model: ServedModel, session: ClientSession) -> None:
         if session.ended is not None:  # the session ended while the model was being made
-            (self.engine.delete_critic if model.role is Role.CRITIC else self.engine.delete_model)(
+            (model.engine.delete_critic if model.role is Role.CRITIC else model.engine.delete_model)(
                 model.run_id
             )
             return
@@ -346,19 +390,20 @@ class TinkerService:
             model = self.served(request.model_id)
         except ValueError as error:
             raise RequestError(str(error), 404) from None
-        status = self.engine.model_status(model.run_id)
+        status = model.engine.model_status(model.run_id)
         lora = status.critic_lora if model.role is Role.CRITIC else status.lora
+        folder = model.engine.base_info.path  # what clients load a tokenizer from
         return {
             "type": "get_info",
             "model_id": model.model_id,
             "model_data": {
-                "arch": self.engine.base_info.model_type,
-                "model_name": self.model_name,
-                "tokenizer_id": self.model_name,
+                "arch": model.engine.base_info.model_type,
+                "model_name": folder,
+                "tokenizer_id": folder,
             },
             "is_lora": True,
             "lora_rank": None if lora is None else lora.rank,
-            "model_name": self.model_name,
+            "model_name": folder,
         }
 
     # ------------------------------------------------------------------------------------------ ordered ops
@@ -407,7 +452,7 @@ class TinkerService:
 
     def forward_backward(self, call: ForwardBackwardCall, payload: bytes) -> dict[str, Any]:
         def submit(model: ServedModel) -> tuple[APIFuture[ForwardBackwardOutput], Callable[[Any], Any]]:
-            run = self.engine.forward if call.forward_only else self.engine.forward_backward
+            run = model.engine.forward if call.forward_only else model.engine.forward_backward
             return run(model.run_id, model.role, call.data(), call.loss_fn, call.loss_fn_config()), _same
 
         op = "forward" if call.forward_only else "forward_backward"
@@ -420,7 +465,7 @@ class TinkerService:
                     f"optimizer_params {request.optimizer_params.get('type')!r}: this server trains with AdamW (adam_params)"
                 )
             params = (request.adam_params or schemas.AdamParamsBody()).model_dump(exclude={"type"})
-            future = self.engine.optim_step(model.run_id, model.role, params)
+            future = model.engine.optim_step(model.run_id, model.role, params)
             return future, lambda response: {"type": "optim_step", "metrics": dict(response.metrics)}
 
         return self._ordered("optim_step", request.model_id, request.seq_id, payload, submit)
@@ -429,7 +474,7 @@ class TinkerService:
         def submit(model: ServedModel) -> tuple[APIFuture[Any], Callable[[Any], Any]]:
             if request.path is None:
                 raise ValueError("save_weights needs a checkpoint name (path)")
-            future = self.engine.save_state(
+            future = model.engine.save_state(
                 model.run_id,
                 request.path,
                 overwrite=request.overwrite,
@@ -451,7 +496,7 @@ class TinkerService:
                     f"sampling client kind {request.kind!r} is not available here; use 'snapshot'"
                 )
             if request.path is not None:
-                future = self.engine.save_weights_for_sampler(
+                future = model.engine.save_weights_for_sampler(
                     model.run_id,
                     request.path,
                     ttl_seconds=request.ttl_seconds,
@@ -461,8 +506,10 @@ class TinkerService:
             if request.sampling_session_seq_id is None:
                 raise ValueError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
             sampler_id = f"{model.session_id}:sample:{request.sampling_session_seq_id}"
-            pin = self.engine.pin_sampler(model.run_id)
-            self._add_sampler(ServedSampler(sampler_id, pin, model.session_id, None, model.model_id))
+            pin = model.engine.pin_sampler(model.run_id)
+            self._add_sampler(
+                ServedSampler(sampler_id, pin, model.session_id, None, model.model_id, model.engine)
+            )
             return pin, lambda _: {
                 "type": "save_weights_for_sampler",
                 "path": None,
@@ -471,23 +518,53 @@ class TinkerService:
 
         return self._ordered("save_weights_for_sampler", request.model_id, request.seq_id, payload, submit)
 
-    def load_weights(self, request: schemas.LoadWeightsRequest, payload: bytes) -> dict[str, Any]:
+    def save_weights_external(
+        self, request: schemas.SaveWeightsExternalRequest, payload: bytes
+    ) -> dict[str, Any]:
+        def submit(model: ServedModel) -> tuple[APIFuture[Any], Callable[[Any], Any]]:
+            if model.role is not Role.POLICY:
+                raise ValueError(f"{model.model_id} is a critic: only a policy has weights to export")
+            future = model.engine.save_weights_external(
+                model.run_id,
+                request.path,
+                ttl_seconds=request.ttl_seconds,
+                age_encryption_recipients=request.age_encryption_recipients,
+            )
+            return future, lambda response: {
+                "type": "save_weights_external",
+                "path": response.path,
+                "size_bytes": sum(f.stat().st_size for f in Path(response.folder).iterdir()),
+            }
+
+        return self._ordered("save_weights_external", request.model_id, request.seq_id, payload, submit)
+
+    def external_files(self, address: CheckpointAddress) -> tuple[Path, list[str]]:
+        """An external weights checkpoint's folder and the files a client downloads from it."""
+        if address.kind != "external":
+            raise RequestError(
+                f"{address.tinker_path} is not external weights: only tinker://<run>/external_weights/<name> "
+                "checkpoints (save_weights_external) are downloaded file by file"
+            )
+        folder = self.checkpoint_folder(address)
+        return folder, external_weights.downloadable_files(folder)
+
+    async def load_weights(self, request: schemas.LoadWeightsRequest, payload: bytes) -> dict[str, Any]:
         restore = Restore.WITH_OPTIMIZER if request.optimizer else Restore.WEIGHTS
         _checkpoint_path(request.path, "load_weights.path")
         if request.weights_access_token is not None:
             raise RequestError("weights_access_token: this server has no other accounts to read weights from")
         if request.model_id is None:
-            return self._create_from_state(request, restore, payload)
+            return await self._create_from_state(request, restore, payload)
         if request.seq_id is None:
             raise RequestError("load_weights into a model needs its seq_id")
 
         def submit(model: ServedModel) -> tuple[APIFuture[Any], Callable[[Any], Any]]:
-            future = self.engine.load_state(model.run_id, request.path, restore)
+            future = model.engine.load_state(model.run_id, request.path, restore)
             return future, lambda response: {"type": "load_weights", "path": response.path}
 
         return self._ordered("load_weights", request.model_id, request.seq_id, payload, submit)
 
-    def _create_from_state(
+    async def _create_from_state(
         self, request: schemas.LoadWeightsRequest, restore: Restore, payload: bytes
     ) -> dict[str, Any]:
         """SDK 0.38's `create_training_client_from_state*`: a new model built from a state checkpoint."""
@@ -504,14 +581,18 @@ class TinkerService:
                     f"model_seq_id {request.model_seq_id} was already used by another request", 409
                 )
             return {"request_id": earlier[1].request_id, "model_id": model_id}
-        if request.base_model is not None:
-            self.check_base_model(request.base_model, "load_weights")
         _check_optimizer(request.optimizer_config, "load_weights")
         metadata = _string_metadata(request.user_metadata, "load_weights")
+        engine = await self.engine_for(
+            request.base_model or self.saved_base_model(request.path, "load_weights"), "load_weights"
+        )
+        earlier = self._creations.get(model_id)
+        if earlier is not None:  # the same request again, answered while the base model loaded
+            return {"request_id": earlier[1].request_id, "model_id": model_id}
         entry = self.futures.add("load_weights", model_id)
         self._creations[model_id] = (digest_of(payload), entry)
         try:
-            future = self.engine.create_model_from_state(
+            future = engine.create_model_from_state(
                 request.path, restore=restore, model_id=model_id, user_metadata=metadata
             )
         except (ValueError, TypeError) as error:
@@ -519,7 +600,7 @@ class TinkerService:
             return {"request_id": entry.request_id, "model_id": model_id}
 
         def created(_: Any) -> dict[str, Any]:
-            self._register(ServedModel(model_id, model_id, Role.POLICY, session.session_id), session)
+            self._register(ServedModel(model_id, model_id, Role.POLICY, session.session_id, engine), session)
             return {"type": "load_weights", "path": request.path, "model_id": model_id}
 
         self.futures.resolve_with(entry, future.future(), created)
@@ -551,7 +632,7 @@ class TinkerService:
                 owner = self.sessions.find(sampler.session_id)
                 if owner.ended is None and sampler_id in owner.samplers:
                     owner.samplers.remove(sampler_id)  # a live session lists the samplers still pinned
-            self.engine.release_sampler(sampler.pin)
+            sampler.engine.release_sampler(sampler.pin)
 
     def sampler(self, sampler_id: str) -> ServedSampler:
         sampler = self.samplers.get(sampler_id)
@@ -568,20 +649,33 @@ class TinkerService:
         session = self.sessions.get(request.session_id)
         sampler_id = f"{session.session_id}:sample:{request.sampling_session_seq_id}"
         if sampler_id not in self.samplers:
-            if request.base_model is not None:
-                self.check_base_model(request.base_model, "create_sampling_session")
+            where = "create_sampling_session"
             if request.model_path is not None:
                 _checkpoint_path(request.model_path, "create_sampling_session.model_path")
+            if request.base_model is None and request.model_path is None:
+                raise RequestError(f"{where}: give a base_model or a model_path")
+            if request.model_path is not None and request.base_model is not None:
+                saved = self.saved_base_model(request.model_path, where)
+                if resolve_model_path(saved) != resolve_model_path(request.base_model):
+                    raise RequestError(
+                        f"{where}: {request.model_path} was saved on base model {saved!r}, "
+                        f"not {request.base_model!r}"
+                    )
+            engine = await self.engine_for(
+                request.base_model or self.saved_base_model(request.model_path or "", where), where
+            )
             try:
                 pin = (
-                    self.engine.pin_sampler(None)
+                    engine.pin_sampler(None)
                     if request.model_path is None
-                    else self.engine.pin_sampler_checkpoint(request.model_path)
+                    else engine.pin_sampler_checkpoint(request.model_path)
                 )
                 await asyncio.wrap_future(pin.future())
             except (ValueError, TypeError) as error:
-                raise RequestError(f"create_sampling_session: {message_of(error)}") from None
-            self._add_sampler(ServedSampler(sampler_id, pin, session.session_id, request.model_path, None))
+                raise RequestError(f"{where}: {message_of(error)}") from None
+            self._add_sampler(
+                ServedSampler(sampler_id, pin, session.session_id, request.model_path, None, engine)
+            )
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     def get_sampler(self, sampler_id: str) -> dict[str, Any]:
@@ -589,7 +683,11 @@ class TinkerService:
             sampler = self.sampler(sampler_id)
         except ValueError as error:
             raise RequestError(str(error), 404) from None
-        return {"sampler_id": sampler_id, "base_model": self.model_name, "model_path": sampler.model_path}
+        return {
+            "sampler_id": sampler_id,
+            "base_model": sampler.engine.base_info.path,
+            "model_path": sampler.model_path,
+        }
 
     def asample(self, request: schemas.SampleRequest, payload: bytes) -> dict[str, Any]:
         if request.sampling_session_id is None:
@@ -605,9 +703,9 @@ class TinkerService:
                     target_ids, layout = wire.target_ids(request.target_prompt_logprobs)
                 sampler = self.sampler(request.sampling_session_id or "")
                 params = SamplingParams(**request.sampling_params.model_dump())
-                check_num_samples(request.num_samples, self.engine.config.max_samples_per_request)
+                check_num_samples(request.num_samples, sampler.engine.config.max_samples_per_request)
                 ids = _sequence_ids(entry.request_id, request.num_samples)
-                future = self.engine.sample(
+                future = sampler.engine.sample(
                     sampler.pin,
                     request.prompt.text_tokens(),
                     request.num_samples,
@@ -636,7 +734,9 @@ class TinkerService:
             start,
             ordered=False,
         )
-        counted = 1 <= request.num_samples <= self.engine.config.max_samples_per_request
+        known = self.samplers.get(request.sampling_session_id)
+        limit = (self.engine if known is None else known.engine).config.max_samples_per_request
+        counted = 1 <= request.num_samples <= limit
         return {
             "request_id": request_id,
             # a count out of range fails the request (above); no ids are made for it
@@ -649,7 +749,7 @@ class TinkerService:
         """The engine run a training run id (or a served model id) names, if it is on the engine."""
         model = self.models.get(training_run_id)
         run_id = model.run_id if model is not None else training_run_id
-        return run_id if run_id in self.engine.model_ids() else None
+        return run_id if self.engine_of_run(run_id) is not None else None
 
     def _stored_run(self, run_id: str) -> RunRecord | None:
         """A run off the engine, described by its folder under the runs root (its run.json): a run whose
@@ -666,6 +766,7 @@ class TinkerService:
             metadata = info.get("user_metadata") or {}
             return RunRecord(
                 model_dir=model_dir,
+                base_model=str(info.get("base_model", "")),
                 owner=self.client_runs.get(run_id, HOST_OWNER),
                 lora_rank=int(info["lora"]["rank"]),
                 last_request=float(info["created_at"]),
@@ -688,16 +789,25 @@ class TinkerService:
         raise RequestError(f"no training run {training_run_id!r} on this server", 404)
 
     def _run_checkpoints(self, run_id: str) -> list[CheckpointInfo]:
-        if run_id in self.engine.model_ids():
-            return self.engine.list_checkpoints(run_id)
+        engine = self.engine_of_run(run_id)
+        if engine is not None:
+            return engine.list_checkpoints(run_id)
         stored = self._stored_run(run_id)
         return [] if stored is None else checkpoint_store.list_checkpoints(stored.model_dir)
+
+    def _base_model_of_run(self, run_id: str) -> str | None:
+        engine = self.engine_of_run(run_id)
+        if engine is not None:
+            return engine.config.base_model
+        stored = self._stored_run(run_id)
+        return None if stored is None else stored.base_model
 
     def checkpoint_json(self, run_id: str, info: CheckpointInfo) -> dict[str, Any]:
         address = CheckpointAddress(run_id, info.kind, info.name)
         return {
             "checkpoint_id": address.checkpoint_id,
-            "checkpoint_type": "training" if info.kind == "state" else "sampler",
+            "checkpoint_type": CHECKPOINT_TYPES[info.kind],
+            "base_model": self._base_model_of_run(run_id),  # SDK 0.39 reads it; 0.38 ignores it
             "time": _iso(info.time),
             "tinker_path": address.tinker_path,
             "size_bytes": info.size_bytes,
@@ -709,13 +819,16 @@ class TinkerService:
     def _run_record(self, run_id: str, owner: str | None = None) -> RunRecord:
         """What a run on the engine is, as the training-run endpoints describe it; `owner` for a run
         whose model has already left the table (its session ending)."""
-        status = self.engine.model_status(run_id)
+        engine = self.engine_of_run(run_id)
+        assert engine is not None
+        status = engine.model_status(run_id)
         model = self.models.get(run_id)
         times = [m.last_request for m in self.models.values() if m.run_id == run_id]
         if owner is None:
             owner = model.session_id if model is not None else HOST_OWNER
         return RunRecord(
             model_dir=status.model_dir,
+            base_model=engine.config.base_model,
             owner=owner,
             lora_rank=status.lora.rank,
             last_request=max(times, default=status.created_at),
@@ -725,14 +838,15 @@ class TinkerService:
 
     def training_run(self, training_run_id: str) -> dict[str, Any]:
         run_id = self._known_run(training_run_id)
-        record = self._run_record(run_id) if run_id in self.engine.model_ids() else self._stored_run(run_id)
+        engine = self.engine_of_run(run_id)
+        record = self._run_record(run_id) if engine is not None else self._stored_run(run_id)
         if record is None:
             raise RequestError(f"no training run {training_run_id!r} on this server", 404)
         checkpoints = self._run_checkpoints(run_id)
         last = {kind: [c for c in checkpoints if c.kind == kind] for kind in ("state", "sampler")}
         return {
             "training_run_id": run_id,
-            "base_model": self.base_model,
+            "base_model": engine.config.base_model if engine is not None else record.base_model,
             "model_owner": record.owner,
             "is_lora": True,
             "corrupted": False,
@@ -747,8 +861,9 @@ class TinkerService:
 
     def _all_runs(self) -> list[str]:
         """Every run the server knows, newest first."""
-        live = self.engine.model_ids()
-        created = {run_id: self.engine.model_status(run_id).created_at for run_id in live}
+        created = {
+            run_id: engine.model_status(run_id).created_at for run_id, engine in self.live_runs().items()
+        }
         for run_id in model_folders({}):
             stored = None if run_id in created else self._stored_run(run_id)
             if stored is not None:
@@ -794,13 +909,14 @@ class TinkerService:
             raise RequestError(str(error)) from None
 
     def checkpoint_folder(self, address: CheckpointAddress) -> Path:
-        known = None if address.run_id in self.engine.model_ids() else self._stored_run(address.run_id)
+        engine = self.engine_of_run(address.run_id)
+        known = None if engine is not None else self._stored_run(address.run_id)
         try:
             if known is not None:
                 return checkpoint_store.require_checkpoint_folder(
                     checkpoint_store.kind_dir(known.model_dir, address.kind) / address.name
                 )
-            return self.engine.checkpoint_folder(address.tinker_path, address.kind)
+            return (engine or self.engine).checkpoint_folder(address.tinker_path, address.kind)
         except CheckpointError as error:
             raise RequestError(str(error), 404) from None
 
@@ -821,19 +937,21 @@ class TinkerService:
                 "client: its checkpoints cannot be deleted over HTTP",
                 403,
             )
-        if address.run_id not in self.engine.model_ids():  # no operation of the run is left to race
+        engine = self.engine_of_run(address.run_id)
+        if engine is None:  # no operation of the run is left to race
             stored = self._stored_run(address.run_id)
             if stored is not None:
                 checkpoint_store.delete(stored.model_dir, address.name, address.kind)
             return
-        removal = self.engine.delete_checkpoint(address.run_id, address.name, address.kind)
+        removal = engine.delete_checkpoint(address.run_id, address.name, address.kind)
         await asyncio.wrap_future(removal.future())
 
     async def weights_info(self, request: schemas.WeightsInfoRequest) -> dict[str, Any]:
         try:
             address = CheckpointAddress.parse(request.tinker_path)
+            engine = self.engine_of_run(address.run_id) or self.engine
             if address.kind == "state":
-                saved = await asyncio.to_thread(self.engine.read_state, request.tinker_path)
+                saved = await asyncio.to_thread(engine.read_state, request.tinker_path)
                 lora: LoraConfig = saved.session_arguments["lora"]
                 return {
                     "base_model": saved.session_arguments["base_model"],
@@ -843,11 +961,21 @@ class TinkerService:
                     "train_mlp": lora.train_mlp,
                     "train_attn": lora.train_attn,
                 }
-            folder = self.engine.checkpoint_folder(request.tinker_path, "sampler")
+            folder = engine.checkpoint_folder(request.tinker_path, "sampler")
             adapter = json.loads((folder / "adapter_config.json").read_text())
+            base_model = self.saved_base_model(request.tinker_path, "weights_info")
         except (CheckpointError, ValueError, OSError) as error:
             raise RequestError(f"weights_info: {message_of(error)}", 404) from None
-        return {"base_model": self.base_model, "is_lora": True, "lora_rank": adapter.get("r")}
+        return {"base_model": base_model, "is_lora": True, "lora_rank": adapter.get("r")}
+
+    def saved_base_model(self, path: str, where: str) -> str:
+        """The base model a checkpoint (`tinker://` path) was saved on, as its engine was made with it."""
+        _checkpoint_path(path, where)
+        known = {run_id: engine.model_status(run_id).model_dir for run_id, engine in self.live_runs().items()}
+        try:
+            return Engine.checkpoint_base_model(path, known)
+        except (CheckpointError, ValueError, OSError) as error:
+            raise RequestError(f"{where}: {message_of(error)}", 404) from None
 
     # ------------------------------------------------------------------------------------------ log
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.engine.interface import SamplerPin
+from workbench.engine.local.engine import Engine
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
 from workbench.server.errors import RequestError
@@ -29,6 +30,7 @@ class ServedModel:
     run_id: str  # the engine's run (for a policy, the same id)
     role: Role
     session_id: str
+    engine: Engine  # its base model's
     last_request: float = field(default_factory=time.time)
 
 
@@ -41,6 +43,7 @@ class ServedSampler:
     session_id: str
     model_path: str | None  # the checkpoint it samples, if any
     model_id: str | None  # the served model whose current weights it pinned (an ephemeral sampler)
+    engine: Engine  # its base model's
 
 
 @dataclass

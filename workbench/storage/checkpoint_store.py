@@ -35,9 +35,13 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE_DIR = "checkpoints"
 SAMPLER_DIR = "sampler_weights"
-INFO_FILE = {"state": "config.json", "sampler": "sampler.json"}  # per kind: the file with step and time
+EXTERNAL_DIR = "external_weights"
+# per kind: the file with step and time
+INFO_FILE = {"state": "config.json", "sampler": "sampler.json", "external": "external.json"}
 
-CheckpointKind = Literal["state", "sampler"]
+CheckpointKind = Literal["state", "sampler", "external"]
+KINDS: tuple[CheckpointKind, ...] = ("state", "sampler", "external")
+_KIND_DIRS: dict[CheckpointKind, str] = {"state": STATE_DIR, "sampler": SAMPLER_DIR, "external": EXTERNAL_DIR}
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<what>tmp|old|deleting)-[0-9a-f]+")
@@ -59,7 +63,8 @@ class CheckpointInfo:
     name: str
     path: Path  # the folder
     kind: (
-        CheckpointKind  # "state": save_state (resumable); "sampler": save_weights_for_sampler (adapter only)
+        CheckpointKind  # "state": save_state (resumable); "sampler": save_weights_for_sampler (adapter
+        # only); "external": save_weights_external (the adapter's files, age-encrypted when asked)
     )
     step: int  # the policy's optimizer step when it was saved
     time: float  # unix seconds
@@ -92,7 +97,7 @@ def check_free(target: Path, overwrite: bool) -> None:
 
 
 def kind_dir(model_dir: Path, kind: CheckpointKind) -> Path:
-    return model_dir / (STATE_DIR if kind == "state" else SAMPLER_DIR)
+    return model_dir / _KIND_DIRS[kind]
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -247,11 +252,11 @@ def read_verified(folder: Path) -> dict[str, bytes]:
 
 
 def list_checkpoints(model_dir: Path) -> list[CheckpointInfo]:
-    """The run's complete checkpoints (state and sampler), oldest first. Leftovers and expired
+    """The run's complete checkpoints (state, sampler and external weights), oldest first. Leftovers and expired
     checkpoints are skipped; a complete folder whose info file cannot be read is skipped with a warning
     naming it."""
     infos: list[CheckpointInfo] = []
-    for kind in ("state", "sampler"):
+    for kind in KINDS:
         parent = kind_dir(model_dir, kind)
         if not parent.is_dir():
             continue
@@ -315,14 +320,14 @@ def cleanup(model_dir: Path) -> list[Path]:
     run out; returns what was removed. An old folder set aside by an interrupted overwrite whose
     replacement never arrived is moved back instead."""
     removed: list[Path] = []
-    for kind in ("state", "sampler"):
+    for kind in KINDS:
         parent = kind_dir(model_dir, kind)
         if parent.is_dir():
             for folder in sorted(parent.iterdir()):
                 if not folder.name.startswith(".") and folder.is_dir() and _expired(folder, kind):
                     delete(model_dir, folder.name, kind)
                     removed.append(folder)
-    for kind in ("state", "sampler"):
+    for kind in KINDS:
         parent = kind_dir(model_dir, kind)
         if not parent.is_dir():
             continue

@@ -41,7 +41,11 @@ from workbench.storage.checkpoint_store import (
 RUNS_ENV = "WORKBENCH_RUNS"
 MODEL_INFO = "run.json"
 TINKER_SCHEME = "tinker://"
-SEGMENTS: dict[CheckpointKind, str] = {"state": "weights", "sampler": "sampler_weights"}
+SEGMENTS: dict[CheckpointKind, str] = {
+    "state": "weights",
+    "sampler": "sampler_weights",
+    "external": "external_weights",
+}
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 
@@ -120,7 +124,7 @@ class CheckpointAddress:
         if len(parts) != 3 or parts[1] not in kinds:
             raise CheckpointError(
                 f"{path!r} is not a checkpoint path: expected tinker://<run id>/weights/<name> or "
-                "tinker://<run id>/sampler_weights/<name>"
+                "tinker://<run id>/sampler_weights/<name> (or external_weights/<name>)"
             )
         try:
             check_model_id(parts[0])
@@ -161,11 +165,11 @@ def resolve_checkpoint(
     if isinstance(path_or_name, str) and path_or_name.startswith(TINKER_SCHEME):
         address = CheckpointAddress.parse(path_or_name)
         if address.kind != kind:
-            wanted = (
-                "a state checkpoint (tinker://<run>/weights/<name>)"
-                if kind == "state"
-                else "sampler weights (tinker://<run>/sampler_weights/<name>)"
-            )
+            wanted = {
+                "state": "a state checkpoint (tinker://<run>/weights/<name>)",
+                "sampler": "sampler weights (tinker://<run>/sampler_weights/<name>)",
+                "external": "external weights (tinker://<run>/external_weights/<name>)",
+            }[kind]
             raise CheckpointError(f"{path_or_name} is not {wanted}")
         folder = address.folder(known_runs)
         if not folder.is_dir():

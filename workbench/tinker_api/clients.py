@@ -38,6 +38,7 @@ from workbench.types import (
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
@@ -285,6 +286,36 @@ class TrainingClient:
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """The SDK's deprecated twin: `await` it for the future of `save_weights_for_sampler`."""
         return self.save_weights_for_sampler(name, ttl_seconds, user_metadata, overwrite=overwrite)
+
+    def save_weights_external(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: list[str] | None = None,
+    ) -> APIFuture[SaveWeightsExternalResponse]:
+        """Save the policy's adapter in the external format: peft's `adapter_config.json` and
+        `adapter_model.safetensors` (what tinker-cookbook's `weights.build_lora_adapter` and
+        `build_hf_model`, peft and vLLM read) in `<model_dir>/external_weights/<name>`; `.path` is
+        `tinker://<run>/external_weights/<name>`, listed and deleted like any checkpoint, its files
+        downloaded through `RestClient.get_external_weights_urls`. With `age_encryption_recipients`
+        (1 to 10 `age1...` keys or SSH public keys) every file is age-encrypted to them and named
+        `<file>.age`. `ttl_seconds` as for `save_state`."""
+        self._require_policy("external weights")
+        return self._engine.save_weights_external(
+            self._model_id,
+            name,
+            ttl_seconds=ttl_seconds,
+            age_encryption_recipients=age_encryption_recipients,
+        )
+
+    async def save_weights_external_async(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: list[str] | None = None,
+    ) -> APIFuture[SaveWeightsExternalResponse]:
+        """The SDK's deprecated twin: `await` it for the future of `save_weights_external`."""
+        return self.save_weights_external(name, ttl_seconds, age_encryption_recipients)
 
     # ------------------------------------------------------------------------------------------ sampling
 

@@ -8,23 +8,29 @@ through the engine), deleting one of a finished run's is immediate. Every method
 (resolved already: reading folders takes no queue), and has the SDK's `*_async` twin where the SDK has
 one. Responses have the SDK's shapes (`TrainingRun`, `Checkpoint`, `CheckpointsListResponse`, ...).
 
-The SDK's account, session, project, billing, publishing and signed-URL methods have no local meaning
-and are not here (docs/tinker-parity.md).
+External weights (`save_weights_external`) are downloaded file by file: `get_external_weights_urls`
+gives `file://` URLs of their files here (a server gives URLs of its own, signed), valid for
+`EXTERNAL_URL_LIFETIME_S`, as the SDK's are.
+
+The SDK's account, session, project, billing and publishing methods have no local meaning and are not
+here (docs/tinker-parity.md).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from workbench.engine.local.base_models import BaseModels
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.builtin_models import BUILTIN_MODELS
 from workbench.futures import APIFuture
-from workbench.storage import checkpoint_store
+from workbench.storage import checkpoint_store, external_weights
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo, CheckpointKind
 from workbench.storage.model_folders import (
     CheckpointAddress,
@@ -33,11 +39,18 @@ from workbench.storage.model_folders import (
     read_model_info,
     runs_root,
 )
+from workbench.types import ExternalWeightsUrlsResponse
 
 T = TypeVar("T")
 
-CheckpointType = Literal["training", "sampler"]
-_CHECKPOINT_TYPES: dict[CheckpointKind, CheckpointType] = {"state": "training", "sampler": "sampler"}
+CheckpointType = Literal["training", "sampler", "external"]
+CHECKPOINT_TYPES: dict[CheckpointKind, CheckpointType] = {
+    "state": "training",
+    "sampler": "sampler",
+    "external": "external",
+}
+EXTERNAL_URL_LIFETIME_S = 900
+"""How long the URLs of external weights' files are valid (a server's are signed for as long)."""
 LOCAL_OWNER = "local"
 
 
@@ -45,7 +58,7 @@ LOCAL_OWNER = "local"
 class Checkpoint:
     """One checkpoint, in the shape of Tinker's `Checkpoint`."""
 
-    checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
+    checkpoint_id: str  # "weights/<name>", "sampler_weights/<name>" or "external_weights/<name>"
     checkpoint_type: CheckpointType
     time: datetime
     tinker_path: str
@@ -53,6 +66,7 @@ class Checkpoint:
     public: bool = False
     user_metadata: dict[str, str] | None = None
     expires_at: datetime | None = None
+    base_model: str | None = None  # the run's base model (SDK 0.39 reads it)
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,11 @@ def server_capabilities(engines: Sequence[Engine]) -> GetServerCapabilitiesRespo
     )
 
 
+def _base_model_of(folder: Path) -> str | None:
+    info = read_model_info(folder) or {}
+    return None if info.get("base_model") is None else str(info["base_model"])
+
+
 def _done(value: T) -> APIFuture[T]:
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
     future.set_result(value)
@@ -141,16 +160,17 @@ def _datetime(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=UTC)
 
 
-def _checkpoint(info: CheckpointInfo) -> Checkpoint:
+def _checkpoint(info: CheckpointInfo, base_model: str | None) -> Checkpoint:
     address = address_of(info.path)
     return Checkpoint(
         checkpoint_id=address.checkpoint_id,
-        checkpoint_type=_CHECKPOINT_TYPES[info.kind],
+        checkpoint_type=CHECKPOINT_TYPES[info.kind],
         time=_datetime(info.time),
         tinker_path=address.tinker_path,
         size_bytes=info.size_bytes,
         user_metadata=dict(info.user_metadata or {}),
         expires_at=None if info.expires_at is None else _datetime(info.expires_at),
+        base_model=base_model,
     )
 
 
@@ -159,14 +179,23 @@ class RestClient:
 
     Args:
         base_url, api_key: Tinker's connection arguments; there is no server to connect to.
-        engines: Engines whose live runs this client describes (and whose checkpoint deletions go
-            through them, in order); `ServiceClient.create_rest_client()` passes its own.
+        base_models: The base models whose live runs this client describes (and whose checkpoint
+            deletions go through their engines, in order); `ServiceClient.create_rest_client()` passes
+            its own. None: only the folders under the runs root.
     """
 
     def __init__(
-        self, *, base_url: str | None = None, api_key: str | None = None, engines: Sequence[Engine] = ()
+        self,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        base_models: BaseModels | None = None,
     ):
-        self._engines = list(engines)
+        self._base_models = base_models
+
+    @property
+    def _engines(self) -> list[Engine]:
+        return [] if self._base_models is None else self._base_models.engines()
 
     # ------------------------------------------------------------------------------------------ runs
 
@@ -209,15 +238,16 @@ class RestClient:
         samplers = [c for c in checkpoints if c.kind == "sampler"]
         lora = info.get("lora") or {}
         last_time = max([float(info.get("created_at", 0.0)), *(c.time for c in checkpoints)])
+        base_model = str(info["base_model"])
         return TrainingRun(
             training_run_id=training_run_id,
-            base_model=str(info["base_model"]),
+            base_model=base_model,
             model_owner=LOCAL_OWNER,
             is_lora=True,
             last_request_time=_datetime(last_time),
             lora_rank=lora.get("rank"),
-            last_checkpoint=_checkpoint(states[-1]) if states else None,
-            last_sampler_checkpoint=_checkpoint(samplers[-1]) if samplers else None,
+            last_checkpoint=_checkpoint(states[-1], base_model) if states else None,
+            last_sampler_checkpoint=_checkpoint(samplers[-1], base_model) if samplers else None,
             user_metadata=dict(info.get("user_metadata") or {}),
         )
 
@@ -273,7 +303,10 @@ class RestClient:
     def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
         """The run's complete, unexpired checkpoints (state and sampler), oldest first."""
         folder = self._run_folder(training_run_id)
-        return _done(CheckpointsListResponse([_checkpoint(c) for c in self._list(training_run_id, folder)]))
+        base_model = _base_model_of(folder)
+        return _done(
+            CheckpointsListResponse([_checkpoint(c, base_model) for c in self._list(training_run_id, folder)])
+        )
 
     async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:
         return await self.list_checkpoints(training_run_id)
@@ -282,7 +315,7 @@ class RestClient:
         """Every run's checkpoints, newest first."""
         every = sorted(
             (
-                _checkpoint(info)
+                _checkpoint(info, _base_model_of(folder))
                 for run_id, folder in self._folders().items()
                 for info in self._list(run_id, folder)
             ),
@@ -336,6 +369,26 @@ class RestClient:
                 train_attn=lora.get("train_attn"),
             )
         )
+
+    def get_external_weights_urls(self, tinker_path: str) -> APIFuture[ExternalWeightsUrlsResponse]:
+        """A URL per file of an external weights checkpoint (`tinker://<run>/external_weights/<name>`,
+        as `save_weights_external` returns it), valid until `.expires`: `file://` URLs here, which
+        `urllib` (tinker-cookbook's `weights.download`) reads as it reads a server's."""
+        address = CheckpointAddress.parse(tinker_path)
+        if address.kind != "external":
+            raise ValueError(
+                "get_external_weights_urls only accepts external weights checkpoints "
+                f"(tinker://<training_run_id>/external_weights/<name>), got {tinker_path!r}"
+            )
+        folder = checkpoint_store.require_checkpoint_folder(
+            checkpoint_store.kind_dir(self._run_folder(address.run_id), "external") / address.name
+        )
+        urls = {name: (folder / name).as_uri() for name in external_weights.downloadable_files(folder)}
+        expires = _datetime(time.time() + EXTERNAL_URL_LIFETIME_S)
+        return _done(ExternalWeightsUrlsResponse(urls=urls, expires=expires))
+
+    async def get_external_weights_urls_async(self, tinker_path: str) -> ExternalWeightsUrlsResponse:
+        return await self.get_external_weights_urls(tinker_path)
 
     # ------------------------------------------------------------------------------------------ server
 

@@ -3,12 +3,13 @@
 `wb.ServiceClient` can stand in for `tinker.ServiceClient` in code written for the SDK (tinker-cookbook's
 training loops run against it unchanged): the same constructor and methods, returning futures of
 clients (awaitable, `.result()`, forwarding attribute access to the client), the `*_async` twins, the
-context manager that closes it. Behind it is one engine per base model, shared by every client made
-for that model (one copy of the base in memory), started on first use; a base model is named as the
-engine knows it or by its folder (`"tiny"` and the built-in model's folder are the same engine).
+context manager that closes it. Behind it is one engine per base model (`BaseModels`), shared by every
+client made for that model (one copy of the base in memory), started on first use; a base model is named
+as the engine knows it or by its folder (`"tiny"` and the built-in model's folder are the same engine).
 
-A `ServiceClient` can also be given an existing engine (`Session.service_client()`), whose runs then
-share that session's history and panel; closing the client leaves such an engine running.
+A `ServiceClient` can also be given a session's base models (`Session.service_client()`): its runs then
+share that session's history and panel, the base models it loads stay with the session (its servers
+serve them too), and closing the client leaves them running.
 
 Nothing here opens a W&B run: a `Session` does, a `ServiceClient` never (a cookbook run logs its own).
 """
@@ -23,6 +24,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from workbench.engine.interface import Restore
+from workbench.engine.local.base_models import BaseModels
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.futures import APIFuture
@@ -56,8 +58,8 @@ class ServiceClient:
             server-side session to attach it to. A run's own metadata is `create_*`'s `user_metadata`.
         project_id, display_name, base_url, api_key, default_headers_overrides: Tinker's connection
             and session arguments; nothing is connected to, so they change nothing.
-        engine: An engine to create clients on for its base model (a session's: see
-            `Session.service_client`); this client never closes it.
+        base_models: The base models to create clients on (a session's: see
+            `Session.service_client`); this client never closes them. None: its own, closed with it.
         **kwargs: Unknown arguments are ignored with a `FutureWarning`, as the SDK does.
     """
 
@@ -70,7 +72,7 @@ class ServiceClient:
         base_url: str | None = None,
         api_key: str | None = None,
         default_headers_overrides: Mapping[str, str] | None = None,
-        engine: Engine | None = None,
+        base_models: BaseModels | None = None,
         **kwargs: Any,
     ):
         if kwargs:
@@ -80,32 +82,25 @@ class ServiceClient:
                 stacklevel=2,
             )
         self.user_metadata = dict(user_metadata or {})
-        self._engines: dict[str, Engine] = {}  # by the base model's resolved folder (or HF id)
-        self._owned: set[str] = set()
+        self._owns_base_models = base_models is None
+        self.base_models = BaseModels(sampler="hf") if base_models is None else base_models
         self._closed = False
-        if engine is not None:
-            self._engines[engine.base_info.path] = engine
 
     # ------------------------------------------------------------------------------------------ engines
 
     def engine(self, base_model: str) -> Engine:
         """The engine for `base_model` (an alias, a folder or an HF id), started on first use."""
         self._check_open()
-        key = resolve_model_path(base_model)
-        if key not in self._engines:
-            self._engines[key] = Engine(base_model, sampler="hf")
-            self._owned.add(key)
-        return self._engines[key]
+        return self.base_models.engine(base_model)
 
     def engines(self) -> list[Engine]:
-        """The engines this client has created clients on."""
-        return list(self._engines.values())
+        """The engines of the base models loaded (this client's, or its session's)."""
+        return self.base_models.engines()
 
     def _known_runs(self) -> dict[str, Path]:
         return {
             model_id: engine.model_status(model_id).model_dir
-            for engine in self._engines.values()
-            if not engine.closed
+            for engine in self.engines()
             for model_id in engine.model_ids()
         }
 
@@ -263,7 +258,7 @@ class ServiceClient:
     def create_rest_client(self) -> RestClient:
         """A `RestClient` that sees this client's live runs as well as the model folders on disk."""
         self._check_open()
-        return RestClient(engines=self.engines())
+        return RestClient(base_models=self.base_models)
 
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """The base models on offer (see `RestClient.get_server_capabilities`)."""
@@ -289,10 +284,8 @@ class ServiceClient:
         Returns a resolved future, as the SDK returns one."""
         if not self._closed:
             self._closed = True
-            for key in self._owned:
-                self._engines[key].close()
-            self._engines.clear()
-            self._owned.clear()
+            if self._owns_base_models:
+                self.base_models.close()
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         done.set_result(None)
         return APIFuture(done)

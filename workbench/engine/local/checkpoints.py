@@ -5,6 +5,7 @@
     sess.policy.load_state_with_optimizer(p).result()       # + optimizer state and counters
     sess2 = wb.Session.from_checkpoint(p)                   # a new kernel continues the same run exactly
     sess.policy.save_weights_for_sampler("step-20")         # tinker://<run id>/sampler_weights/step-20
+    sess.policy.save_weights_external("final")              # tinker://<run id>/external_weights/final
 
 A state checkpoint holds a run (policy and critic, optimizers, counters, RNG states, config);
 `checkpoint_files` lists its files. A sampler checkpoint is the policy's adapter alone, in peft's format.
@@ -23,7 +24,7 @@ returned by listings.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,15 @@ from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import ADAPTER_CONFIG
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
-from workbench.storage import checkpoint_store
+from workbench.storage import checkpoint_store, external_weights
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointKind, check_name, kind_dir
 from workbench.storage.model_folders import TINKER_SCHEME, CheckpointAddress, address_of, resolve_checkpoint
-from workbench.types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
+from workbench.types import (
+    LoadWeightsResponse,
+    SaveWeightsExternalResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
 
 SAMPLER_INFO = "sampler.json"
 
@@ -168,6 +174,57 @@ def save_weights_for_sampler(
             "checkpoint", {"name": name, "kind": "sampler", "path": path, "step": policy.step}
         )
         return SaveWeightsForSamplerResponse(path=path, folder=str(target))
+
+    return state.submit(work)
+
+
+def save_weights_external(
+    state: EngineState,
+    model_id: str,
+    name: str,
+    *,
+    ttl_seconds: int | None = None,
+    age_encryption_recipients: Sequence[str] | None = None,
+) -> APIFuture[SaveWeightsExternalResponse]:
+    """Queue a save of the policy's adapter as external weights, `<model_dir>/external_weights/<name>`
+    (`workbench.storage.external_weights`: peft's two files, each age-encrypted to the recipients when
+    any are given), listed and deleted like any checkpoint and downloaded file by file from signed URLs
+    (`get_external_weights_urls`)."""
+    state.check_open()
+    target = _target(state, model_id, "external", name, False)
+    expires_at = _expires_at(ttl_seconds)
+    recipients = external_weights.parse_recipients(age_encryption_recipients)
+
+    def work() -> SaveWeightsExternalResponse:
+        lora_model = state.lora_model(model_id)
+        policy = lora_model.policy
+        files = external_weights.external_files(state.model.adapter_files(policy.adapter), recipients)
+        files[checkpoint_store.INFO_FILE["external"]] = checkpoint_store.json_bytes(
+            {
+                "format_version": checkpoint_store.FORMAT_VERSION,
+                "kind": "external",
+                "name": name,
+                "saved_at": time.time(),
+                "expires_at": expires_at,
+                "step": policy.step,
+                "weights_version": policy.weights_version,
+                "run_id": lora_model.model_id,
+                "base_model": state.base_info.identity(),
+                "encrypted_to": len(recipients),
+            }
+        )
+        checkpoint_store.write_atomically(target, files, False)
+        state.record(
+            "save_weights_external",
+            lora_model,
+            policy.adapter,
+            {"weights_version": float(policy.weights_version)},
+        )
+        path = address_of(target).tinker_path
+        state.history.event(
+            "checkpoint", {"name": name, "kind": "external", "path": path, "step": policy.step}
+        )
+        return SaveWeightsExternalResponse(path=path, folder=str(target))
 
     return state.submit(work)
 

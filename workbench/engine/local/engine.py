@@ -78,6 +78,7 @@ from workbench.types import (
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
@@ -532,6 +533,22 @@ class Engine:
             user_metadata=user_metadata,
         )
 
+    def save_weights_external(
+        self,
+        model_id: str,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: Sequence[str] | None = None,
+    ) -> APIFuture[SaveWeightsExternalResponse]:
+        return checkpoints.save_weights_external(
+            self._state,
+            model_id,
+            name,
+            ttl_seconds=ttl_seconds,
+            age_encryption_recipients=age_encryption_recipients,
+        )
+
     def load_state(self, model_id: str, path: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
         return checkpoints.load_state(self._state, model_id, path, restore)
 
@@ -622,6 +639,13 @@ class Engine:
             return hasher.hexdigest()
 
         return self._state.submit(digest).result()
+
+    def interrupt_sampling(self) -> None:
+        """Stop HF sampling for good, from any thread, for a prompt shutdown (`workbench serve` on
+        SIGINT/SIGTERM): the generation in progress ends at its next decoding step and it, and every
+        sample request after it, fails with `SamplingInterrupted`; other operations run as before. A
+        vLLM generation runs in vLLM's engine and finishes its request."""
+        self._state.hf_sampler.interrupted.set()
 
     def close(self) -> None:
         """Finish queued work, then free the model and optimizer memory. Safe to call again, also after

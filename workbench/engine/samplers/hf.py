@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -186,18 +187,33 @@ class _ChooseTokens(LogitsProcessor):
         return draw_tokens(logits_G_V, params, requests)
 
 
+INTERRUPTED_MESSAGE = "sampling was interrupted: the engine is shutting down"
+
+
+class SamplingInterrupted(RuntimeError):
+    """A generation stopped at a decoding step because its engine is shutting down."""
+
+
 class _RowStops(StoppingCriteria):
-    """Ends each row at its request's stop token, stop string or max_tokens; remembers where and why."""
+    """Ends each row at its request's stop token, stop string or max_tokens; remembers where and why.
+    Raises `SamplingInterrupted` at the first step after `interrupted` is set."""
 
     def __init__(
-        self, row_requests: list[SampleRequest], chooser: _ChooseTokens, tokenizer: PreTrainedTokenizerBase
+        self,
+        row_requests: list[SampleRequest],
+        chooser: _ChooseTokens,
+        tokenizer: PreTrainedTokenizerBase,
+        interrupted: threading.Event,
     ):
+        self.interrupted = interrupted
         self.row_requests = row_requests
         self.chooser = chooser
         self.tokenizer = tokenizer
         self.ended: list[tuple[int, StopReason] | None] = [None] * len(row_requests)
 
     def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: object) -> Tensor:
+        if self.interrupted.is_set():
+            raise SamplingInterrupted(INTERRUPTED_MESSAGE)
         step = len(self.chooser.tokens)
         newest = self.chooser.tokens[-1].tolist()
         for row, request in enumerate(self.row_requests):
@@ -236,8 +252,13 @@ class HFSampler:
         self.device = device
         self.vocab_size = vocab_size
         self.logits_from_hidden_states = logits_from_hidden_states
+        self.interrupted = threading.Event()
+        """Set from any thread (`Engine.interrupt_sampling`): the generation in progress stops at its
+        next decoding step, and every later one at once, with `SamplingInterrupted`."""
 
     def generate(self, requests: Sequence[SampleRequest]) -> list[RequestResult]:
+        if self.interrupted.is_set():
+            raise SamplingInterrupted(INTERRUPTED_MESSAGE)
         results: list[RequestResult] = []
         chunk: list[SampleRequest] = []
         for request in requests:
@@ -266,7 +287,7 @@ class HFSampler:
             topk_widths[start] = request.topk_sample_logprobs
             start += request.num_samples
         chooser = _ChooseTokens(groups, self.device, topk_widths)
-        stops = _RowStops(row_requests, chooser, self.tokenizer)
+        stops = _RowStops(row_requests, chooser, self.tokenizer, self.interrupted)
         config = GenerationConfig(
             max_new_tokens=max(request.max_tokens for request in requests),
             do_sample=False,

@@ -81,6 +81,18 @@ def threads_field(session: Session) -> str:
     return f'<span title="{html.escape(str(use))}">{use.threads}/{use.usable_cores}{streams}</span>'
 
 
+def base_models_field(session: Session) -> str:
+    """The other base models the session holds (a teacher, a grader: its service clients loaded them,
+    its server serves them), each with what its weights take, and the budget; empty for none."""
+    if session.base_models is None or len(session.base_models.engines()) < 2:
+        return ""
+    held = [
+        f"{html.escape(h.base_model)} {format_bytes(h.bytes)}" for h in session.base_models.holdings()[1:]
+    ]
+    budget = session.base_models.memory_budget_bytes
+    return ", ".join(held) + ("" if budget is None else f" (budget {format_bytes(budget)})")
+
+
 def server_field(session: Session) -> str:
     """Where the session serves the Tinker API, or off."""
     running = [server for server in session.servers if server.running]
@@ -127,6 +139,7 @@ class StatusBar:
             _field("sampler", "sampler", sampler_versions(sess)),
             _field("critic", "critic", "yes" if sess.critic is not None else "no"),
             _field("models", "models", models_field(sess)),
+            *([_field("bases", "also", base_models_field(sess))] if base_models_field(sess) else []),
             _field("server", "serving", server_field(sess)),
             _field("run", "run", run_text),
             _field("wandb", "W&B", wandb_field(sess)),

@@ -1,0 +1,234 @@
+"""The base models one process holds: an engine per base model, loaded on first use, within a budget.
+
+A researcher's recipe names several base models (a student and its teacher, a policy and its grader,
+a KL reference of another size), and one GPU holds them side by side. `BaseModels` is the one place
+that maps a base model to its `Engine`: the in-process `ServiceClient`, a `Session`'s service clients
+and the server all ask it, so a teacher loaded for one is there for the others (`sess.serve()` serves
+what the session's service clients loaded).
+
+A base model is named by its alias, folder or HF id; the key is the folder (`resolve_model_path`), so
+`"tiny"` and the tiny model's folder are one engine. Which names a caller may load is the caller's
+choice (in-process any; a server only those it allows). `memory_budget_bytes` bounds what the engines' weights hold together:
+
+    held = Σ_engines Σ_tensors numel · element_size         (parameters and buffers, adapters included)
+    need(new) = Σ_parameters numel · element_size(dtype)    (counted on the meta device, nothing loaded)
+
+A load that would take `held + need` past the budget first closes idle engines (no model on them; the
+least recently used first, never the first engine, the session's), then, if it still does not fit,
+is refused with a `MemoryBudgetError` naming the budget and what holds it. A sampling client of an
+evicted engine's base fails with the closed engine's error; a new one loads the base again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from workbench.engine.config import DEFAULT_MAX_MODELS
+from workbench.engine.local.engine import Engine
+from workbench.engine.model.base_model import resolve_device_and_dtype, resolve_model_path
+from workbench.engine.samplers import SamplerChoice
+
+GIB = 1024**3
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1024, "MIB": 1024**2, "GIB": GIB}
+
+
+class MemoryBudgetError(ValueError):
+    """A base model that would not fit in the memory budget beside the ones that must stay."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `"24GiB"`, `"500MB"`, `"2e9"` (units: B, KB, MB, GB, KiB, MiB, GiB)."""
+    stripped = text.strip().upper().replace(" ", "")
+    number = stripped.rstrip("BKMGI")
+    unit = stripped[len(number) :]
+    if unit not in SIZE_UNITS or not number:
+        raise ValueError(f"a memory size is a number with B, KB, MB, GB, KiB, MiB or GiB, got {text!r}")
+    value = float(number) * SIZE_UNITS[unit]
+    if not value > 0:
+        raise ValueError(f"a memory size must be > 0, got {text!r}")
+    return int(value)
+
+
+def format_size(size: int) -> str:
+    return f"{size / GIB:.2f} GiB" if size >= GIB / 10 else f"{size / 1024**2:.1f} MiB"
+
+
+def engine_bytes(engine: Engine) -> int:
+    """What an engine's model holds: every parameter and buffer (the base and its adapters)."""
+    module = engine.torch_model
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def base_model_bytes(base_model: str, dtype: torch.dtype) -> int:
+    """The weights a base model will hold in `dtype`, counted from its config on the meta device."""
+    config = AutoConfig.from_pretrained(resolve_model_path(base_model))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for p in model.parameters()) * element
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A loaded base model as the refusal, the panel and the capabilities describe it."""
+
+    base_model: str
+    path: str
+    bytes: int
+    models: int
+    evictable: bool
+
+    def describe(self) -> str:
+        models = f"{self.models} model{'s' if self.models != 1 else ''}"
+        return f"{self.base_model!r} holds {format_size(self.bytes)} ({models})"
+
+
+class BaseModels:
+    """Engines by base model, loaded on first use, within an optional memory budget.
+
+    Args:
+        first: The engine that is always there (a session's); it is never evicted nor closed here.
+        memory_budget_bytes: What the engines' weights may hold together; None for no bound.
+        device, dtype, sampler, seed, max_models, threads: The settings of engines loaded here (with
+            `first`, its own unless given).
+    """
+
+    def __init__(
+        self,
+        first: Engine | None = None,
+        *,
+        memory_budget_bytes: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        sampler: SamplerChoice | None = None,
+        seed: int | None = None,
+        max_models: int | None = None,
+        threads: int | None = None,
+    ):
+        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes!r}")
+        config = first.config if first is not None else None
+        self.device, self.dtype = resolve_device_and_dtype(
+            device if device is not None or config is None else config.device,
+            dtype if dtype is not None or config is None else config.dtype,
+        )
+        self.sampler: SamplerChoice = sampler or ("hf" if config is None else config.sampler)  # type: ignore[assignment]
+        self.seed = seed if seed is not None else (0 if config is None else config.seed)
+        self.max_models = max_models or (DEFAULT_MAX_MODELS if config is None else config.max_models)
+        self.threads = threads if threads is not None or config is None else config.threads
+        self.memory_budget_bytes = memory_budget_bytes
+        self._engines: dict[str, Engine] = {}  # by folder (or HF id), oldest first
+        self._last_used: dict[str, float] = {}
+        self._first = None if first is None else first.base_info.path
+        self._lock = threading.RLock()  # loads are slow: one at a time, and never the same base twice
+        if first is not None:
+            self._engines[first.base_info.path] = first
+            self._last_used[first.base_info.path] = time.monotonic()
+
+    # ------------------------------------------------------------------------------------------ lookup
+
+    def find(self, base_model: str) -> Engine | None:
+        """The engine of a loaded base model (alias, folder or HF id), or None."""
+        key = resolve_model_path(base_model)
+        engine = self._engines.get(key)
+        if engine is None or engine.closed:
+            return None
+        self._last_used[key] = time.monotonic()
+        return engine
+
+    def engine(self, base_model: str) -> Engine:
+        """The engine for `base_model`, loaded now if it is not yet, evicting idle engines to make room
+        within the budget (see the module)."""
+        with self._lock:
+            found = self.find(base_model)
+            if found is not None:
+                return found
+            key = resolve_model_path(base_model)
+            if self.memory_budget_bytes is not None:
+                self._make_room(base_model, base_model_bytes(base_model, self.dtype))
+            engine = Engine(
+                base_model,
+                seed=self.seed,
+                device=self.device,
+                dtype=self.dtype,
+                sampler=self.sampler,
+                max_models=self.max_models,
+                threads=self.threads,
+            )
+            self._engines[key] = engine
+            self._last_used[key] = time.monotonic()
+            return engine
+
+    def engines(self) -> list[Engine]:
+        """The loaded engines, the first one first."""
+        return [e for e in self._engines.values() if not e.closed]
+
+    def holdings(self) -> list[Holding]:
+        """What each loaded base model holds, the first one first."""
+        return [
+            Holding(
+                engine.config.base_model,
+                engine.base_info.path,
+                engine_bytes(engine),
+                len(engine.model_ids()),
+                self._evictable(key, engine),
+            )
+            for key, engine in self._engines.items()
+            if not engine.closed
+        ]
+
+    def held_bytes(self) -> int:
+        return sum(h.bytes for h in self.holdings())
+
+    # ------------------------------------------------------------------------------------------ budget
+
+    def _evictable(self, key: str, engine: Engine) -> bool:
+        return key != self._first and not engine.model_ids()
+
+    def _make_room(self, base_model: str, need: int) -> None:
+        budget = self.memory_budget_bytes
+        assert budget is not None
+        if need > budget:
+            raise MemoryBudgetError(
+                f"loading {base_model!r} needs about {format_size(need)}, more than the whole memory "
+                f"budget of {format_size(budget)}"
+            )
+        idle = sorted(
+            (key for key, engine in self._engines.items() if self._evictable(key, engine)),
+            key=self._last_used.__getitem__,
+        )
+        kept = [h for h in self.holdings() if not h.evictable]
+        if sum(h.bytes for h in kept) + need > budget:
+            held = "; ".join(h.describe() for h in kept)
+            raise MemoryBudgetError(
+                f"loading {base_model!r} needs about {format_size(need)}, and the memory budget of "
+                f"{format_size(budget)} has {format_size(budget - sum(h.bytes for h in kept))} left "
+                f"beside the base models in use: {held}. Free their models (close their clients) or "
+                "raise the budget"
+            )
+        for key in idle:
+            if self.held_bytes() + need <= budget:
+                break
+            self._engines.pop(key).close()
+            del self._last_used[key]
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close every engine loaded here (the first one is its owner's)."""
+        with self._lock:
+            for key, engine in list(self._engines.items()):
+                if key != self._first:
+                    engine.close()
+                    del self._engines[key]
+
+    def __repr__(self) -> str:
+        held = ", ".join(f"{h.base_model} {format_size(h.bytes)}" for h in self.holdings())
+        budget = "" if self.memory_budget_bytes is None else f" of {format_size(self.memory_budget_bytes)}"
+        return f"BaseModels({held}{budget})"
