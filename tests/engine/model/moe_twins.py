@@ -1,6 +1,6 @@
 """Tiny random-init twins of the mixture-of-experts families people train, and their dense equivalents.
 
-Each twin has 2 decoder layers, the built-in tiny model's tokenizer and vocabulary, hidden size 64 and
+Each twin (Qwen3-MoE, gpt-oss, DeepSeek-V3, Mixtral, Qwen2-MoE, GraniteMoE) has 2 decoder layers, the built-in tiny model's tokenizer and vocabulary, hidden size 64 and
 4 routed experts of which the router picks 2 per token; each expert is an MLP of intermediate size 32.
 Its dense twin has the same sizes with one MLP of that size where the MoE block has its experts (for
 DeepSeek-V3 and Qwen2-MoE the same class with every layer dense; for the others the nearest dense
@@ -24,6 +24,8 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     GptOssConfig,
+    GraniteConfig,
+    GraniteMoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -133,6 +135,20 @@ def _qwen2_moe(head_dim: int, dense: bool = False) -> PretrainedConfig:
     )
 
 
+def _granitemoe(head_dim: int) -> PretrainedConfig:
+    """Experts under `block_sparse_moe`, not `mlp`."""
+    return GraniteMoeConfig(
+        **_COMMON,
+        intermediate_size=EXPERT_SIZE,
+        num_local_experts=NUM_EXPERTS,
+        num_experts_per_tok=EXPERTS_PER_TOKEN,
+    )
+
+
+def _granite_dense(head_dim: int) -> PretrainedConfig:
+    return GraniteConfig(**_COMMON, intermediate_size=EXPERT_SIZE)
+
+
 # family -> (MoE twin's config, dense twin's config), each from the attention head size
 FAMILIES: dict[str, tuple[Callable[[int], PretrainedConfig], Callable[[int], PretrainedConfig]]] = {
     "qwen3_moe": (_qwen3_moe, _qwen3_dense),
@@ -140,6 +156,7 @@ FAMILIES: dict[str, tuple[Callable[[int], PretrainedConfig], Callable[[int], Pre
     "deepseek_v3": (_deepseek_v3, lambda head_dim: _deepseek_v3(head_dim, dense=True)),
     "mixtral": (_mixtral, _mistral_dense),
     "qwen2_moe": (_qwen2_moe, lambda head_dim: _qwen2_moe(head_dim, dense=True)),
+    "granitemoe": (_granitemoe, _granite_dense),
 }
 
 

@@ -239,9 +239,8 @@ def _is_expert_stack(module: nn.Module, param: nn.Parameter) -> bool:
 
 def _is_router(module: nn.Module) -> bool:
     """A mixture of experts' router (`Qwen3MoeTopKRouter`, `GptOssTopKRouter`, Llama 4's `nn.Linear`
-    `Llama4Router`, GraniteMoE's `GraniteMoeTopKGating`, ...): not adapted."""
-    name = type(module).__name__.lower()
-    return "router" in name or "gating" in name
+    `Llama4Router`, ...): not adapted."""
+    return "router" in type(module).__name__.lower()
 
 
 def classify_expert_weights(model: nn.Module) -> dict[str, str]:
