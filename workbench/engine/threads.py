@@ -230,6 +230,13 @@ class ThreadPolicy:
         sample while the worker waits for them, and never beside its torch kernels)."""
         self._meter.own_processes = processes
 
+    def keep_passes_on_the_worker(self) -> None:
+        """Run passes over several datums on the worker's threads, one stream, whatever the cores: for a
+        model whose forward pass changes a module while it runs (peft's expert adapters), which streams
+        cannot share. `in_force` (the panel, `sess.threads`) then shows one stream."""
+        with self._lock:
+            self._in_force = dataclasses.replace(self._in_force, streams=1)
+
     @property
     def streams(self) -> int:
         """How many single-threaded streams a pass over several datums runs on

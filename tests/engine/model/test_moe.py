@@ -182,6 +182,7 @@ def test_sampler_and_trainer_agree_on_trained_experts(twins, family) -> None:
     """After steps that change the experts' adapters, HF sampling and `forward` score the same tokens
     alike, on two threads (where a pass would otherwise run on two streams sharing the experts)."""
     with wb.Session(twins[family], wb.LoraConfig(rank=RANK), seed=0, threads=2) as sess:
+        assert sess.threads.streams == 1 and "streams" not in str(sess.threads)  # and says so
         losses = _train(sess, 3)
         assert losses[-1] < losses[0]
         experts_b = [p for n, p in _live_lora(sess).items() if ".experts." in n and ".lora_B." in n]

@@ -182,9 +182,10 @@ class Engine:
         # peft adapts a mixture of experts' expert stacks by registering a parametrization on the
         # experts module for the length of each forward pass (`ParamWrapper`): a pass changes the module,
         # so passes on such a model cannot share it across streams, and run on the worker's threads
-        streams = 1 if model.info.expert_weights else thread_policy.streams
+        if model.info.expert_weights:
+            thread_policy.keep_passes_on_the_worker()
         self._state = state = EngineState(
-            config, model, tokenizer, resolved_device, resolved_dtype, worker, streams
+            config, model, tokenizer, resolved_device, resolved_dtype, worker, thread_policy.streams
         )
         thread_policy.count_as_own(lambda: state.vllm.engine_processes if state.vllm is not None else ())
         self._thread_policy = thread_policy
