@@ -32,6 +32,7 @@ from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.provenance import attach_sampling_records
 from workbench.engine.local.state import EngineState
 from workbench.engine.local.streams import CHUNK_TOKENS, run_on_streams, stream_chunks
+from workbench.engine.model import shared_prefix
 from workbench.engine.model.batching import (
     MicroBatch,
     PreparedDatum,
@@ -206,7 +207,7 @@ def plan_call(
     (and, on `streams` streams, about an equal share of their tokens per stream, at least
     `CHUNK_TOKENS`); the other datums as length-grouped micro-batches, cut into stream chunks."""
     lengths = [item.length for item in batch]
-    groups = find_groups([item.tokens_N for item in batch])
+    groups = find_groups([item.tokens_N for item in batch], shared_prefix.PREFIX_PASS_OVERHEAD_TOKENS)
     grouped = {index for group in groups for index in group.indices}
     rest = [index for index in range(len(batch)) if index not in grouped]
     plan = (

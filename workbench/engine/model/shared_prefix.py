@@ -52,9 +52,7 @@ def _common_prefix(first: np.ndarray, second: np.ndarray) -> int:
     return int(differs[0]) if len(differs) else n
 
 
-def find_groups(
-    tokens: Sequence[Tensor], overhead_tokens: float = PREFIX_PASS_OVERHEAD_TOKENS
-) -> list[PrefixGroup]:
+def find_groups(tokens: Sequence[Tensor], overhead_tokens: float) -> list[PrefixGroup]:
     """The groups worth sharing among datums with these `tokens` (each (N_d,)), by the rule above with
     `overhead_tokens` for a prefix pass; each group's datums in input order, groups in sorted order."""
     arrays = [t.numpy() if isinstance(t, Tensor) else np.asarray(t) for t in tokens]
