@@ -323,8 +323,10 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
                 _complete(state, request, result) if _needs_training_model(request) else result
                 for request, result in zip(requests, results, strict=True)
             ]
+    # cached prompts of weights no client can sample any more leave the prompt cache (the base stays)
+    state.hf_sampler.prefix_cache.keep_only({*_live_weights(state), (None, None, None)})
     with pinned_weights(state, held):
-        return state.hf_sampler.generate(requests)
+        return state.hf_sampler.generate(requests, held.weights_key)
 
 
 def _needs_training_model(request: SampleRequest) -> bool:
