@@ -15,8 +15,14 @@ and reports submitted tokens per second and the step's peak resident memory over
 engine with sharing off (the rule's prefix-pass cost set to infinity), the floor every ratio is
 against. Targets: long >= 3.5x and lower peak memory, grpo >= 1.5x, none >= 0.98x.
 
+`--rollout`: a 5-turn rollout through the HF sampler (a 200-token first prompt; each turn samples 2
+replies of 32 tokens, and the first reply and a 16-token message extend the conversation), in one
+process with the prompt cache on and then off (kept at 0 bytes): prompt tokens prefilled, computed,
+and the seconds of the 5 sampling calls. Target: computed <= 0.3x without the cache.
+
     python bench/prefix.py
     python bench/prefix.py --cases grpo none --steps 3
+    python bench/prefix.py --rollout
 """
 
 from __future__ import annotations
@@ -114,6 +120,33 @@ def measure(case: str, side: str, warmup: int, steps: int) -> dict[str, float]:
         return result
 
 
+def rollout(turns: int = 5) -> None:
+    """The 5-turn rollout with and without the prompt cache; prints what each prefilled."""
+    import workbench as wb
+
+    with wb.Session(MODEL, wb.LoraConfig(rank=16), seed=0, wandb=False) as session:
+        cache = session.engine.prompt_cache
+        figures = {}
+        for side, max_bytes in (("without the cache", 0), ("with the cache", cache.max_bytes)):
+            cache.max_bytes, cache.entries, cache.bytes = max_bytes, type(cache.entries)(), 0
+            before = (cache.stats.prompt_tokens, cache.stats.computed_tokens)
+            rng = random.Random(0)
+            prompt = [rng.randrange(*TOKEN_IDS) for _ in range(200)]
+            client = session.sampling_client()
+            start = time.perf_counter()
+            for turn in range(turns):
+                params = wb.SamplingParams(max_tokens=32, temperature=1.0, seed=turn, stop=[])
+                reply = client.sample(prompt, 2, params).result().sequences[0].tokens
+                prompt = prompt + list(reply) + [rng.randrange(*TOKEN_IDS) for _ in range(16)]
+            seconds = time.perf_counter() - start
+            prefilled = cache.stats.prompt_tokens - before[0]
+            computed = cache.stats.computed_tokens - before[1]
+            figures[side] = computed
+            print(f"  {side:18s} prefilled {prefilled} prompt tokens, computed {computed}, {seconds:.2f} s")
+        ratio = figures["with the cache"] / figures["without the cache"]
+        print(f"  computed with / without the cache: {ratio:.2f}x")
+
+
 def run_child(case: str, side: str, mode: str, warmup: int, steps: int, bound_s: float) -> dict[str, float]:
     command = [sys.executable, str(Path(__file__)), "--child", case, side, "--warmup", str(warmup)]
     command += ["--steps", str(steps)]
@@ -136,8 +169,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=2, help="timed steps")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--rollout", action="store_true", help="the sampler's 5-turn rollout instead")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rollout:
+        print(f"{MODEL}, a 5-turn rollout through the HF sampler")
+        rollout()
+        return
     if args.child:
         print(json.dumps(measure(*args.child, args.warmup, args.steps)))
         return

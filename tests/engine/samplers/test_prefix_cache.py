@@ -76,13 +76,18 @@ def test_a_multi_turn_rollout_prefills_only_its_new_tokens_and_samples_the_same(
         assert cache.stats.computed_tokens == cache.stats.prompt_tokens
         submitted = cache.stats.prompt_tokens
         cache.max_bytes = 2**30
+        rows_before = len(sess.history.rows)
         with_cache, embedded_with = _conversation(sess)
         stats = cache.stats
+        rows = [row for row in sess.history.rows[rows_before:] if row["op"] == "sample"]
     computed = stats.computed_tokens - submitted
     assert stats.prompt_tokens - submitted == submitted
     assert embedded_without - embedded_with == submitted - computed  # what the decoder did not embed
     assert computed <= 0.3 * submitted
     assert stats.hits == 4  # every turn after the first
+    # each turn's history row says how much of its prefill the cache gave
+    assert sum(row["prefill_tokens:sum"] for row in rows) == submitted
+    assert sum(row["prefill_cached_tokens:sum"] for row in rows) == submitted - computed
     for turn, (plain, cached) in enumerate(zip(without, with_cache, strict=True)):
         for (tokens, logprobs), (cached_tokens, cached_logprobs) in zip(plain, cached, strict=True):
             assert cached_tokens == tokens, turn

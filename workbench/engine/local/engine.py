@@ -51,6 +51,7 @@ from workbench.engine.model.base_model import BaseModelInfo, load_base_model, re
 from workbench.engine.model.value_head import default_critic_lora
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice, resolve_sampler
+from workbench.engine.samplers.prefix_cache import PromptPrefixCache
 from workbench.engine.threads import ThreadPolicy, ThreadUse
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
@@ -333,6 +334,12 @@ class Engine:
         transformers, counting parameters, registering hooks. Changing it bypasses everything the engine
         guarantees."""
         return self._state.model.module
+
+    @property
+    def prompt_cache(self) -> PromptPrefixCache:
+        """The HF sampler's cache of prompts' keys and values across calls: its entries, its size in
+        bytes and bound, and `stats` (prompt tokens prefilled and computed, its hit rate)."""
+        return self._state.hf_sampler.prefix_cache
 
     def inspect(self, model_id: str, role: Role = Role.POLICY) -> ModelTensors:
         """Copies of one model's trainable tensors and accumulated gradient, taken between operations

@@ -427,6 +427,9 @@ def sample_response(
     }
     if tokens:
         metrics["logprob:mean"] = sum(sum(s.logprobs) for s in sequences) / tokens
+    if result.prefill_tokens:
+        metrics["prefill_tokens:sum"] = float(result.prefill_tokens)
+        metrics["prefill_cached_tokens:sum"] = float(result.prefill_cached_tokens)
     lora_model: LoraModel | None = state.lora_models.get(held.model_id) if held.model_id is not None else None
     label = REFERENCE_LABEL if held.is_base else (held.adapter or "")
     if lora_model is not None:

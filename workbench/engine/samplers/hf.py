@@ -280,10 +280,11 @@ class HFSampler:
             eos_token_id=[],  # rows end by _RowStops alone: `stop=[]` must run past the EOS token
             pad_token_id=pad,
         )
+        prompt_cache, cached_tokens = self._prompt_cache(requests, weights, request_of_row_N)
         self.adapted.module.generate(
             input_ids=input_ids_R_P[request_of_row_N],
             attention_mask=attention_mask_R_P[request_of_row_N],
-            past_key_values=self._prompt_cache(requests, weights, request_of_row_N),
+            past_key_values=prompt_cache,
             generation_config=config,
             logits_processor=LogitsProcessorList([chooser]),
             stopping_criteria=StoppingCriteriaList([stops]),
@@ -313,7 +314,7 @@ class HFSampler:
         prompt_logprobs = self.prompt_logprobs([r.prompt_tokens for r in plain])
         results = []
         start = 0
-        for request in requests:
+        for request, cached in zip(requests, cached_tokens, strict=True):
             scores = PromptScores()
             logprobs: list[float | None] | None = None
             if request.scores_prompt:
@@ -325,6 +326,8 @@ class HFSampler:
                     sequences=rows[start : start + request.num_samples],
                     prompt_logprobs=logprobs if request.include_prompt_logprobs else None,
                     prompt_scores=scores,
+                    prefill_tokens=request.prompt_length - 1,
+                    prefill_cached_tokens=cached,
                 )
             )
             start += request.num_samples
@@ -423,7 +426,7 @@ class HFSampler:
 
     def _prompt_cache(
         self, requests: list[SampleRequest], weights: Hashable, request_of_row_N: Tensor
-    ) -> DynamicCache | None:
+    ) -> tuple[DynamicCache | None, list[int]]:
         """The KV cache of every prompt but its last token, computed once per request and repeated for
         each of its samples; `generate` then starts from each row's last prompt token.
 
@@ -431,19 +434,20 @@ class HFSampler:
         the same keys and values `num_samples` times: for 8 prompts of 45 tokens × 4 samples and 16 new
         tokens, that repeated prefill is a third of the call on a CPU. Prompts with no cached prefix are
         prefilled together, left-padded; one with a cached prefix prefills only what follows it. Every
-        prompt's keys and values then go into the prompt cache. None for one-token prompts.
+        prompt's keys and values then go into the prompt cache. Also gives how many tokens of each
+        prompt came from the cache. None for one-token prompts.
         """
         prompts = [request.prompt_tokens[:-1] for request in requests]
         longest = max(len(prompt) for prompt in prompts)
         if longest < 1:
-            return None
+            return None, [0] * len(prompts)
         found = [self.prefix_cache.longest(weights, prompt) for prompt in prompts]
         per_request: list[LayerKeyValues | None] = [None] * len(prompts)
         misses = [i for i, (cached, _) in enumerate(found) if cached == 0 and prompts[i]]
         if misses:
             computed = self._prefill_together([prompts[i] for i in misses])
             if computed is None:  # sliding-window layers keep only their window: no per-prompt entries
-                return self._prefill_all(prompts, request_of_row_N)
+                return self._prefill_all(prompts, request_of_row_N), [0] * len(prompts)
             for i, keys_values in zip(misses, computed, strict=True):
                 per_request[i] = keys_values
         for i, (cached, keys_values) in enumerate(found):
@@ -467,7 +471,7 @@ class HFSampler:
                     values_R_H_Q_D[row, :, longest - values.shape[1] :] = values
             cache.update(keys_R_H_Q_D, values_R_H_Q_D, layer)
         cache.batch_select_indices(request_of_row_N)
-        return cache
+        return cache, [cached for cached, _ in found]
 
     def _left_padded_tokens(self, prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor]:
         """Token ids, attention mask and position ids (as `generate` derives them from a left-padded

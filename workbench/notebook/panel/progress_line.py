@@ -5,7 +5,9 @@ then, when a pause trigger fired, why the run paused. Seconds per step is the me
 is often slower: compilation, caches), the ETA that times the steps left; tokens per second counts the
 trained tokens (`num_tokens:sum` of the run's `forward_backward` rows) over the time its steps took.
 Where datums shared prompts, the share of the submitted tokens the training passes computed
-(`computed_tokens:sum` over `submitted_tokens:sum`: each shared prefix is computed once).
+(`computed_tokens:sum` over `submitted_tokens:sum`: each shared prefix is computed once), and the
+share of the prompt tokens sampling took from the HF sampler's prompt cache (`prefill_cached_tokens:sum`
+over `prefill_tokens:sum`), where it took any.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def progress_fields(run: Run, history: MetricsHistory) -> list[tuple[str, str]]:
     computed = sum(row.get("computed_tokens:sum", 0.0) for row in run_rows)
     if submitted and computed < submitted:
         fields.append(("computed-tokens", f"computed {computed / submitted:.0%} of tokens"))
+    prefilled = sum(row.get("prefill_tokens:sum", 0.0) for row in run_rows)
+    cached = sum(row.get("prefill_cached_tokens:sum", 0.0) for row in run_rows)
+    if cached:
+        fields.append(("prompt-cache", f"prompt cache {cached / prefilled:.0%}"))
     loss = _latest(history, "loss:sum", "forward_backward", since)
     if math.isfinite(loss):
         fields.append(("loss", f"loss {loss:.4g}"))
