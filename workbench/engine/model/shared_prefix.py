@@ -13,7 +13,7 @@ suffix of N_d − L; a shared pass of P groups and R = Σ G datums, prefixes rig
 suffixes to S; T the longest datum of the pass; X the trailing target axis (none, or K soft targets).
 
 The rule. Sharing a group's L prefix tokens computes L + Σ (N_d − L) tokens instead of Σ N_d, saving
-(G − 1) · L, and costs its own prefix pass: about `PREFIX_PASS_OVERHEAD_TOKENS` tokens' worth (measured
+(G − 1) · L, and costs its own prefix pass: about `PREFIX_PASS_OVERHEAD_TOKENS` tokens' worth (see
 below). The datums are sorted by their tokens, so datums with a common prefix are neighbours, and cut
 into runs by an exact dynamic programme that maximises Σ ((G − 1) · L − overhead) over the runs that
 share (a run of one, or one that does not pay, runs as today). A prefix stops one token short of the
@@ -31,8 +31,10 @@ from torch import Tensor
 
 from workbench.engine.model.batching import MicroBatch, PreparedDatum, collate
 
-# The cost of a group's own prefix pass, in tokens' worth of a training pass. Measured on SmolLM2-135M,
-# fp32, 2 CPU cores (`bench/prefix.py --measure-rule`): two datums sharing L tokens break even at L ≈ 48.
+# The cost of a group's own prefix pass, in tokens' worth of a training pass. An estimate, not yet measured
+# on its own: a shared pass makes one model call more than a plain micro-batch (the planner's measured
+# cost of a call, `batching.MICROBATCH_OVERHEAD_TOKENS` = 128), and a pass holds several groups (about 3
+# of a GRPO batch's on 2 streams), which share that call. Tests inject it; `bench/prefix.py` runs with it.
 PREFIX_PASS_OVERHEAD_TOKENS = 48
 
 
