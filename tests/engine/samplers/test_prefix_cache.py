@@ -70,7 +70,7 @@ def _conversation(sess: wb.Session, turns: int = 5) -> tuple[list[list[tuple]], 
 
 def test_a_multi_turn_rollout_prefills_only_its_new_tokens_and_samples_the_same() -> None:
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        cache = sess.engine._state.hf_sampler.prefix_cache
+        cache = sess.engine.prompt_cache
         cache.max_bytes = 0  # keeps nothing: every turn prefills its whole prompt
         without, embedded_without = _conversation(sess)
         assert cache.stats.computed_tokens == cache.stats.prompt_tokens
@@ -105,7 +105,7 @@ def test_no_entry_outlives_its_weights_and_a_new_version_samples_as_without_the_
         )
     ]
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        cache = sess.engine._state.hf_sampler.prefix_cache
+        cache = sess.engine.prompt_cache
         sess.sampling_client().sample(prompt, 2, params).result()
         assert {key[0][1] for key in cache.entries} == {0}
         sess.policy.forward_backward(data, "cross_entropy").result()
