@@ -155,7 +155,7 @@ def test_prefix_caching_never_serves_another_versions_keys(tiny_for_vllm: str) -
         params = wb.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
         _train_one_step(sess, learning_rate=5e-2)
         before = sess.sampling_client().sample(prompt, 2, params).result()
-        assert sess.engine._state.vllm._llm.llm_engine.cache_config.enable_prefix_caching
+        assert sess.engine._state.vllm._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         _train_one_step(sess, learning_rate=5e-2)
         after = sess.sampling_client().sample(prompt, 2, params).result()
         assert after.weights_version == before.weights_version + 1 == sess.policy.weights_version
