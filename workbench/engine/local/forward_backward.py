@@ -10,7 +10,7 @@ datum's length in input order; metric sums are kept over the micro-batches and t
 the whole call succeeded and its gradient is finite (`TrainableAdapter.accumulating`).
 
 Datums that start with the same tokens (a group RL prompt's completions) are found first
-(`shared_prefix.find_groups`, where the measured rule says sharing pays): each such group runs in a
+(`shared_prefix.find_groups`, where its cost rule says sharing pays): each such group runs in a
 shared-prefix pass, its prefix computed once (`workbench.engine.model.prefix_attention`), and the other
 datums as above. A group is never split across passes or streams. The history row of the call records
 the tokens computed and the tokens submitted (`computed_tokens:sum`, `submitted_tokens:sum`).
