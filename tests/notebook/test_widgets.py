@@ -4,6 +4,7 @@ run and its history must respond exactly as if a cell had made the same calls.""
 from __future__ import annotations
 
 import html
+import math
 import re
 import threading
 from pathlib import Path
@@ -15,6 +16,7 @@ from matplotlib.figure import Figure
 
 import workbench as wb
 from tests.datums import sft_datum
+from workbench.engine.model import shared_prefix
 from workbench.notebook.run import RunState
 
 WAIT_S = 30.0
@@ -538,6 +540,34 @@ def test_the_progress_line_shows_speed_eta_loss_reward_and_a_trigger(
     assert run.wait(WAIT_S) is RunState.FINISHED
     panel.refresh()
     assert "paused by trigger" not in panel.progress.widget.value and "ETA" not in panel.progress.widget.value
+
+
+def test_the_progress_line_shows_the_share_of_tokens_computed_where_prompts_are_shared(
+    tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four completions of one prompt, each prefix shared (a cost of 0 injected for the rule): the line
+    gives the share computed, (prompt + 4 completions) / (4 × (prompt + completion)); without sharing
+    it says nothing of it."""
+    monkeypatch.setattr(shared_prefix, "PREFIX_PASS_OVERHEAD_TOKENS", 0.0)
+    prompt = "Question: What is the capital of France? Answer in one word, please."
+    data = [
+        sft_datum(tiny.tokenizer, prompt, answer)
+        for answer in (" Paris", " Paris.", " It is Paris", " paris")
+    ]
+    panel = tiny.panel(train_data=data)
+    try:
+        assert tiny.run(wb.train_step(data), steps=1).wait(WAIT_S) is RunState.FINISHED
+        row = tiny.history.rows[-2]  # the forward_backward before the optim_step
+        assert row["computed_tokens:sum"] < row["submitted_tokens:sum"]
+        share = row["computed_tokens:sum"] / row["submitted_tokens:sum"]
+        panel.refresh()
+        assert f"computed {share:.0%} of tokens" in html.unescape(panel.progress.widget.value)
+        monkeypatch.setattr(shared_prefix, "PREFIX_PASS_OVERHEAD_TOKENS", math.inf)
+        assert tiny.run(wb.train_step(data), steps=1).wait(WAIT_S) is RunState.FINISHED
+        panel.refresh()
+        assert "computed" not in panel.progress.widget.value
+    finally:
+        panel.close()
 
 
 def test_sampling_says_what_it_samples_and_why_each_sample_ended(panel: wb.Panel, tiny: wb.Session) -> None:

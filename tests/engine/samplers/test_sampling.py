@@ -339,9 +339,9 @@ def generate_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = HFSampler._generate_chunk
 
-    def counting(self, requests):
+    def counting(self, requests, weights):
         calls.append(len(requests))
-        return real(self, requests)
+        return real(self, requests, weights)
 
     monkeypatch.setattr(HFSampler, "_generate_chunk", counting)
     return calls

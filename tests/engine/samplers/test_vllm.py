@@ -144,3 +144,26 @@ def test_an_evicted_version_is_reloaded_and_its_time_counted(tiny_for_vllm: str)
         sess.sampling_client().sample(prompt, 1, params).result()
         assert vllm.resident == [(sess.model_id, sess.policy.weights_version, None)]
         assert len(list(vllm._adapters_dir.iterdir())) == 1
+
+
+def test_prefix_caching_never_serves_another_versions_keys(tiny_for_vllm: str) -> None:
+    """With vLLM's automatic prefix caching on, a long prompt sampled under one version fills the cache;
+    after a large step the same prompt sampled under the next version gets that version's logprobs
+    (what `forward` computes with the live weights), not those of the cached keys and values."""
+    with wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="vllm") as sess:
+        prompt = [(7 * i) % 180 + 5 for i in range(96)]  # several of vLLM's 16-token blocks
+        params = wb.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
+        _train_one_step(sess, learning_rate=5e-2)
+        before = sess.sampling_client().sample(prompt, 2, params).result()
+        assert sess.engine._state.vllm._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        _train_one_step(sess, learning_rate=5e-2)
+        after = sess.sampling_client().sample(prompt, 2, params).result()
+        assert after.weights_version == before.weights_version + 1 == sess.policy.weights_version
+        for seq in after.sequences:
+            datum = wb.Datum(
+                model_input=wb.ModelInput.from_ints(prompt + seq.tokens[:-1]),
+                loss_fn_inputs={"target_tokens": prompt[1:] + seq.tokens},
+            )
+            scored = sess.policy.forward([datum], "cross_entropy").result()
+            forward = scored.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+            assert max(abs(a - b) for a, b in zip(forward, seq.logprobs, strict=True)) <= 1e-3

@@ -57,6 +57,7 @@ from workbench.engine.samplers import (
     resolve_sampler,
     vllm_cannot_sample_experts,
 )
+from workbench.engine.samplers.prefix_cache import PromptPrefixCache
 from workbench.engine.threads import ThreadPolicy, ThreadUse
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
@@ -352,6 +353,12 @@ class Engine:
         transformers, counting parameters, registering hooks. Changing it bypasses everything the engine
         guarantees."""
         return self._state.model.module
+
+    @property
+    def prompt_cache(self) -> PromptPrefixCache:
+        """The HF sampler's cache of prompts' keys and values across calls: its entries, its size in
+        bytes and bound, and `stats` (prompt tokens prefilled and computed, its hit rate)."""
+        return self._state.hf_sampler.prefix_cache
 
     def inspect(self, model_id: str, role: Role = Role.POLICY) -> ModelTensors:
         """Copies of one model's trainable tensors and accumulated gradient, taken between operations

@@ -8,10 +8,17 @@ values), through the loss, and backward when the call trains. Per-datum outputs 
 datum's length in input order; metric sums are kept over the micro-batches and turned into
 `name:reduction` metrics at the end. A training call adds its gradient to the accumulated one only when
 the whole call succeeded and its gradient is finite (`TrainableAdapter.accumulating`).
+
+Datums that start with the same tokens (a group RL prompt's completions) are found first
+(`shared_prefix.find_groups`, where its cost rule says sharing pays): each such group runs in a
+shared-prefix pass, its prefix computed once (`workbench.engine.model.prefix_attention`), and the other
+datums as above. A group is never split across passes or streams. The history row of the call records
+the tokens computed and the tokens submitted (`computed_tokens:sum`, `submitted_tokens:sum`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,13 +31,21 @@ from workbench.engine.interface import CustomLossFn
 from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.provenance import attach_sampling_records
 from workbench.engine.local.state import EngineState
-from workbench.engine.local.streams import run_on_streams, stream_chunks
+from workbench.engine.local.streams import CHUNK_TOKENS, run_on_streams, stream_chunks
+from workbench.engine.model import shared_prefix
 from workbench.engine.model.batching import (
     MicroBatch,
     PreparedDatum,
     collate,
     plan_microbatches,
     prepare_batch,
+)
+from workbench.engine.model.shared_prefix import (
+    PrefixGroup,
+    collate_shared,
+    computed_tokens,
+    find_groups,
+    plan_shared_passes,
 )
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
@@ -170,6 +185,82 @@ def submit_custom(
 
 # ---------------------------------------------------------------------------------------------- worker
 
+Pass = list[int] | list[PrefixGroup]
+"""The datums of one pass: plain datum indices, or whole shared-prefix groups."""
+
+
+@dataclass
+class CallPlan:
+    """How a call's datums run: its passes, the stream chunks (None: on the worker's threads), and the
+    real tokens it computes against those submitted."""
+
+    passes: list[Pass]
+    chunks: list[Pass] | None
+    computed: int
+    submitted: int
+
+
+def plan_call(
+    state: EngineState, batch: Sequence[PreparedDatum], token_limit: int | None, streams: int
+) -> CallPlan:
+    """Shared-prefix groups first, in passes of at most the micro-batch budget and `token_limit`
+    (and, on `streams` streams, about an equal share of their tokens per stream, at least
+    `CHUNK_TOKENS`); the other datums as length-grouped micro-batches, cut into stream chunks."""
+    lengths = [item.length for item in batch]
+    groups = find_groups([item.tokens_N for item in batch], shared_prefix.PREFIX_PASS_OVERHEAD_TOKENS)
+    grouped = {index for group in groups for index in group.indices}
+    rest = [index for index in range(len(batch)) if index not in grouped]
+    plan = (
+        [
+            [rest[k] for k in micro]
+            for micro in plan_microbatches(
+                [lengths[i] for i in rest], state.config.max_tokens_per_microbatch, token_limit
+            )
+        ]
+        if rest
+        else []
+    )
+    budget = (
+        state.config.max_tokens_per_microbatch
+        if token_limit is None
+        else min(state.config.max_tokens_per_microbatch, token_limit)
+    )
+    if groups and streams >= 2:
+        total = sum(computed_tokens([group], lengths) for group in groups)
+        budget = min(budget, max(CHUNK_TOKENS, math.ceil(total / streams)))
+    shared: list[Pass] = list(plan_shared_passes(groups, lengths, budget)) if groups else []
+    chunks: list[Pass] | None = None
+    if streams >= 2:
+        plain_chunks = stream_chunks(plan, lengths, streams, token_limit) if plan else []
+        units: list[Pass] = [*(plan if plain_chunks is None else plain_chunks), *shared]
+        within_limit = token_limit is None or all(
+            _pass_tokens(unit, lengths) <= token_limit for unit in units
+        )
+        if len(units) >= 2 and within_limit and (plain_chunks is not None or shared):
+            chunks = units
+    submitted = sum(lengths)
+    saved = sum((len(group.indices) - 1) * group.prefix_length for group in groups)
+    return CallPlan([*shared, *plan], chunks, submitted - saved, submitted)
+
+
+def _pass_tokens(unit: Pass, lengths: Sequence[int]) -> int:
+    if unit and isinstance(unit[0], PrefixGroup):
+        return computed_tokens(unit, lengths)  # type: ignore[arg-type]
+    return len(unit) * max(lengths[index] for index in unit)  # type: ignore[index]
+
+
+def collate_pass(state: EngineState, batch: Sequence[PreparedDatum], unit: Pass) -> MicroBatch:
+    """One pass's micro-batch on the engine's device: plain, or shared-prefix."""
+    pad = state.tokenizer.pad_token_id
+    if unit and isinstance(unit[0], PrefixGroup):
+        return collate_shared(batch, unit, pad, state.device)  # type: ignore[arg-type]
+    return collate(batch, unit, pad, state.device)  # type: ignore[arg-type]
+
+
+def token_counts(plan: CallPlan) -> dict[str, float]:
+    """The history row's record of the saving: real tokens computed and submitted."""
+    return {"computed_tokens:sum": float(plan.computed), "submitted_tokens:sum": float(plan.submitted)}
+
 
 def predict(
     state: EngineState, lora_model: LoraModel, role: Role, micro: MicroBatch, with_entropy: bool = False
@@ -217,15 +308,12 @@ def run_loss(
     backward = op == "forward_backward"
     outputs: list[dict[str, TensorData]] = [{} for _ in batch]
     totals = MetricTotals()
-    pad = state.tokenizer.pad_token_id
-    lengths = [item.length for item in batch]
     token_limit = state.model.full_activation_limit if backward else None
-    plan = plan_microbatches(lengths, state.config.max_tokens_per_microbatch, token_limit)
-    chunks = None if role is Role.REFERENCE else stream_chunks(plan, lengths, state.streams, token_limit)
+    plan = plan_call(state, batch, token_limit, 1 if role is Role.REFERENCE else state.streams)
     parameters = list(lora_model.role_adapter(role).trainable.parameters.values()) if backward else []
 
-    def run_chunk(indices: list[int]) -> ChunkResult:
-        micro = collate(batch, indices, pad, state.device)
+    def run_chunk(unit: Pass) -> ChunkResult:
+        micro = collate_pass(state, batch, unit)
         mask_B_T = micro.attention_mask_B_T.bool()
         with torch.set_grad_enabled(backward):
             prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy)
@@ -262,12 +350,12 @@ def run_loss(
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
 
     def run_all() -> None:
-        if chunks is None:
-            for indices in plan:
-                take(run_chunk(indices))
+        if plan.chunks is None:
+            for unit in plan.passes:
+                take(run_chunk(unit))
             return
         with state.model.using(lora_model.role_adapter(role).adapter):  # the streams only read the model
-            run_on_streams(run_chunk, chunks, state.streams, take)
+            run_on_streams(run_chunk, plan.chunks, state.streams, take)
 
     if backward:
         with lora_model.role_adapter(role).trainable.accumulating(
@@ -277,7 +365,7 @@ def run_loss(
     else:
         run_all()
     metrics = totals.metrics(spec, with_loss)
-    state.record(op, lora_model, state.adapter_label(lora_model, role), metrics)
+    state.record(op, lora_model, state.adapter_label(lora_model, role), {**metrics, **token_counts(plan)})
     return ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
     )
@@ -298,18 +386,13 @@ def run_custom(
     computed without a graph, `loss_fn` runs on leaf copies, and each micro-batch is run again with the
     surrogate Σ logprobs · ∂loss/∂logprobs, whose parameter gradient is the same.
     """
-    plan = plan_microbatches(
-        [item.length for item in batch],
-        state.config.max_tokens_per_microbatch,
-        state.model.full_activation_limit,
-    )
-    pad = state.tokenizer.pad_token_id
+    plan = plan_call(state, batch, state.model.full_activation_limit, streams=1)
     logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
     with lora_model.role_adapter(role).trainable.accumulating(
         f"forward_backward_custom on {state.adapter_label(lora_model, role)}"
     ):
-        if len(plan) == 1:
-            micro = collate(batch, plan[0], pad, state.device)
+        if len(plan.passes) == 1:
+            micro = collate_pass(state, batch, plan.passes[0])
             logprobs_B_T, _ = predict(state, lora_model, role, micro)
             for row, index in enumerate(micro.indices):
                 logprobs_list[index] = logprobs_B_T[row, : micro.lengths[row]]
@@ -317,8 +400,8 @@ def run_custom(
             loss.backward()
         else:
             with torch.no_grad():
-                for indices in plan:
-                    micro = collate(batch, indices, pad, state.device)
+                for unit in plan.passes:
+                    micro = collate_pass(state, batch, unit)
                     logprobs_B_T, _ = predict(state, lora_model, role, micro)
                     for row, index in enumerate(micro.indices):
                         logprobs_list[index] = (
@@ -326,8 +409,8 @@ def run_custom(
                         )
             loss, user_metrics = call_custom_loss(loss_fn, user_data, logprobs_list)
             loss.backward()
-            for indices in plan:
-                micro = collate(batch, indices, pad, state.device)
+            for unit in plan.passes:
+                micro = collate_pass(state, batch, unit)
                 logprobs_B_T, _ = predict(state, lora_model, role, micro)
                 grad_B_T = torch.zeros_like(logprobs_B_T)
                 for row, index in enumerate(micro.indices):
@@ -336,7 +419,12 @@ def run_custom(
                 (logprobs_B_T * grad_B_T).sum().backward()
     outputs = [{"logprobs": TensorData.from_torch(logprobs_N.detach())} for logprobs_N in logprobs_list]
     metrics = {**user_metrics, "loss:sum": float(loss.detach())}
-    state.record("forward_backward_custom", lora_model, state.adapter_label(lora_model, role), metrics)
+    state.record(
+        "forward_backward_custom",
+        lora_model,
+        state.adapter_label(lora_model, role),
+        {**metrics, **token_counts(plan)},
+    )
     return ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
     )

@@ -323,8 +323,10 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
                 _complete(state, request, result) if _needs_training_model(request) else result
                 for request, result in zip(requests, results, strict=True)
             ]
+    # cached prompts of weights no client can sample any more leave the prompt cache (the base stays)
+    state.hf_sampler.prefix_cache.keep_only({*_live_weights(state), (None, None, None)})
     with pinned_weights(state, held):
-        return state.hf_sampler.generate(requests)
+        return state.hf_sampler.generate(requests, held.weights_key)
 
 
 def _needs_training_model(request: SampleRequest) -> bool:
@@ -425,6 +427,9 @@ def sample_response(
     }
     if tokens:
         metrics["logprob:mean"] = sum(sum(s.logprobs) for s in sequences) / tokens
+    if result.prefill_tokens:
+        metrics["prefill_tokens:sum"] = float(result.prefill_tokens)
+        metrics["prefill_cached_tokens:sum"] = float(result.prefill_cached_tokens)
     lora_model: LoraModel | None = state.lora_models.get(held.model_id) if held.model_id is not None else None
     label = REFERENCE_LABEL if held.is_base else (held.adapter or "")
     if lora_model is not None:

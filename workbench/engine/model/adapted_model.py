@@ -33,7 +33,9 @@ from workbench.engine.model.activation_checkpointing import (
 )
 from workbench.engine.model.base_model import BaseModelInfo, adapter_parameters, add_lora_adapter, attach_lora
 from workbench.engine.model.batching import MicroBatch
-from workbench.engine.model.logprobs import language_model_logprobs
+from workbench.engine.model.logprobs import feature_forward, language_model_logprobs, target_logprobs
+from workbench.engine.model.prefix_attention import shared_prefix_pass
+from workbench.engine.model.shared_prefix import SharedPrefixMicroBatch
 from workbench.engine.model.value_head import ValueHead
 from workbench.storage.checkpoint_store import json_bytes
 from workbench.types import LoraConfig
@@ -161,7 +163,7 @@ class AdaptedModel:
         count = 0
         if torch.is_grad_enabled():
             count = checkpointed_layer_count(
-                micro.input_ids_B_T.numel(), len(self.decoder_layers), self.full_activation_limit
+                computed_tokens(micro), len(self.decoder_layers), self.full_activation_limit
             )
         return checkpointing(self.decoder_layers[:count])
 
@@ -184,6 +186,8 @@ class AdaptedModel:
         rule; a recomputation runs with the adapter state it finds then, which is this one: the worker
         runs nothing else between a call's forward and its backward.
         """
+        if isinstance(micro, SharedPrefixMicroBatch):
+            return self.shared_target_logprobs(adapter, micro, with_entropy)
         with self.using(adapter), self.activation_checkpointing(micro):
             return language_model_logprobs(
                 self.base,
@@ -198,8 +202,61 @@ class AdaptedModel:
                 with_entropy=with_entropy,
             )
 
+    def shared_target_logprobs(
+        self, adapter: str | None, micro: SharedPrefixMicroBatch, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """`target_logprobs` of a shared-prefix micro-batch, in its plain (R, T) layout: the prefixes
+        and suffixes run once each (`workbench.engine.model.prefix_attention`); a prefix position's
+        log-softmax is computed once and read at every datum's target there (as G of the K target
+        columns `logprobs.target_logprobs` takes), its entropy once and shared."""
+        targets_R_T_X = micro.inputs["target_tokens"]
+        kept = full_activation_tokens(micro.computed_tokens, self.full_activation_limit)
+        with self.using(adapter), self.activation_checkpointing(micro):
+            forward, output_layer = feature_forward(
+                self.base, logits_from_hidden_states=self.info.logits_from_hidden_states
+            )
+            prefix_P_L_F, suffix_R_S_F = shared_prefix_pass(forward, micro)
+            prefix_targets_P_L_G_X = micro.prefix_values(targets_R_T_X)
+            groups, length = prefix_targets_P_L_G_X.shape[:2]
+            prefix_logprobs, prefix_entropy = target_logprobs(
+                prefix_P_L_F,
+                output_layer,
+                prefix_targets_P_L_G_X.reshape(groups, length, -1),
+                vocab_size=self.info.vocab_size,
+                kept_positions=kept,
+                with_entropy=with_entropy,
+            )
+            suffix_logprobs_R_S_X, suffix_entropy_R_S = target_logprobs(
+                suffix_R_S_F,
+                output_layer,
+                micro.suffix_values(targets_R_T_X),
+                vocab_size=self.info.vocab_size,
+                kept_positions=max(0, kept - prefix_P_L_F.shape[0] * prefix_P_L_F.shape[1]),
+                with_entropy=with_entropy,
+            )
+        prefix_logprobs_P_L_G_X = prefix_logprobs.reshape(prefix_targets_P_L_G_X.shape)
+        logprobs_R_T_X = micro.per_datum(prefix_logprobs_P_L_G_X, suffix_logprobs_R_S_X, per_member=True)
+        if prefix_entropy is None or suffix_entropy_R_S is None:
+            return logprobs_R_T_X, None
+        return logprobs_R_T_X, micro.per_datum(prefix_entropy, suffix_entropy_R_S, per_member=False)
+
     def values(self, adapter: str, head: ValueHead, micro: MicroBatch) -> Tensor:
         """A critic's V for every position, (B, T): the decoder's last hidden state through the value head.
         The decoder alone runs (no output embedding): the critic needs hidden states, not logits."""
         with self.using(adapter):
+            if isinstance(micro, SharedPrefixMicroBatch):
+                decoder = self.base.get_decoder()
+                with self.activation_checkpointing(micro):
+                    prefix_P_L_H, suffix_R_S_H = shared_prefix_pass(
+                        lambda **kwargs: decoder(**kwargs).last_hidden_state, micro
+                    )
+                return micro.per_datum(head(prefix_P_L_H), head(suffix_R_S_H), per_member=False)
             return head(self.final_hidden_states(micro))
+
+
+def computed_tokens(micro: MicroBatch) -> int:
+    """The padded tokens a micro-batch's pass computes: its (B, T), or a shared-prefix pass's
+    prefixes and suffixes."""
+    if isinstance(micro, SharedPrefixMicroBatch):
+        return micro.computed_tokens
+    return micro.input_ids_B_T.numel()

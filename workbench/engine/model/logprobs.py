@@ -275,16 +275,21 @@ def score_positions(
     )
 
 
+def feature_forward(
+    model: nn.Module, *, logits_from_hidden_states: bool
+) -> tuple[Callable[..., Tensor], nn.Module]:
+    """How to get the features the output layer turns into logits, `forward(**model_kwargs)`, and that
+    layer: the decoder's final hidden states and the output embeddings, or, for a model whose logits
+    are more than that layer's result, the logits themselves and the identity."""
+    if logits_from_hidden_states:
+        decoder = model.get_decoder()
+        return lambda **kwargs: decoder(**kwargs).last_hidden_state, model.get_output_embeddings()
+    return lambda **kwargs: model(**kwargs).logits, nn.Identity()
+
+
 def final_features(
     model: nn.Module, input_ids_B_T: Tensor, attention_mask_B_T: Tensor, *, logits_from_hidden_states: bool
 ) -> tuple[Tensor, nn.Module]:
-    """The features the output layer turns into logits, and that layer: the decoder's final hidden
-    states and the output embeddings, or, for a model whose logits are more than that layer's result,
-    the logits themselves and the identity."""
-    if logits_from_hidden_states:
-        features_B_T_F = model.get_decoder()(
-            input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False
-        ).last_hidden_state
-        return features_B_T_F, model.get_output_embeddings()
-    features_B_T_F = model(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False).logits
-    return features_B_T_F, nn.Identity()
+    """The features the output layer turns into logits for a batch, and that layer (`feature_forward`)."""
+    forward, output_layer = feature_forward(model, logits_from_hidden_states=logits_from_hidden_states)
+    return forward(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False), output_layer

@@ -12,7 +12,9 @@ token (and, with `topk_sample_logprobs`, the top-k) is read from the distributio
 before truncation: log_softmax(logits / τ), which at τ = 1 is the number `forward` computes for that
 token (the temperature rule of `workbench.types.SampledSequence`; τ = 0 reports the model's own). The processor returns scores that leave `generate` (run greedy)
 exactly one choice per row. Rows end at their own stop token, stop string or `max_tokens`; the call ends
-when every row has.
+when every row has. Across calls, a prompt's keys and values are kept in a `PromptPrefixCache` under the
+weights they were computed with, so a prompt that starts like an earlier one (a conversation's next
+turn) prefills only the tokens after the longest cached prefix.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -37,6 +39,7 @@ from transformers import (
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.batching import PreparedDatum, collate
 from workbench.engine.model.logprobs import final_features, language_model_logprobs, score_positions
+from workbench.engine.samplers.prefix_cache import LayerKeyValues, PromptPrefixCache
 from workbench.engine.samplers.requests import PromptScores, RequestResult, SampleRequest
 from workbench.types import (
     PromptAltTokens,
@@ -255,23 +258,26 @@ class HFSampler:
         self.interrupted = threading.Event()
         """Set from any thread (`Engine.interrupt_sampling`): the generation in progress stops at its
         next decoding step, and every later one at once, with `SamplingInterrupted`."""
+        self.prefix_cache = PromptPrefixCache()
 
-    def generate(self, requests: Sequence[SampleRequest]) -> list[RequestResult]:
+    def generate(self, requests: Sequence[SampleRequest], weights: Hashable) -> list[RequestResult]:
+        """Sample every request with the model as it is now, whose weights `weights` names (the key of
+        the prompt cache's entries)."""
         if self.interrupted.is_set():
             raise SamplingInterrupted(INTERRUPTED_MESSAGE)
         results: list[RequestResult] = []
         chunk: list[SampleRequest] = []
         for request in requests:
             if chunk and sum(r.num_samples for r in chunk) + request.num_samples > MAX_ROWS_PER_GENERATE:
-                results.extend(self._generate_chunk(chunk))
+                results.extend(self._generate_chunk(chunk, weights))
                 chunk = []
             chunk.append(request)
         if chunk:
-            results.extend(self._generate_chunk(chunk))
+            results.extend(self._generate_chunk(chunk, weights))
         return results
 
     @torch.no_grad()
-    def _generate_chunk(self, requests: list[SampleRequest]) -> list[RequestResult]:
+    def _generate_chunk(self, requests: list[SampleRequest], weights: Hashable) -> list[RequestResult]:
         row_requests = [request for request in requests for _ in range(request.num_samples)]
         pad = int(self.tokenizer.pad_token_id)
         input_ids_R_P, attention_mask_R_P = self._left_padded(requests)
@@ -295,10 +301,11 @@ class HFSampler:
             eos_token_id=[],  # rows end by _RowStops alone: `stop=[]` must run past the EOS token
             pad_token_id=pad,
         )
+        prompt_cache, cached_tokens = self._prompt_cache(requests, weights, request_of_row_N)
         self.adapted.module.generate(
             input_ids=input_ids_R_P[request_of_row_N],
             attention_mask=attention_mask_R_P[request_of_row_N],
-            past_key_values=self._prompt_cache(input_ids_R_P, attention_mask_R_P, request_of_row_N),
+            past_key_values=prompt_cache,
             generation_config=config,
             logits_processor=LogitsProcessorList([chooser]),
             stopping_criteria=StoppingCriteriaList([stops]),
@@ -328,7 +335,7 @@ class HFSampler:
         prompt_logprobs = self.prompt_logprobs([r.prompt_tokens for r in plain])
         results = []
         start = 0
-        for request in requests:
+        for request, cached in zip(requests, cached_tokens, strict=True):
             scores = PromptScores()
             logprobs: list[float | None] | None = None
             if request.scores_prompt:
@@ -340,6 +347,8 @@ class HFSampler:
                     sequences=rows[start : start + request.num_samples],
                     prompt_logprobs=logprobs if request.include_prompt_logprobs else None,
                     prompt_scores=scores,
+                    prefill_tokens=request.prompt_length - 1,
+                    prefill_cached_tokens=cached,
                 )
             )
             start += request.num_samples
@@ -437,32 +446,115 @@ class HFSampler:
         return input_ids_R_P.to(self.device), attention_mask_R_P.to(self.device)
 
     def _prompt_cache(
-        self, input_ids_R_P: Tensor, attention_mask_R_P: Tensor, request_of_row_N: Tensor
-    ) -> DynamicCache | None:
+        self, requests: list[SampleRequest], weights: Hashable, request_of_row_N: Tensor
+    ) -> tuple[DynamicCache | None, list[int]]:
         """The KV cache of every prompt but its last token, computed once per request and repeated for
         each of its samples; `generate` then starts from each row's last prompt token.
 
         A request's samples share their prompt, so `generate`'s own prefill (one per row) would compute
         the same keys and values `num_samples` times: for 8 prompts of 45 tokens × 4 samples and 16 new
-        tokens, that repeated prefill is a third of the call on a CPU. None for one-token prompts.
+        tokens, that repeated prefill is a third of the call on a CPU. Prompts with no cached prefix are
+        prefilled together, left-padded; one with a cached prefix prefills only what follows it. Every
+        prompt's keys and values then go into the prompt cache. Also gives how many tokens of each
+        prompt came from the cache. None for one-token prompts.
         """
-        if input_ids_R_P.shape[1] < 2:
-            return None
-        prefix_ids_R_Q = input_ids_R_P[:, :-1]
-        prefix_mask_R_Q = attention_mask_R_P[:, :-1]
-        # position ids as `generate` derives them from a left-padded mask
-        position_ids_R_Q = (prefix_mask_R_Q.cumsum(dim=-1) - 1).masked_fill(prefix_mask_R_Q == 0, 1)
+        prompts = [request.prompt_tokens[:-1] for request in requests]
+        longest = max(len(prompt) for prompt in prompts)
+        if longest < 1:
+            return None, [0] * len(prompts)
+        found = [self.prefix_cache.longest(weights, prompt) for prompt in prompts]
+        per_request: list[LayerKeyValues | None] = [None] * len(prompts)
+        misses = [i for i, (cached, _) in enumerate(found) if cached == 0 and prompts[i]]
+        if misses:
+            computed = self._prefill_together([prompts[i] for i in misses])
+            if computed is None:  # sliding-window layers keep only their window: no per-prompt entries
+                return self._prefill_all(prompts, request_of_row_N), [0] * len(prompts)
+            for i, keys_values in zip(misses, computed, strict=True):
+                per_request[i] = keys_values
+        for i, (cached, keys_values) in enumerate(found):
+            if cached:
+                assert keys_values is not None
+                per_request[i] = self._prefill_after(prompts[i], cached, keys_values)
+        for prompt, (cached, _), keys_values in zip(prompts, found, per_request, strict=True):
+            if keys_values is not None:
+                self.prefix_cache.put(weights, prompt, keys_values)
+            self.prefix_cache.count(len(prompt), cached)
         cache = DynamicCache(config=self.adapted.module.config)
+        layers = next(kv for kv in per_request if kv is not None)
+        for layer, (keys_H_Q_D, _) in enumerate(layers):
+            heads, _, size = keys_H_Q_D.shape
+            keys_R_H_Q_D = keys_H_Q_D.new_zeros((len(prompts), heads, longest, size))
+            values_R_H_Q_D = torch.zeros_like(keys_R_H_Q_D)
+            for row, keys_values in enumerate(per_request):
+                if keys_values is not None:  # left-padded, as `generate`'s inputs are
+                    keys, values = keys_values[layer]
+                    keys_R_H_Q_D[row, :, longest - keys.shape[1] :] = keys
+                    values_R_H_Q_D[row, :, longest - values.shape[1] :] = values
+            cache.update(keys_R_H_Q_D, values_R_H_Q_D, layer)
+        cache.batch_select_indices(request_of_row_N)
+        return cache, [cached for cached, _ in found]
+
+    def _left_padded_tokens(self, prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Token ids, attention mask and position ids (as `generate` derives them from a left-padded
+        mask) of `prompts`, left-padded: (R, Q) each, on the device."""
+        longest = max(len(prompt) for prompt in prompts)
+        ids_R_Q = torch.full((len(prompts), longest), int(self.tokenizer.pad_token_id), dtype=torch.long)
+        mask_R_Q = torch.zeros_like(ids_R_Q)
+        for row, prompt in enumerate(prompts):
+            if prompt:
+                ids_R_Q[row, longest - len(prompt) :] = torch.tensor(prompt)
+                mask_R_Q[row, longest - len(prompt) :] = 1
+        position_ids_R_Q = (mask_R_Q.cumsum(dim=-1) - 1).masked_fill(mask_R_Q == 0, 1)
+        return ids_R_Q.to(self.device), mask_R_Q.to(self.device), position_ids_R_Q.to(self.device)
+
+    def _run(self, cache: DynamicCache, ids: Tensor, mask: Tensor, position_ids: Tensor | None) -> None:
         self.adapted.module(
-            input_ids=prefix_ids_R_Q,
-            attention_mask=prefix_mask_R_Q,
-            position_ids=position_ids_R_Q,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,  # the logits `generate` needs come from the last prompt token, in its call
         )
+
+    def _prefill_all(self, prompts: list[tuple[int, ...]], request_of_row_N: Tensor) -> DynamicCache:
+        """Every prompt prefilled together, nothing cached (a model with sliding-window layers)."""
+        cache = DynamicCache(config=self.adapted.module.config)
+        self._run(cache, *self._left_padded_tokens(prompts))
         cache.batch_select_indices(request_of_row_N)
         return cache
+
+    def _prefill_together(self, prompts: list[tuple[int, ...]]) -> list[LayerKeyValues] | None:
+        """Prompts prefilled in one left-padded pass, and each one's keys and values (copies, without
+        the padding); None for a model with sliding-window layers."""
+        cache = DynamicCache(config=self.adapted.module.config)
+        if any(cache.is_sliding):
+            return None
+        self._run(cache, *self._left_padded_tokens(prompts))
+        longest = max(len(prompt) for prompt in prompts)
+        return [
+            [
+                (
+                    layer.keys[row, :, longest - len(prompt) :].clone(),
+                    layer.values[row, :, longest - len(prompt) :].clone(),
+                )
+                for layer in cache.layers
+            ]
+            for row, prompt in enumerate(prompts)
+        ]
+
+    def _prefill_after(
+        self, prompt: tuple[int, ...], cached: int, keys_values: LayerKeyValues
+    ) -> LayerKeyValues:
+        """A prompt's keys and values from its first `cached` positions' and a pass over the rest."""
+        if cached == len(prompt):
+            return keys_values
+        cache = DynamicCache(config=self.adapted.module.config)
+        for layer, (keys, values) in enumerate(keys_values):
+            cache.update(keys[None], values[None], layer)
+        ids = torch.tensor([prompt[cached:]], device=self.device)
+        self._run(cache, ids, torch.ones((1, len(prompt)), dtype=torch.long, device=self.device), None)
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
 
     @torch.no_grad()
     def prompt_logprobs(self, prompts: list[tuple[int, ...]]) -> list[list[float | None]]:

@@ -88,6 +88,10 @@ class RequestResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None
     prompt_scores: PromptScores = PromptScores()
+    # the prompt tokens before the last that were prefilled, and of those the ones a prompt cache gave
+    # (HF: `workbench.engine.samplers.prefix_cache`; vLLM reports none)
+    prefill_tokens: int = 0
+    prefill_cached_tokens: int = 0
 
 
 def stop_conditions(

@@ -123,6 +123,9 @@ class VLLMSampler:
             enable_sleep_mode=self._can_sleep,
             seed=seed,
             max_logprobs=-1,  # `topk_sample_logprobs` may ask for the whole vocabulary (vLLM's cap: 20)
+            # a conversation's next turn and a group's samples reuse their prompt's cached blocks; a
+            # block's hash includes its LoRA id, and each weights version is its own LoRA id
+            enable_prefix_caching=True,
         )
         self._processes = _engine_processes() - before
         self.max_loras = max_loras

@@ -1,9 +1,13 @@
 """The panel's progress line: where the current run is and how fast it goes, in one line.
 
-`step 12/40 · 3.1 s/step · ETA 1m27s · 410 tok/s · loss 12.3 · reward 0.41`, then, when a pause trigger
-fired, why the run paused. Seconds per step is the mean of the last `RECENT_STEPS` steps (the first step
+`step 12/40 · 3.1 s/step · ETA 1m27s · 410 tok/s · computed 23% of tokens · loss 12.3 · reward 0.41`,
+then, when a pause trigger fired, why the run paused. Seconds per step is the mean of the last `RECENT_STEPS` steps (the first step
 is often slower: compilation, caches), the ETA that times the steps left; tokens per second counts the
 trained tokens (`num_tokens:sum` of the run's `forward_backward` rows) over the time its steps took.
+Where datums shared prompts, the share of the submitted tokens the training passes computed
+(`computed_tokens:sum` over `submitted_tokens:sum`: each shared prefix is computed once), and the
+share of the prompt tokens sampling took from the HF sampler's prompt cache (`prefill_cached_tokens:sum`
+over `prefill_tokens:sum`), where it took any.
 """
 
 from __future__ import annotations
@@ -60,6 +64,15 @@ def progress_fields(run: Run, history: MetricsHistory) -> list[tuple[str, str]]:
     busy_seconds = sum(run.step_seconds)
     if trained_tokens and busy_seconds > 0:
         fields.append(("tokens-per-second", f"{trained_tokens / busy_seconds:,.0f} tok/s"))
+    run_rows = [row for row in history.rows if row["time"] >= since]
+    submitted = sum(row.get("submitted_tokens:sum", 0.0) for row in run_rows)
+    computed = sum(row.get("computed_tokens:sum", 0.0) for row in run_rows)
+    if submitted and computed < submitted:
+        fields.append(("computed-tokens", f"computed {computed / submitted:.0%} of tokens"))
+    prefilled = sum(row.get("prefill_tokens:sum", 0.0) for row in run_rows)
+    cached = sum(row.get("prefill_cached_tokens:sum", 0.0) for row in run_rows)
+    if cached:
+        fields.append(("prompt-cache", f"prompt cache {cached / prefilled:.0%}"))
     loss = _latest(history, "loss:sum", "forward_backward", since)
     if math.isfinite(loss):
         fields.append(("loss", f"loss {loss:.4g}"))

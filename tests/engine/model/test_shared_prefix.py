@@ -1,0 +1,318 @@
+"""shared_prefix.py and prefix_attention.py: which datums share a prefix, and a shared-prefix pass gives
+what the plain pass gives (losses, `loss_fn_outputs`, every LoRA gradient) for every loss, the critic,
+the reference, custom losses, soft targets, with streams, micro-batches and activation checkpointing.
+
+Sharing is decided by a measured cost (`PREFIX_PASS_OVERHEAD_TOKENS`); the tests inject it: 0 makes
+every common prefix shared, infinity none, and the same call runs both ways on the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import workbench as wb
+from tests.datums import random_tokens
+from workbench.engine.model import shared_prefix
+from workbench.engine.model.shared_prefix import PrefixGroup, find_groups, plan_shared_passes
+
+VOCAB = 200  # token ids below the tiny model's vocabulary
+RELATIVE = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- the rule
+
+
+def _tensors(sequences: list[list[int]]) -> list[torch.Tensor]:
+    return [torch.tensor(tokens) for tokens in sequences]
+
+
+def test_completions_of_a_prompt_form_one_group_each() -> None:
+    rng = random.Random(0)
+    prompts = [random_tokens(rng, 40, VOCAB) for _ in range(3)]
+    sequences, expected = [], []
+    for prompt in prompts:
+        start = len(sequences)
+        sequences += [prompt + random_tokens(rng, rng.randint(3, 9), VOCAB) for _ in range(4)]
+        expected.append(list(range(start, start + 4)))
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    shuffled = [sequences[i] for i in order]
+    groups = find_groups(_tensors(shuffled), overhead_tokens=10)
+    found = sorted(sorted(order[i] for i in group.indices) for group in groups)
+    assert found == expected
+    for group in groups:
+        assert group.prefix_length >= 40  # the prompt, and any completion tokens that happen to agree
+
+
+def test_sharing_is_chosen_by_the_injected_cost() -> None:
+    rng = random.Random(1)
+    prompt = random_tokens(rng, 30, VOCAB)
+    sequences = [prompt + random_tokens(rng, 5, VOCAB) for _ in range(3)]
+    # two extra datums save 2 × 30 = 60 tokens: shared below that cost, not above it
+    assert [g.indices for g in find_groups(_tensors(sequences), overhead_tokens=59)] == [[0, 1, 2]]
+    assert find_groups(_tensors(sequences), overhead_tokens=61) == []
+    assert find_groups(_tensors(sequences), overhead_tokens=math.inf) == []
+
+
+def test_two_long_prompts_beat_one_short_common_header() -> None:
+    rng = random.Random(2)
+    header = random_tokens(rng, 10, VOCAB)
+    prompts = [header + random_tokens(rng, 100, VOCAB) for _ in range(2)]
+    sequences = [prompt + random_tokens(rng, 4, VOCAB) for prompt in prompts for _ in range(8)]
+    groups = find_groups(_tensors(sequences), overhead_tokens=20)
+    assert sorted(group.indices for group in groups) == [list(range(8)), list(range(8, 16))]
+
+
+def test_a_prefix_stops_short_of_the_shortest_datum_and_unrelated_datums_share_nothing() -> None:
+    rng = random.Random(3)
+    base = random_tokens(rng, 20, VOCAB)
+    groups = find_groups(_tensors([base, [*base, 1, 2], base[:15]]), overhead_tokens=0)
+    assert groups == [PrefixGroup([0, 1, 2], 14)]
+    unrelated = [[k, *random_tokens(rng, 30, VOCAB)] for k in range(6)]
+    assert find_groups(_tensors(unrelated), overhead_tokens=0) == []
+
+
+def test_passes_hold_whole_groups_within_the_budget() -> None:
+    groups = [PrefixGroup([4 * g + k for k in range(4)], 50 + g) for g in range(6)]
+    lengths = [50 + g + 10 for g in range(6) for _ in range(4)]
+    passes = plan_shared_passes(groups, lengths, token_budget=250)
+    assert sorted(i for p in passes for group in p for i in group.indices) == list(range(24))
+    for pass_groups in passes:
+        assert shared_prefix.computed_tokens(pass_groups, lengths) <= 250 or len(pass_groups) == 1
+    assert len(passes) == 3  # 2 groups of (55 + 4 × 10) computed tokens each fit 250
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+
+def _random_groups(rng: random.Random, max_group: int = 16, max_prefix: int = 480) -> list[list[int]]:
+    """Random prefix groups (G = 1..max_group, prefix 1..max_prefix, ragged suffixes) and two unrelated
+    datums, in a shuffled submission order (480: the tiny model's context is 512 tokens)."""
+    sequences: list[list[int]] = []
+    for _ in range(rng.randint(1, 3)):
+        prefix = random_tokens(rng, rng.randint(1, max_prefix), VOCAB)
+        sequences += [
+            prefix + random_tokens(rng, rng.randint(2, 24), VOCAB) for _ in range(rng.randint(1, max_group))
+        ]
+    sequences += [random_tokens(rng, rng.randint(2, 60), VOCAB) for _ in range(2)]
+    rng.shuffle(sequences)
+    return sequences
+
+
+def _values(rng: random.Random, n: int, low: float, high: float) -> list[float]:
+    return [rng.uniform(low, high) for _ in range(n)]
+
+
+def _datum(rng: random.Random, tokens: list[int], loss: str) -> wb.Datum:
+    """A datum for `loss` with random inputs at every position, the prefix's included."""
+    n = len(tokens) - 1
+    inputs: dict[str, Any] = {"target_tokens": tokens[1:]}
+    if loss == "cross_entropy":
+        inputs["weights"] = _values(rng, n, 0.0, 2.0)
+    elif loss == "soft_cross_entropy":
+        inputs["target_tokens"] = torch.tensor([[rng.randrange(VOCAB) for _ in range(3)] for _ in range(n)])
+        inputs["weights"] = torch.tensor([_values(rng, 3, 0.0, 1.0) for _ in range(n)])
+    elif loss == "ppo_critic":
+        inputs.update(values=_values(rng, n, -1, 1), returns=_values(rng, n, -1, 1))
+        inputs["weights"] = _values(rng, n, 0.0, 1.0)
+    else:
+        inputs.update(logprobs=_values(rng, n, -8.0, -1.0), advantages=_values(rng, n, -1.0, 1.0))
+        if loss == "gspo":
+            inputs["sequence_ratio_mask"] = [float(rng.random() < 0.7) for _ in range(n - 1)] + [1.0]
+    return wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+@pytest.fixture(scope="module")
+def trained() -> Iterator[wb.Session]:
+    """A tiny session with a critic, trained a little (so no LoRA B and no value head weight is zero)."""
+    rng = random.Random(10)
+    with wb.Session("tiny", wb.LoraConfig(rank=4), critic=True, seed=0, wandb=False) as sess:
+        data = [_datum(rng, random_tokens(rng, 30, VOCAB), "cross_entropy") for _ in range(4)]
+        sess.policy.forward_backward(data, "cross_entropy").result()
+        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        critic_data = [_datum(rng, random_tokens(rng, 30, VOCAB), "ppo_critic") for _ in range(4)]
+        for _ in range(2):  # the value head, then the adapter's B through it
+            sess.critic.forward_backward(critic_data, "ppo_critic").result()
+            sess.critic.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        yield sess
+
+
+def _both_ways(
+    sess: wb.Session, role: wb.Role, call: Callable[[], Any], monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[Any, dict[str, torch.Tensor], dict[str, Any]]]:
+    """`call` without sharing, then with every common prefix shared: its output, the gradient it
+    left (cleared after by a zero-learning-rate step) and its history row."""
+    results = []
+    for overhead in (math.inf, 0.0):
+        monkeypatch.setattr(shared_prefix, "PREFIX_PASS_OVERHEAD_TOKENS", overhead)
+        output = call()
+        gradients = {
+            name: grad.clone()
+            for name, grad in sess.engine.inspect(sess.model_id, role).gradients.items()
+            if grad is not None
+        }
+        row = dict(sess.history.rows[-1])
+        if gradients:
+            client = sess.critic if role is wb.Role.CRITIC else sess.policy
+            client.optim_step(wb.AdamParams(learning_rate=0.0)).result()
+        results.append((output, gradients, row))
+    return results
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=RELATIVE, atol=RELATIVE * scale, msg=what)
+
+
+def _assert_same(plain: tuple, shared: tuple) -> None:
+    (out_plain, grads_plain, row_plain), (out_shared, grads_shared, row_shared) = plain, shared
+    assert row_shared["computed_tokens:sum"] < row_plain["computed_tokens:sum"]
+    assert row_shared["submitted_tokens:sum"] == row_plain["submitted_tokens:sum"]
+    assert row_plain["computed_tokens:sum"] == row_plain["submitted_tokens:sum"]
+    assert out_shared.metrics.keys() == out_plain.metrics.keys()
+    for name, value in out_plain.metrics.items():
+        # a position counts as clipped where (clip(V) − R)² > (V − R)²; unclipped, the two differ only by
+        # the rounding of V_old + (V − V_old), so last-bit differences in V flip some of those positions
+        tolerance = 0.01 if name == "value_clip_fraction:mean" else 1e-6
+        assert out_shared.metrics[name] == pytest.approx(value, rel=RELATIVE, abs=tolerance), name
+    for d, (a, b) in enumerate(zip(out_shared.loss_fn_outputs, out_plain.loss_fn_outputs, strict=True)):
+        assert a.keys() == b.keys()
+        for key in b:
+            _close(a[key].to_torch(), b[key].to_torch(), f"datum {d} {key}")
+    assert grads_shared.keys() == grads_plain.keys()
+    assert grads_plain, "the call trained nothing"
+    for name, grad in grads_plain.items():
+        assert grad.abs().max() > 0, name
+        _close(grads_shared[name], grad, name)
+
+
+POLICY_LOSSES = [
+    "cross_entropy",
+    "soft_cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "dppo",
+]
+
+
+@pytest.mark.parametrize("loss", POLICY_LOSSES)
+def test_every_policy_loss_gives_the_plain_pass_results(
+    trained: wb.Session, loss: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(POLICY_LOSSES.index(loss))
+    data = [_datum(rng, tokens, loss) for tokens in _random_groups(rng)]
+    name = "cross_entropy" if loss == "soft_cross_entropy" else loss
+    plain, shared = _both_ways(
+        trained, wb.Role.POLICY, lambda: trained.policy.forward_backward(data, name).result(), monkeypatch
+    )
+    _assert_same(plain, shared)
+
+
+def test_the_critic_gives_the_plain_pass_results(
+    trained: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(20)
+    data = [_datum(rng, tokens, "ppo_critic") for tokens in _random_groups(rng)]
+    plain, shared = _both_ways(
+        trained,
+        wb.Role.CRITIC,
+        lambda: trained.critic.forward_backward(data, "ppo_critic").result(),
+        monkeypatch,
+    )
+    _assert_same(plain, shared)
+
+
+@pytest.mark.parametrize("budget", [None, 200])
+def test_a_custom_loss_gives_the_plain_pass_results(
+    budget: int | None, trained: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One pass (the loss sees the live graph) and, with a 200-token budget, several (the surrogate)."""
+    rng = random.Random(30)
+    data = [_datum(rng, tokens, "cross_entropy") for tokens in _random_groups(rng, max_prefix=150)]
+
+    def loss_fn(batch: list[wb.Datum], logprobs_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        per_datum = [
+            (lp * d.loss_fn_inputs["weights"].to_torch()).mean().exp()
+            for d, lp in zip(batch, logprobs_list, strict=True)
+        ]
+        return torch.stack(per_datum).sum(), {"first": float(per_datum[0].detach())}
+
+    if budget is not None:
+        state = trained.engine._state
+        monkeypatch.setattr(
+            state, "config", dataclasses.replace(state.config, max_tokens_per_microbatch=budget)
+        )
+    plain, shared = _both_ways(
+        trained,
+        wb.Role.POLICY,
+        lambda: trained.policy.forward_backward_custom(data, loss_fn).result(),
+        monkeypatch,
+    )
+    _assert_same(plain, shared)
+
+
+def test_forward_and_the_reference_give_the_plain_pass_results(
+    trained: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(40)
+    data = [_datum(rng, tokens, "importance_sampling") for tokens in _random_groups(rng)]
+    for client in (trained.policy, trained.reference):
+        plain, shared = _both_ways(
+            trained,
+            wb.Role.POLICY,
+            lambda client=client: client.forward(data, "importance_sampling").result(),
+            monkeypatch,
+        )
+        assert not plain[1] and not shared[1]  # a forward leaves no gradient
+        plain = (plain[0], {"-": torch.ones(1)}, plain[2])
+        shared = (shared[0], {"-": torch.ones(1)}, shared[2])
+        _assert_same(plain, shared)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streams_and_activation_checkpointing_give_the_plain_pass_results(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one thread and on two streams, and with a full-activation limit of 300 tokens, so that
+    larger passes checkpoint their layers and recompute their logits in backward."""
+    rng = random.Random(50 + threads)
+    data = [_datum(rng, tokens, "ppo") for tokens in _random_groups(rng, max_group=8, max_prefix=300)]
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, threads=threads) as sess:
+        sess.policy.forward_backward(data, "ppo").result()
+        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        sess.engine._state.model.full_activation_limit = 300
+        plain, shared = _both_ways(
+            sess, wb.Role.POLICY, lambda: sess.policy.forward_backward(data, "ppo").result(), monkeypatch
+        )
+    _assert_same(plain, shared)
+
+
+@pytest.mark.integration
+def test_smollm2_gives_the_plain_pass_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2-135M (GQA, 30 layers): two groups of 4 with prefixes up to 512 tokens, importance sampling
+    with advantages on the prefix positions too."""
+    rng = random.Random(60)
+    sequences = []
+    for length in (512, rng.randint(1, 511)):
+        prefix = random_tokens(rng, length, VOCAB)
+        sequences += [prefix + random_tokens(rng, rng.randint(2, 24), VOCAB) for _ in range(4)]
+    data = [_datum(rng, tokens, "importance_sampling") for tokens in sequences]
+    with wb.Session("smollm2-135m", wb.LoraConfig(rank=8), seed=0, wandb=False) as sess:
+        sess.policy.forward_backward(data[:2], "importance_sampling").result()
+        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result()
+        plain, shared = _both_ways(
+            sess,
+            wb.Role.POLICY,
+            lambda: sess.policy.forward_backward(data, "importance_sampling").result(),
+            monkeypatch,
+        )
+    _assert_same(plain, shared)

@@ -1,0 +1,121 @@
+"""prefix_cache.py and the HF sampler's use of it: a conversation's next turn prefills only its new
+tokens, samples what it samples without the cache, and no entry outlives the weights it was computed
+with."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+import workbench as wb
+from tests.datums import random_tokens
+from workbench.engine.samplers.prefix_cache import PromptPrefixCache
+
+VOCAB = 200
+
+
+def _keys_values(length: int, fill: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.full((2, length, 4), fill), torch.full((2, length, 4), fill)) for _ in range(3)]
+
+
+def test_the_longest_common_prefix_of_the_same_weights_is_found() -> None:
+    cache = PromptPrefixCache()
+    cache.put("v1", (1, 2, 3, 4), _keys_values(4, 1.0))
+    cache.put("v1", (1, 2, 9), _keys_values(3, 2.0))
+    cache.put("v2", (1, 2, 3, 4, 5), _keys_values(5, 3.0))
+    cached, keys_values = cache.longest("v1", (1, 2, 3, 7, 7))
+    assert cached == 3 and keys_values is not None
+    assert keys_values[0][0].shape == (2, 3, 4) and float(keys_values[0][0][0, 0, 0]) == 1.0
+    assert cache.longest("v1", (5, 1)) == (0, None)
+    assert cache.longest("v3", (1, 2, 3)) == (0, None)
+
+
+def test_the_cache_stays_within_its_bytes_least_recently_used_out() -> None:
+    entry_bytes = sum(k.nbytes + v.nbytes for k, v in _keys_values(4))
+    cache = PromptPrefixCache(max_bytes=2 * entry_bytes)
+    cache.put("v", (1, 1, 1, 1), _keys_values(4))
+    cache.put("v", (2, 2, 2, 2), _keys_values(4))
+    cache.longest("v", (1, 1))  # (1, …) is now the more recent
+    cache.put("v", (3, 3, 3, 3), _keys_values(4))
+    assert [tokens for _, tokens in cache.entries] == [(1, 1, 1, 1), (3, 3, 3, 3)]
+    assert cache.bytes == 2 * entry_bytes
+    cache.keep_only({"w"})
+    assert not cache.entries and cache.bytes == 0
+
+
+def _conversation(sess: wb.Session, turns: int = 5) -> tuple[list[list[tuple]], int]:
+    """A 5-turn rollout: each turn samples 2 replies to the conversation so far, then the first reply
+    and a new user message of 6 tokens extend it. Returns each turn's (tokens, logprobs) and how many
+    tokens the decoder embedded in all (prefill and decoding)."""
+    rng = random.Random(0)
+    prompt = random_tokens(rng, 60, VOCAB)
+    client = sess.sampling_client()
+    embedded: list[int] = []
+    embeddings = sess.engine.torch_model.get_input_embeddings()
+    handle = embeddings.register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+    turns_out = []
+    try:
+        for turn in range(turns):
+            params = wb.SamplingParams(max_tokens=8, temperature=1.0, seed=turn, stop=[])
+            response = client.sample(prompt, 2, params).result()
+            turns_out.append([(tuple(s.tokens), tuple(s.logprobs)) for s in response.sequences])
+            prompt = prompt + list(response.sequences[0].tokens) + random_tokens(rng, 6, VOCAB)
+    finally:
+        handle.remove()
+    return turns_out, sum(embedded)
+
+
+def test_a_multi_turn_rollout_prefills_only_its_new_tokens_and_samples_the_same() -> None:
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
+        cache = sess.engine.prompt_cache
+        cache.max_bytes = 0  # keeps nothing: every turn prefills its whole prompt
+        without, embedded_without = _conversation(sess)
+        assert cache.stats.computed_tokens == cache.stats.prompt_tokens
+        submitted = cache.stats.prompt_tokens
+        cache.max_bytes = 2**30
+        rows_before = len(sess.history.rows)
+        with_cache, embedded_with = _conversation(sess)
+        stats = cache.stats
+        rows = [row for row in sess.history.rows[rows_before:] if row["op"] == "sample"]
+    computed = stats.computed_tokens - submitted
+    assert stats.prompt_tokens - submitted == submitted
+    assert embedded_without - embedded_with == submitted - computed  # what the decoder did not embed
+    assert computed <= 0.3 * submitted
+    assert stats.hits == 4  # every turn after the first
+    # each turn's history row says how much of its prefill the cache gave
+    assert sum(row["prefill_tokens:sum"] for row in rows) == submitted
+    assert sum(row["prefill_cached_tokens:sum"] for row in rows) == submitted - computed
+    for turn, (plain, cached) in enumerate(zip(without, with_cache, strict=True)):
+        for (tokens, logprobs), (cached_tokens, cached_logprobs) in zip(plain, cached, strict=True):
+            assert cached_tokens == tokens, turn
+            assert cached_logprobs == pytest.approx(logprobs, abs=1e-5), turn
+
+
+def test_no_entry_outlives_its_weights_and_a_new_version_samples_as_without_the_cache() -> None:
+    rng = random.Random(1)
+    prompt = random_tokens(rng, 40, VOCAB)
+    params = wb.SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=[])
+    data = [
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints(prompt[:-1]),
+            loss_fn_inputs={"target_tokens": prompt[1:]},
+        )
+    ]
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
+        cache = sess.engine.prompt_cache
+        sess.sampling_client().sample(prompt, 2, params).result()
+        assert {key[0][1] for key in cache.entries} == {0}
+        sess.policy.forward_backward(data, "cross_entropy").result()
+        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        gc.collect()  # the version-0 client is gone, and its pin with it
+        cached = sess.sampling_client().sample(prompt, 2, params).result()
+        assert {key[0][1] for key in cache.entries} == {1}  # no stale entry, and the new version's
+        cache.max_bytes = 0
+        cache.entries.clear()
+        plain = sess.sampling_client().sample(prompt, 2, params).result()
+    for a, b in zip(cached.sequences, plain.sequences, strict=True):
+        assert a.tokens == b.tokens
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
