@@ -28,7 +28,6 @@ teacher.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 from collections.abc import Iterator
@@ -115,7 +114,7 @@ def _check_the_student_learned(session: wb.Session, log_path: Path) -> None:
 def test_the_cookbook_sdft_recipe_distils_with_top_k_soft_targets_in_process(
     sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tinker, "ServiceClient", functools.partial(wb.ServiceClient, engine=sess.engine))
+    monkeypatch.setattr(tinker, "ServiceClient", sess.service_client)
     _run_sdft(tmp_path, None)
     _check_the_student_learned(sess, tmp_path / "log")
 

@@ -189,7 +189,8 @@ class TinkerService:
             return found
         allowed = {resolve_model_path(n) for n in self.config.allowed_base_models}
         if name not in self.config.allowed_base_models and resolve_model_path(name) not in allowed:
-            raise RequestError(f"{where}: this server serves {self.served_names()}, not {name!r}")
+            served = ", ".join(repr(served) for served in self.served_names())
+            raise RequestError(f"{where}: this server serves {served}, not {name!r}")
         try:
             return await asyncio.to_thread(self.base_models.engine, name)
         except (ValueError, OSError) as error:
@@ -583,9 +584,7 @@ class TinkerService:
             return {"request_id": earlier[1].request_id, "model_id": model_id}
         _check_optimizer(request.optimizer_config, "load_weights")
         metadata = _string_metadata(request.user_metadata, "load_weights")
-        engine = await self.engine_for(
-            request.base_model or self.saved_base_model(request.path, "load_weights"), "load_weights"
-        )
+        engine = await self.engine_for_checkpoint(request.path, request.base_model, "load_weights")
         earlier = self._creations.get(model_id)
         if earlier is not None:  # the same request again, answered while the base model loaded
             return {"request_id": earlier[1].request_id, "model_id": model_id}
@@ -652,18 +651,12 @@ class TinkerService:
             where = "create_sampling_session"
             if request.model_path is not None:
                 _checkpoint_path(request.model_path, "create_sampling_session.model_path")
-            if request.base_model is None and request.model_path is None:
+            if request.model_path is not None:
+                engine = await self.engine_for_checkpoint(request.model_path, request.base_model, where)
+            elif request.base_model is not None:
+                engine = await self.engine_for(request.base_model, where)
+            else:
                 raise RequestError(f"{where}: give a base_model or a model_path")
-            if request.model_path is not None and request.base_model is not None:
-                saved = self.saved_base_model(request.model_path, where)
-                if resolve_model_path(saved) != resolve_model_path(request.base_model):
-                    raise RequestError(
-                        f"{where}: {request.model_path} was saved on base model {saved!r}, "
-                        f"not {request.base_model!r}"
-                    )
-            engine = await self.engine_for(
-                request.base_model or self.saved_base_model(request.model_path or "", where), where
-            )
             try:
                 pin = (
                     engine.pin_sampler(None)
@@ -963,19 +956,32 @@ class TinkerService:
                 }
             folder = engine.checkpoint_folder(request.tinker_path, "sampler")
             adapter = json.loads((folder / "adapter_config.json").read_text())
-            base_model = self.saved_base_model(request.tinker_path, "weights_info")
+            base_model = self.saved_base_model(request.tinker_path)
         except (CheckpointError, ValueError, OSError) as error:
             raise RequestError(f"weights_info: {message_of(error)}", 404) from None
         return {"base_model": base_model, "is_lora": True, "lora_rank": adapter.get("r")}
 
-    def saved_base_model(self, path: str, where: str) -> str:
-        """The base model a checkpoint (`tinker://` path) was saved on, as its engine was made with it."""
-        _checkpoint_path(path, where)
+    def saved_base_model(self, path: str) -> str | None:
+        """The base model a checkpoint (`tinker://` path) was saved on, as its engine was made with it;
+        None when it cannot be read (the operation that loads it then says why)."""
         known = {run_id: engine.model_status(run_id).model_dir for run_id, engine in self.live_runs().items()}
         try:
             return Engine.checkpoint_base_model(path, known)
-        except (CheckpointError, ValueError, OSError) as error:
-            raise RequestError(f"{where}: {message_of(error)}", 404) from None
+        except (CheckpointError, ValueError, OSError):
+            return None
+
+    async def engine_for_checkpoint(self, path: str, base_model: str | None, where: str) -> Engine:
+        """The engine a checkpoint loads on: its base model's (which `base_model`, when given, must
+        be); the serving session's when the checkpoint cannot be read, whose load then says why."""
+        saved = self.saved_base_model(path)
+        if (
+            saved is not None
+            and base_model is not None
+            and resolve_model_path(saved) != resolve_model_path(base_model)
+        ):
+            raise RequestError(f"{where}: {path} was saved on base model {saved!r}, not {base_model!r}")
+        name = saved or base_model
+        return self.engine if name is None else await self.engine_for(name, where)
 
     # ------------------------------------------------------------------------------------------ log
 

@@ -167,7 +167,9 @@ class BaseModels:
 
     def engines(self) -> list[Engine]:
         """The loaded engines, the first one first."""
-        return [e for e in self._engines.values() if not e.closed]
+        return [
+            e for e in list(self._engines.values()) if not e.closed
+        ]  # a snapshot: loads run on other threads
 
     def holdings(self) -> list[Holding]:
         """What each loaded base model holds, the first one first."""
@@ -179,7 +181,7 @@ class BaseModels:
                 len(engine.model_ids()),
                 self._evictable(key, engine),
             )
-            for key, engine in self._engines.items()
+            for key, engine in list(self._engines.items())
             if not engine.closed
         ]
 
