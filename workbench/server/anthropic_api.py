@@ -17,12 +17,14 @@ content_block_delta, content_block_stop, message_delta, message_stop) once the r
 from __future__ import annotations
 
 import secrets
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from workbench.engine.local.engine import Engine
 from workbench.server.chat_format import end_of_turn_ids, render_chat
 from workbench.server.compat_http import check_key, event_stream, json_body
 from workbench.server.errors import RequestError, message_of
@@ -87,13 +89,14 @@ def _error_type(status: int) -> str:
 
 
 class AnthropicRoutes:
-    """The routes' work, over the Tinker service and the weights it serves."""
+    """The routes' work for the requests that name weights of one base model (its tokenizer renders and
+    reads them), over the Tinker service and the weights it serves."""
 
-    def __init__(self, service: TinkerService, weights: ServedWeights):
+    def __init__(self, service: TinkerService, weights: ServedWeights, engine: Engine):
         self.service = service
         self.weights = weights
-        self.engine = service.engine
-        self.tokenizer = service.engine.tokenizer
+        self.engine = engine  # the base model's whose weights the requests name
+        self.tokenizer = engine.tokenizer
         self.end_of_turn = end_of_turn_ids(self.tokenizer)
 
     def prompt(self, body: Mapping[str, Any]) -> list[int]:
@@ -165,14 +168,13 @@ class AnthropicRoutes:
             return "stop_sequence", completion.stop_string
         return ("max_tokens" if completion.finish == "length" else "end_turn"), None
 
-    async def messages(self, request: Request) -> Response:
-        body = await json_body(request, self.service.config)
+    async def messages(self, body: Mapping[str, Any]) -> Response:
         call = self.call(body)
         try:
             check_calls(self.engine, [call])
         except ValueError as error:
             raise RequestError(str(error)) from None
-        weights = self.weights.resolve(body.get("model"))
+        weights = await self.weights.resolve(body.get("model"))
         try:
             result = (await generate(weights.engine, weights.pin, [call]))[0]
         finally:
@@ -226,17 +228,30 @@ class AnthropicRoutes:
         )
         yield "message_stop", {"type": "message_stop"}
 
-    async def count_tokens(self, request: Request) -> Response:
-        body = await json_body(request, self.service.config)
-        prompt = self.prompt(body)
-        self.weights.identify(body.get("model"))
-        return JSONResponse({"input_tokens": len(prompt)})
+    async def count_tokens(self, body: Mapping[str, Any]) -> Response:
+        return JSONResponse({"input_tokens": len(self.prompt(body))})
 
 
 def anthropic_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
     """The routes under `PREFIX`; the app mounts them with `include_router(..., prefix=PREFIX)`."""
-    routes = AnthropicRoutes(service, weights)
+    routes: weakref.WeakKeyDictionary[Engine, AnthropicRoutes] = weakref.WeakKeyDictionary()
     router = APIRouter()
+
+    async def for_the_model(request: Request) -> tuple[AnthropicRoutes, dict[str, Any]]:
+        """The request's body, and the routes of the base model its `model` names."""
+        body = await json_body(request, service.config)
+        engine = (await weights.identify(body.get("model"))).engine
+        if engine not in routes:
+            routes[engine] = AnthropicRoutes(service, weights, engine)
+        return routes[engine], body
+
+    async def messages_of_the_model(request: Request) -> Response:
+        model_routes, body = await for_the_model(request)
+        return await model_routes.messages(body)
+
+    async def count_tokens_of_the_model(request: Request) -> Response:
+        model_routes, body = await for_the_model(request)
+        return await model_routes.count_tokens(body)
 
     def answer(error: BaseException) -> JSONResponse:
         status = (
@@ -258,11 +273,11 @@ def anthropic_router(service: TinkerService, weights: ServedWeights) -> APIRoute
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await guarded(request, routes.messages)
+        return await guarded(request, messages_of_the_model)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        return await guarded(request, routes.count_tokens)
+        return await guarded(request, count_tokens_of_the_model)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(request: Request, path: str) -> Response:

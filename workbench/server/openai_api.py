@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import secrets
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from workbench.engine.local.engine import Engine
 from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat
 from workbench.server.compat_http import check_key, event_stream, json_body
 from workbench.server.errors import RequestError, message_of
@@ -203,13 +205,14 @@ def _usage(results: list[Generated]) -> dict[str, int]:
 
 
 class OpenAIRoutes:
-    """The routes' work, over the Tinker service and the weights it serves."""
+    """The routes' work for the requests that name weights of one base model (its tokenizer renders and
+    reads them), over the Tinker service and the weights it serves."""
 
-    def __init__(self, service: TinkerService, weights: ServedWeights):
+    def __init__(self, service: TinkerService, weights: ServedWeights, engine: Engine):
         self.service = service
         self.weights = weights
-        self.engine = service.engine
-        self.tokenizer = service.engine.tokenizer
+        self.engine = engine  # the base model's whose weights the requests name
+        self.tokenizer = engine.tokenizer
         self.end_of_turn = end_of_turn_ids(self.tokenizer)
 
     # ------------------------------------------------------------------------------------------ chat
@@ -308,8 +311,7 @@ class OpenAIRoutes:
             message["content"] = ""
         return message, finish
 
-    async def chat(self, request: Request) -> Response:
-        body = await json_body(request, self.service.config)
+    async def chat(self, body: Mapping[str, Any]) -> Response:
         call, offered = self.chat_calls(body)
         common = _common(body)
         results = await self._run(body.get("model"), [call])
@@ -490,8 +492,7 @@ class OpenAIRoutes:
             "text_offset": offsets,
         }
 
-    async def completions(self, request: Request) -> Response:
-        body = await json_body(request, self.service.config)
+    async def completions(self, body: Mapping[str, Any]) -> Response:
         calls, texts = self.completion_calls(body)
         common = _common(body)
         echo = bool(body.get("echo"))
@@ -592,7 +593,7 @@ class OpenAIRoutes:
         except ValueError as error:
             raise OpenAIError(str(error)) from None
         try:
-            weights = self.weights.resolve(model)
+            weights = await self.weights.resolve(model)
         except RequestError as error:
             raise OpenAIError(error.message, error.status, "model") from None
         try:
@@ -603,8 +604,27 @@ class OpenAIRoutes:
 
 def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
     """The routes under `PREFIX`; the app mounts them with `include_router(..., prefix=PREFIX)`."""
-    routes = OpenAIRoutes(service, weights)
+    routes: weakref.WeakKeyDictionary[Engine, OpenAIRoutes] = weakref.WeakKeyDictionary()
     router = APIRouter()
+
+    async def for_the_model(request: Request) -> tuple[OpenAIRoutes, dict[str, Any]]:
+        """The request's body, and the routes of the base model its `model` names."""
+        body = await json_body(request, service.config)
+        try:
+            engine = (await weights.identify(body.get("model"))).engine
+        except RequestError as error:
+            raise OpenAIError(error.message, error.status, "model") from None
+        if engine not in routes:
+            routes[engine] = OpenAIRoutes(service, weights, engine)
+        return routes[engine], body
+
+    async def chat(request: Request) -> Response:
+        model_routes, body = await for_the_model(request)
+        return await model_routes.chat(body)
+
+    async def complete(request: Request) -> Response:
+        model_routes, body = await for_the_model(request)
+        return await model_routes.completions(body)
 
     def answer(error: BaseException) -> JSONResponse:
         status = (
@@ -628,11 +648,11 @@ def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await guarded(request, routes.chat)
+        return await guarded(request, chat)
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        return await guarded(request, routes.completions)
+        return await guarded(request, complete)
 
     @router.get("/models")
     async def models(request: Request) -> Response:

@@ -11,14 +11,15 @@ A request names its weights as hosted Tinker's compatible APIs take them:
   its policy's current weights, pinned for the one request, so it samples the weights that the
   operations queued before it leave, while training goes on.
 
-`ServedWeights.identify` is the one place a name is read (`resolve` pins what it names); a server with several base models
-would choose the engine there too.
+`ServedWeights.identify` is the one place a name is read, and where the base model's engine is chosen
+on a server of several base models (`resolve` pins what it names).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from workbench.engine.interface import SamplerPin
@@ -48,97 +49,123 @@ class Weights:
             self.engine.release_sampler(self.pin)
 
 
+@dataclass(frozen=True)
+class Named:
+    """What a `model` name names, found without pinning anything: `kind` is `"base"`, `"checkpoint"`
+    (`path` its tinker:// path) or `"model"` (`path` its id); `engine` is the base model's engine."""
+
+    kind: str
+    path: str
+    engine: Engine
+
+
 class ServedWeights:
-    """Resolves `model` names to pinned weights, keeping the base model's pin and recent checkpoints'."""
+    """Resolves `model` names to pinned weights on their base model's engine, keeping each base model's
+    pin and recent checkpoints'."""
 
     def __init__(self, service: TinkerService):
         self.service = service
-        self._base_pin: APIFuture[SamplerPin] | None = None
-        self._checkpoints: OrderedDict[str, APIFuture[SamplerPin]] = OrderedDict()
+        self._base_pins: dict[Engine, APIFuture[SamplerPin]] = {}
+        self._checkpoints: OrderedDict[str, tuple[Engine, APIFuture[SamplerPin]]] = OrderedDict()
 
-    @property
-    def engine(self) -> Engine:
-        return self.service.engine
-
-    def identify(self, name: object) -> tuple[str, str]:
-        """What `name` names, checked without pinning anything: `("base", name)`, `("checkpoint",
-        tinker path)` or `("model", model id)`. RequestError 404 for a name this server does not serve
-        (a checkpoint that is not there included), 400 for one that is not a model name at all."""
+    async def identify(self, name: object) -> Named:
+        """What `name` names, and on which base model's engine (a base the server allows is loaded on
+        first use, as for a Tinker client). RequestError 404 for a name this server does not serve (a
+        checkpoint that is not there included), 400 for one that is not a model name at all."""
         if not isinstance(name, str) or not name:
             raise RequestError(
                 "model must be a non-empty string: a base model, a tinker:// path or a model id"
             )
         base, _, path = name.rpartition(";") if ";" in name else ("", "", name)
-        if base:
-            try:
-                self.service.check_base_model(base, "model")
-            except RequestError as error:
-                raise RequestError(error.message, 404) from None
         if path.startswith(TINKER_SCHEME):
             run_id, _, checkpoint_id = path[len(TINKER_SCHEME) :].partition("/")
             address = self.service.checkpoint_address(run_id, checkpoint_id)
             self.service.checkpoint_folder(address)  # 404 for a checkpoint that is not there
-            return "checkpoint", address.tinker_path
+            engine = await self._not_served_is_404(
+                self.service.engine_for_checkpoint(address.tinker_path, base or None, "model")
+            )
+            return Named("checkpoint", address.tinker_path, engine)
         if base:
             raise RequestError(f"model {name!r}: after '<base>;' comes a tinker:// checkpoint path", 404)
-        if path in self.engine.model_ids():
-            return "model", path
+        engine = self.service.engine_of_run(path)
+        if engine is not None:
+            return Named("model", path, engine)
         try:
-            self.service.check_base_model(path, "model")
+            engine = await self.service.engine_for(path, "model")
         except RequestError:
             raise RequestError(
-                f"model {name!r} is not served here: name the base model {self.service.base_model!r}, a "
-                "model on this server or a tinker:// checkpoint path (GET /models lists them)",
+                f"model {name!r} is not served here: name a base model ({', '.join(map(repr, self.service.served_names()))}), "
+                "a model on this server or a tinker:// checkpoint path (GET /models lists them)",
                 404,
             ) from None
-        return "base", path
+        return Named("base", path, engine)
 
-    def resolve(self, name: object) -> Weights:
+    @staticmethod
+    async def _not_served_is_404(finding: Awaitable[Engine]) -> Engine:
+        try:
+            return await finding
+        except RequestError as error:
+            raise RequestError(error.message, 404) from None
+
+    async def resolve(self, name: object) -> Weights:
         """The weights `name` names (`identify`), pinned."""
-        kind, path = self.identify(name)
+        named = await self.identify(name)
         assert isinstance(name, str)
-        if kind == "checkpoint":
-            return Weights(name, self.engine, self._checkpoint_pin(path), per_request=False)
-        if kind == "model":
-            return Weights(name, self.engine, self.engine.pin_sampler(path), per_request=True)
-        if self._base_pin is None:
-            self._base_pin = self.engine.pin_sampler(None)
-        return Weights(name, self.engine, self._base_pin, per_request=False)
+        engine = named.engine
+        if named.kind == "checkpoint":
+            return Weights(name, engine, self._checkpoint_pin(engine, named.path), per_request=False)
+        if named.kind == "model":
+            return Weights(name, engine, engine.pin_sampler(named.path), per_request=True)
+        pin = self._base_pins.get(engine)
+        if pin is None:
+            pin = self._base_pins[engine] = engine.pin_sampler(None)
+        return Weights(name, engine, pin, per_request=False)
 
-    def _checkpoint_pin(self, path: str) -> APIFuture[SamplerPin]:
-        pin = self._checkpoints.get(path)
-        if pin is not None and not (pin.done() and pin.future().exception() is not None):
+    def _checkpoint_pin(self, engine: Engine, path: str) -> APIFuture[SamplerPin]:
+        kept = self._checkpoints.get(path)
+        if (
+            kept is not None
+            and kept[0] is engine
+            and not (kept[1].done() and kept[1].future().exception() is not None)
+        ):
             self._checkpoints.move_to_end(path)
-            return pin
-        pin = self.engine.pin_sampler_checkpoint(path)
-        self._checkpoints[path] = pin
+            return kept[1]
+        pin = engine.pin_sampler_checkpoint(path)
+        self._checkpoints[path] = (engine, pin)
         while len(self._checkpoints) > CHECKPOINT_PINS_KEPT:
-            _, oldest = self._checkpoints.popitem(last=False)
-            self.engine.release_sampler(oldest)  # after the requests already queued on it
+            _, (oldest_engine, oldest) = self._checkpoints.popitem(last=False)
+            oldest_engine.release_sampler(oldest)  # after the requests already queued on it
         return pin
 
     def listing(self) -> list[dict[str, object]]:
-        """`/models`: the base model, the models on the engine, and every sampler checkpoint of the runs
-        this server knows (OpenAI's model objects, with `root` naming the base)."""
+        """`/models`: each base model served, the models on their engines, and every sampler checkpoint
+        of the runs this server knows (OpenAI's model objects, with `root` naming the base)."""
         now = int(time.time())
-        base = self.service.base_model
-        names = [base, *self.engine.model_ids()]
-        names += [
-            f"{TINKER_SCHEME}{run['training_run_id']}/{checkpoint['checkpoint_id']}"
-            for run in self.service.training_runs(limit=1_000, offset=0)["training_runs"]
-            for checkpoint in self.service.checkpoints(run["training_run_id"])["checkpoints"]
-            if checkpoint["checkpoint_type"] == "sampler"
-        ]
+        roots: dict[str, str] = {}
+        for engine in self.service.engines():
+            base = engine.config.base_model
+            roots.setdefault(base, base)
+            for model_id in engine.model_ids():
+                roots.setdefault(model_id, base)
+        for base in self.service.served_names():
+            roots.setdefault(base, base)
+        for run in self.service.training_runs(limit=1_000, offset=0)["training_runs"]:
+            base = str(run.get("base_model") or self.service.engine.config.base_model)
+            for checkpoint in self.service.checkpoints(run["training_run_id"])["checkpoints"]:
+                if checkpoint["checkpoint_type"] == "sampler":
+                    roots.setdefault(
+                        f"{TINKER_SCHEME}{run['training_run_id']}/{checkpoint['checkpoint_id']}", base
+                    )
         return [
-            {"id": name, "object": "model", "created": now, "owned_by": "workbench", "root": base}
-            for name in dict.fromkeys(names)
+            {"id": name, "object": "model", "created": now, "owned_by": "workbench", "root": root}
+            for name, root in roots.items()
         ]
 
     def release_all(self) -> None:
         """Release every pin kept (the server stops)."""
-        for pin in self._checkpoints.values():
-            self.engine.release_sampler(pin)
+        for engine, pin in self._checkpoints.values():
+            engine.release_sampler(pin)
         self._checkpoints.clear()
-        if self._base_pin is not None:
-            self.engine.release_sampler(self._base_pin)
-            self._base_pin = None
+        for engine, pin in self._base_pins.items():
+            engine.release_sampler(pin)
+        self._base_pins.clear()
