@@ -31,7 +31,9 @@ QUESTION = [{"role": "user", "content": "What is the secret word?"}]
 
 
 def oai(srv: TinkerServer, key: str = "tml-local") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{srv.url}/oai/api/v1", api_key=key, max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{srv.url}/oai/api/v1", api_key=key, max_retries=0, timeout=600
+    )  # vLLM starts on first use
 
 
 def rendered(sess: wb.Session, messages: list[dict[str, str]]) -> list[int]:
