@@ -20,7 +20,9 @@ QUESTION = [{"role": "user", "content": "What is the secret word?"}]
 
 
 def claude(srv: TinkerServer, key: str = "tml-local") -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=f"{srv.url}/anthropic/api", api_key=key, max_retries=0, timeout=60)
+    return anthropic.Anthropic(
+        base_url=f"{srv.url}/anthropic/api", api_key=key, max_retries=0, timeout=600
+    )  # vLLM starts on first use
 
 
 def test_greedy_message_is_the_samplers_greedy_sample(

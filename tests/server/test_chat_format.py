@@ -115,28 +115,29 @@ def test_tools_render_through_a_hermes_template_and_calls_parse_back(hermes_tiny
 
 def test_a_model_taught_to_call_a_tool_returns_openai_tool_calls(hermes_tiny: str) -> None:
     sess = wb.Session(hermes_tiny, wb.LoraConfig(rank=4), seed=0, wandb=False)
+    tool = {"type": "function", "function": {"name": "now", "parameters": {}}}  # short: few tokens to learn
     try:
-        messages = [{"role": "user", "content": "Weather in Oslo?"}]
-        prompt = sess.tokenizer.decode(render_chat(sess.tokenizer, messages, [WEATHER]))
-        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        messages = [{"role": "user", "content": "Time?"}]
+        prompt = sess.tokenizer.decode(render_chat(sess.tokenizer, messages, [tool]))
+        call = '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>'
         datum = sft_datum(sess.tokenizer, prompt, call + "<|im_end|>")
-        for _ in range(120):
+        for _ in range(80):
             sess.policy.forward_backward([datum], "cross_entropy")
-            sess.policy.optim_step({"learning_rate": 3e-3})
+            sess.policy.optim_step({"learning_rate": 5e-3})
         api = sess.openai_client(max_retries=0)
         reply = api.chat.completions.create(
-            model=sess.model_id, messages=messages, tools=[WEATHER], max_tokens=60, temperature=0
+            model=sess.model_id, messages=messages, tools=[tool], max_tokens=80, temperature=0
         )
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls", choice.message
-        assert choice.message.tool_calls[0].function.name == "get_weather"
-        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+        assert choice.message.tool_calls[0].function.name == "now"
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"tz": "UTC"}
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             api.chat.completions.create(
-                model=sess.model_id, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=4
+                model=sess.model_id, messages=messages, tools=[tool], tool_choice="required", max_tokens=4
             )
         plain = api.chat.completions.create(
-            model=sess.model_id, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=4
+            model=sess.model_id, messages=messages, tools=[tool], tool_choice="none", max_tokens=4
         )
         assert plain.choices[0].message.tool_calls is None
     finally:

@@ -31,7 +31,9 @@ QUESTION = [{"role": "user", "content": "What is the secret word?"}]
 
 
 def oai(srv: TinkerServer, key: str = "tml-local") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{srv.url}/oai/api/v1", api_key=key, max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{srv.url}/oai/api/v1", api_key=key, max_retries=0, timeout=600
+    )  # vLLM starts on first use
 
 
 def rendered(sess: wb.Session, messages: list[dict[str, str]]) -> list[int]:
@@ -300,6 +302,8 @@ def test_lm_eval_local_completions_multiple_choice_matches_the_sessions_own_scor
     """lm-eval's loglikelihood requests (echo + logprobs, max_tokens 1) through the endpoint give the
     accuracy the session's own `compute_logprobs` gives choice by choice."""
     lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     results = lm_eval.simple_evaluate(
         model="local-completions",
@@ -312,6 +316,7 @@ def test_lm_eval_local_completions_multiple_choice_matches_the_sessions_own_scor
             "max_retries": 1,
         },
         tasks=[MULTIPLE_CHOICE],
+        task_manager=TaskManager(include_defaults=False),  # not lm-eval's thousands of bundled tasks
         log_samples=False,
     )
     accuracy = results["results"]["colours_quiz_mc"]["acc,none"]
@@ -336,6 +341,8 @@ def test_lm_eval_local_chat_completions_generate_until(
     """lm-eval's generate-until requests through the chat endpoint: its responses are the greedy chat
     replies the openai client gets for the same conversations."""
     lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     results = lm_eval.simple_evaluate(
         model="local-chat-completions",
@@ -347,6 +354,7 @@ def test_lm_eval_local_chat_completions_generate_until(
             "max_gen_toks": 8,
         },
         tasks=[GENERATE_UNTIL],
+        task_manager=TaskManager(include_defaults=False),
         apply_chat_template=True,
         log_samples=True,
     )
