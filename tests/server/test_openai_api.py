@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -388,6 +389,32 @@ def test_a_remote_session_gets_an_openai_client_of_its_service(sess: wb.Session,
         assert ours.choices[0].model_extra["token_ids"] == local.choices[0].model_extra["token_ids"]
     finally:
         remote.close()
+
+
+def test_a_second_base_model_is_served_on_its_own_engine(
+    sess: wb.Session, srv: TinkerServer, tiny_teacher: str
+) -> None:
+    """A server of two base models: a request naming the second is rendered and sampled on its own
+    engine (its logprobs are its own, not the first base's), both APIs, and `/models` lists both."""
+    service = sess.service_client()
+    teacher = service.create_sampling_client(base_model=tiny_teacher).result()  # loads the second base
+    prompt = [5, 17, 42, 99, 7, 3]
+    expected = teacher.compute_logprobs(wb.ModelInput.from_ints(prompt)).result()
+    first_base = sess.sampling_client(base=True).compute_logprobs(wb.ModelInput.from_ints(prompt)).result()
+    assert max(abs(a - b) for a, b in zip(expected[1:], first_base[1:], strict=True)) > 1e-2
+    answer = oai(srv).completions.create(
+        model=tiny_teacher, prompt=[prompt], max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
+    assert answer.choices[0].logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(expected[1:], abs=1e-4)
+    listed = {entry.id: entry.root for entry in oai(srv).models.list().data}
+    assert listed[tiny_teacher] == tiny_teacher and listed[sess.config.base_model] == sess.config.base_model
+    reply = anthropic.Anthropic(
+        base_url=f"{srv.url}/anthropic/api", api_key="tml-local", max_retries=0
+    ).messages.create(model=tiny_teacher, max_tokens=4, messages=QUESTION)
+    assert reply.model == tiny_teacher and reply.usage.output_tokens >= 1
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        oai(srv).completions.create(model="no-such-base", prompt=[prompt], max_tokens=1)
+    service.close("success")
 
 
 def test_workbench_serve_speaks_both_apis_to_the_clients_and_the_lm_eval_command(tmp_path: Path) -> None:
