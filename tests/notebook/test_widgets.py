@@ -151,7 +151,7 @@ def test_adam_fields_edit_the_active_run(panel: wb.Panel, tiny: wb.Session) -> N
     assert panel.train.adam["learning_rate"].value == 1e-3  # the fields show the run's settings
     panel.train.adam["learning_rate"].value = 4e-3
     assert run.adam_params.learning_rate == 4e-3
-    assert "from the run's next step" in panel.train.feedback.text
+    assert "learning_rate = 0.004 applied from run step 0" in panel.train.settings_note.value
 
     panel.train.adam["beta2"].value = 1.5  # invalid: shown, and the run keeps its settings
     assert "beta2 must be in [0, 1)" in panel.train.feedback.text
@@ -168,6 +168,29 @@ def test_adam_fields_edit_the_active_run(panel: wb.Panel, tiny: wb.Session) -> N
     assert tiny.history.last("learning_rate") == 4e-3
     run.stop()
     run.wait(WAIT_S)
+
+
+def test_an_edit_during_a_step_shows_as_requested_until_the_run_applies_it(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_step(sess: wb.Session, i: int) -> None:
+        inside.set()
+        release.wait(WAIT_S)
+
+    run = tiny.run(slow_step, steps=2, adam_params={"learning_rate": 3e-4})
+    assert inside.wait(WAIT_S)
+    panel.train.adam["learning_rate"].value = 1e-4
+    note = panel.train.settings_note.value
+    assert "learning_rate 0.0001 requested: the step in progress trains with 0.0003" in note
+    assert "applied" not in note
+    assert run.adam_params.learning_rate == 3e-4
+    release.set()
+    run.wait(WAIT_S)
+    panel.refresh()
+    assert run.adam_params.learning_rate == 1e-4
+    assert "learning_rate = 0.0001 applied from run step 1" in panel.train.settings_note.value
 
 
 def test_invalid_fields_without_a_run_block_starting_one(panel: wb.Panel, tiny: wb.Session) -> None:

@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from workbench.loops.rollout_groups import RolloutGroup
 from workbench.notebook.rollout_log import RolloutLog
 from workbench.notebook.token_view import STOP_REASONS, ValueKind, render_tokens
+from workbench.notebook.widget_subshell import answer_while_busy
 
 MAX_DISTINCT_REWARDS = 8
 """Up to this many distinct rewards get a bar each (0/1 rewards: two bars); more are binned."""
@@ -126,6 +127,7 @@ class RolloutExplorer(ipywidgets.VBox):
         )
         self.add_class("wb-rollouts")
         self.refresh()
+        answer_while_busy(self)  # its controls answer while a cell runs
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> RolloutExplorer:
@@ -232,6 +234,7 @@ class RolloutExplorer(ipywidgets.VBox):
             )
             bars.append(ipywidgets.VBox([bar, label], layout=ipywidgets.Layout(align_items="center")))
         self.histogram.children = bars
+        answer_while_busy(self.histogram)
 
     def _update_replies(self) -> None:
         groups = self._groups()

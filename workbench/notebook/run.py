@@ -131,6 +131,8 @@ class Run:
         self.error: BaseException | None = None
         self.traceback: str | None = None
         self._adam_params = adam_params
+        self.adam_params_from = 0
+        """The run step from which `adam_params` apply (the step after the one an edit came during)."""
         self._pending_adam: AdamParams | None = None
         self._state = RunState.PAUSED if paused else RunState.RUNNING
         self._stop_requested = False
@@ -241,7 +243,7 @@ class Run:
             if self._busy:
                 self._pending_adam = edited
             else:
-                self._adam_params = edited
+                self._adam_params, self.adam_params_from = edited, self.i
             return edited
 
     def wait(self, timeout: float | None = None) -> RunState:
@@ -336,6 +338,7 @@ class Run:
             self._busy = False
             if self._pending_adam is not None:
                 self._adam_params, self._pending_adam = self._pending_adam, None
+                self.adam_params_from = self.i
             self._changed.notify_all()
         assert self._progress is not None
         self._progress.update(1)
@@ -402,6 +405,7 @@ def train_step(
         backward.result()  # a failure on the worker fails the run, rather than an empty step passing
         update.result()
 
+    step.__qualname__ = step.__name__ = f"train_step({loss_fn})"  # what the panel names the run by
     return step
 
 

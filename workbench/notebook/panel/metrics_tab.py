@@ -30,6 +30,19 @@ INCHES_PER_PLOT = (4.5, 3.2)
 """One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 450 × 320 px)."""
 
 
+class LockedCanvas(Canvas):
+    """An ipympl canvas whose front-end messages (zoom, pan, resize) draw under the tab's lock: they
+    arrive on the widget subshell's thread while the panel's timer redraws from its own."""
+
+    def __init__(self, figure: NotebookFigure, lock: threading.RLock) -> None:
+        self.lock = lock
+        super().__init__(figure)
+
+    def _handle_message(self, widget: object, content: dict[str, object], buffers: list[bytes]) -> None:
+        with self.lock:
+            super()._handle_message(widget, content, buffers)
+
+
 class MetricsTab:
     """Metric tags, plot options and the live plot of the chosen metrics."""
 
@@ -56,7 +69,8 @@ class MetricsTab:
         self.compare_button = ipywidgets.Button(description="Overlay", icon="plus")
         self.compare_button.add_class("wb-metrics-overlay")
         self.figure = NotebookFigure(figsize=INCHES_PER_PLOT, layout="constrained")
-        self.canvas = Canvas(self.figure)
+        self._lock = threading.RLock()  # the panel's timer thread, widget callbacks and canvas events draw
+        self.canvas = LockedCanvas(self.figure, self._lock)
         self._manager = FigureManager(self.canvas, 0)
         self.canvas.header_visible = False
         self.canvas.footer_visible = True  # the value under the cursor
@@ -64,7 +78,6 @@ class MetricsTab:
         self.canvas.add_class("wb-metrics-plot")
         self.plot: LivePlot | None = None
         self.renders = 0  # how many times the plot was redrawn
-        self._lock = threading.RLock()  # the panel's timer thread and widget callbacks both draw
         self._syncing = False
         self.select.observe(self.feedback.guard(self._on_select), names="value")
         for control in (self.smoothing, self.log_scale, self.x_axis):
@@ -131,6 +144,11 @@ class MetricsTab:
     def _render(self) -> None:
         self.canvas.draw()  # renders and sends the image to the page
         self.renders += 1
+
+    def png(self) -> bytes | None:
+        """The plots as PNG bytes (None with no metric chosen), for the panel's saved record."""
+        with self._lock:
+            return self.figure._repr_png_() if self.plot is not None else None
 
     def refresh(self) -> None:
         with self._lock:

@@ -24,27 +24,37 @@ interpreter kills daemon threads, which aborts the process.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets
+from IPython.display import display
 
 from workbench.engine.worker import SessionClosedError
 from workbench.notebook.panel.checkpoints_tab import CheckpointsTab
 from workbench.notebook.panel.feedback import FREED, Feedback
 from workbench.notebook.panel.metrics_tab import MetricsTab
 from workbench.notebook.panel.progress_line import ProgressLine
+from workbench.notebook.panel.record import HIDE_WHILE_LIVE, PanelRecord
 from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
 from workbench.notebook.rollouts_view import RolloutExplorer
+from workbench.notebook.run import RunState
+from workbench.notebook.widget_subshell import answer_while_busy
 
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
 
 REFRESH_S = 0.5
-"""How often the panel re-reads the session."""
+"""How often the panel re-reads the session, at most."""
+CPU_SHARE = 0.03
+"""The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
+run's thread needs between torch calls, so it slows training by about this share: the timer waits
+`max(REFRESH_S, refresh CPU seconds / CPU_SHARE)` between refreshes (a costly redraw, a busy machine:
+the panel refreshes less often instead of slowing the run more)."""
 
 
 class Panel(ipywidgets.VBox):
@@ -86,14 +96,38 @@ class Panel(ipywidgets.VBox):
             ],
             titles=("Train", "Sample", "Checkpoints", "Metrics", "Rollouts"),
         )
-        super().__init__([self.status.widget, self.progress.widget, self.tabs, self.feedback.widget])
+        self.record = PanelRecord(self._snapshot)
+        super().__init__(
+            [
+                ipywidgets.HTML(HIDE_WHILE_LIVE),
+                self.status.widget,
+                self.progress.widget,
+                self.tabs,
+                self.feedback.widget,
+            ]
+        )
         self.add_class("wb-panel")
         self._refreshing = threading.Lock()
         self._closing = threading.Event()
         self.refresh()
+        answer_while_busy(self)
         self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
         self._timer.start()
         _live_panels.add(self)
+
+    def _ipython_display_(self) -> None:
+        """Show the panel and, under it, its saved record (see `workbench.notebook.panel.record`)."""
+        display(self._repr_mimebundle_(), raw=True)
+        self.record.display()
+
+    def _snapshot(self) -> tuple[str, bytes | None]:
+        run_state = self.train.progress_text.value
+        body = (
+            self.status.widget.value
+            + self.progress.widget.value
+            + (f"<div>{run_state}</div>" if run_state else "")
+        )
+        return body, self.metrics.png()
 
     def _sample_prompt(self, tokens: list[int]) -> None:
         """The Rollouts tab's "Sample this prompt": the Sample tab, on the rollout's exact prompt."""
@@ -124,15 +158,22 @@ class Panel(ipywidgets.VBox):
             self.checkpoints.refresh()
             self.metrics.refresh()
             self.rollouts.refresh()
+            run = session.current_run
+            running = run is not None and run.state is RunState.RUNNING and not run.stopping
+            self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
+        answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
 
     def _poll(self) -> None:
-        while not self._closing.wait(REFRESH_S):
+        interval = REFRESH_S
+        while not self._closing.wait(interval):
+            started = time.thread_time()
             try:
                 self.refresh()
             except Exception as error:  # shown in the panel: a timer thread has nobody else to tell
                 self.feedback.error(error)
             if self._ended():
                 return
+            interval = max(REFRESH_S, (time.thread_time() - started) / CPU_SHARE)
 
     def _ended(self) -> bool:
         """The session is closed or freed (asked in a call of its own, so that the timer holds no
