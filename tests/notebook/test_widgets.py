@@ -221,7 +221,7 @@ def test_without_training_data_the_buttons_only_control_runs(tiny: wb.Session) -
 def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) -> None:
     m = panel.metrics
     assert m.select.value == ["loss:sum"] and m.plot is not None and m.plot.names == ["loss:sum"]
-    assert m.figure.get_size_inches().tolist() == [4.5, 3.2]  # shown at its own size, not stretched
+    assert m.figure.get_size_inches().tolist() == [3.7, 2.8]  # shown at its own size, not stretched
     renders = m.renders
     panel.refresh()
     assert m.renders == renders  # nothing new: nothing redrawn
@@ -233,9 +233,12 @@ def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) 
     assert {"grad_norm", "learning_rate", "loss:sum"} <= set(m.select.allowed_tags)
     assert m.select.value == ["loss:sum"]  # new options keep the selection
 
+    assert "grad_norm" in m.add_metric.options
+    m.add_metric.value = "grad_norm"  # picked in the box (Enter, in the page): added to the tags
+    assert m.select.value == ["loss:sum", "grad_norm"] and m.add_metric.value == ""
     m.select.value = ["grad_norm", "loss:sum"]
     assert m.plot.names == ["grad_norm", "loss:sum"]
-    assert m.figure.get_size_inches().tolist() == [9.0, 3.2]
+    assert m.figure.get_size_inches().tolist() == [7.4, 2.8]
     steps, values = m.plot.lines["grad_norm"]["policy/optim_step"].get_data()
     assert list(steps) == [1] and len(values) == 1
     m.select.value = []
@@ -538,7 +541,8 @@ def test_the_progress_line_shows_speed_eta_loss_reward_and_a_trigger(
     assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 2
     panel.refresh()
     text = " ".join(html.unescape(re.sub("<[^>]+>", " ", panel.progress.widget.value)).split())
-    assert "step 2/4" in text and "s/step" in text and "ETA" in text and "tok/s" in text
+    assert "step 2/4" in text and "s/step" in text and "trained" in text and "tok/s" in text
+    assert "paused" in text and "ETA" not in text  # no time left counts down while paused
     assert f"loss {tiny.history.last('loss:sum'):.4g}" in text and "reward 0.9" in text
     assert "paused by trigger: reward:mean = 0.9 (above 0.5) at run step 1" in text
     run.resume()

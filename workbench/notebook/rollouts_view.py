@@ -65,7 +65,9 @@ def _bin_label(low: float, high: float) -> str:
 
 
 def _text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int]) -> str:
-    return tokenizer.decode(list(tokens))
+    """The tokens as text without the chat template's special tokens (`<|im_start|>` ...): a chat prompt
+    reads as its turns, each role on a line of its own before what it said."""
+    return tokenizer.decode(list(tokens), skip_special_tokens=True)
 
 
 class RolloutExplorer(ipywidgets.VBox):
@@ -180,12 +182,14 @@ class RolloutExplorer(ipywidgets.VBox):
         versions = sorted({g.weights_version for g in groups if g.weights_version is not None})
         step = groups[0].step
         replies = len(rewards)
+        trained = sum(sum(group.trained) for group in groups)
         mean = sum(rewards) / replies
         self.summary.value = (
             f'<span data-field="batch">batch {batch}</span> · '
             f'<span data-field="batch-step">optimizer step {step}</span> · '
             f"weights {', '.join(f'v{v}' for v in versions) or 'base model'} · {len(groups)} groups, "
-            f"{replies} replies · reward mean {mean:.3g}"
+            f'{replies} replies · <span data-field="trained">trained on {trained}/{replies}</span> · '
+            f"reward mean {mean:.3g}"
         )
         self._draw_histogram(rewards)
         self._update_replies()

@@ -121,6 +121,8 @@ class Run:
         """The pause rule that fired last (see `workbench.notebook.triggers`); None once resumed."""
         self.started_at: float | None = None
         """When `start()` was called (`time.time()`)."""
+        self.started_step = session.step
+        """The session's optimizer step when the run started."""
         self.step_seconds: list[float] = []
         """How long each completed step took (wall clock), for the panel's progress line."""
         self.step_fn = step_fn
@@ -149,6 +151,7 @@ class Run:
         shows it under the cell that started the run."""
         self._progress = tqdm(total=self.steps, desc="run", unit="step")
         self.started_at = time.time()
+        self.started_step = self.session.step
         self._thread.start()
         return self
 

@@ -109,6 +109,15 @@ class Panel(ipywidgets.VBox):
         self.add_class("wb-panel")
         self._refreshing = threading.Lock()
         self._closing = threading.Event()
+        for button in (
+            self.train.run_button,
+            self.train.pause_button,
+            self.train.step_button,
+            self.train.stop_button,
+        ):
+            button.on_click(lambda _button: self._refresh_run_state())  # after the tab's own handler
+        self.refresh_interval = REFRESH_S
+        """Seconds the timer waits between refreshes now (see `CPU_SHARE`)."""
         self.refresh()
         answer_while_busy(self)
         self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
@@ -163,9 +172,16 @@ class Panel(ipywidgets.VBox):
             self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
         answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
 
+    def _refresh_run_state(self) -> None:
+        """The status bar and progress line at once after a control changed the run, so that no part of
+        the panel disagrees with the Train tab until the next refresh."""
+        with self._refreshing:
+            if self._session() is not None:
+                self.status.refresh()
+                self.progress.refresh()
+
     def _poll(self) -> None:
-        interval = REFRESH_S
-        while not self._closing.wait(interval):
+        while not self._closing.wait(self.refresh_interval):
             started = time.thread_time()
             try:
                 self.refresh()
@@ -173,7 +189,7 @@ class Panel(ipywidgets.VBox):
                 self.feedback.error(error)
             if self._ended():
                 return
-            interval = max(REFRESH_S, (time.thread_time() - started) / CPU_SHARE)
+            self.refresh_interval = max(REFRESH_S, (time.thread_time() - started) / CPU_SHARE)
 
     def _ended(self) -> bool:
         """The session is closed or freed (asked in a call of its own, so that the timer holds no
