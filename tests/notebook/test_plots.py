@@ -92,6 +92,8 @@ def test_live_plot_redraws_in_place_only_when_rows_arrive() -> None:
     assert not plot.axes["loss:sum"].texts[0].get_visible()
     assert plot.lines["grad_norm"] == {}
     assert plot.update(history) is False
+    history.record("rollouts", "policy", 0, {"reward:mean": 1.0})  # not plotted: nothing to redraw
+    assert plot.update(history) is False
 
     for step in range(1, 60):
         history.record("forward_backward", "policy", step, {"loss:sum": 5.0 + step})

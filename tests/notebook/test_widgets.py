@@ -222,6 +222,7 @@ def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) 
     m = panel.metrics
     assert m.select.value == ["loss:sum"] and m.plot is not None and m.plot.names == ["loss:sum"]
     assert m.figure.get_size_inches().tolist() == [3.7, 2.8]  # shown at its own size, not stretched
+    panel.tabs.selected_index = 3  # a hidden plot is not redrawn
     renders = m.renders
     panel.refresh()
     assert m.renders == renders  # nothing new: nothing redrawn
@@ -230,6 +231,15 @@ def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) 
     panel.refresh()
     assert m.renders > renders
     assert m.plot.to_png().startswith(b"\x89PNG")
+    panel.tabs.selected_index = 0  # hidden: new rows wait until the tab is opened
+    renders = m.renders
+    panel.train.step_button.click()
+    _wait(tiny)
+    panel.refresh()
+    assert m.renders == renders
+    panel.tabs.selected_index = 3
+    panel.refresh()
+    assert m.renders > renders
     assert {"grad_norm", "learning_rate", "loss:sum"} <= set(m.select.allowed_tags)
     assert m.select.value == ["loss:sum"]  # new options keep the selection
 
@@ -240,7 +250,7 @@ def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) 
     assert m.plot.names == ["grad_norm", "loss:sum"]
     assert m.figure.get_size_inches().tolist() == [7.4, 2.8]
     steps, values = m.plot.lines["grad_norm"]["policy/optim_step"].get_data()
-    assert list(steps) == [1] and len(values) == 1
+    assert list(steps) == [1, 2] and len(values) == 2
     m.select.value = []
     assert m.plot is None
 

@@ -187,6 +187,7 @@ class LivePlot:
             )
             self._show_ticks(ax, False)
         self._drawn_rows = -1 if self.compare else 0  # compared runs are drawn at the first update
+        self._scanned_rows = 0  # rows of the history looked at for the plotted metrics
 
     def _show_ticks(self, ax: Axes, shown: bool) -> None:
         """Empty axes show their title and note only, not a meaningless ±0.05 range."""
@@ -218,12 +219,19 @@ class LivePlot:
         return [("", history), *((f"{run} ", other) for run, other in self.compare.items())]
 
     def update(self, history: MetricsHistory) -> bool:
-        """Redraw from `history` if it has rows this plot has not drawn yet.
+        """Redraw from `history` if it has rows this plot has not drawn yet that carry one of its
+        metrics (rows of other metrics leave the figure as it is: no redraw, nothing sent to a page).
 
         Returns:
             True if the figure changed.
         """
         if len(history) == self._drawn_rows:
+            return False
+        new_rows = history.rows[self._scanned_rows :]
+        self._scanned_rows = len(history)
+        carried = sum(1 for row in new_rows if any(name in row for name in self.names))
+        if self._drawn_rows >= 0 and carried == 0:  # rows of other metrics only: the figure is unchanged
+            self._drawn_rows = len(history)
             return False
         for name, ax in self.axes.items():
             lines = self.lines[name]

@@ -170,7 +170,10 @@ class MetricsTab:
     def png(self) -> bytes | None:
         """The plots as PNG bytes (None with no metric chosen), for the panel's saved record."""
         with self._lock:
-            return self.figure._repr_png_() if self.plot is not None else None
+            if self.plot is None:
+                return None
+            self.plot.update(self.session.history)  # up to date even while the tab is hidden
+            return self.figure._repr_png_()
 
     def refresh(self) -> None:
         with self._lock:

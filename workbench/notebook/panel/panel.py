@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 REFRESH_S = 0.5
 """How often the panel re-reads the session, at most."""
+METRICS_TAB, ROLLOUTS_TAB = 3, 4
+"""The positions of the tabs that are redrawn only while shown."""
 CPU_SHARE = 0.03
 """The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
@@ -109,13 +111,15 @@ class Panel(ipywidgets.VBox):
         self.add_class("wb-panel")
         self._refreshing = threading.Lock()
         self._closing = threading.Event()
+        self._wake = threading.Event()  # set: the timer refreshes now instead of at its next tick
         for button in (
             self.train.run_button,
             self.train.pause_button,
             self.train.step_button,
             self.train.stop_button,
         ):
-            button.on_click(lambda _button: self._refresh_run_state())  # after the tab's own handler
+            button.on_click(lambda _button: self.refresh_soon())  # the status and progress agree at once
+        self.tabs.observe(lambda _change: self.refresh_soon(), names="selected_index")
         self.refresh_interval = REFRESH_S
         """Seconds the timer waits between refreshes now (see `CPU_SHARE`)."""
         self.refresh()
@@ -165,23 +169,28 @@ class Panel(ipywidgets.VBox):
             self.train.refresh()
             self.sample.refresh()
             self.checkpoints.refresh()
-            self.metrics.refresh()
-            self.rollouts.refresh()
+            # a hidden plot or rollout view is redrawn when its tab is opened, not on every step
+            if self.tabs.selected_index == METRICS_TAB:
+                self.metrics.refresh()
+            if self.tabs.selected_index == ROLLOUTS_TAB:
+                self.rollouts.refresh()
             run = session.current_run
             running = run is not None and run.state is RunState.RUNNING and not run.stopping
             self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
         answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
 
-    def _refresh_run_state(self) -> None:
-        """The status bar and progress line at once after a control changed the run, so that no part of
-        the panel disagrees with the Train tab until the next refresh."""
-        with self._refreshing:
-            if self._session() is not None:
-                self.status.refresh()
-                self.progress.refresh()
+    def refresh_soon(self) -> None:
+        """Have the timer refresh the panel now (a tab was opened, a control changed the run), without
+        waiting for a refresh in progress: a widget callback that waited would hold up the clicks
+        behind it."""
+        self._wake.set()
 
     def _poll(self) -> None:
-        while not self._closing.wait(self.refresh_interval):
+        while True:
+            self._wake.wait(self.refresh_interval)
+            self._wake.clear()
+            if self._closing.is_set():
+                return
             started = time.thread_time()
             try:
                 self.refresh()
@@ -205,6 +214,7 @@ class Panel(ipywidgets.VBox):
     def stop_polling(self) -> None:
         """Stop the timer (after the redraw in progress); the widgets stay as they are."""
         self._closing.set()
+        self._wake.set()
         if threading.current_thread() is not self._timer:
             self._timer.join()
 
