@@ -663,7 +663,8 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     # the record under the panel (hidden while the panel lives) has the run's end
     hidden_record = page.locator('.wb-record [data-field="run-progress"]')
     expect(hidden_record).to_contain_text("stopped", timeout=STEP_MS)
-    page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+    # not awaited: the promise waits for the new kernel to be ready
+    page.evaluate("() => { window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart(); }")
     expect(panel.locator('[data-field="stale"]')).to_be_visible(timeout=STEP_MS)
     pointer = panel.locator(".wb-train-stop").evaluate("button => getComputedStyle(button).pointerEvents")
     assert pointer == "none"
@@ -675,15 +676,16 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     outputs = [output for cell in saved["cells"] for output in cell.get("outputs", [])]
     records = [o for o in outputs if "wb-record" in o.get("data", {}).get("text/html", "")]
     assert len(records) == 1
-    page.goto("about:blank")
-    page.goto(
+    reopened = page.context.new_page()  # a new page, as a later visit is
+    page.close()
+    reopened.goto(
         f"{server.url}/lab/workspaces/{secrets.token_hex(4)}/tree/busy.ipynb?reset&token={server.token}"
     )
-    record = page.locator(".wb-record")
+    record = reopened.locator(".wb-record")
     expect(record).to_be_visible(timeout=PANEL_RENDER_MS)
     expect(record.locator('[data-field="run-progress"]')).to_contain_text("stopped")
     expect(record.locator("img")).to_be_visible()
-    expect(page.locator(".wb-panel")).to_have_count(0)
+    expect(reopened.locator(".wb-panel")).to_have_count(0)
 
 
 def test_tutorial_04_under_run_all_answers_within_its_traffic_budget(tmp_path: Path) -> None:
