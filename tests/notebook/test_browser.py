@@ -688,6 +688,7 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     expect(reopened.locator(".wb-panel")).to_have_count(0)
 
 
+@pytest.mark.timeout(2400)  # SmolLM2's load, evaluation and a few RL steps on two shared cores
 def test_tutorial_04_under_run_all_answers_within_its_traffic_budget(tmp_path: Path) -> None:
     """Run All of tutorial 04 in JupyterLab: while its loop cell waits on the run, the websocket traffic
     per training step stays within `BYTES_PER_STEP` on the Metrics and on the Rollouts tab, and the

@@ -84,8 +84,8 @@ class MetricsTab:
         self._manager = FigureManager(self.canvas, 0)
         self.canvas.header_visible = False
         self.canvas.footer_visible = True  # the value under the cursor
-        self.canvas.toolbar_position = "left"
-        self.canvas.toolbar_visible = "visible"  # beside the plot, not faded in over its y ticks
+        self.canvas.toolbar_position = "top"
+        self.canvas.toolbar_visible = "visible"  # above the plot, not faded in over its y ticks
         self.canvas.add_class("wb-metrics-plot")
         self.plot: LivePlot | None = None
         self.renders = 0  # how many times the plot was redrawn
