@@ -15,21 +15,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 import psutil
 import pytest
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import Locator, Page, expect, sync_playwright
 
 pytestmark = pytest.mark.browser
 
@@ -104,6 +107,31 @@ panel""",
     """run = sess.run(rl_step, 4, pause_if={"step_index": ("above", -1.0)})""",
 ]
 """An RL run whose trigger fires at every step: it pauses after step 0, and again after each Resume."""
+
+BUSY_CELLS = [
+    COCKPIT_CELLS[0],
+    """panel = sess.panel(metrics=("reward:mean", "step_index"))
+panel""",
+    """run = sess.run(rl_step, 100_000)
+run.wait()  # blocks this cell until the panel's Pause""",
+    """print("paused at", run.i)
+run.resume()
+run.wait()  # blocks again, until the panel's Stop""",
+    """print("ended", run.state.value)""",
+]
+"""Run All of a notebook whose cells block in `run.wait()`: the panel is driven while they do."""
+
+TUTORIAL = REPO / "notebooks" / "04_rl_with_importance_sampling.ipynb"
+ACK_MS = 10_000
+"""How soon a control must be acknowledged while a cell is busy. Generous for two shared cores, and far
+from what it was when the clicks waited for the cell (the run's end, minutes later): the run is still
+going when the acknowledgement comes, which each test checks."""
+BYTES_PER_STEP = 20_000
+"""The budget of websocket traffic from the kernel to the page per training step, per panel."""
+TUTORIAL_STEP_MS = 240_000  # one RL step of tutorial 04 (32 replies of SmolLM2) on a busy machine
+TUTORIAL_MS = (
+    900_000  # Run All of tutorial 04 up to its loop: SmolLM2's load and evaluation on 2 shared cores
+)
 
 if not CHROMIUM.exists():
     pytest.skip(
@@ -180,10 +208,19 @@ def _stop(lab: Lab) -> None:
 
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[Lab]:
+    with _serve(tmp_path, "lab") as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _serve(tmp_path: Path, front_end: str) -> Iterator[Lab]:
+    """JupyterLab (`front_end="lab"`) or Notebook 7 (`"notebook"`) on a free port, stopped at exit."""
     root = tmp_path / "notebooks"
     root.mkdir()
     _write_notebook(root / "panel.ipynb", NOTEBOOK_CELLS)
     _write_notebook(root / "cockpit.ipynb", COCKPIT_CELLS)
+    _write_notebook(root / "busy.ipynb", BUSY_CELLS)
+    shutil.copy(TUTORIAL, root / "tutorial.ipynb")
     _write_settings(tmp_path / "jupyter" / "settings")
     port, token = _free_port(), secrets.token_hex(16)
     env = {
@@ -199,21 +236,24 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     }
     env.pop("MPLBACKEND", None)  # the kernel picks its own inline backend
-    log = tmp_path / "jupyterlab.log"
+    log = tmp_path / f"jupyter-{front_end}.log"
     command = [
         sys.executable,
         "-m",
         "jupyter",
-        "lab",
+        front_end,
         "--no-browser",
         "--allow-root",
         "--ip=127.0.0.1",
         f"--port={port}",
         f"--IdentityProvider.token={token}",
         f"--ServerApp.root_dir={root}",
-        "--LabApp.news_url=None",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         "--expose-app-in-browser",
+        *(
+            ["--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+            if front_end == "lab"
+            else []
+        ),
     ]
     with log.open("wb") as log_file:
         process = subprocess.Popen(command, cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT)
@@ -307,8 +347,8 @@ def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path
     )
     page.wait_for_timeout(1500)  # let the last redraw land before the picture is taken
     box = plot.bounding_box()
-    # two metrics side by side at the figure's own size (2 × 450 × 320 px), not stretched to the page
-    assert box is not None and abs(box["width"] - 900) <= 10 and abs(box["height"] - 320) <= 10
+    # two metrics side by side at the figure's own size (2 × 370 × 280 px), not stretched to the page
+    assert box is not None and abs(box["width"] - 740) <= 10 and abs(box["height"] - 280) <= 10
     panel.screenshot(path=str(screenshot))
 
 
@@ -407,3 +447,304 @@ def _drive_the_cockpit(page: Page, lab: Lab, workspace: str, artifacts: Path) ->
     panel.locator(".wb-train-run").click()
     expect(trigger).to_contain_text("at run step 1", timeout=STEP_MS)
     expect(panel.locator('[data-field="run-progress"]')).to_contain_text("paused · 2/4")
+
+
+# --------------------------------------------------------------------------------------------------
+# While a cell is busy: the controls answer during `run.wait()` and Run All, in both front ends
+
+
+class Traffic:
+    """The bytes of every websocket frame the page receives (the kernel's messages)."""
+
+    def __init__(self, page: Page) -> None:
+        self.received = 0
+        page.on("websocket", lambda socket: socket.on("framereceived", self._count))
+
+    def _count(self, payload: str | bytes) -> None:
+        self.received += len(payload.encode() if isinstance(payload, str) else payload)
+
+
+def _open_in(page: Page, server: Lab, front_end: str, notebook: str) -> None:
+    """Open `notebook` in JupyterLab or Notebook 7 and Run All once its kernel is ready."""
+    if front_end == "lab":
+        page.goto(
+            f"{server.url}/lab/workspaces/{secrets.token_hex(4)}/tree/{notebook}?reset&token={server.token}"
+        )
+    else:
+        page.goto(f"{server.url}/notebooks/{notebook}?token={server.token}")
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.sessionContext"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.isReady",
+        timeout=PANEL_RENDER_MS,
+    )
+    if front_end == "lab":
+        page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+    # not awaited: the command's promise settles only when the last cell has run
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def _prompt(page: Page, code: str) -> str:
+    """The input prompt of the first code cell containing `code`: `[*]:` while it runs."""
+    return page.evaluate(
+        """code => {
+            const cells = window.jupyterapp.shell.currentWidget.content.widgets;
+            const cell = cells.find(c => c.model.type === 'code' && c.model.sharedModel.getSource().includes(code));
+            return cell.promptNode.textContent.trim();
+        }""",
+        code,
+    )
+
+
+def _run_step(panel: Locator) -> int:
+    text = panel.locator('[data-field="run-step"]').inner_text()  # "step 12/100000"
+    return int(text.split()[1].split("/")[0])
+
+
+def _wait_for_steps(page: Page, panel: Locator, steps: int, timeout_ms: int) -> int:
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        with contextlib.suppress(PlaywrightError, ValueError, IndexError):
+            done = _run_step(panel)
+            if done >= steps:
+                return done
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the run did not reach {steps} steps in {timeout_ms} ms")
+        page.wait_for_timeout(250)
+
+
+def _acknowledged(check: Callable[[], None], busy: Callable[[], bool]) -> float:
+    """Seconds until `check` passes (a playwright expectation, ACK_MS at most); the cell must still be
+    busy afterwards: the acknowledgement came during the run, not after it."""
+    started = time.monotonic()
+    check()
+    took = time.monotonic() - started
+    assert busy(), "the control was acknowledged only after the cell had finished"
+    return took
+
+
+def _tab(panel: Locator, name: str) -> None:
+    panel.locator(".lm-TabBar-tab", has_text=name).click()
+
+
+def _edit_learning_rate(panel: Locator, busy: Callable[[], bool]) -> float:
+    _tab(panel, "Train")
+    field = panel.locator(".widget-text", has_text="learning_rate").locator("input")
+    field.fill("0.0002")
+    field.press("Enter")
+    field.press("Tab")
+    # acknowledged at once as requested (or already applied, between two steps) ...
+    took = _acknowledged(
+        lambda: expect(panel.locator(".wb-train-settings")).to_contain_text("learning_rate", timeout=ACK_MS),
+        busy,
+    )
+    expect(panel.locator(".wb-train-settings")).to_contain_text(re.compile(r"0\.0002 (requested|applied)"))
+    # ... and shown as applied once the run has applied it, while the cell still waits
+    expect(panel.locator('[data-field="applied-learning_rate"]')).to_contain_text(
+        "learning_rate = 0.0002 applied from run step", timeout=STEP_MS
+    )
+    assert busy()
+    return took
+
+
+def _click_histogram(panel: Locator, busy: Callable[[], bool]) -> float:
+    _tab(panel, "Rollouts")
+    bar = panel.locator(".wb-reward-bar").first
+    expect(bar).to_be_visible(timeout=STEP_MS)
+    bar.click()
+    return _acknowledged(lambda: expect(bar).to_have_class(re.compile(r"mod-info"), timeout=ACK_MS), busy)
+
+
+def _zoom(page: Page, panel: Locator, busy: Callable[[], bool]) -> float:
+    """Drag a rectangle with ipympl's zoom tool: the figure is redrawn with the zoomed axes."""
+    _tab(panel, "Metrics")
+    figure = panel.locator(".wb-metrics-plot")
+    expect(figure.locator("canvas").first).to_be_visible(timeout=STEP_MS)
+    page.wait_for_timeout(1000)
+    figure.locator("button[title^='Zoom']").click()
+    canvas = figure.locator("canvas").last  # the top canvas takes the mouse
+    box = canvas.bounding_box()
+    assert box is not None
+    before = figure.locator("canvas").first.evaluate("canvas => canvas.toDataURL()")
+    page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.3)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] * 0.6, steps=5)
+    page.mouse.up()
+
+    def redrawn() -> None:
+        page.wait_for_function(
+            "([canvas, before]) => canvas.toDataURL() !== before",
+            arg=[figure.locator("canvas").first.element_handle(), before],
+            timeout=ACK_MS,
+        )
+
+    took = _acknowledged(redrawn, busy)
+    figure.locator("button[title^='Zoom']").click()  # the zoom tool off again
+    return took
+
+
+@pytest.mark.parametrize("front_end", ["lab", "notebook"])
+def test_the_controls_answer_while_a_cell_waits_on_the_run(front_end: str, tmp_path: Path) -> None:
+    """Run All of a notebook whose cells block in `run.wait()`: the LR field, a histogram bar, the
+    plot's zoom, Pause and Stop are each acknowledged while a cell is still busy. In JupyterLab the
+    notebook is then saved, its kernel restarted (the panel says it is stale and greys its controls)
+    and the notebook reopened in a fresh page: the saved record shows the run's last state."""
+    artifacts = REPO / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    with _serve(tmp_path, front_end) as server, sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            try:
+                _drive_while_busy(page, server, front_end)
+            except BaseException:
+                page.screenshot(path=str(artifacts / f"browser-failure-{front_end}.png"), full_page=True)
+                raise
+        finally:
+            context.close()
+
+
+def _drive_while_busy(page: Page, server: Lab, front_end: str) -> None:
+    _open_in(page, server, front_end, "busy.ipynb")
+    panel = page.locator(".wb-panel")
+    expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
+    _wait_for_steps(page, panel, 2, STEP_MS * 2)  # a batch of rollouts and a point on the plot
+
+    def waiting_for_pause() -> bool:
+        return _prompt(page, "until the panel's Pause") == "[*]:"
+
+    assert waiting_for_pause()
+    timings = {
+        "learning_rate": _edit_learning_rate(panel, waiting_for_pause),
+        "histogram": _click_histogram(panel, waiting_for_pause),
+        "zoom": _zoom(page, panel, waiting_for_pause),
+    }
+    _tab(panel, "Train")
+    panel.locator(".wb-train-pause").click()
+    progress = panel.locator('[data-field="run-progress"]')
+    timings["pause"] = _acknowledged(
+        lambda: expect(progress).to_contain_text("paused", timeout=ACK_MS), lambda: True
+    )
+    # the paused run ends the first wait; the next cell resumes and waits again
+    expect(progress).to_contain_text("running", timeout=STEP_MS)
+
+    def waiting_for_stop() -> bool:
+        return _prompt(page, "until the panel's Stop") == "[*]:"
+
+    expect(panel.locator(".wb-train-stop")).to_be_enabled(timeout=STEP_MS)
+    page.wait_for_function(
+        "() => window.jupyterapp.shell.currentWidget.content.widgets.some("
+        'c => c.model.sharedModel.getSource().includes("until the panel\'s Stop")'
+        " && c.promptNode.textContent.trim() === '[*]:')",
+        timeout=STEP_MS,
+    )
+    panel.locator(".wb-train-stop").click()
+    timings["stop"] = _acknowledged(
+        lambda: expect(progress).to_contain_text(re.compile("stopping|stopped"), timeout=ACK_MS),
+        lambda: True,
+    )
+    assert waiting_for_stop() or "stopped" in progress.inner_text()
+    expect(page.locator(".jp-OutputArea-output", has_text="ended stopped")).to_be_visible(timeout=STEP_MS)
+    expect(progress).to_contain_text("stopped", timeout=STEP_MS)
+    print(f"{front_end}: acknowledged in seconds {timings}")
+    if front_end == "lab":
+        _stale_and_reopened(page, server, panel)
+
+
+def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
+    """Restart the kernel: the panel says it is stale and its controls are greyed; save, and reopen the
+    notebook in a new page: the record under the panel shows the stopped run."""
+    # the record under the panel (hidden while the panel lives) has the run's end
+    hidden_record = page.locator('.wb-record [data-field="run-progress"]')
+    expect(hidden_record).to_contain_text("stopped", timeout=STEP_MS)
+    # not awaited: the promise waits for the new kernel to be ready
+    page.evaluate("() => { window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart(); }")
+    expect(panel.locator('[data-field="stale"]')).to_be_visible(timeout=STEP_MS)
+    pointer = panel.locator(".wb-train-stop").evaluate("button => getComputedStyle(button).pointerEvents")
+    assert pointer == "none"
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    page.wait_for_function(
+        "() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=STEP_MS
+    )
+    saved = json.loads(server.api("/api/contents/busy.ipynb"))["content"]
+    outputs = [output for cell in saved["cells"] for output in cell.get("outputs", [])]
+    records = [o for o in outputs if "wb-record" in o.get("data", {}).get("text/html", "")]
+    assert len(records) == 1
+    reopened = page.context.new_page()  # a new page, as a later visit is
+    page.close()
+    reopened.goto(
+        f"{server.url}/lab/workspaces/{secrets.token_hex(4)}/tree/busy.ipynb?reset&token={server.token}"
+    )
+    record = reopened.locator(".wb-record")
+    expect(record).to_be_visible(timeout=PANEL_RENDER_MS)
+    expect(record.locator('[data-field="run-progress"]')).to_contain_text("stopped")
+    expect(record.locator("img")).to_be_visible()
+    expect(reopened.locator(".wb-panel")).to_have_count(0)
+
+
+@pytest.mark.timeout(2400)  # SmolLM2's load, evaluation and a few RL steps on two shared cores
+def test_tutorial_04_under_run_all_answers_within_its_traffic_budget(tmp_path: Path) -> None:
+    """Run All of tutorial 04 in JupyterLab: while its loop cell waits on the run, the websocket traffic
+    per training step stays within `BYTES_PER_STEP` on the Metrics and on the Rollouts tab, and the
+    LR field, a histogram bar, the zoom and Stop are acknowledged during the run."""
+    artifacts = REPO / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    with _serve(tmp_path, "lab") as server, sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            traffic = Traffic(page)
+            try:
+                _run_all_of_the_tutorial(page, server, traffic)
+            except BaseException:
+                page.screenshot(path=str(artifacts / "browser-failure-tutorial.png"), full_page=True)
+                raise
+        finally:
+            context.close()
+
+
+def _run_all_of_the_tutorial(page: Page, server: Lab, traffic: Traffic) -> None:
+    _open_in(page, server, "lab", "tutorial.ipynb")
+    panel = page.locator(".wb-panel")
+    expect(panel).to_be_visible(timeout=TUTORIAL_MS)
+
+    def training() -> bool:
+        return _prompt(page, "run.wait()") == "[*]:"
+
+    _wait_for_steps(page, panel, 1, TUTORIAL_MS)
+    per_step = {}
+    for tab in ("Metrics", "Rollouts"):
+        _tab(panel, tab)
+        page.wait_for_timeout(2000)  # the opened tab's first draw is not a step's traffic
+        first, received = _run_step(panel), traffic.received
+        last = _wait_for_steps(page, panel, first + 2, TUTORIAL_STEP_MS * 2)
+        per_step[tab] = (traffic.received - received) / (last - first)
+    print(f"tutorial 04: websocket bytes per step {per_step}")
+    assert training()
+    timings = {
+        "learning_rate": _edit_learning_rate(panel, training),
+        "histogram": _click_histogram(panel, training),
+        "zoom": _zoom(page, panel, training),
+    }
+    _tab(panel, "Train")
+    panel.locator(".wb-train-stop").click()
+    timings["stop"] = _acknowledged(
+        lambda: expect(panel.locator('[data-field="run-progress"]')).to_contain_text(
+            re.compile("stopping|stopped"), timeout=ACK_MS
+        ),
+        training,
+    )
+    print(f"tutorial 04: acknowledged in seconds {timings}")
+    assert all(size <= BYTES_PER_STEP for size in per_step.values()), per_step

@@ -92,6 +92,8 @@ def test_live_plot_redraws_in_place_only_when_rows_arrive() -> None:
     assert not plot.axes["loss:sum"].texts[0].get_visible()
     assert plot.lines["grad_norm"] == {}
     assert plot.update(history) is False
+    history.record("rollouts", "policy", 0, {"reward:mean": 1.0})  # not plotted: nothing to redraw
+    assert plot.update(history) is False
 
     for step in range(1, 60):
         history.record("forward_backward", "policy", step, {"loss:sum": 5.0 + step})
@@ -214,3 +216,25 @@ def test_session_plot_overlays_runs_from_their_folders(tiny, tmp_path) -> None:
     assert {"policy/forward_backward", "baseline policy/forward_backward"} <= labels
     named = tiny.plot("loss:sum", compare={"other": tmp_path / "baseline" / "history.jsonl"})
     assert "other policy/forward_backward" in {line.get_label() for line in named.axes[0].get_lines()}
+
+
+def test_the_cursor_reads_each_lines_value_at_the_nearest_step() -> None:
+    history = MetricsHistory()
+    for step, loss in enumerate([3.0, 2.0, 1.5]):
+        history.record("forward_backward", "policy", step, {"loss:sum": loss})
+    history.record("forward", "policy", 2, {"loss:sum": 9.0})
+    plot = LivePlot(["loss:sum"])
+    plot.update(history)
+    text = plot.axes["loss:sum"].format_coord(1.2, 100.0)  # the cursor's y is not a value
+    assert text == "policy/forward_backward step 1: 2 · policy/forward step 2: 9"
+
+
+def test_a_single_point_shows_as_a_marker_on_a_step_axis_smoothed_or_not() -> None:
+    history = MetricsHistory()
+    history.record("rollouts", "policy", 4, {"reward:mean": 0.5})
+    for smoothing in (0.0, 0.6):
+        plot = LivePlot(["reward:mean"], smoothing=smoothing)
+        plot.update(history)
+        (line,) = plot.lines["reward:mean"].values()
+        assert line.get_marker() == "o"
+        assert plot.axes["reward:mean"].get_xlim() == (3.0, 5.0)

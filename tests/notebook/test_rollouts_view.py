@@ -114,9 +114,17 @@ def test_the_panel_has_a_live_rollouts_tab(tiny: wb.Session) -> None:
         assert panel.tabs.titles[-1] == "Rollouts"
         _record_step(tiny, [[1.0, 0.0, 1.0]], seed=0)
         panel.refresh()
+        assert panel.rollouts.batch is None  # a hidden tab is not redrawn
+        panel.tabs.selected_index = 4  # opening it is (the timer's next refresh, here at once)
+        panel.refresh()
         assert panel.rollouts.batch == 0 and [
             b.children[0].description for b in panel.rollouts.histogram.children
         ] == ["1", "2"]
+        assert "trained on 3/3" in panel.rollouts.summary.value
+        bars = panel.rollouts.histogram.children
+        _record_step(tiny, [[0.0, 1.0, 1.0]], seed=1)
+        panel.refresh()
+        assert panel.rollouts.batch == 1 and panel.rollouts.histogram.children == bars  # bars reused
     finally:
         panel.close()
 
@@ -126,6 +134,7 @@ def test_a_rollouts_prompt_is_sampled_again_from_the_sample_tab(tiny: wb.Session
     panel = tiny.panel()
     try:
         _record_step(tiny, [[1.0, 0.0]], seed=0)
+        panel.tabs.selected_index = 4
         panel.refresh()
         panel.rollouts.sample_button.click()
         s = panel.sample

@@ -153,7 +153,7 @@ def test_adam_fields_edit_the_active_run(panel: wb.Panel, tiny: wb.Session) -> N
     assert panel.train.adam["learning_rate"].value == 1e-3  # the fields show the run's settings
     panel.train.adam["learning_rate"].value = 4e-3
     assert run.adam_params.learning_rate == 4e-3
-    assert "from the run's next step" in panel.train.feedback.text
+    assert "learning_rate = 0.004 applied from run step 0" in panel.train.settings_note.value
 
     panel.train.adam["beta2"].value = 1.5  # invalid: shown, and the run keeps its settings
     assert "beta2 must be in [0, 1)" in panel.train.feedback.text
@@ -170,6 +170,29 @@ def test_adam_fields_edit_the_active_run(panel: wb.Panel, tiny: wb.Session) -> N
     assert tiny.history.last("learning_rate") == 4e-3
     run.stop()
     run.wait(WAIT_S)
+
+
+def test_an_edit_during_a_step_shows_as_requested_until_the_run_applies_it(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_step(sess: wb.Session, i: int) -> None:
+        inside.set()
+        release.wait(WAIT_S)
+
+    run = tiny.run(slow_step, steps=2, adam_params={"learning_rate": 3e-4})
+    assert inside.wait(WAIT_S)
+    panel.train.adam["learning_rate"].value = 1e-4
+    note = panel.train.settings_note.value
+    assert "learning_rate 0.0001 requested: the step in progress trains with 0.0003" in note
+    assert "applied" not in note
+    assert run.adam_params.learning_rate == 3e-4
+    release.set()
+    run.wait(WAIT_S)
+    panel.refresh()
+    assert run.adam_params.learning_rate == 1e-4
+    assert "learning_rate = 0.0001 applied from run step 1" in panel.train.settings_note.value
 
 
 def test_invalid_fields_without_a_run_block_starting_one(panel: wb.Panel, tiny: wb.Session) -> None:
@@ -200,7 +223,8 @@ def test_without_training_data_the_buttons_only_control_runs(tiny: wb.Session) -
 def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) -> None:
     m = panel.metrics
     assert m.select.value == ["loss:sum"] and m.plot is not None and m.plot.names == ["loss:sum"]
-    assert m.figure.get_size_inches().tolist() == [4.5, 3.2]  # shown at its own size, not stretched
+    assert m.figure.get_size_inches().tolist() == [3.7, 2.8]  # shown at its own size, not stretched
+    panel.tabs.selected_index = 3  # a hidden plot is not redrawn
     renders = m.renders
     panel.refresh()
     assert m.renders == renders  # nothing new: nothing redrawn
@@ -209,14 +233,26 @@ def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) 
     panel.refresh()
     assert m.renders > renders
     assert m.plot.to_png().startswith(b"\x89PNG")
+    panel.tabs.selected_index = 0  # hidden: new rows wait until the tab is opened
+    renders = m.renders
+    panel.train.step_button.click()
+    _wait(tiny)
+    panel.refresh()
+    assert m.renders == renders
+    panel.tabs.selected_index = 3
+    panel.refresh()
+    assert m.renders > renders
     assert {"grad_norm", "learning_rate", "loss:sum"} <= set(m.select.allowed_tags)
     assert m.select.value == ["loss:sum"]  # new options keep the selection
 
+    assert "grad_norm" in m.add_metric.options
+    m.add_metric.value = "grad_norm"  # picked in the box (Enter, in the page): added to the tags
+    assert m.select.value == ["loss:sum", "grad_norm"] and m.add_metric.value == ""
     m.select.value = ["grad_norm", "loss:sum"]
     assert m.plot.names == ["grad_norm", "loss:sum"]
-    assert m.figure.get_size_inches().tolist() == [9.0, 3.2]
+    assert m.figure.get_size_inches().tolist() == [7.4, 2.8]
     steps, values = m.plot.lines["grad_norm"]["policy/optim_step"].get_data()
-    assert list(steps) == [1] and len(values) == 1
+    assert list(steps) == [1, 2] and len(values) == 2
     m.select.value = []
     assert m.plot is None
 
@@ -533,7 +569,8 @@ def test_the_progress_line_shows_speed_eta_loss_reward_and_a_trigger(
     assert run.wait(WAIT_S) is RunState.PAUSED and run.i == 2
     panel.refresh()
     text = " ".join(html.unescape(re.sub("<[^>]+>", " ", panel.progress.widget.value)).split())
-    assert "step 2/4" in text and "s/step" in text and "ETA" in text and "tok/s" in text
+    assert "step 2/4" in text and "s/step" in text and "trained" in text and "tok/s" in text
+    assert "paused" in text and "ETA" not in text  # no time left counts down while paused
     assert f"loss {tiny.history.last('loss:sum'):.4g}" in text and "reward 0.9" in text
     assert "paused by trigger: reward:mean = 0.9 (above 0.5) at run step 1" in text
     run.resume()

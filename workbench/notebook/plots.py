@@ -17,7 +17,9 @@ What researchers expect from W&B and TensorBoard, here: all axes share one x ran
 after the update, like `grad_norm` at step 1, starts where the others do); `smoothing` draws a
 debiased exponential moving average over a faint raw line (TensorBoard's formula); `log_scale` puts
 positive metrics on a log axis; `x_axis="time"` plots against seconds since the first row; values are
-written out in full (no "1e-5+1" offset); a step that did not train (a batch with nothing to learn
+written out in full (no "1e-5+1" offset); the value under the cursor (ipympl's footer, matplotlib's
+`format_coord`) is each line's value at the step nearest the cursor, not the cursor's own (x, y); a
+metric with a single point is drawn as a marker on a ±1 step axis; a step that did not train (a batch with nothing to learn
 from records its metrics at the same optimizer step as the next one) is drawn as a hollow marker on
 that step, not joined to the line, which would draw a vertical stroke.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from matplotlib.axes import Axes
@@ -176,6 +178,7 @@ class LivePlot:
         self.skipped: dict[str, dict[str, Line2D]] = {name: {} for name in self.names}
         self._notes: dict[str, Text] = {}
         for name, ax in self.axes.items():
+            ax.format_coord = self._reader(name)
             ax.set_title(name)
             ax.set_xlabel("step" if x_axis == "step" else "seconds")
             ax.grid(alpha=0.3)
@@ -184,6 +187,7 @@ class LivePlot:
             )
             self._show_ticks(ax, False)
         self._drawn_rows = -1 if self.compare else 0  # compared runs are drawn at the first update
+        self._scanned_rows = 0  # rows of the history looked at for the plotted metrics
 
     def _show_ticks(self, ax: Axes, shown: bool) -> None:
         """Empty axes show their title and note only, not a meaningless ±0.05 range."""
@@ -194,16 +198,40 @@ class LivePlot:
         ax.xaxis.set_major_locator(MaxNLocator(integer=self.x_axis == "step"))
         ax.yaxis.set_major_locator(LogLocator() if ax.get_yscale() == "log" else AutoLocator())
 
+    def _reader(self, name: str) -> Callable[[float, float], str]:
+        """What the footer shows for the cursor at (x, y) over `name`'s axes: each line's value at its
+        point nearest to x."""
+
+        def read(x: float, _y: float) -> str:
+            parts = []
+            for label, line in self.lines[name].items():
+                xs, ys = line.get_xdata(), line.get_ydata()
+                if len(xs) == 0:
+                    continue
+                nearest = min(range(len(xs)), key=lambda i: abs(xs[i] - x))
+                where = f"step {xs[nearest]:g}" if self.x_axis == "step" else f"{xs[nearest]:.1f} s"
+                parts.append(f"{label} {where}: {ys[nearest]:.6g}")
+            return " · ".join(parts)
+
+        return read
+
     def _sources(self, history: MetricsHistory) -> list[tuple[str, MetricsHistory]]:
         return [("", history), *((f"{run} ", other) for run, other in self.compare.items())]
 
     def update(self, history: MetricsHistory) -> bool:
-        """Redraw from `history` if it has rows this plot has not drawn yet.
+        """Redraw from `history` if it has rows this plot has not drawn yet that carry one of its
+        metrics (rows of other metrics leave the figure as it is: no redraw, nothing sent to a page).
 
         Returns:
             True if the figure changed.
         """
         if len(history) == self._drawn_rows:
+            return False
+        new_rows = history.rows[self._scanned_rows :]
+        self._scanned_rows = len(history)
+        carried = sum(1 for row in new_rows if any(name in row for name in self.names))
+        if self._drawn_rows >= 0 and carried == 0:  # rows of other metrics only: the figure is unchanged
+            self._drawn_rows = len(history)
             return False
         for name, ax in self.axes.items():
             lines = self.lines[name]
@@ -223,6 +251,10 @@ class LivePlot:
             self._show_ticks(ax, has_data)
             ax.relim()
             ax.autoscale_view()
+        xs = {x for lines in self.lines.values() for line in lines.values() for x in line.get_xdata()}
+        if len(xs) == 1:  # one step: a readable axis around it (the axes share it), not ±0.045
+            (only,) = xs
+            next(iter(self.axes.values())).set_xlim(only - 1, only + 1)
         self._drawn_rows = len(history)
         self.figure.canvas.draw_idle()
         return True
@@ -238,7 +270,8 @@ class LivePlot:
         line = lines[label]
         shown = smoothed(values, self.smoothing) if self.smoothing > 0 else values
         line.set_data(xs, shown)
-        line.set_marker("o" if len(xs) <= MAX_POINTS_WITH_MARKERS and self.smoothing == 0 else "")
+        few = len(xs) <= MAX_POINTS_WITH_MARKERS and self.smoothing == 0
+        line.set_marker("o" if few or len(xs) == 1 else "")  # a line of one point is its marker
         if self.smoothing > 0:
             raw = self.raw_lines[name]
             if label not in raw:

@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from workbench.loops.rollout_groups import RolloutGroup
 from workbench.notebook.rollout_log import RolloutLog
 from workbench.notebook.token_view import STOP_REASONS, ValueKind, render_tokens
+from workbench.notebook.widget_subshell import answer_while_busy
 
 MAX_DISTINCT_REWARDS = 8
 """Up to this many distinct rewards get a bar each (0/1 rewards: two bars); more are binned."""
@@ -64,7 +65,9 @@ def _bin_label(low: float, high: float) -> str:
 
 
 def _text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int]) -> str:
-    return tokenizer.decode(list(tokens))
+    """The tokens as text without the chat template's special tokens (`<|im_start|>` ...): a chat prompt
+    reads as its turns, each role on a line of its own before what it said."""
+    return tokenizer.decode(list(tokens), skip_special_tokens=True)
 
 
 class RolloutExplorer(ipywidgets.VBox):
@@ -94,6 +97,7 @@ class RolloutExplorer(ipywidgets.VBox):
         self.summary = ipywidgets.HTML()
         self.histogram = ipywidgets.HBox(layout=ipywidgets.Layout(align_items="flex-end"))
         self.histogram.add_class("wb-reward-histogram")
+        self._bars: list[tuple[ipywidgets.VBox, ipywidgets.Button, ipywidgets.HTML]] = []
         self.groups = ipywidgets.HTML()
         self.groups.add_class("wb-rollout-groups")
         self.reply = ipywidgets.Dropdown(description="reply", layout=ipywidgets.Layout(width="32em"))
@@ -126,6 +130,7 @@ class RolloutExplorer(ipywidgets.VBox):
         )
         self.add_class("wb-rollouts")
         self.refresh()
+        answer_while_busy(self)  # its controls answer while a cell runs
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> RolloutExplorer:
@@ -178,12 +183,14 @@ class RolloutExplorer(ipywidgets.VBox):
         versions = sorted({g.weights_version for g in groups if g.weights_version is not None})
         step = groups[0].step
         replies = len(rewards)
+        trained = sum(sum(group.trained) for group in groups)
         mean = sum(rewards) / replies
         self.summary.value = (
             f'<span data-field="batch">batch {batch}</span> · '
             f'<span data-field="batch-step">optimizer step {step}</span> · '
             f"weights {', '.join(f'v{v}' for v in versions) or 'base model'} · {len(groups)} groups, "
-            f"{replies} replies · reward mean {mean:.3g}"
+            f'{replies} replies · <span data-field="trained">trained on {trained}/{replies}</span> · '
+            f"reward mean {mean:.3g}"
         )
         self._draw_histogram(rewards)
         self._update_replies()
@@ -193,8 +200,8 @@ class RolloutExplorer(ipywidgets.VBox):
         if index is not None and not 0 <= index < len(self.bins):
             raise ValueError(f"bar must be in [0, {len(self.bins) - 1}], got {index}")
         self.bin = index
-        for i, bar in enumerate(self.histogram.children):
-            bar.children[0].button_style = "info" if i == index else ""
+        for i, (_column, bar, _label) in enumerate(self._bars):
+            bar.button_style = "info" if i == index else ""
         self._update_replies()
 
     def show_reply(self, group: int, reply: int, view: str | None = None) -> None:
@@ -214,24 +221,30 @@ class RolloutExplorer(ipywidgets.VBox):
     # ------------------------------------------------------------------------------------------ drawing
 
     def _draw_histogram(self, rewards: Sequence[float]) -> None:
+        """One button per bin, its height the bin's count. The bars of the last batch are reused (a new
+        widget costs the page a message per part of it; a changed bar, one small update)."""
         counts = [sum(in_bin(r, self.bins, i) for r in rewards) for i in range(len(self.bins))]
         top = max(counts, default=1) or 1
-        bars = []
-        for i, ((low, high), count) in enumerate(zip(self.bins, counts, strict=True)):
-            bar = ipywidgets.Button(
-                description=str(count),
-                tooltip=f"reward {_bin_label(low, high)}: {count} replies (click to open them)",
-                layout=ipywidgets.Layout(
-                    width="4.5em", height=f"{max(round(BAR_HEIGHT_PX * count / top), 18)}px", padding="0"
-                ),
-            )
-            bar.add_class("wb-reward-bar")
-            bar.on_click(lambda _button, i=i: self.open_bin(None if self.bin == i else i))
-            label = ipywidgets.HTML(
-                f'<div style="text-align:center;font-size:smaller;width:4.5em">{html.escape(_bin_label(low, high))}</div>'
-            )
-            bars.append(ipywidgets.VBox([bar, label], layout=ipywidgets.Layout(align_items="center")))
-        self.histogram.children = bars
+        while len(self._bars) < len(self.bins):
+            self._bars.append(self._new_bar(len(self._bars)))
+        for (low, high), count, (_column, bar, label) in zip(self.bins, counts, self._bars, strict=False):
+            bar.description = str(count)
+            bar.tooltip = f"reward {_bin_label(low, high)}: {count} replies (click to open them)"
+            bar.layout.height = f"{max(round(BAR_HEIGHT_PX * count / top), 18)}px"
+            bar.button_style = ""
+            label.value = f'<div style="text-align:center;font-size:smaller;width:4.5em">{html.escape(_bin_label(low, high))}</div>'
+        shown = tuple(column for column, _bar, _label in self._bars[: len(self.bins)])
+        if self.histogram.children != shown:
+            self.histogram.children = shown
+            answer_while_busy(self.histogram)
+
+    def _new_bar(self, i: int) -> tuple[ipywidgets.VBox, ipywidgets.Button, ipywidgets.HTML]:
+        bar = ipywidgets.Button(layout=ipywidgets.Layout(width="4.5em", padding="0"))
+        bar.add_class("wb-reward-bar")
+        bar.on_click(lambda _button: self.open_bin(None if self.bin == i else i))
+        label = ipywidgets.HTML()
+        column = ipywidgets.VBox([bar, label], layout=ipywidgets.Layout(align_items="center"))
+        return column, bar, label
 
     def _update_replies(self) -> None:
         groups = self._groups()
@@ -268,8 +281,8 @@ class RolloutExplorer(ipywidgets.VBox):
                 trained = "✓" if group.trained[r] else ""
                 stop = "max_tokens" if sequence.stop_reason == "length" else "stop"
                 rows.append(
-                    f'<tr data-reply="{g}-{r}" style="{highlight}" title="{html.escape(STOP_REASONS[sequence.stop_reason])}">'
-                    f'<td style="white-space:pre-wrap;font-family:monospace">{html.escape(preview)}</td>'
+                    f'<tr data-reply="{g}-{r}" style="{highlight}">'
+                    f"<td>{html.escape(preview)}</td>"
                     f"<td>{group.rewards[r]:.3g}</td><td>{group.advantages[r]:+.3g}</td>"
                     f"<td>{len(sequence.tokens)}</td><td>{stop}</td><td>{trained}</td></tr>"
                 )
@@ -289,6 +302,8 @@ class RolloutExplorer(ipywidgets.VBox):
                 + "</table></div>"
             )
         return (
+            # the rows' style once, not on each of them: this HTML is sent to the page at every batch
+            "<style>.wb-rollout-group td:first-child{white-space:pre-wrap;font-family:monospace}</style>"
             '<div style="display:flex;gap:8px;overflow-x:auto;padding-bottom:4px">'
             + "".join(cards)
             + "</div>"

@@ -121,6 +121,8 @@ class Run:
         """The pause rule that fired last (see `workbench.notebook.triggers`); None once resumed."""
         self.started_at: float | None = None
         """When `start()` was called (`time.time()`)."""
+        self.started_step = session.step
+        """The session's optimizer step when the run started."""
         self.step_seconds: list[float] = []
         """How long each completed step took (wall clock), for the panel's progress line."""
         self.step_fn = step_fn
@@ -131,6 +133,8 @@ class Run:
         self.error: BaseException | None = None
         self.traceback: str | None = None
         self._adam_params = adam_params
+        self.adam_params_from = 0
+        """The run step from which `adam_params` apply (the step after the one an edit came during)."""
         self._pending_adam: AdamParams | None = None
         self._state = RunState.PAUSED if paused else RunState.RUNNING
         self._stop_requested = False
@@ -147,6 +151,7 @@ class Run:
         shows it under the cell that started the run."""
         self._progress = tqdm(total=self.steps, desc="run", unit="step")
         self.started_at = time.time()
+        self.started_step = self.session.step
         self._thread.start()
         return self
 
@@ -241,7 +246,7 @@ class Run:
             if self._busy:
                 self._pending_adam = edited
             else:
-                self._adam_params = edited
+                self._adam_params, self.adam_params_from = edited, self.i
             return edited
 
     def wait(self, timeout: float | None = None) -> RunState:
@@ -336,6 +341,7 @@ class Run:
             self._busy = False
             if self._pending_adam is not None:
                 self._adam_params, self._pending_adam = self._pending_adam, None
+                self.adam_params_from = self.i
             self._changed.notify_all()
         assert self._progress is not None
         self._progress.update(1)
@@ -402,6 +408,7 @@ def train_step(
         backward.result()  # a failure on the worker fails the run, rather than an empty step passing
         update.result()
 
+    step.__qualname__ = step.__name__ = f"train_step({loss_fn})"  # what the panel names the run by
     return step
 
 

@@ -3,8 +3,9 @@
 The plot is a `LivePlot` (the same figure `sess.plot(...)` draws) on an ipympl canvas, the matplotlib
 widget: its toolbar zooms and pans, and the value under the cursor shows beside it. A refresh redraws
 only when the history has new rows, with `canvas.draw()`, which pushes the new image to the page from
-the panel's timer thread (while a cell is busy too). Metrics are picked as tags (type to filter);
-smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
+the panel's timer thread (while a cell is busy too). The chosen metrics are tags (× removes one); a
+metric is added by picking it in the box beside them (type to filter, Enter adds it: the same input in
+JupyterLab and Notebook 7); smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
 `history.jsonl` files) are controls of their own.
 """
 
@@ -26,8 +27,22 @@ from workbench.notebook.plots import MAX_COLUMNS, LivePlot, NotebookFigure
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
 
-INCHES_PER_PLOT = (4.5, 3.2)
-"""One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 450 × 320 px)."""
+INCHES_PER_PLOT = (3.7, 2.8)
+"""One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 370 × 280 px, so
+three side by side and the toolbar fit a 1280 px window)."""
+
+
+class LockedCanvas(Canvas):
+    """An ipympl canvas whose front-end messages (zoom, pan, resize) draw under the tab's lock: they
+    arrive on the widget subshell's thread while the panel's timer redraws from its own."""
+
+    def __init__(self, figure: NotebookFigure, lock: threading.RLock) -> None:
+        self.lock = lock
+        super().__init__(figure)
+
+    def _handle_message(self, widget: object, content: dict[str, object], buffers: list[bytes]) -> None:
+        with self.lock:
+            super()._handle_message(widget, content, buffers)
 
 
 class MetricsTab:
@@ -42,6 +57,14 @@ class MetricsTab:
         self.select = ipywidgets.TagsInput(
             value=initial, allowed_tags=self._options(initial), allow_duplicates=False
         )
+        self.add_metric = ipywidgets.Combobox(
+            placeholder="add a metric: type or pick one, then Enter",
+            options=self._options(initial),
+            ensure_option=True,
+            continuous_update=False,
+            layout=ipywidgets.Layout(width="24em"),
+        )
+        self.add_metric.add_class("wb-metrics-add")
         self.smoothing = ipywidgets.FloatSlider(
             value=0.0, min=0.0, max=0.99, step=0.01, description="smoothing", continuous_update=False
         )
@@ -56,17 +79,19 @@ class MetricsTab:
         self.compare_button = ipywidgets.Button(description="Overlay", icon="plus")
         self.compare_button.add_class("wb-metrics-overlay")
         self.figure = NotebookFigure(figsize=INCHES_PER_PLOT, layout="constrained")
-        self.canvas = Canvas(self.figure)
+        self._lock = threading.RLock()  # the panel's timer thread, widget callbacks and canvas events draw
+        self.canvas = LockedCanvas(self.figure, self._lock)
         self._manager = FigureManager(self.canvas, 0)
         self.canvas.header_visible = False
         self.canvas.footer_visible = True  # the value under the cursor
-        self.canvas.toolbar_position = "left"
+        self.canvas.toolbar_position = "top"
+        self.canvas.toolbar_visible = "visible"  # above the plot, not faded in over its y ticks
         self.canvas.add_class("wb-metrics-plot")
         self.plot: LivePlot | None = None
         self.renders = 0  # how many times the plot was redrawn
-        self._lock = threading.RLock()  # the panel's timer thread and widget callbacks both draw
         self._syncing = False
         self.select.observe(self.feedback.guard(self._on_select), names="value")
+        self.add_metric.observe(self.feedback.guard(lambda change: self.add(change["new"])), names="value")
         for control in (self.smoothing, self.log_scale, self.x_axis):
             control.observe(self.feedback.guard(lambda _change: self._replot()), names="value")
         self.compare_button.on_click(
@@ -74,7 +99,7 @@ class MetricsTab:
         )
         self.widget = ipywidgets.VBox(
             [
-                self.select,
+                ipywidgets.HBox([self.add_metric, self.select]),
                 ipywidgets.HBox([self.smoothing, self.log_scale, self.x_axis]),
                 ipywidgets.HBox([self.compare_path, self.compare_button]),
                 self.canvas,
@@ -99,6 +124,16 @@ class MetricsTab:
         self.compared[name] = history
         self.feedback.info(f"overlaid {name} ({len(history)} rows)")
         self._replot()
+
+    def add(self, name: str) -> None:
+        """Plot metric `name` too (what picking it in the "add a metric" box does)."""
+        if not name:
+            return
+        if name not in self._options(self.select.value):
+            raise ValueError(f"no metric {name!r} recorded yet")
+        if name not in self.select.value:
+            self.select.value = [*self.select.value, name]
+        self.add_metric.value = ""
 
     def _on_select(self, _change: dict[str, object]) -> None:
         if not self._syncing:
@@ -132,6 +167,14 @@ class MetricsTab:
         self.canvas.draw()  # renders and sends the image to the page
         self.renders += 1
 
+    def png(self) -> bytes | None:
+        """The plots as PNG bytes (None with no metric chosen), for the panel's saved record."""
+        with self._lock:
+            if self.plot is None:
+                return None
+            self.plot.update(self.session.history)  # up to date even while the tab is hidden
+            return self.figure._repr_png_()
+
     def refresh(self) -> None:
         with self._lock:
             options = self._options(self.select.value)
@@ -139,6 +182,7 @@ class MetricsTab:
                 self._syncing = True
                 try:
                     self.select.allowed_tags = options
+                    self.add_metric.options = options
                 finally:
                     self._syncing = False
             if self.plot is not None and self.plot.update(self.session.history):

@@ -24,27 +24,39 @@ interpreter kills daemon threads, which aborts the process.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets
+from IPython.display import display
 
 from workbench.engine.worker import SessionClosedError
 from workbench.notebook.panel.checkpoints_tab import CheckpointsTab
 from workbench.notebook.panel.feedback import FREED, Feedback
 from workbench.notebook.panel.metrics_tab import MetricsTab
 from workbench.notebook.panel.progress_line import ProgressLine
+from workbench.notebook.panel.record import HIDE_WHILE_LIVE, PanelRecord
 from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
 from workbench.notebook.rollouts_view import RolloutExplorer
+from workbench.notebook.run import RunState
+from workbench.notebook.widget_subshell import answer_while_busy
 
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
 
 REFRESH_S = 0.5
-"""How often the panel re-reads the session."""
+"""How often the panel re-reads the session, at most."""
+METRICS_TAB, ROLLOUTS_TAB = 3, 4
+"""The positions of the tabs that are redrawn only while shown."""
+CPU_SHARE = 0.03
+"""The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
+run's thread needs between torch calls, so it slows training by about this share: the timer waits
+`max(REFRESH_S, refresh CPU seconds / CPU_SHARE)` between refreshes (a costly redraw, a busy machine:
+the panel refreshes less often instead of slowing the run more)."""
 
 
 class Panel(ipywidgets.VBox):
@@ -86,14 +98,49 @@ class Panel(ipywidgets.VBox):
             ],
             titles=("Train", "Sample", "Checkpoints", "Metrics", "Rollouts"),
         )
-        super().__init__([self.status.widget, self.progress.widget, self.tabs, self.feedback.widget])
+        self.record = PanelRecord(self._snapshot)
+        super().__init__(
+            [
+                ipywidgets.HTML(HIDE_WHILE_LIVE),
+                self.status.widget,
+                self.progress.widget,
+                self.tabs,
+                self.feedback.widget,
+            ]
+        )
         self.add_class("wb-panel")
         self._refreshing = threading.Lock()
         self._closing = threading.Event()
+        self._wake = threading.Event()  # set: the timer refreshes now instead of at its next tick
+        for button in (
+            self.train.run_button,
+            self.train.pause_button,
+            self.train.step_button,
+            self.train.stop_button,
+        ):
+            button.on_click(lambda _button: self.refresh_soon())  # the status and progress agree at once
+        self.tabs.observe(lambda _change: self.refresh_soon(), names="selected_index")
+        self.refresh_interval = REFRESH_S
+        """Seconds the timer waits between refreshes now (see `CPU_SHARE`)."""
         self.refresh()
+        answer_while_busy(self)
         self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
         self._timer.start()
         _live_panels.add(self)
+
+    def _ipython_display_(self) -> None:
+        """Show the panel and, under it, its saved record (see `workbench.notebook.panel.record`)."""
+        display(self._repr_mimebundle_(), raw=True)
+        self.record.display()
+
+    def _snapshot(self) -> tuple[str, bytes | None]:
+        run_state = self.train.progress_text.value
+        body = (
+            self.status.widget.value
+            + self.progress.widget.value
+            + (f"<div>{run_state}</div>" if run_state else "")
+        )
+        return body, self.metrics.png()
 
     def _sample_prompt(self, tokens: list[int]) -> None:
         """The Rollouts tab's "Sample this prompt": the Sample tab, on the rollout's exact prompt."""
@@ -122,17 +169,36 @@ class Panel(ipywidgets.VBox):
             self.train.refresh()
             self.sample.refresh()
             self.checkpoints.refresh()
-            self.metrics.refresh()
-            self.rollouts.refresh()
+            # a hidden plot or rollout view is redrawn when its tab is opened, not on every step
+            if self.tabs.selected_index == METRICS_TAB:
+                self.metrics.refresh()
+            if self.tabs.selected_index == ROLLOUTS_TAB:
+                self.rollouts.refresh()
+            run = session.current_run
+            running = run is not None and run.state is RunState.RUNNING and not run.stopping
+            self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
+        answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
+
+    def refresh_soon(self) -> None:
+        """Have the timer refresh the panel now (a tab was opened, a control changed the run), without
+        waiting for a refresh in progress: a widget callback that waited would hold up the clicks
+        behind it."""
+        self._wake.set()
 
     def _poll(self) -> None:
-        while not self._closing.wait(REFRESH_S):
+        while True:
+            self._wake.wait(self.refresh_interval)
+            self._wake.clear()
+            if self._closing.is_set():
+                return
+            started = time.thread_time()
             try:
                 self.refresh()
             except Exception as error:  # shown in the panel: a timer thread has nobody else to tell
                 self.feedback.error(error)
             if self._ended():
                 return
+            self.refresh_interval = max(REFRESH_S, (time.thread_time() - started) / CPU_SHARE)
 
     def _ended(self) -> bool:
         """The session is closed or freed (asked in a call of its own, so that the timer holds no
@@ -148,6 +214,7 @@ class Panel(ipywidgets.VBox):
     def stop_polling(self) -> None:
         """Stop the timer (after the redraw in progress); the widgets stay as they are."""
         self._closing.set()
+        self._wake.set()
         if threading.current_thread() is not self._timer:
             self._timer.join()
 

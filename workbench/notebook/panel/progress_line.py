@@ -1,13 +1,16 @@
 """The panel's progress line: where the current run is and how fast it goes, in one line.
 
-`step 12/40 · 3.1 s/step · ETA 1m27s · 410 tok/s · computed 23% of tokens · loss 12.3 · reward 0.41`,
-then, when a pause trigger fired, why the run paused. Seconds per step is the mean of the last `RECENT_STEPS` steps (the first step
-is often slower: compilation, caches), the ETA that times the steps left; tokens per second counts the
-trained tokens (`num_tokens:sum` of the run's `forward_backward` rows) over the time its steps took.
-Where datums shared prompts, the share of the submitted tokens the training passes computed
-(`computed_tokens:sum` over `submitted_tokens:sum`: each shared prefix is computed once), and the
-share of the prompt tokens sampling took from the HF sampler's prompt cache (`prefill_cached_tokens:sum`
-over `prefill_tokens:sum`), where it took any.
+`step 12/40 · 3.1 s/step · ETA 1m27s · trained 410 tok/s · sampled 95 tok/s · computed 23% of tokens ·
+loss 12.3 · reward 0.41`, then, when a pause trigger fired, why the run paused. Seconds per step is the
+mean of the last `RECENT_STEPS` steps (the first step is often slower: compilation, caches), the ETA that
+times the steps left (a paused run has none: it says "paused"); trained tokens per second counts the
+trained tokens (`num_tokens:sum` of the run's `forward_backward` rows), sampled tokens per second the
+tokens of the replies its steps recorded with `record_rollouts`, each over the time the run's steps took:
+in an RL step sampling often takes most of the time, so the two together say where it goes. Where datums
+shared prompts, the share of the submitted tokens the training passes computed (`computed_tokens:sum`
+over `submitted_tokens:sum`: each shared prefix is computed once), and the share of the prompt tokens
+sampling took from the HF sampler's prompt cache (`prefill_cached_tokens:sum` over
+`prefill_tokens:sum`), where it took any.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from workbench.notebook.run import Run, RunState
 
 if TYPE_CHECKING:
     from workbench.metrics import MetricsHistory
+    from workbench.notebook.rollout_log import RolloutLog
     from workbench.notebook.session import Session
 
 RECENT_STEPS = 5
@@ -46,15 +50,28 @@ def _latest(history: MetricsHistory, name: str, op: str | None, since: float) ->
     return math.nan
 
 
-def progress_fields(run: Run, history: MetricsHistory) -> list[tuple[str, str]]:
-    """The line's `(field, text)` pairs for `run` (those with no value yet are left out)."""
+def sampled_tokens(rollouts: RolloutLog, since_step: int) -> int:
+    """The reply tokens of the rollout groups sampled at optimizer step `since_step` or later."""
+    total = 0
+    for batch in reversed(list(rollouts)):
+        if batch and batch[0].step < since_step:
+            break
+        total += sum(len(sequence.tokens) for group in batch for sequence in group.sequences)
+    return total
+
+
+def progress_fields(run: Run, history: MetricsHistory, sampled: int = 0) -> list[tuple[str, str]]:
+    """The line's `(field, text)` pairs for `run` (those with no value yet are left out); `sampled` is the
+    number of tokens its steps sampled (`sampled_tokens`)."""
     fields = [("run-step", f"step {run.i}/{run.steps}")]
     recent = run.step_seconds[-RECENT_STEPS:]
     if recent:
         per_step = sum(recent) / len(recent)
         fields.append(("seconds-per-step", f"{per_step:.2f} s/step"))
-        if run.active:
+        if run.state is RunState.RUNNING:
             fields.append(("eta", f"ETA {format_duration(per_step * (run.steps - run.i))}"))
+        elif run.state is RunState.PAUSED:
+            fields.append(("eta", "paused"))
     since = run.started_at or 0.0
     trained_tokens = sum(
         row.get("num_tokens:sum", 0.0)
@@ -63,7 +80,9 @@ def progress_fields(run: Run, history: MetricsHistory) -> list[tuple[str, str]]:
     )
     busy_seconds = sum(run.step_seconds)
     if trained_tokens and busy_seconds > 0:
-        fields.append(("tokens-per-second", f"{trained_tokens / busy_seconds:,.0f} tok/s"))
+        fields.append(("tokens-per-second", f"trained {trained_tokens / busy_seconds:,.0f} tok/s"))
+    if sampled and busy_seconds > 0:
+        fields.append(("sampled-tokens-per-second", f"sampled {sampled / busy_seconds:,.0f} tok/s"))
     run_rows = [row for row in history.rows if row["time"] >= since]
     submitted = sum(row.get("submitted_tokens:sum", 0.0) for row in run_rows)
     computed = sum(row.get("computed_tokens:sum", 0.0) for row in run_rows)
@@ -97,7 +116,9 @@ class ProgressLine:
             return
         parts = [
             f'<span data-field="{name}">{html.escape(text)}</span>'
-            for name, text in progress_fields(run, self.session.history)
+            for name, text in progress_fields(
+                run, self.session.history, sampled_tokens(self.session.rollouts, run.started_step)
+            )
         ]
         if run.trigger is not None:
             what = "paused by trigger" if run.state is RunState.PAUSED else "trigger fired"

@@ -8,8 +8,9 @@ panel's training data, exactly as a cell would:
 
 Step starts a one-step run; Run starts a run of the tab's step count. While a run is active, editing an
 AdamParams field calls `run.set(...)` (applied from the next step), and the fields show the run's
-settings, so a `run.set` from a cell shows here too. The loss is fixed for a run's lifetime: it is part
-of the run's step function.
+settings, so a `run.set` from a cell shows here too. An edit is reported as requested until the run
+has applied it (a step in progress keeps the settings it started with), then as applied, with the run
+step it applied from. The loss is fixed for a run's lifetime: it is part of the run's step function.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ class TrainTab:
         self.run_description = ipywidgets.HTML()
         self._own_runs: weakref.WeakSet[Run] = weakref.WeakSet()  # the runs this tab started
         self.error = ipywidgets.HTML()
+        self.settings_note = ipywidgets.HTML()
+        """Whether the last AdamParams edit of the active run is still requested or applied, and when."""
+        self.settings_note.add_class("wb-train-settings")
+        self._requested: dict[str, float] = {}  # edits the run has not applied yet
+        self._applied: dict[str, tuple[float, int]] = {}  # edits applied: value, run step applied from
+        self._noted_run: Run | None = None
 
         self.run_button.on_click(self.feedback.guard(self._on_run))
         self.pause_button.on_click(self.feedback.guard(self._on_pause))
@@ -105,6 +112,7 @@ class TrainTab:
                     list(self.adam.values()),
                     layout=ipywidgets.Layout(grid_template_columns="repeat(3, auto)"),
                 ),
+                self.settings_note,
                 ipywidgets.HBox([self.run_button, self.pause_button, self.step_button, self.stop_button]),
                 ipywidgets.HBox([self.progress, self.progress_text]),
                 *([no_data] if self.train_data is None else []),
@@ -131,7 +139,34 @@ class TrainTab:
                 self.feedback.clear()
             elif dataclasses.asdict(run.next_adam_params)[name] != value:  # an edit, not the refresh's sync
                 run.set(**{name: value})
-                self.feedback.info(f"{name} = {value:g} from the run's next step")
+                self._follow(run)
+                self._requested[name] = value
+                self._applied.pop(name, None)
+                self._note_settings(run)
+
+    def _follow(self, run: Run) -> None:
+        """Forget the edits of an earlier run."""
+        if run is not self._noted_run:
+            self._requested, self._applied, self._noted_run = {}, {}, run
+
+    def _note_settings(self, run: Run) -> None:
+        """Move edits the run has applied from requested to applied, and say where each one stands."""
+        self._follow(run)
+        in_use = dataclasses.asdict(run.adam_params)
+        for name, value in list(self._requested.items()):
+            if in_use[name] == value:
+                del self._requested[name]
+                self._applied[name] = (value, run.adam_params_from)
+        notes = [
+            f'<span data-field="requested-{name}" style="color:#8a5a00">{name} {value:g} requested: '
+            f"the step in progress trains with {in_use[name]:g}</span>"
+            for name, value in self._requested.items()
+        ] + [
+            f'<span data-field="applied-{name}" style="color:#1b5e20">{name} = {value:g} applied from run '
+            f"step {step}</span>"
+            for name, (value, step) in self._applied.items()
+        ]
+        self.settings_note.value = " · ".join(notes)
 
     # ------------------------------------------------------------------------------------------ buttons
 
@@ -202,6 +237,7 @@ class TrainTab:
             else ""
         )
         if run is None:
+            self.settings_note.value = ""
             self.progress.max, self.progress.value = 1, 0
             self.progress_text.value = "no run yet"
             self.error.value = ""
@@ -219,6 +255,7 @@ class TrainTab:
             if run.traceback
             else ""
         )
+        self._note_settings(run)
         if active:
             self.steps.value = run.steps
             for name, value in dataclasses.asdict(run.next_adam_params).items():

@@ -1,0 +1,89 @@
+"""The panel's saved record: what a notebook shows of the run once the kernel that drew the panel is gone.
+
+A widget lives in its kernel: a notebook saved and reopened later (on GitHub, in nbviewer, in a
+Jupyter whose kernel was restarted) has only the widget's id, and shows "model not found" where the
+panel was. So the panel leaves a second output under itself, plain HTML: the status bar, the
+progress line, the run's state and the Metrics tab's plots as a PNG, the way HF's progress table and
+`sess.plot` leave theirs. While the live panel is on the page, a rule of its stylesheet hides the record
+(`:has()`, so only the record of its own cell); without the panel the record is what shows.
+
+The record is updated through its display id when the run settles (pauses, ends, is stopped) or a new
+run starts, and at most every `RECORD_S` while it runs: a PNG of the plots is tens of kilobytes, sent
+seldom enough to stay a small part of the panel's traffic per step.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+import time
+from collections.abc import Callable
+
+from IPython.display import DisplayHandle, display
+
+RECORD_S = 60.0
+"""How often a running run's record is rewritten, at most."""
+
+HIDE_WHILE_LIVE = (
+    "<style>"
+    ".jp-OutputArea:has(.wb-panel) .wb-record{display:none}"
+    ".wb-panel.jupyter-widgets-disconnected button,.wb-panel.jupyter-widgets-disconnected input,"
+    ".wb-panel.jupyter-widgets-disconnected select,.wb-panel.jupyter-widgets-disconnected canvas"
+    "{pointer-events:none;opacity:.45}"
+    ".wb-stale-note{display:none}"
+    ".wb-panel.jupyter-widgets-disconnected .wb-stale-note{display:block}"
+    "</style>"
+    '<div class="wb-stale-note" data-field="stale" style="color:#b00020;font-weight:bold">'
+    "This panel is a picture: its kernel restarted or stopped, so its controls do nothing. "
+    "Run the cells again for a live panel.</div>"
+)
+"""The live panel's stylesheet: the record under it hidden, and once the front end has lost the kernel
+(ipywidgets marks every view `jupyter-widgets-disconnected`) its controls greyed out and a note."""
+
+
+class PanelRecord:
+    """The HTML output under a displayed panel, rewritten through its display id."""
+
+    def __init__(self, snapshot: Callable[[], tuple[str, bytes | None]]) -> None:
+        """`snapshot()` gives the record's HTML body and the plots' PNG (None: no plot)."""
+        self.snapshot = snapshot
+        self.handle: DisplayHandle | None = None
+        self.written_at = 0.0
+        self._settled: object = None
+        self.writes = 0
+
+    def display(self) -> None:
+        """Show the record under the panel (a cell displaying the panel calls this)."""
+        self.handle = display(self._bundle(), raw=True, display_id=True)
+        self.written_at = time.monotonic()
+
+    def refresh(self, settled: object) -> None:
+        """Rewrite the record if `settled` (what the run's state is, when it is not running) changed, or
+        `RECORD_S` passed while it runs (`settled` None)."""
+        if self.handle is None:
+            return
+        due = settled != self._settled or (settled is None and time.monotonic() - self.written_at >= RECORD_S)
+        if not due:
+            return
+        self._settled = settled
+        self.handle.update(self._bundle(), raw=True)
+        self.written_at = time.monotonic()
+
+    def _bundle(self) -> dict[str, str]:
+        body, png = self.snapshot()
+        image = (
+            f'<img alt="metrics" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+            if png is not None
+            else ""
+        )
+        self.writes += 1
+        return {
+            "text/html": (
+                '<div class="wb-record" style="border:1px solid #ddd;border-radius:4px;padding:4px 8px">'
+                '<div style="color:#666;font-size:smaller">workbench panel as last saved (the live panel '
+                "needs the kernel that drew it: run the cells again for one)</div>"
+                f"{body}{image}</div>"
+            ),
+            "text/plain": html.unescape(" ".join(re.sub(r"<[^>]+>", " ", body).split())),
+        }
