@@ -17,7 +17,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -121,17 +120,10 @@ run.wait()  # blocks again, until the panel's Stop""",
 ]
 """Run All of a notebook whose cells block in `run.wait()`: the panel is driven while they do."""
 
-TUTORIAL = REPO / "notebooks" / "04_rl_with_importance_sampling.ipynb"
 ACK_MS = 10_000
 """How soon a control must be acknowledged while a cell is busy. Generous for two shared cores, and far
 from what it was when the clicks waited for the cell (the run's end, minutes later): the run is still
 going when the acknowledgement comes, which each test checks."""
-BYTES_PER_STEP = 20_000
-"""The budget of websocket traffic from the kernel to the page per training step, per panel."""
-TUTORIAL_STEP_MS = 240_000  # one RL step of tutorial 04 (32 replies of SmolLM2) on a busy machine
-TUTORIAL_MS = (
-    900_000  # Run All of tutorial 04 up to its loop: SmolLM2's load and evaluation on 2 shared cores
-)
 
 if not CHROMIUM.exists():
     pytest.skip(
@@ -220,7 +212,6 @@ def _serve(tmp_path: Path, front_end: str) -> Iterator[Lab]:
     _write_notebook(root / "panel.ipynb", NOTEBOOK_CELLS)
     _write_notebook(root / "cockpit.ipynb", COCKPIT_CELLS)
     _write_notebook(root / "busy.ipynb", BUSY_CELLS)
-    shutil.copy(TUTORIAL, root / "tutorial.ipynb")
     _write_settings(tmp_path / "jupyter" / "settings")
     port, token = _free_port(), secrets.token_hex(16)
     env = {
@@ -453,17 +444,6 @@ def _drive_the_cockpit(page: Page, lab: Lab, workspace: str, artifacts: Path) ->
 # While a cell is busy: the controls answer during `run.wait()` and Run All, in both front ends
 
 
-class Traffic:
-    """The bytes of every websocket frame the page receives (the kernel's messages)."""
-
-    def __init__(self, page: Page) -> None:
-        self.received = 0
-        page.on("websocket", lambda socket: socket.on("framereceived", self._count))
-
-    def _count(self, payload: str | bytes) -> None:
-        self.received += len(payload.encode() if isinstance(payload, str) else payload)
-
-
 def _open_in(page: Page, server: Lab, front_end: str, notebook: str) -> None:
     """Open `notebook` in JupyterLab or Notebook 7 and Run All once its kernel is ready."""
     if front_end == "lab":
@@ -686,65 +666,3 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     expect(record.locator('[data-field="run-progress"]')).to_contain_text("stopped")
     expect(record.locator("img")).to_be_visible()
     expect(reopened.locator(".wb-panel")).to_have_count(0)
-
-
-@pytest.mark.timeout(2400)  # SmolLM2's load, evaluation and a few RL steps on two shared cores
-def test_tutorial_04_under_run_all_answers_within_its_traffic_budget(tmp_path: Path) -> None:
-    """Run All of tutorial 04 in JupyterLab: while its loop cell waits on the run, the websocket traffic
-    per training step stays within `BYTES_PER_STEP` on the Metrics and on the Rollouts tab, and the
-    LR field, a histogram bar, the zoom and Stop are acknowledged during the run."""
-    artifacts = REPO / "artifacts"
-    artifacts.mkdir(exist_ok=True)
-    with _serve(tmp_path, "lab") as server, sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            traffic = Traffic(page)
-            try:
-                _run_all_of_the_tutorial(page, server, traffic)
-            except BaseException:
-                page.screenshot(path=str(artifacts / "browser-failure-tutorial.png"), full_page=True)
-                raise
-        finally:
-            context.close()
-
-
-def _run_all_of_the_tutorial(page: Page, server: Lab, traffic: Traffic) -> None:
-    _open_in(page, server, "lab", "tutorial.ipynb")
-    panel = page.locator(".wb-panel")
-    expect(panel).to_be_visible(timeout=TUTORIAL_MS)
-
-    def training() -> bool:
-        return _prompt(page, "run.wait()") == "[*]:"
-
-    _wait_for_steps(page, panel, 1, TUTORIAL_MS)
-    per_step = {}
-    for tab in ("Metrics", "Rollouts"):
-        _tab(panel, tab)
-        page.wait_for_timeout(2000)  # the opened tab's first draw is not a step's traffic
-        first, received = _run_step(panel), traffic.received
-        last = _wait_for_steps(page, panel, first + 2, TUTORIAL_STEP_MS * 2)
-        per_step[tab] = (traffic.received - received) / (last - first)
-    print(f"tutorial 04: websocket bytes per step {per_step}")
-    assert training()
-    timings = {
-        "learning_rate": _edit_learning_rate(panel, training),
-        "histogram": _click_histogram(panel, training),
-        "zoom": _zoom(page, panel, training),
-    }
-    _tab(panel, "Train")
-    panel.locator(".wb-train-stop").click()
-    timings["stop"] = _acknowledged(
-        lambda: expect(panel.locator('[data-field="run-progress"]')).to_contain_text(
-            re.compile("stopping|stopped"), timeout=ACK_MS
-        ),
-        training,
-    )
-    print(f"tutorial 04: acknowledged in seconds {timings}")
-    assert all(size <= BYTES_PER_STEP for size in per_step.values()), per_step
