@@ -481,10 +481,14 @@ class HFSampler:
             self.prefix_cache.count(len(prompt), cached)
         cache = DynamicCache(config=self.adapted.module.config)
         layers = next(kv for kv in per_request if kv is not None)
-        for layer, (keys_H_Q_D, _) in enumerate(layers):
-            heads, _, size = keys_H_Q_D.shape
-            keys_R_H_Q_D = keys_H_Q_D.new_zeros((len(prompts), heads, longest, size))
-            values_R_H_Q_D = torch.zeros_like(keys_R_H_Q_D)
+        for layer, (keys_H_Q_D, values_H_Q_E) in enumerate(layers):
+            # keys and values may differ in head size (MLA: DeepSeek-V3's values are narrower)
+            keys_R_H_Q_D = keys_H_Q_D.new_zeros(
+                (len(prompts), keys_H_Q_D.shape[0], longest, keys_H_Q_D.shape[2])
+            )
+            values_R_H_Q_D = values_H_Q_E.new_zeros(
+                (len(prompts), values_H_Q_E.shape[0], longest, values_H_Q_E.shape[2])
+            )
             for row, keys_values in enumerate(per_request):
                 if keys_values is not None:  # left-padded, as `generate`'s inputs are
                     keys, values = keys_values[layer]
