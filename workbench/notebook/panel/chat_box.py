@@ -69,7 +69,8 @@ class ChatBox:
                 self.feedback.widget,
             ]
         )
-        self.refresh()
+        # an engine that stopped answering leaves the picker at the live policy and the base, and says so
+        self.feedback.guard(self.refresh)()
 
     def refresh(self) -> None:
         """The weights picker's choices: the live policy, the base model, every sampler checkpoint (listed
