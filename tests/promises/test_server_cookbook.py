@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,22 @@ CONVERSATIONS = Path(cookbook.__file__).parent / "example_data" / "conversations
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch, tiny_no_wandb: wb.Session) -> tuple[wb.Session, str]:
+def served(monkeypatch: pytest.MonkeyPatch, tiny_no_wandb: wb.Session) -> Iterator[tuple[wb.Session, str]]:
+    """The served session; the SDK clients the cookbook's loop makes (it never closes them) are closed
+    after the test, while the server still answers, so no heartbeat outlives it."""
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
-    return tiny_no_wandb, tiny_no_wandb.serve().url
+    made: list[tinker.ServiceClient] = []
+    sdk_init = tinker.ServiceClient.__init__
+
+    def recorded(client: tinker.ServiceClient, *args: object, **kwargs: object) -> None:
+        sdk_init(client, *args, **kwargs)
+        made.append(client)
+
+    monkeypatch.setattr(tinker.ServiceClient, "__init__", recorded)
+    yield tiny_no_wandb, tiny_no_wandb.serve().url
+    for client in made:
+        client.close("success").result(timeout=60)
 
 
 def _metrics(log_path: Path) -> list[dict]:
