@@ -120,10 +120,11 @@ run.wait()  # blocks again, until the panel's Stop""",
 ]
 """Run All of a notebook whose cells block in `run.wait()`: the panel is driven while they do."""
 
-ACK_MS = 10_000
-"""How soon a control must be acknowledged while a cell is busy. Generous for two shared cores, and far
-from what it was when the clicks waited for the cell (the run's end, minutes later): the run is still
-going when the acknowledgement comes, which each test checks."""
+ACK_MS = 30_000
+"""How soon a control must be acknowledged while a cell is busy. Idle, each takes 0.01-1.5 s; with another
+process's torch threads on the same two cores a step (and a callback queued behind one on the widget
+subshell) has taken over 10 s. Still far from what it was when the clicks waited for the cell (the run's
+end, hours later): the run is still going when the acknowledgement comes, which each test checks."""
 
 if not CHROMIUM.exists():
     pytest.skip(
@@ -536,29 +537,38 @@ def _click_histogram(panel: Locator, busy: Callable[[], bool]) -> float:
 
 
 def _zoom(page: Page, panel: Locator, busy: Callable[[], bool]) -> float:
-    """Drag a rectangle with ipympl's zoom tool: the figure is redrawn with the zoomed axes."""
+    """Drag a rectangle with ipympl's zoom tool. The kernel answers the drag with the rubberband (drawn
+    on the top canvas, which a redraw of the plot for a new step never touches: it shows only once the
+    toolbar's Zoom button and the canvas's mouse events have both been handled), then redraws the
+    figure with the zoomed axes."""
     _tab(panel, "Metrics")
     figure = panel.locator(".wb-metrics-plot")
     expect(figure.locator("canvas").first).to_be_visible(timeout=STEP_MS)
-    page.wait_for_timeout(1000)
     figure.locator("button[title^='Zoom']").click()
-    canvas = figure.locator("canvas").last  # the top canvas takes the mouse
-    box = canvas.bounding_box()
+    top = figure.locator("canvas").last  # the top canvas takes the mouse and shows the rubberband
+    top.scroll_into_view_if_needed()
+    box = top.bounding_box()
     assert box is not None
-    before = figure.locator("canvas").first.evaluate("canvas => canvas.toDataURL()")
     page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.3)
     page.mouse.down()
-    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] * 0.6, steps=5)
-    page.mouse.up()
+    before = figure.locator("canvas").first.evaluate("canvas => canvas.toDataURL()")
 
-    def redrawn() -> None:
+    def rubberband() -> None:
+        page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.6, steps=5)
         page.wait_for_function(
-            "([canvas, before]) => canvas.toDataURL() !== before",
-            arg=[figure.locator("canvas").first.element_handle(), before],
+            """canvas => canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height)
+                .data.some((value, i) => i % 4 === 3 && value > 0)""",
+            arg=top.element_handle(),
             timeout=ACK_MS,
         )
 
-    took = _acknowledged(redrawn, busy)
+    took = _acknowledged(rubberband, busy)
+    page.mouse.up()
+    page.wait_for_function(
+        "([canvas, before]) => canvas.toDataURL() !== before",
+        arg=[figure.locator("canvas").first.element_handle(), before],
+        timeout=ACK_MS,
+    )
     figure.locator("button[title^='Zoom']").click()  # the zoom tool off again
     return took
 
@@ -614,9 +624,6 @@ def _drive_while_busy(page: Page, server: Lab, front_end: str) -> None:
     # the paused run ends the first wait; the next cell resumes and waits again
     expect(progress).to_contain_text("running", timeout=STEP_MS)
 
-    def waiting_for_stop() -> bool:
-        return _prompt(page, "until the panel's Stop") == "[*]:"
-
     expect(panel.locator(".wb-train-stop")).to_be_enabled(timeout=STEP_MS)
     page.wait_for_function(
         "() => window.jupyterapp.shell.currentWidget.content.widgets.some("
@@ -629,7 +636,8 @@ def _drive_while_busy(page: Page, server: Lab, front_end: str) -> None:
         lambda: expect(progress).to_contain_text(re.compile("stopping|stopped"), timeout=ACK_MS),
         lambda: True,
     )
-    assert waiting_for_stop() or "stopped" in progress.inner_text()
+    # the cell ends only when the run does: the Stop was handled while it waited (the panel's text may
+    # say "stopped" a refresh after the cell has ended)
     expect(page.locator(".jp-OutputArea-output", has_text="ended stopped")).to_be_visible(timeout=STEP_MS)
     expect(progress).to_contain_text("stopped", timeout=STEP_MS)
     print(f"{front_end}: acknowledged in seconds {timings}")

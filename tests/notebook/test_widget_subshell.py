@@ -97,3 +97,41 @@ def test_outside_a_kernel_nothing_is_routed() -> None:
     assert widget_subshell() is None
     answer_while_busy(button)
     assert button.comm is None or "_reply_subshell_for" not in button.comm.__dict__
+
+
+CANVAS_SETUP = """
+import time
+import ipywidgets
+import matplotlib.figure
+from ipympl.backend_nbagg import Canvas, FigureManager
+from workbench.notebook.widget_subshell import answer_while_busy
+
+canvas = Canvas(matplotlib.figure.Figure())
+FigureManager(canvas, 0)
+answer_while_busy(ipywidgets.VBox([canvas]))  # the toolbar is the canvas's `toolbar`, not a child
+print("TOOLBAR", canvas.toolbar.comm.comm_id)
+"""
+
+
+def test_an_ipympl_toolbar_answers_while_the_main_thread_is_busy(
+    kernel: tuple[KernelManager, BlockingKernelClient],
+) -> None:
+    """The Zoom button of a plot in a routed box switches the zoom tool on while a cell blocks: the
+    toolbar is reached through the canvas's `toolbar` reference, not through `children`."""
+    _, client = kernel
+    toolbar = _output(client, CANVAS_SETUP).split("TOOLBAR")[1].split()[0]
+    client.execute(
+        "deadline = time.monotonic() + 60\n"
+        "while canvas.toolbar.mode.name != 'ZOOM' and time.monotonic() < deadline: time.sleep(0.05)\n"
+        "print('mode', canvas.toolbar.mode.name)"
+    )
+    time.sleep(1)
+    started = time.monotonic()
+    data = {"method": "custom", "content": {"type": "toolbar_button", "name": "zoom"}}
+    client.shell_channel.send(client.session.msg("comm_msg", {"comm_id": toolbar, "data": data}))
+    while True:
+        message = client.get_iopub_msg(timeout=REPLY_S)
+        if message["msg_type"] == "stream" and "mode" in message["content"]["text"]:
+            break
+    assert "mode ZOOM" in message["content"]["text"]
+    assert time.monotonic() - started < REPLY_S / 2  # not the 60 s the cell would wait unanswered

@@ -25,6 +25,7 @@ from tinker_cookbook.rl import train as rl_train
 from tinker_cookbook.utils import cost_estimation
 
 import workbench as wb
+from tests.promises.conftest import SdkClients
 from tests.promises.test_cookbook_distillation import GROUPS_PER_BATCH, _deepmath_cache
 from workbench.engine.model.base_model import resolve_model_path
 
@@ -32,12 +33,13 @@ STEPS = 3
 
 
 @pytest.fixture
-def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session]:
+def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sdk_clients: SdkClients) -> Iterator[wb.Session]:
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
     session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
     yield session
+    sdk_clients.close()  # while the session's server still answers
     session.close()
 
 

@@ -25,6 +25,7 @@ from tinker_cookbook import weights
 from transformers import AutoModelForCausalLM
 
 import workbench as wb
+from tests.promises.conftest import SdkClients
 from workbench.engine.model.base_model import resolve_model_path
 
 TOLERANCE = 1e-4
@@ -32,7 +33,7 @@ CONVERSATION = [{"role": "user", "content": "Name a fruit."}, {"role": "assistan
 
 
 @pytest.fixture
-def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session]:
+def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sdk_clients: SdkClients) -> Iterator[wb.Session]:
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, dtype="float32")
@@ -41,6 +42,7 @@ def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session
         session.policy.forward_backward([datum], "cross_entropy")
         session.policy.optim_step(wb.AdamParams(learning_rate=1e-2))
     yield session
+    sdk_clients.close()  # while the session's server still answers
     session.close()
 
 

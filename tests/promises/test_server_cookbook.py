@@ -16,6 +16,7 @@ import pytest
 import tinker
 
 import workbench as wb
+from tests.promises.conftest import SdkClients
 from workbench.engine.model.base_model import resolve_model_path
 
 cookbook = pytest.importorskip("tinker_cookbook")
@@ -30,22 +31,15 @@ CONVERSATIONS = Path(cookbook.__file__).parent / "example_data" / "conversations
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch, tiny_no_wandb: wb.Session) -> Iterator[tuple[wb.Session, str]]:
+def served(
+    monkeypatch: pytest.MonkeyPatch, tiny_no_wandb: wb.Session, sdk_clients: SdkClients
+) -> Iterator[tuple[wb.Session, str]]:
     """The served session; the SDK clients the cookbook's loop makes (it never closes them) are closed
     after the test, while the server still answers, so no heartbeat outlives it."""
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
     monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
-    made: list[tinker.ServiceClient] = []
-    sdk_init = tinker.ServiceClient.__init__
-
-    def recorded(client: tinker.ServiceClient, *args: object, **kwargs: object) -> None:
-        sdk_init(client, *args, **kwargs)
-        made.append(client)
-
-    monkeypatch.setattr(tinker.ServiceClient, "__init__", recorded)
     yield tiny_no_wandb, tiny_no_wandb.serve().url
-    for client in made:
-        client.close("success").result(timeout=60)
+    sdk_clients.close()
 
 
 def _metrics(log_path: Path) -> list[dict]:

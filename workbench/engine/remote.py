@@ -104,6 +104,10 @@ SDK_LOSSES = tuple(name for name in typing.get_args(sdk.LossFnType) if name != "
 DEFAULT_PROBE_INTERVAL_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
 
+CLOSE_TIMEOUT_S = 60.0
+"""How long `close` waits for a service that answers its health check to finish the SDK session (a
+loaded machine can take seconds); the SDK's heartbeat stops once it has."""
+
 
 class RemoteUnsupportedError(ValueError):
     """Raised before anything is sent, for what the remote engine cannot do."""
@@ -947,8 +951,9 @@ class RemoteEngine:
         self._history.sinks.clear()
         self._samplers.clear()
         self._models.clear()
+        finished = self._service.close("success")
         with contextlib.suppress(Exception):  # a service that is gone has nothing left to free
-            self._service.close("success").result(timeout=HEALTH_TIMEOUT_S)
+            finished.result(timeout=CLOSE_TIMEOUT_S if self._answers() is None else HEALTH_TIMEOUT_S)
         if self._relay is not None:
             self._relay.close()
 

@@ -5,7 +5,7 @@
 - `addition_problems`: "What is a + b?" with the exact answer, for RL with a verifiable reward.
 - `colours_quiz_file`: 16 "What colour is ...?" questions with four choices (the answer's index and its
   word as `target`), a JSONL file an evaluation harness reads by path (lm-evaluation-harness's `json`
-  datasets: the compatible-API tests).
+  datasets: tutorial 12).
 """
 
 from __future__ import annotations

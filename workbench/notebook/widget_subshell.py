@@ -7,8 +7,9 @@ kernel subshells (JEP 91, https://jupyter.org/enhancement-proposals/91-kernel-su
 further shell threads, each with its own event loop, and a shell-channel thread that reads every
 incoming message first and hands a comm message to the subshell its comm names
 (`Comm._reply_subshell_for(data, default)`). `answer_while_busy(widget)` creates one subshell for the
-kernel (at its first use) and names it for the comm of `widget` and of every widget under it, so their
-callbacks, the ipympl canvas's zoom and pan, and the front end's state updates run on that thread
+kernel (at its first use) and names it for the comm of `widget` and of every widget it references (a
+box's children, an ipympl canvas's toolbar), so their callbacks, the ipympl canvas's zoom and pan, and
+the front end's state updates run on that thread
 whether the main thread is busy or idle.
 
 The callbacks then run beside the main thread: the panel's controls call the session's thread-safe
@@ -86,17 +87,32 @@ def _on_subshell(subshell_id: str) -> Callable[[object, str | None], str]:
 
 
 def answer_while_busy(widget: ipywidgets.Widget) -> None:
-    """Handle the messages of `widget` and of every widget in its `children` (recursively) on the
-    kernel's widget subshell. Call it again after adding children: it is cheap and idempotent."""
+    """Handle the messages of `widget` and of every widget it references (recursively) on the kernel's
+    widget subshell: a box's `children`, an ipympl canvas's `toolbar` (its Zoom and Pan buttons), a
+    widget's `layout` and `style`. Call it again after adding children: it is cheap and idempotent."""
     subshell_id = widget_subshell()
     if subshell_id is None:
         return
     route = _on_subshell(subshell_id)
+    seen: set[int] = set()
     pending = [widget]
     while pending:
         current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
         comm = current.comm
         if comm is not None and comm.__dict__.get("_reply_subshell_for") is None:
             comm._reply_subshell_for = route  # noqa: SLF001  (the comm's routing hook, read per message)
-        if isinstance(current, ipywidgets.Box):  # tabs and accordions are boxes too
-            pending.extend(current.children)
+        pending.extend(_referenced_widgets(current))
+
+
+def _referenced_widgets(widget: ipywidgets.Widget) -> list[ipywidgets.Widget]:
+    """The widgets that `widget`'s synced state names: the traits the front end resolves as
+    `IPY_MODEL_` references (one widget or a sequence of them)."""
+    found: list[ipywidgets.Widget] = []
+    for name in widget.keys:
+        value = getattr(widget, name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        found.extend(item for item in values if isinstance(item, ipywidgets.Widget))
+    return found

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from workbench.engine.local.engine import Engine
 from workbench.server.chat_format import end_of_turn_ids, render_chat
-from workbench.server.compat_http import check_key, event_stream, json_body
+from workbench.server.compat_http import error_status, event_stream, guarded, json_body
 from workbench.server.errors import RequestError, message_of
 from workbench.server.generation import (
     Completion,
@@ -254,30 +254,22 @@ def anthropic_router(service: TinkerService, weights: ServedWeights) -> APIRoute
         return await model_routes.count_tokens(body)
 
     def answer(error: BaseException) -> JSONResponse:
-        status = (
-            error.status
-            if isinstance(error, RequestError)
-            else (400 if isinstance(error, (ValueError, TypeError, KeyError)) else 500)
-        )
+        status = error_status(error)
         message = service.client_message(message_of(error))
         return JSONResponse(
             {"type": "error", "error": {"type": _error_type(status), "message": message}}, status_code=status
         )
 
-    async def guarded(request: Request, work: Any) -> Response:
-        try:
-            check_key(request, service.config)
-            return await work(request)
-        except Exception as error:  # every failure answered in Anthropic's shape, never a traceback
-            return answer(error)
+    async def answered(request: Request, work: Callable[[Request], Awaitable[Response]]) -> Response:
+        return await guarded(request, service.config, work, answer)
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await guarded(request, messages_of_the_model)
+        return await answered(request, messages_of_the_model)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        return await guarded(request, count_tokens_of_the_model)
+        return await answered(request, count_tokens_of_the_model)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(request: Request, path: str) -> Response:
@@ -287,6 +279,6 @@ def anthropic_router(service: TinkerService, weights: ServedWeights) -> APIRoute
                 404,
             )
 
-        return await guarded(request, missing)
+        return await answered(request, missing)
 
     return router

@@ -1,4 +1,5 @@
-"""What the OpenAI- and Anthropic-compatible routes share over HTTP: the key, the body, the event stream.
+"""What the OpenAI- and Anthropic-compatible routes share over HTTP: the key, the body, a failure's status,
+the event stream.
 
 The key is the Tinker API's: a server started with one takes it from OpenAI clients as
 `Authorization: Bearer <key>` and from Anthropic clients (and Tinker's) as `X-API-Key`. A body is read
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from workbench.server.config import ServerConfig
 from workbench.server.errors import RequestError
@@ -56,6 +57,29 @@ async def json_body(request: Request, config: ServerConfig) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     return body
+
+
+def error_status(error: BaseException) -> int:
+    """The HTTP status a failure is answered with: a `RequestError`'s own; a bad value, type or missing
+    field in what the client sent is the client's (400); anything else the server's (500)."""
+    if isinstance(error, RequestError):
+        return error.status
+    return 400 if isinstance(error, (ValueError, TypeError, KeyError)) else 500
+
+
+async def guarded(
+    request: Request,
+    config: ServerConfig,
+    work: Callable[[Request], Awaitable[Response]],
+    answer: Callable[[BaseException], JSONResponse],
+) -> Response:
+    """`work(request)` once the key checks out; every failure answered by `answer`, in the API's own
+    error shape, never as a traceback."""
+    try:
+        check_key(request, config)
+        return await work(request)
+    except Exception as error:  # answered in the API's shape
+        return answer(error)
 
 
 def event_stream(events: Iterable[tuple[str | None, Any]], done_marker: bool) -> StreamingResponse:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 
 from workbench.engine.local.engine import Engine
 from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat
-from workbench.server.compat_http import check_key, event_stream, json_body
+from workbench.server.compat_http import error_status, event_stream, guarded, json_body
 from workbench.server.errors import RequestError, message_of
 from workbench.server.generation import (
     MAX_TOP_LOGPROBS,
@@ -627,11 +627,7 @@ def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
         return await model_routes.completions(body)
 
     def answer(error: BaseException) -> JSONResponse:
-        status = (
-            error.status
-            if isinstance(error, RequestError)
-            else (400 if isinstance(error, (ValueError, TypeError, KeyError)) else 500)
-        )
+        status = error_status(error)
         param = error.param if isinstance(error, OpenAIError) else None
         message = service.client_message(message_of(error))
         return JSONResponse(
@@ -639,27 +635,23 @@ def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
             status_code=status,
         )
 
-    async def guarded(request: Request, work: Any) -> Response:
-        try:
-            check_key(request, service.config)
-            return await work(request)
-        except Exception as error:  # every failure answered in OpenAI's shape, never a traceback
-            return answer(error)
+    async def answered(request: Request, work: Callable[[Request], Awaitable[Response]]) -> Response:
+        return await guarded(request, service.config, work, answer)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await guarded(request, chat)
+        return await answered(request, chat)
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        return await guarded(request, complete)
+        return await answered(request, complete)
 
     @router.get("/models")
     async def models(request: Request) -> Response:
         async def listing(_: Request) -> Response:
             return JSONResponse({"object": "list", "data": weights.listing()})
 
-        return await guarded(request, listing)
+        return await answered(request, listing)
 
     @router.get("/models/{model:path}")
     async def model(request: Request, model: str) -> Response:
@@ -669,7 +661,7 @@ def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
                     return JSONResponse(entry)
             raise OpenAIError(f"model {model!r} is not served here (GET /models lists them)", 404, "model")
 
-        return await guarded(request, one)
+        return await answered(request, one)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(request: Request, path: str) -> Response:
@@ -679,6 +671,6 @@ def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
                 404,
             )
 
-        return await guarded(request, missing)
+        return await answered(request, missing)
 
     return router
