@@ -31,7 +31,7 @@ import nbformat
 import psutil
 import pytest
 from playwright.sync_api import Error as PlaywrightError
-from playwright.sync_api import Locator, Page, expect, sync_playwright
+from playwright.sync_api import Locator, Page, WebSocket, expect, sync_playwright
 
 pytestmark = pytest.mark.browser
 
@@ -119,6 +119,13 @@ run.wait()  # blocks again, until the panel's Stop""",
     """print("ended", run.state.value)""",
 ]
 """Run All of a notebook whose cells block in `run.wait()`: the panel is driven while they do."""
+
+BYTES_PER_STEP_BUDGET = 20_000
+"""What a live panel may send the page per run step, whatever the kernel is doing: a 1,000-step run then
+stays within 20 MB through an SSH tunnel or JupyterHub."""
+
+TRAFFIC_STEPS = 10
+"""How many run steps the traffic of each tab is counted over (at least)."""
 
 ACK_MS = 30_000
 """How soon a control must be acknowledged while a cell is busy. Idle, each takes 0.01-1.5 s; with another
@@ -600,11 +607,42 @@ def test_the_controls_answer_while_a_cell_waits_on_the_run(front_end: str, tmp_p
             context.close()
 
 
+class KernelTraffic:
+    """Bytes the page receives on its kernel websockets (`/api/kernels/<id>/channels`): every widget
+    update, plot image and output the kernel sends."""
+
+    def __init__(self, page: Page) -> None:
+        self.received = 0
+        page.on("websocket", self._watch)
+
+    def _watch(self, websocket: WebSocket) -> None:
+        if "/channels" in websocket.url:
+            websocket.on("framereceived", self._count)
+
+    def _count(self, payload: str | bytes) -> None:
+        self.received += len(payload.encode() if isinstance(payload, str) else payload)
+
+
+def _bytes_per_step(page: Page, panel: Locator, traffic: KernelTraffic, tab: str) -> float:
+    """Kernel-to-page bytes per run step over TRAFFIC_STEPS steps with `tab` shown and nothing clicked,
+    counted between two refreshes of the panel's step counter (whose rate adapts to the machine)."""
+    _tab(panel, tab)
+    page.wait_for_timeout(1000)  # the tab's first draw is the switch's, not the run's
+    start = _wait_for_steps(page, panel, _run_step(panel) + 1, STEP_MS)
+    received = traffic.received
+    end = _wait_for_steps(page, panel, start + TRAFFIC_STEPS, STEP_MS * 2)
+    return (traffic.received - received) / (end - start)
+
+
 def _drive_while_busy(page: Page, server: Lab, front_end: str) -> None:
+    traffic = KernelTraffic(page)
     _open_in(page, server, front_end, "busy.ipynb")
     panel = page.locator(".wb-panel")
     expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
     _wait_for_steps(page, panel, 2, STEP_MS * 2)  # a batch of rollouts and a point on the plot
+    per_step = {tab: _bytes_per_step(page, panel, traffic, tab) for tab in ("Metrics", "Rollouts")}
+    print(f"{front_end}: kernel-to-page bytes per step while a cell waits {per_step}")
+    assert max(per_step.values()) <= BYTES_PER_STEP_BUDGET, per_step
 
     def waiting_for_pause() -> bool:
         return _prompt(page, "until the panel's Pause") == "[*]:"
