@@ -31,6 +31,7 @@ from typing import Any
 from workbench.engine.interface import Restore
 from workbench.engine.local import checkpoint_files
 from workbench.engine.local.checkpoint_files import SavedState
+from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.model_lifecycle import check_metadata
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import ADAPTER_CONFIG
@@ -147,31 +148,16 @@ def save_weights_for_sampler(
 
     def work() -> SaveWeightsForSamplerResponse:
         lora_model = state.lora_model(model_id)
-        policy = lora_model.policy
-        info: Mapping[str, Any] = {
-            "format_version": checkpoint_store.FORMAT_VERSION,
-            "kind": "sampler",
-            "name": name,
-            "saved_at": time.time(),
-            "expires_at": expires_at,
-            "step": policy.step,
-            "weights_version": policy.weights_version,
-            "run_id": lora_model.model_id,
-            "base_model": state.base_info.identity(),
-            "user_metadata": metadata,
-        }
-        files = state.model.adapter_files(policy.adapter)
-        files[SAMPLER_INFO] = checkpoint_store.json_bytes(info)
-        checkpoint_store.write_atomically(target, files, overwrite)
-        state.record(
+        files = state.model.adapter_files(lora_model.policy.adapter)
+        path = _write_adapter(
             "save_weights_for_sampler",
+            state,
             lora_model,
-            policy.adapter,
-            {"weights_version": float(policy.weights_version)},
-        )
-        path = address_of(target).tinker_path
-        state.history.event(
-            "checkpoint", {"name": name, "kind": "sampler", "path": path, "step": policy.step}
+            target,
+            name,
+            files,
+            {"expires_at": expires_at, "user_metadata": metadata},
+            overwrite,
         )
         return SaveWeightsForSamplerResponse(path=path, folder=str(target))
 
@@ -197,36 +183,60 @@ def save_weights_external(
 
     def work() -> SaveWeightsExternalResponse:
         lora_model = state.lora_model(model_id)
-        policy = lora_model.policy
-        files = external_weights.external_files(state.model.adapter_files(policy.adapter), recipients)
-        files[checkpoint_store.INFO_FILE["external"]] = checkpoint_store.json_bytes(
-            {
-                "format_version": checkpoint_store.FORMAT_VERSION,
-                "kind": "external",
-                "name": name,
-                "saved_at": time.time(),
-                "expires_at": expires_at,
-                "step": policy.step,
-                "weights_version": policy.weights_version,
-                "run_id": lora_model.model_id,
-                "base_model": state.base_info.identity(),
-                "encrypted_to": len(recipients),
-            }
+        files = external_weights.external_files(
+            state.model.adapter_files(lora_model.policy.adapter), recipients
         )
-        checkpoint_store.write_atomically(target, files, False)
-        state.record(
+        path = _write_adapter(
             "save_weights_external",
+            state,
             lora_model,
-            policy.adapter,
-            {"weights_version": float(policy.weights_version)},
-        )
-        path = address_of(target).tinker_path
-        state.history.event(
-            "checkpoint", {"name": name, "kind": "external", "path": path, "step": policy.step}
+            target,
+            name,
+            files,
+            {"expires_at": expires_at, "encrypted_to": len(recipients)},
+            False,
         )
         return SaveWeightsExternalResponse(path=path, folder=str(target))
 
     return state.submit(work)
+
+
+def _write_adapter(
+    operation: str,
+    state: EngineState,
+    lora_model: LoraModel,
+    target: Path,
+    name: str,
+    files: dict[str, bytes],
+    info: Mapping[str, Any],
+    overwrite: bool,
+) -> str:
+    """On the worker, for `operation` (`save_weights_for_sampler`, `save_weights_external`): write the
+    policy's adapter `files` into `target` (a sampler or external checkpoint folder, its kind the
+    folder's) with the kind's info file (step, weights version, run, base model, time, plus `info`),
+    record the save and its history event. Returns its `tinker://` path."""
+    address = address_of(target)
+    kind = address.kind
+    policy = lora_model.policy
+    files[checkpoint_store.INFO_FILE[kind]] = checkpoint_store.json_bytes(
+        {
+            "format_version": checkpoint_store.FORMAT_VERSION,
+            "kind": kind,
+            "name": name,
+            "saved_at": time.time(),
+            "step": policy.step,
+            "weights_version": policy.weights_version,
+            "run_id": lora_model.model_id,
+            "base_model": state.base_info.identity(),
+            **info,
+        }
+    )
+    checkpoint_store.write_atomically(target, files, overwrite)
+    state.record(operation, lora_model, policy.adapter, {"weights_version": float(policy.weights_version)})
+    state.history.event(
+        "checkpoint", {"name": name, "kind": kind, "path": address.tinker_path, "step": policy.step}
+    )
+    return address.tinker_path
 
 
 def describe(folder: Path) -> str:
