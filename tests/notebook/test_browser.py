@@ -37,6 +37,8 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
 REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "artifacts"
+"""Where screenshots go: the ones the docs use, and a failed test's page."""
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -281,27 +283,33 @@ def _serve(tmp_path: Path, front_end: str) -> Iterator[Lab]:
         _stop(lab)
 
 
-def test_the_panel_trains_from_a_click_in_jupyterlab(lab: Lab, tmp_path: Path) -> None:
-    artifacts = REPO / "artifacts"
-    artifacts.mkdir(exist_ok=True)
-    workspace = secrets.token_hex(4)
+@contextlib.contextmanager
+def _browser_page(tmp_path: Path, width: int, failure_screenshot: str) -> Iterator[Page]:
+    """A page of Debian's chromium, headless, with a profile of its own under `tmp_path` and a window
+    `width` px wide; when the test fails in it, the page is saved as `artifacts/<failure_screenshot>`."""
+    ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"),
             executable_path=str(CHROMIUM),
             headless=True,
             args=CHROMIUM_ARGS,
-            viewport={"width": 1280, "height": 1000},
+            viewport={"width": width, "height": 1000},
         )
         try:
             page = context.pages[0] if context.pages else context.new_page()
             try:
-                _train_from_the_panel(page, lab, workspace, artifacts / "panel.png")
+                yield page
             except BaseException:
-                page.screenshot(path=str(artifacts / "browser-failure.png"), full_page=True)
+                page.screenshot(path=str(ARTIFACTS / failure_screenshot), full_page=True)
                 raise
         finally:
             context.close()
+
+
+def test_the_panel_trains_from_a_click_in_jupyterlab(lab: Lab, tmp_path: Path) -> None:
+    with _browser_page(tmp_path, 1280, "browser-failure.png") as page:
+        _train_from_the_panel(page, lab, secrets.token_hex(4), ARTIFACTS / "panel.png")
 
 
 def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path) -> None:
@@ -364,25 +372,8 @@ def _open(page: Page, lab: Lab, workspace: str, notebook: str) -> None:
 
 
 def test_the_rl_cockpit_in_jupyterlab(lab: Lab, tmp_path: Path) -> None:
-    artifacts = REPO / "artifacts"
-    artifacts.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            try:
-                _drive_the_cockpit(page, lab, secrets.token_hex(4), artifacts)
-            except BaseException:
-                page.screenshot(path=str(artifacts / "browser-failure.png"), full_page=True)
-                raise
-        finally:
-            context.close()
+    with _browser_page(tmp_path, 1400, "browser-failure.png") as page:
+        _drive_the_cockpit(page, lab, secrets.token_hex(4), ARTIFACTS)
 
 
 def _drive_the_cockpit(page: Page, lab: Lab, workspace: str, artifacts: Path) -> None:
@@ -586,25 +577,11 @@ def test_the_controls_answer_while_a_cell_waits_on_the_run(front_end: str, tmp_p
     plot's zoom, Pause and Stop are each acknowledged while a cell is still busy. In JupyterLab the
     notebook is then saved, its kernel restarted (the panel says it is stale and greys its controls)
     and the notebook reopened in a fresh page: the saved record shows the run's last state."""
-    artifacts = REPO / "artifacts"
-    artifacts.mkdir(exist_ok=True)
-    with _serve(tmp_path, front_end) as server, sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            try:
-                _drive_while_busy(page, server, front_end)
-            except BaseException:
-                page.screenshot(path=str(artifacts / f"browser-failure-{front_end}.png"), full_page=True)
-                raise
-        finally:
-            context.close()
+    with (
+        _serve(tmp_path, front_end) as server,
+        _browser_page(tmp_path, 1400, f"browser-failure-{front_end}.png") as page,
+    ):
+        _drive_while_busy(page, server, front_end)
 
 
 class KernelTraffic:
