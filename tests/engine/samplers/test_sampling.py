@@ -545,3 +545,20 @@ def test_sampler_choice_without_vllm() -> None:
         assert sess.engine.config.sampler == "hf"
     with pytest.raises(ValueError, match="sampler must be"):
         wb.Session("tiny", wb.LoraConfig(rank=2), sampler="sglang")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_auto_falls_back_to_hf_quietly_on_a_cpu_without_vllm_and_says_why_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without the vllm package, HF is what a CPU samples with: no notice. On a GPU the same fallback
+    gives up vLLM's speed, so it says why (the sampler is chosen before any device is touched)."""
+    from workbench.engine import samplers
+
+    monkeypatch.setattr(samplers, "_fallback_noticed", set())
+    assert samplers.resolve_sampler("auto", torch.device("cpu")) == "hf"
+    assert capsys.readouterr().out == ""
+    assert samplers.resolve_sampler("auto", torch.device("cuda")) == "hf"
+    assert "workbench: sampling with HF generate (the vllm package is not installed" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="sampler='vllm' is not available: the vllm package is not installed"):
+        samplers.resolve_sampler("vllm", torch.device("cpu"))

