@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from workbench.engine.interface import CustomLossFn
+from workbench.engine.local.heap import release_freed_memory
 from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.provenance import attach_sampling_records
 from workbench.engine.local.state import EngineState
@@ -343,6 +344,7 @@ def run_loss(
         )
 
     def take(chunk: ChunkResult) -> None:
+        release_freed_memory()  # the chunk's activations
         totals.add(chunk.elementwise_loss_B_T, chunk.active_B_T, chunk.diagnostics)
         scatter_outputs(outputs, chunk.micro, chunk.per_position)
         for param, grad in zip(parameters, chunk.gradients or (), strict=False):
@@ -417,6 +419,7 @@ def run_custom(
                     if logprobs_list[index].grad is not None:
                         grad_B_T[row, : micro.lengths[row]] = logprobs_list[index].grad
                 (logprobs_B_T * grad_B_T).sum().backward()
+                release_freed_memory()
     outputs = [{"logprobs": TensorData.from_torch(logprobs_N.detach())} for logprobs_N in logprobs_list]
     metrics = {**user_metrics, "loss:sum": float(loss.detach())}
     state.record(
