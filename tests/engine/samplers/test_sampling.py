@@ -559,6 +559,10 @@ def test_auto_falls_back_to_hf_quietly_on_a_cpu_without_vllm_and_says_why_on_a_g
     assert samplers.resolve_sampler("auto", torch.device("cpu")) == "hf"
     assert capsys.readouterr().out == ""
     assert samplers.resolve_sampler("auto", torch.device("cuda")) == "hf"
-    assert "workbench: sampling with HF generate (the vllm package is not installed" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="sampler='vllm' is not available: the vllm package is not installed"):
+    assert (
+        "workbench: sampling with HF generate (the vllm package is not installed" in capsys.readouterr().out
+    )
+    with pytest.raises(
+        ValueError, match="sampler='vllm' is not available: the vllm package is not installed"
+    ):
         samplers.resolve_sampler("vllm", torch.device("cpu"))
