@@ -160,11 +160,21 @@ FAMILIES: dict[str, tuple[Callable[[int], PretrainedConfig], Callable[[int], Pre
 }
 
 
-def save_twin(family: str, folder: Path, dense: bool = False, head_dim: int = 16, seed: int = 0) -> str:
+def save_twin(
+    family: str,
+    folder: Path,
+    dense: bool = False,
+    head_dim: int = 16,
+    seed: int = 0,
+    sliding_window: int | None = None,
+) -> str:
     """Write the `family` twin (or its dense twin) with seeded random weights and the tiny tokenizer to
-    `folder`, and return the folder as a session's `base_model`."""
+    `folder`, and return the folder as a session's `base_model`. `sliding_window` sets the window of a
+    family whose attention has one (gpt-oss's sliding layers, Mistral's) below the twin's context."""
     moe_config, dense_config = FAMILIES[family]
     config = (dense_config if dense else moe_config)(head_dim)
+    if sliding_window is not None:
+        config.sliding_window = sliding_window
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)

@@ -11,6 +11,13 @@ Two passes, each an ordinary call of the model with a `transformers` cache objec
    cat(prefix, suffix) keys, the attention mask covers prefix and suffix padding, and the position ids
    continue after each prefix.
 
+Prefixes of different lengths are right-padded in the first pass (no query there sees only padding)
+and left-aligned in the second: each group's keys and values are rotated so that its padding comes
+first and its last prefix token sits just before its suffix. A sliding-window layer (Mistral, Gemma,
+gpt-oss, Qwen2 with `use_sliding_window`) masks by the distance between a query's and a key's columns
+in the cache, which is then their distance in the datum; right-padded, a suffix of a shorter prefix
+would lose the window's first keys and see keys beyond it. Full attention is the same either way.
+
 Backward through the second pass reaches the captured keys and values, and through them the prefix
 pass: the prefix's gradient is the sum over its datums, as in G separate passes. Neither cache changes
 what it holds during a pass, so a layer recomputed by activation checkpointing in backward gets the same
@@ -63,19 +70,40 @@ class _PrefixedLayer(DynamicLayer):
         return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
 
-def _prefixed_cache(captured: _CapturingCache, row_group_R: Tensor) -> Cache:
-    """The captured (P, …) keys and values as (R, …): each datum's row from its group."""
+def _left_aligned(states_P_H_L_D: Tensor, order_P_L: Tensor | None) -> Tensor:
+    """A layer's captured keys or values with each group's columns in `order_P_L` (None: as they are)."""
+    if order_P_L is None:
+        return states_P_H_L_D
+    heads, width = states_P_H_L_D.shape[1], states_P_H_L_D.shape[3]
+    return states_P_H_L_D.gather(2, order_P_L[:, None, :, None].expand(-1, heads, -1, width))
+
+
+def _prefixed_cache(captured: _CapturingCache, row_group_R: Tensor, order_P_L: Tensor | None) -> Cache:
+    """The captured (P, …) keys and values as (R, …), left-aligned by `order_P_L`: each datum's row
+    from its group."""
     rows = row_group_R.shape[0]
     layers = []
     for layer in captured.layers:
         assert layer.keys is not None and layer.values is not None
-        if layer.keys.shape[0] == 1:
-            keys = layer.keys.expand(rows, *layer.keys.shape[1:])
-            values = layer.values.expand(rows, *layer.values.shape[1:])
+        keys, values = _left_aligned(layer.keys, order_P_L), _left_aligned(layer.values, order_P_L)
+        if keys.shape[0] == 1:
+            keys, values = keys.expand(rows, *keys.shape[1:]), values.expand(rows, *values.shape[1:])
         else:
-            keys, values = layer.keys.index_select(0, row_group_R), layer.values.index_select(0, row_group_R)
+            keys, values = keys.index_select(0, row_group_R), values.index_select(0, row_group_R)
         layers.append(_PrefixedLayer(keys, values))
     return Cache(layers=layers)
+
+
+def _left_alignment(micro: SharedPrefixMicroBatch) -> Tensor | None:
+    """For each group, the columns of its right-padded prefix in left-aligned order, (P, L_max): its
+    padding, then its L tokens (column j reads column (j + L) mod L_max). None when every prefix of the
+    pass fills L_max."""
+    lengths = [group.prefix_length for group in micro.groups]
+    longest = micro.prefix_ids_P_L.shape[1]
+    if min(lengths) == longest:
+        return None
+    columns_P_L = torch.arange(longest)[None, :] + torch.tensor(lengths)[:, None]
+    return (columns_P_L % longest).to(micro.prefix_ids_P_L.device)
 
 
 def shared_prefix_pass(
@@ -91,11 +119,15 @@ def shared_prefix_pass(
         use_cache=True,
     )
     rows = micro.row_group_R
+    order_P_L = _left_alignment(micro)
+    prefix_mask_P_L = (
+        micro.prefix_mask_P_L if order_P_L is None else micro.prefix_mask_P_L.gather(1, order_P_L)
+    )
     suffix_R_S_F = forward(
         input_ids=micro.suffix_ids_R_S,
-        attention_mask=torch.cat([micro.prefix_mask_P_L.index_select(0, rows), micro.suffix_mask_R_S], dim=1),
+        attention_mask=torch.cat([prefix_mask_P_L.index_select(0, rows), micro.suffix_mask_R_S], dim=1),
         position_ids=micro.position_ids_R_S,
-        past_key_values=_prefixed_cache(captured, rows),
+        past_key_values=_prefixed_cache(captured, rows, order_P_L),
         use_cache=True,
     )
     return prefix_P_L_F, suffix_R_S_F
