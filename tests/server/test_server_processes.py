@@ -146,6 +146,9 @@ def test_workbench_serve_with_two_base_models_stops_promptly_during_a_long_sampl
         tinker.ModelInput.from_ints([1, 2, 3]), 128, tinker.SamplingParams(max_tokens=4000, stop=[])
     )
     time.sleep(3.0)  # the request is in flight
+    # the SDK's session ends now, while the server answers (the generation stays in flight): a client
+    # left open would heartbeat a stopped server for the rest of the test run
+    client.close("success").result(timeout=60)
     signalled = time.monotonic()
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=120)
