@@ -297,6 +297,22 @@ def test_streams_and_activation_checkpointing_give_the_plain_pass_results(
 
 
 @pytest.mark.integration
+def _trained_a_step_then_both_ways(
+    sess: wb.Session, warm: list[wb.Datum], data: list[wb.Datum], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One step on `warm` (so no LoRA B is zero), then `data`'s importance-sampling `forward_backward`
+    without and with sharing: the same results."""
+    sess.policy.forward_backward(warm, "importance_sampling").result()
+    sess.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result()
+    plain, shared = _both_ways(
+        sess,
+        wb.Role.POLICY,
+        lambda: sess.policy.forward_backward(data, "importance_sampling").result(),
+        monkeypatch,
+    )
+    _assert_same(plain, shared)
+
+
 def test_smollm2_gives_the_plain_pass_results(monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2-135M (GQA, 30 layers): two groups of 4 with prefixes up to 512 tokens, importance sampling
     with advantages on the prefix positions too."""
@@ -307,15 +323,7 @@ def test_smollm2_gives_the_plain_pass_results(monkeypatch: pytest.MonkeyPatch) -
         sequences += [prefix + random_tokens(rng, rng.randint(2, 24), VOCAB) for _ in range(4)]
     data = [_datum(rng, tokens, "importance_sampling") for tokens in sequences]
     with wb.Session("smollm2-135m", wb.LoraConfig(rank=8), seed=0, wandb=False) as sess:
-        sess.policy.forward_backward(data[:2], "importance_sampling").result()
-        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-3)).result()
-        plain, shared = _both_ways(
-            sess,
-            wb.Role.POLICY,
-            lambda: sess.policy.forward_backward(data, "importance_sampling").result(),
-            monkeypatch,
-        )
-    _assert_same(plain, shared)
+        _trained_a_step_then_both_ways(sess, data[:2], data, monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -339,14 +347,6 @@ def test_sliding_window_attention_gives_the_plain_pass_results_with_prefixes_of_
         for _ in range(4)
     ]
     data = [_datum(rng, tokens, "importance_sampling") for tokens in sequences]
+    warm = [_datum(rng, random_tokens(rng, 30, VOCAB), "importance_sampling") for _ in range(2)]
     with wb.Session(folder, wb.LoraConfig(rank=4), seed=0, wandb=False, sampler="hf") as sess:
-        warm = [_datum(rng, random_tokens(rng, 30, VOCAB), "cross_entropy") for _ in range(2)]
-        sess.policy.forward_backward(warm, "cross_entropy").result()  # LoRA B off zero
-        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
-        plain, shared = _both_ways(
-            sess,
-            wb.Role.POLICY,
-            lambda: sess.policy.forward_backward(data, "importance_sampling").result(),
-            monkeypatch,
-        )
-    _assert_same(plain, shared)
+        _trained_a_step_then_both_ways(sess, warm, data, monkeypatch)
