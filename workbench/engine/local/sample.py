@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.engine.interface import SamplerPin
+from workbench.engine.local.heap import release_freed_memory
 from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.stability_records import StabilityRecord
 from workbench.engine.local.state import REFERENCE_LABEL, EngineState, LoadedAdapter
@@ -368,6 +369,7 @@ def run_sample_batch(
         assert all(r is not None for r in group)
         for index, outcome in zip(indices, _sample_group(state, held, group), strict=True):  # type: ignore[arg-type]
             results[index] = outcome
+    release_freed_memory()  # the key/value caches of the batch's decoding
     return results  # type: ignore[return-value]
 
 
