@@ -616,3 +616,46 @@ def test_sampling_says_what_it_samples_and_why_each_sample_ended(panel: wb.Panel
     s.rendered.result(WAIT_S)
     assert "stop: stop" not in s.output.value and "stop: length" not in s.output.value
     assert "cut off at max_tokens" in s.output.value or "ended with a stop token" in s.output.value
+
+
+def test_the_metrics_tab_redraws_once_per_step_while_a_run_runs(
+    panel: wb.Panel, tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's rows arrive over its duration: a row that arrives after the step was drawn waits for
+    the next step (the time cap is injected: no refresh here waits on it)."""
+    from workbench.notebook.panel import metrics_tab
+
+    monkeypatch.setattr(metrics_tab, "MAX_RENDER_INTERVAL_S", 600.0)
+    m = panel.metrics
+    panel.tabs.selected_index = 3
+    data = _data(tiny)
+    first, second = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+    after_first, after_second = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+
+    def step(sess: wb.Session, i: int) -> None:
+        assert sess.current_run is not None
+        sess.policy.forward_backward(data, "cross_entropy").result()
+        first[i].set()
+        assert after_first[i].wait(WAIT_S)
+        sess.policy.forward_backward(data, "cross_entropy").result()
+        second[i].set()
+        assert after_second[i].wait(WAIT_S)
+        sess.policy.optim_step(sess.current_run.adam_params).result()
+
+    run = tiny.run(step, steps=2)
+    assert first[0].wait(WAIT_S)
+    panel.refresh()  # the run's first loss: drawn
+    renders = m.renders
+    after_first[0].set()
+    assert second[0].wait(WAIT_S)
+    panel.refresh()  # another loss of the same step: it waits
+    assert m.renders == renders
+    after_second[0].set()
+    assert first[1].wait(WAIT_S)
+    panel.refresh()  # a step ended: drawn
+    assert m.renders == renders + 1
+    for event in (after_first[1], after_second[1]):
+        event.set()
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    panel.refresh()  # no run running: drawn at once
+    assert m.renders == renders + 2

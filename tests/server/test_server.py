@@ -520,10 +520,26 @@ def test_long_polls_answer_try_again_and_the_sdk_polls_on(
         service_client = tinker.ServiceClient(base_url=server.url)
         remote = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         local = twin(sess)
-        batch = [TOKENS[i % 3] * 30 for i in range(96)]  # long enough to outlast a 10 ms poll
+        batch = [TOKENS[i % 3] * 30 for i in range(96)]
+
+        def polled() -> bool:
+            return any("try_again" in record.getMessage() for record in caplog.records)
+
+        # the worker is held until a poll has been answered "try again", so that answer never depends on
+        # how fast the forward runs (0.07 s, against 10 ms polls, on a busy machine it outran one)
+        held = threading.Event()
+        sess.engine._state.submit(lambda: held.wait(60))
+
+        def release_once_polled() -> None:
+            deadline = time.monotonic() + 60
+            while not polled() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            held.set()
+
         with caplog.at_level("WARNING", logger="tinker"):
+            threading.Thread(target=release_once_polled, daemon=True).start()
             theirs = remote.forward([sdk_ce_datum(t) for t in batch], "cross_entropy").result()
-        assert any("try_again" in record.getMessage() for record in caplog.records)
+        assert polled()
         assert theirs.metrics == local.forward([ce_datum(t) for t in batch], "cross_entropy").result().metrics
         service_client.close("success").result()
     finally:
