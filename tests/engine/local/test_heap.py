@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-CHILD = """
+PREAMBLE = """
 import json, random
 import workbench as wb
 
@@ -23,7 +23,9 @@ def resident_mb():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
+"""
 
+CHILD = """
 rng = random.Random(0)
 data = []
 for _ in range(128):
@@ -40,24 +42,20 @@ with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
 """
 
 
+def _kept_mb(child: str) -> float:
+    """What a fresh process running `child` kept resident after its measured call, in MB."""
+    output = subprocess.run(
+        [sys.executable, "-c", PREAMBLE + child], check=True, capture_output=True, text=True, timeout=600
+    ).stdout
+    return json.loads(output.strip().splitlines()[-1])["kept_mb"]
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap")
 def test_a_long_training_call_keeps_little_of_what_its_micro_batches_freed() -> None:
-    output = subprocess.run(
-        [sys.executable, "-c", CHILD], check=True, capture_output=True, text=True, timeout=600
-    ).stdout
-    figures = json.loads(output.strip().splitlines()[-1])
-    assert figures["kept_mb"] < 100, figures  # 258 MB without the release
+    assert _kept_mb(CHILD) < 100  # 258 MB without the release
 
 
 SAMPLE_CHILD = """
-import json
-import workbench as wb
-
-def resident_mb():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-
 with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
     client = sess.sampling_client()
     prompt = list(range(5, 40))
@@ -70,8 +68,4 @@ with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap")
 def test_a_long_sampling_call_keeps_little_of_its_key_value_caches() -> None:
-    output = subprocess.run(
-        [sys.executable, "-c", SAMPLE_CHILD], check=True, capture_output=True, text=True, timeout=600
-    ).stdout
-    figures = json.loads(output.strip().splitlines()[-1])
-    assert figures["kept_mb"] < 20, figures  # 80 MB without the release
+    assert _kept_mb(SAMPLE_CHILD) < 20  # 80 MB without the release
