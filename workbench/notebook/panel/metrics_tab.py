@@ -3,10 +3,10 @@
 The plot is a `LivePlot` (the same figure `sess.plot(...)` draws) on an ipympl canvas, the matplotlib
 widget: its toolbar zooms and pans, and the value under the cursor shows beside it. A refresh redraws
 only when the history has new rows, with `canvas.draw()`, which pushes the new image to the page from
-the panel's timer thread (while a cell is busy too). While a run is running it redraws at most once per step of
-it (or after MAX_RENDER_INTERVAL_S): a step's rows (sampling, `forward_backward`, `optim_step`) arrive
-over its duration, and a redraw for each refresh
-that saw one of them sent 31 KB per step on a loaded machine, against the 20 KB budget. The chosen metrics are tags (× removes one); a
+the panel's timer thread (while a cell is busy too). While a run is running it redraws at most once
+per step of it (or after MAX_RENDER_INTERVAL_S): a step's rows (sampling, `forward_backward`,
+`optim_step`) arrive over its duration, and a redraw for each refresh that saw one of them sent 31 KB
+per step on a loaded machine, against the 20 KB budget. The chosen metrics are tags (× removes one); a
 metric is added by picking it in the box beside them (type to filter, Enter adds it: the same input in
 JupyterLab and Notebook 7); smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
 `history.jsonl` files) are controls of their own.
