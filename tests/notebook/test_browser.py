@@ -619,12 +619,7 @@ def _drive_while_busy(page: Page, server: Lab, front_end: str) -> None:
     _wait_for_steps(page, panel, 2, STEP_MS * 2)  # a batch of rollouts and a point on the plot
     per_step = {tab: _bytes_per_step(page, panel, traffic, tab) for tab in ("Metrics", "Rollouts")}
     print(f"{front_end}: kernel-to-page bytes per step while a cell waits {per_step}")
-    if front_end == "lab":
-        assert max(per_step.values()) <= BYTES_PER_STEP_BUDGET, per_step
-    # Notebook 7 is over the budget on a loaded machine: its Metrics tab measured 0.8-19 KB per step
-    # idle but 31-216 KB beside a CI run, so its excess grows with the time a step takes, not with the
-    # steps (something time-driven in how Notebook 7 shows the ipympl canvas; not found yet). It is
-    # printed, not asserted, until it is found (issue 37).
+    assert max(per_step.values()) <= BYTES_PER_STEP_BUDGET, per_step
 
     def waiting_for_pause() -> bool:
         return _prompt(page, "until the panel's Pause") == "[*]:"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import matplotlib
@@ -11,7 +12,7 @@ import pytest
 matplotlib.use("Agg")
 
 from workbench.metrics import MetricsHistory
-from workbench.notebook.plots import LivePlot, plot_history
+from workbench.notebook.plots import HEADROOM, MARGIN, LivePlot, held_limits, plot_history
 
 
 def training_history(steps: int) -> MetricsHistory:
@@ -238,3 +239,48 @@ def test_a_single_point_shows_as_a_marker_on_a_step_axis_smoothed_or_not() -> No
         (line,) = plot.lines["reward:mean"].values()
         assert line.get_marker() == "o"
         assert plot.axes["reward:mean"].get_xlim() == (3.0, 5.0)
+
+
+def test_held_limits_keep_an_axis_until_the_data_passes_it_then_leave_headroom_on_that_side() -> None:
+    first = held_limits(None, 0.0, 10.0, log=False)
+    assert first == pytest.approx((-10 * MARGIN, 10 + 10 * MARGIN))
+    assert held_limits(first, 0.1, 10.4, log=False) == first  # inside: the same limits
+    grown = held_limits(first, 0.0, 20.0, log=False)  # passed the top: headroom above only
+    assert grown == pytest.approx((-20 * MARGIN, 20 + 20 * (MARGIN + HEADROOM)))
+    low, high = held_limits(held_limits(None, 1.0, 100.0, log=True), 0.01, 100.0, log=True)
+    assert math.log10(low) == pytest.approx(-2 - 4 * (MARGIN + HEADROOM))  # spans of log10 values
+    assert math.log10(high) == pytest.approx(2 + 4 * MARGIN)
+    low, high = held_limits(None, 3.0, 3.0, log=False)  # a constant: a range around it, not a point
+    assert low < 3.0 < high
+
+
+def test_a_live_plot_follows_its_steps_from_a_single_first_one_and_rescales_rarely() -> None:
+    """One row per refresh, as a panel sees a run: the x axis goes on past a first lone step (whose ±1
+    axis once stayed for good), and the axes change limits O(log steps) times, not every step, so a
+    redraw changes only the new segment's pixels."""
+    history = MetricsHistory()
+    plot = LivePlot(["loss:sum"])
+    ax = plot.axes["loss:sum"]
+    limits = []
+    for step in range(1, 201):
+        history.record("forward_backward", "policy", step, {"loss:sum": 5.0 * math.exp(-step / 50)})
+        plot.update(history)
+        limits.append((ax.get_xlim(), ax.get_ylim()))
+        low, high = ax.get_xlim()
+        assert low < 1 and step < high
+        ylow, yhigh = ax.get_ylim()
+        assert ylow < 5.0 * math.exp(-step / 50) < yhigh
+    changes = sum(1 for before, after in itertools.pairwise(limits) if before != after)
+    assert changes <= 40, changes  # autoscaling changes them at each of the 200 steps
+
+
+def test_a_live_plot_keeps_a_zoom_of_the_toolbar_while_rows_arrive() -> None:
+    history = training_history(10)
+    plot = LivePlot(["loss:sum"])
+    plot.update(history)
+    ax = plot.axes["loss:sum"]
+    ax.set_xlim(2.0, 4.0)  # what the toolbar's zoom does: it turns autoscaling off
+    ax.set_ylim(6.0, 8.0)
+    history.record("forward_backward", "policy", 30, {"loss:sum": 100.0})
+    assert plot.update(history) is True
+    assert ax.get_xlim() == (2.0, 4.0) and ax.get_ylim() == (6.0, 8.0)

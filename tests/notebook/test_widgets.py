@@ -659,3 +659,18 @@ def test_the_metrics_tab_redraws_once_per_step_while_a_run_runs(
     assert run.wait(WAIT_S) is RunState.FINISHED
     panel.refresh()  # no run running: drawn at once
     assert m.renders == renders + 2
+
+
+def test_the_metrics_plot_reaches_the_page_as_png_before_the_front_end_says_it_is_ready(
+    panel: wb.Panel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ipympl sends a canvas's redraws as raw RGBA (829 KB here) until it has read the front end's
+    `initialized` message, which a kernel busy with a cell may not read for a whole run; no front end
+    has sent it here."""
+    canvas = panel.metrics.canvas
+    sent: list[bytes] = []
+    monkeypatch.setattr(canvas, "send", lambda content, buffers=None: sent.extend(buffers or []))
+    canvas.draw()
+    assert sent, "the redraw sent no image"
+    for image in sent:
+        assert bytes(image[:8]) == b"\x89PNG\r\n\x1a\n" and len(image) < 100_000, len(image)

@@ -21,7 +21,9 @@ written out in full (no "1e-5+1" offset); the value under the cursor (ipympl's f
 `format_coord`) is each line's value at the step nearest the cursor, not the cursor's own (x, y); a
 metric with a single point is drawn as a marker on a ±1 step axis; a step that did not train (a batch with nothing to learn
 from records its metrics at the same optimizer step as the next one) is drawn as a hollow marker on
-that step, not joined to the line, which would draw a vertical stroke.
+that step, not joined to the line, which would draw a vertical stroke. A live plot's axes keep their
+limits until the data passes one (`held_limits`), so a redraw for a new step changes few pixels (what a
+live canvas sends is the changed pixels), and a zoom of the toolbar is kept while rows arrive.
 """
 
 from __future__ import annotations
@@ -36,11 +38,40 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
 from matplotlib.ticker import AutoLocator, LogLocator, MaxNLocator, NullLocator
+from matplotlib.transforms import nonsingular
 
 from workbench.metrics import MetricsHistory
 
 MAX_COLUMNS = 3
 MAX_POINTS_WITH_MARKERS = 50  # beyond this, markers hide the line's shape
+MARGIN = 0.05  # of the data's span on each side of an axis (matplotlib's default margin)
+HEADROOM = 0.25
+"""How far past its data an axis reaches when the data outgrows it, as a fraction of the data's span,
+on the side the data passed. A new step then moves no axis until its value passes a limit, so a live
+redraw changes only the new segment's pixels (ipympl sends the page a PNG of the pixels that changed:
+~1 KB, where a rescaled figure is ~50 KB), and a run of N steps rescales O(log N) times."""
+
+
+def held_limits(shown: tuple[float, float] | None, low: float, high: float, log: bool) -> tuple[float, float]:
+    """The limits an axis shows for data spanning [low, high]: `shown` (the limits it showed) while the
+    data is inside them; otherwise the data's span with MARGIN on each side, plus HEADROOM on each side the
+    data passed. On a log axis the spans are of log10 of the values."""
+    forward, back = (math.log10, lambda value: 10.0**value) if log else (float, float)
+    low_data, high_data = forward(low), forward(high)
+    if shown is None:
+        low_shown, high_shown = math.inf, -math.inf
+    else:
+        low_shown, high_shown = forward(shown[0]), forward(shown[1])
+        if low_shown < low_data and high_data < high_shown:  # inside, not on the frame
+            return shown
+    low_data, high_data = nonsingular(low_data, high_data, expander=MARGIN)
+    span = high_data - low_data
+    passed_low = shown is not None and low_data < low_shown
+    passed_high = shown is not None and high_data > high_shown
+    return (
+        back(low_data - span * (MARGIN + HEADROOM * passed_low)),
+        back(high_data + span * (MARGIN + HEADROOM * passed_high)),
+    )
 
 
 def metric_lines(history: MetricsHistory, name: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -187,6 +218,9 @@ class LivePlot:
             )
             self._show_ticks(ax, False)
         self._drawn_rows = -1 if self.compare else 0  # compared runs are drawn at the first update
+        self._held: dict[tuple[str, str], tuple[float, float]] = {}
+        """The limits this plot set, by (metric name, y scale) for y and ("x", "linear") for the shared
+        x axis: a y axis switched to another scale starts its limits afresh."""
         self._scanned_rows = 0  # rows of the history looked at for the plotted metrics
 
     def _show_ticks(self, ax: Axes, shown: bool) -> None:
@@ -250,14 +284,35 @@ class LivePlot:
                 ax.ticklabel_format(axis="y", useOffset=False)  # 1.00001, not "1e-5 + 1"
             self._show_ticks(ax, has_data)
             ax.relim()
-            ax.autoscale_view()
-        xs = {x for lines in self.lines.values() for line in lines.values() for x in line.get_xdata()}
-        if len(xs) == 1:  # one step: a readable axis around it (the axes share it), not ±0.045
-            (only,) = xs
-            next(iter(self.axes.values())).set_xlim(only - 1, only + 1)
+            self._hold_y(name, ax)
+        self._hold_x()
         self._drawn_rows = len(history)
         self.figure.canvas.draw_idle()
         return True
+
+    def _hold_y(self, name: str, ax: Axes) -> None:
+        """Show the metric's values within `held_limits` (unless the toolbar zoomed or panned it)."""
+        low, high = ax.dataLim.intervaly
+        if not (ax.get_autoscaley_on() and math.isfinite(low) and math.isfinite(high)):
+            return
+        key = (name, ax.get_yscale())
+        self._held[key] = held_limits(self._held.get(key), low, high, log=key[1] == "log")
+        ax.set_ylim(*self._held[key], auto=None)  # still autoscaled: a toolbar zoom turns that off
+
+    def _hold_x(self) -> None:
+        """The shared x axis within `held_limits`; a single step shows as ±1 step around it, a readable
+        axis rather than matplotlib's ±0.045."""
+        first = next(iter(self.axes.values()))
+        xs = [x for lines in self.lines.values() for line in lines.values() for x in line.get_xdata()]
+        if not (xs and first.get_autoscalex_on()):
+            return
+        low, high = min(xs), max(xs)
+        key = ("x", "linear")
+        if low == high:
+            self._held[key] = (low - 1, high + 1)
+        else:
+            self._held[key] = held_limits(self._held.get(key), low, high, log=False)
+        first.set_xlim(*self._held[key], auto=None)
 
     def _draw(self, name: str, ax: Axes, label: str, xs: list[float], values: list[float]) -> None:
         skipped_x: list[float] = []

@@ -43,11 +43,19 @@ three side by side and the toolbar fit a 1280 px window)."""
 
 class LockedCanvas(Canvas):
     """An ipympl canvas whose front-end messages (zoom, pan, resize) draw under the tab's lock: they
-    arrive on the widget subshell's thread while the panel's timer redraws from its own."""
+    arrive on the widget subshell's thread while the panel's timer redraws from its own.
+
+    It sends the page PNGs of the changed pixels from its first draw. ipympl 0.10 starts a canvas
+    "syncing its data URL" until the front end's `initialized` message is read, and meanwhile sends
+    each redraw as the raw RGBA buffer (740 × 280 × 4 = 829 KB for two plots) plus a base64 PNG in the
+    widget state; a kernel busy with a cell, or a slow route to the widget subshell, leaves it so for a
+    whole run. The data URL serves pages without a live kernel, which the panel's saved record serves
+    instead."""
 
     def __init__(self, figure: NotebookFigure, lock: threading.RLock) -> None:
         self.lock = lock
         super().__init__(figure)
+        self.syncing_data_url = False
 
     def _handle_message(self, widget: object, content: dict[str, object], buffers: list[bytes]) -> None:
         with self.lock:
