@@ -2,18 +2,31 @@
 unmodified `anthropic` client (2.x: sampling fields go in `extra_body`, as the API reads them).
 
 Every test that takes `sampler` runs on HF generate and, marked `vllm`, on vLLM (`make test-vllm`).
+Tools run on the tiny model with a chat template in the Qwen / Hermes tool format (`test_chat_format`'s),
+taught to call one as the OpenAI route's tool test teaches it.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 import workbench as wb
+from tests.datums import sft_datum
+from tests.server.test_chat_format import HERMES_TEMPLATE
+from workbench.engine.model.base_model import resolve_model_path
 from workbench.server import TinkerServer
+from workbench.server.chat_format import render_chat
 
 GREEDY = {"temperature": 0}
 QUESTION = [{"role": "user", "content": "What is the secret word?"}]
@@ -108,6 +121,22 @@ REFUSALS = [
     ),
     ({"stop_sequences": ["x"] * 100}, anthropic.BadRequestError, "stop_sequences"),
     ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, anthropic.BadRequestError, "tools"),
+    (
+        {
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "none"},
+            "messages": [
+                {"role": "user", "content": "Go."},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+            ],
+        },
+        anthropic.BadRequestError,
+        "does not render tool calls",
+    ),
     ({"extra_body": {"temperature": -1}}, anthropic.BadRequestError, "temperature"),
     ({"extra_body": {"top_k": 0}}, anthropic.BadRequestError, "top_k"),
 ]
@@ -138,3 +167,299 @@ def test_the_tinker_key_is_the_key(sess: wb.Session) -> None:
         claude(srv, key="tml-wrong-key-1").messages.create(model="tiny", max_tokens=2, messages=QUESTION)
     message = claude(srv, key="tml-secret-key").messages.create(model="tiny", max_tokens=2, messages=QUESTION)
     assert message.usage.output_tokens >= 1
+
+
+# ---------------------------------------------------------------------------------------------- tools
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+WEATHER_FUNCTION = {  # the same tool as the OpenAI API and the chat templates take it
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": WEATHER["input_schema"],
+    },
+}
+ASKED = {"role": "user", "content": "Weather in Paris and Oslo?"}
+CALLED = {
+    "role": "assistant",
+    "content": [
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": {"city": "Paris"}},
+        {"type": "tool_use", "id": "toolu_02", "name": "get_weather", "input": {"city": "Oslo"}},
+    ],
+}
+
+
+def tool_result(tool_use_id: str, content: Any = "sunny", **fields: Any) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": tool_use_id, "content": content, **fields}
+
+
+ANSWERED = {
+    "role": "user",
+    "content": [
+        tool_result("toolu_01"),
+        tool_result(
+            "toolu_02", [{"type": "text", "text": "rain"}, {"type": "text", "text": ", 4 C"}], is_error=False
+        ),
+        {"type": "text", "text": "And tomorrow?"},
+    ],
+}
+
+
+def openai_turns(arguments: type[str] | type[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation ASKED, CALLED, ANSWERED in OpenAI's shape: the calls' arguments as JSON text (the
+    openai client's) or as objects (what chat templates read)."""
+    calls = [
+        {
+            "id": f"toolu_0{n}",
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "arguments": json.dumps({"city": city}) if arguments is str else {"city": city},
+            },
+        }
+        for n, city in ((1, "Paris"), (2, "Oslo"))
+    ]
+    return [
+        ASKED,
+        {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "toolu_01", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "toolu_02", "content": "rain, 4 C"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def hermes_tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with a chat template in the Qwen / Hermes tool format."""
+    folder = tmp_path_factory.mktemp("tiny-hermes") / "tiny-hermes"
+    shutil.copytree(resolve_model_path("tiny"), folder)
+    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    return str(folder)
+
+
+@pytest.fixture
+def hermes(hermes_tiny: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[wb.Session]:
+    """A session on the Hermes-template tiny model, with a runs folder of its own."""
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    session = wb.Session(hermes_tiny, wb.LoraConfig(rank=4), seed=0, wandb=False)
+    yield session
+    session.close()
+
+
+def test_tools_and_tool_turns_render_as_the_same_conversation_in_openais_shape(hermes: wb.Session) -> None:
+    """Tools, tool_use and tool_result blocks are rendered to the tokens of the same conversation in
+    OpenAI's shape: the template's own rendering, and the OpenAI route's prompt."""
+    srv = hermes.serve()
+    client, base = claude(srv), hermes.config.base_model
+    conversation = [ASKED, CALLED, ANSWERED]
+    text = hermes.tokenizer.apply_chat_template(
+        openai_turns(dict), tools=[WEATHER_FUNCTION], add_generation_prompt=True, tokenize=False
+    )
+    expected = hermes.tokenizer.encode(text, add_special_tokens=False)
+    assert '"name": "get_weather", "arguments": {"city": "Oslo"}' in text and "rain, 4 C" in text
+    chat = openai.OpenAI(base_url=f"{srv.url}/oai/api/v1", api_key="tml-local", max_retries=0)
+    answer = chat.chat.completions.create(
+        model=base, messages=openai_turns(str), tools=[WEATHER_FUNCTION], max_tokens=8, temperature=0
+    )
+    assert answer.model_extra["prompt_token_ids"] == expected
+    counted = client.messages.count_tokens(model=base, messages=conversation, tools=[WEATHER])
+    assert counted.input_tokens == len(expected)
+    message = client.messages.create(
+        model=base, max_tokens=8, messages=conversation, tools=[WEATHER], extra_body=GREEDY
+    )
+    assert message.usage.input_tokens == len(expected)
+    # the same prompt: the same greedy reply as the OpenAI route's (a reply of the random model)
+    assert message.content[0].text == answer.choices[0].message.content
+    # without tools offered the tools are not rendered; the tool turns still are
+    bare = hermes.tokenizer.apply_chat_template(
+        openai_turns(dict), add_generation_prompt=True, tokenize=False
+    )
+    unoffered = client.messages.count_tokens(
+        model=base, messages=conversation, tools=[WEATHER], tool_choice={"type": "none"}
+    )
+    assert unoffered.input_tokens == len(hermes.tokenizer.encode(bare, add_special_tokens=False))
+    auto = client.messages.count_tokens(
+        model=base, messages=conversation, tools=[WEATHER], tool_choice={"type": "auto"}
+    )
+    assert auto.input_tokens == len(expected)
+
+
+def test_a_model_taught_to_call_a_tool_answers_with_tool_use_blocks(hermes: wb.Session) -> None:
+    """The model's text and call come back as a text block and a tool_use block with stop_reason
+    tool_use, unstreamed and through the client's stream helper (text_delta, then input_json_delta),
+    and the conversation goes on with the call's result."""
+    tool = {"name": "now", "input_schema": {"type": "object"}}  # short: few tokens to learn
+    function = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    asked = [{"role": "user", "content": "Time?"}]
+    prompt = hermes.tokenizer.decode(render_chat(hermes.tokenizer, asked, [function]))
+    call = 'OK.\n<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    datum = sft_datum(hermes.tokenizer, prompt, call + "<|im_end|>")
+    for _ in range(80):
+        hermes.policy.forward_backward([datum], "cross_entropy")
+        hermes.policy.optim_step({"learning_rate": 5e-3})
+    client = claude(hermes.serve())
+    request = {
+        "model": hermes.model_id,
+        "max_tokens": 80,
+        "messages": asked,
+        "tools": [tool],
+        "extra_body": GREEDY,
+    }
+    message = client.messages.create(**request)
+    assert message.stop_reason == "tool_use", message.content
+    assert [block.type for block in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "OK."
+    used = message.content[1]
+    assert (used.name, used.input) == ("now", {"tz": "UTC"})
+    assert used.id.startswith("toolu_") and len(used.id) > len("toolu_")
+    counted = client.messages.count_tokens(model=hermes.model_id, messages=asked, tools=[tool])
+    assert counted.input_tokens == message.usage.input_tokens == len(hermes.tokenizer.encode(prompt))
+
+    with client.messages.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert final.content[0].text == "OK."
+    assert [(b.type, b.name, b.input) for b in final.content[1:]] == [("tool_use", "now", {"tz": "UTC"})]
+    started = [e.content_block for e in events if e.type == "content_block_start"]
+    assert started[0].type == "text" and (started[1].type, started[1].input) == ("tool_use", {})
+    assert "".join(e.text for e in events if e.type == "text") == "OK."
+    assert json.loads("".join(e.partial_json for e in events if e.type == "input_json")) == {"tz": "UTC"}
+    kinds = [(e.type, getattr(e, "index", None)) for e in events if e.type not in ("text", "input_json")]
+    assert kinds == [
+        ("message_start", None),
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_stop", 1),
+        ("message_delta", None),
+        ("message_stop", None),
+    ]
+
+    # the call answered: the conversation goes on with the tool_use block as the client got it
+    answered = [
+        *asked,
+        {"role": "assistant", "content": [used.model_dump(include={"type", "id", "name", "input"})]},
+        {"role": "user", "content": [tool_result(used.id, "12:00")]},
+    ]
+    follow_up = client.messages.create(**{**request, "messages": answered, "max_tokens": 4})
+    assert follow_up.usage.input_tokens > message.usage.input_tokens
+    assert follow_up.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    # tool_choice none: the tools are not rendered and nothing is parsed
+    plain = client.messages.create(**{**request, "tool_choice": {"type": "none"}, "max_tokens": 30})
+    assert [block.type for block in plain.content] == ["text"]
+    assert plain.stop_reason != "tool_use"
+    assert plain.usage.input_tokens < message.usage.input_tokens
+
+
+def _result(content: Any = "sunny") -> dict[str, Any]:
+    return {"role": "user", "content": [tool_result("toolu_01", content), tool_result("toolu_02")]}
+
+
+TOOL_REFUSALS = [
+    # (request fields, words of the message)
+    ({"tools": {"name": "f"}}, "tools must be a list"),
+    ({"tools": [{"name": "f"}]}, "input_schema"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "input_schema"),
+    ({"tools": [{**WEATHER, "name": "get weather"}]}, "name must be"),
+    ({"tools": [WEATHER, WEATHER]}, "defined twice"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
+    ({"tools": [{**WEATHER, "strict": True}]}, "strict"),
+    ({"tools": [{**WEATHER, "defer_loading": True}]}, "defer_loading"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "any"}}, "cannot force a tool call"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}, "cannot force"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice must be"),
+    ({"tools": None, "messages": [ASKED, CALLED, _result()]}, "must define tools"),
+    ({"messages": [ASKED, CALLED]}, "no tool_result blocks after"),
+    ({"messages": [ASKED, CALLED, {"role": "user", "content": "hi"}]}, "no tool_result blocks here"),
+    (
+        {"messages": [ASKED, CALLED, {"role": "user", "content": [tool_result("toolu_01")]}]},
+        r"\['toolu_02'\] of messages\[1\] have no tool_result",
+    ),
+    (
+        {"messages": [ASKED, CALLED, {"role": "user", "content": [tool_result("toolu_99")]}]},
+        "answers no tool_use",
+    ),
+    (
+        {
+            "messages": [
+                ASKED,
+                CALLED,
+                {"role": "user", "content": [*_result()["content"], tool_result("toolu_01")]},
+            ]
+        },
+        "answered twice",
+    ),
+    (
+        {
+            "messages": [
+                ASKED,
+                CALLED,
+                {"role": "user", "content": [{"type": "text", "text": "here:"}, *_result()["content"]]},
+            ]
+        },
+        "come first",
+    ),
+    (
+        {
+            "messages": [
+                ASKED,
+                {"role": "assistant", "content": [*CALLED["content"][1:], CALLED["content"][0]]},
+                _result(),
+            ]
+        },
+        "text after a tool_use",
+    ),
+    (
+        {
+            "messages": [
+                ASKED,
+                {"role": "assistant", "content": [CALLED["content"][1], CALLED["content"][1]]},
+                _result(),
+            ]
+        },
+        "used twice",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [CALLED["content"][1]]}]},
+        "user messages take text and tool_result",
+    ),
+    ({"messages": [ASKED, {"role": "assistant", "content": [tool_result("x")]}]}, "assistant messages take"),
+    (
+        {
+            "messages": [
+                ASKED,
+                {"role": "assistant", "content": [{**CALLED["content"][1], "input": "Paris"}]},
+                {"role": "user", "content": [tool_result("toolu_01")]},
+            ]
+        },
+        "input must be an object",
+    ),
+    ({"messages": [ASKED, CALLED, _result([{"type": "image", "source": {}}])]}, "only text blocks"),
+    ({"messages": [ASKED, CALLED, _result(7)]}, "string or a list of text blocks"),
+]
+
+
+def test_every_tool_refusal_is_the_clients_own_error_at_once_and_changes_nothing(hermes: wb.Session) -> None:
+    """Malformed tools, a forced tool_choice, tool blocks out of Anthropic's pairing or of the wrong
+    type: a 400 in Anthropic's shape from both endpoints, at once, and no operation runs."""
+    client = claude(hermes.serve())
+    digest, rows = hermes.state_digest(), len(hermes.history)
+    for fields, words in TOOL_REFUSALS:
+        request = {"model": hermes.config.base_model, "messages": [ASKED], "tools": [WEATHER], **fields}
+        for send in (client.messages.count_tokens, partial(client.messages.create, max_tokens=4)):
+            start = time.perf_counter()
+            with pytest.raises(anthropic.BadRequestError, match=words) as raised:
+                send(**request)
+            assert time.perf_counter() - start < 1.0, fields
+            assert raised.value.body["error"]["type"] == "invalid_request_error"
+    assert hermes.state_digest() == digest
+    assert len(hermes.history) == rows

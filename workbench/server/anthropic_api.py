@@ -10,12 +10,27 @@ names the weights (`served_weights`) and the request runs through the engine's o
 Every field is supported, ignored or refused (`PARAMETERS`); a refusal comes in Anthropic's shape,
 `{"type": "error", "error": {"type", "message"}}`, with status 400, 401, 404 or 413, before anything is
 queued. The `anthropic` client (2.x) has no arguments for `temperature`, `top_p` and `top_k`; they go in
-`extra_body={"temperature": 0}`, as the Messages API reads them. Streams (`stream: true`) send Anthropic's events (message_start, content_block_start, ping,
-content_block_delta, content_block_stop, message_delta, message_stop) once the reply is sampled.
+`extra_body={"temperature": 0}`, as the Messages API reads them. Streams (`stream: true`) send Anthropic's
+events (message_start, content_block_start, ping, content_block_delta, content_block_stop, message_delta,
+message_stop) once the reply is sampled.
+
+Tools, where the chat template takes them (`chat_format`: the Qwen / Hermes `<tool_call>` format, the
+OpenAI route's rule): each tool (`name`, `description`, `input_schema`) is rendered as the template's
+function tool (`parameters` the input schema); an assistant's `tool_use` blocks are rendered as its tool
+calls and a user's `tool_result` blocks as tool messages, in their order, before the user's text, so a
+conversation renders to the tokens of the same conversation in OpenAI's shape. The model's calls come
+back as `tool_use` blocks after the text, with `stop_reason: "tool_use"`; streamed, each is a
+content_block_start (its `input` empty) and one `input_json_delta` with the input's JSON. The pairing
+rules are Anthropic's: the `tool_use` blocks of an assistant message are answered by `tool_result`
+blocks at the start of the next (user) message, one per id, and a request with either kind of block
+defines `tools`. A result's `is_error` has no place in the Hermes format: its text is what the model
+reads.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -25,7 +40,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from workbench.engine.local.engine import Engine
-from workbench.server.chat_format import end_of_turn_ids, render_chat
+from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat, template_takes_tools
 from workbench.server.compat_http import error_status, event_stream, guarded, json_body
 from workbench.server.errors import RequestError, message_of
 from workbench.server.generation import (
@@ -44,7 +59,8 @@ PREFIX = "/anthropic/api"
 
 PARAMETERS: dict[str, str] = {
     "model": "supported: a base model, a tinker:// checkpoint path, '<base>;<path>' or a model id",
-    "messages": "supported: user / assistant messages, content a string or text blocks",
+    "messages": "supported: user / assistant messages, content a string or text blocks; tool_use blocks "
+    "(assistant) and tool_result blocks (user) where tools are",
     "system": "supported: a string or text blocks",
     "max_tokens": "supported (required, >= 1)",
     "temperature": "supported: 0 (greedy) or at least 1e-3",
@@ -61,8 +77,10 @@ PARAMETERS: dict[str, str] = {
     "user_profile_id": "ignored",
     "workspace_id": "ignored",
     "output_config": "refused unless empty",
-    "tools": "refused",
-    "tool_choice": "refused",
+    "tools": "supported: custom tools {name, description, input_schema} where the chat template renders "
+    "them in the Qwen / Hermes format, else refused; server tools, strict and defer_loading refused",
+    "tool_choice": "supported: {'type': 'auto'} and {'type': 'none'} (disable_parallel_tool_use ignored); "
+    "refused: 'any' or a named tool",
     "thinking": "refused unless disabled",
     "container": "refused",
     "mcp_servers": "refused",
@@ -70,13 +88,195 @@ PARAMETERS: dict[str, str] = {
 """Each request field, and what this server does with it; a field not listed here is ignored."""
 
 _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None,),
     "thinking": (None, {"type": "disabled"}),
     "container": (None,),
     "mcp_servers": (None, []),
     "output_config": (None, {}),
 }
+
+
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+"""A tool's name, as the Messages API takes it."""
+
+
+def _template_tools(tools: Any) -> list[dict[str, Any]]:
+    """Anthropic's custom tools checked, in the function-tool form chat templates read."""
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of {'name', 'description', 'input_schema'} objects")
+    functions: list[dict[str, Any]] = []
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, Mapping):
+            raise RequestError(f"{where} must be an object {{'name', 'description', 'input_schema'}}")
+        if tool.get("type") not in (None, "custom"):
+            raise RequestError(
+                f"{where}: Anthropic's server tools ({tool.get('type')!r}) are not run here; only custom "
+                "tools {'name', 'description', 'input_schema'} are supported"
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise RequestError(f"{where}.name must be 1 to 128 letters, digits, '_' or '-', got {name!r}")
+        if any(function["name"] == name for function in functions):
+            raise RequestError(f"{where}.name: the tool {name!r} is defined twice; tool names are unique")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise RequestError(f"{where}.description must be a string")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, Mapping) or schema.get("type") != "object":
+            raise RequestError(f"{where}.input_schema must be a JSON schema with 'type': 'object'")
+        if tool.get("strict"):
+            raise RequestError(f"{where}.strict: refused: this server cannot hold the input to the schema")
+        if tool.get("defer_loading"):
+            raise RequestError(f"{where}.defer_loading: refused: no tool search runs here to load the tool")
+        function: dict[str, Any] = {"name": name}
+        if description is not None:
+            function["description"] = description
+        function["parameters"] = dict(schema)
+        functions.append(function)
+    return [{"type": "function", "function": function} for function in functions]
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """The request's tools in the templates' form (checked even when not offered), and whether they are
+    offered: rendered and the reply's calls parsed (not with `tool_choice: {"type": "none"}`)."""
+    tools = [] if body.get("tools") is None else _template_tools(body["tools"])
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, Mapping) or choice.get("type") not in ("auto", "none", "any", "tool"):
+            raise RequestError(
+                "tool_choice must be {'type': 'auto'}, {'type': 'none'}, {'type': 'any'} or "
+                f"{{'type': 'tool', 'name': ...}}, got {choice!r}"
+            )
+        if choice["type"] in ("any", "tool"):
+            raise RequestError(
+                f"tool_choice {{'type': {choice['type']!r}}}: this server cannot force a tool call; use "
+                "{'type': 'auto'} or {'type': 'none'}"
+            )
+        parallel = choice.get("disable_parallel_tool_use")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise RequestError(
+                f"tool_choice.disable_parallel_tool_use must be true or false, got {parallel!r}"
+            )
+    return tools, bool(tools) and (choice is None or choice["type"] == "auto")
+
+
+def _block_type(block: Any) -> Any:
+    return block.get("type") if isinstance(block, Mapping) else type(block).__name__
+
+
+def _text(block: Mapping[str, Any], where: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise RequestError(f"{where}.text must be a string")
+    return str(block["text"])
+
+
+def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """An assistant's tool_use block as an OpenAI tool call (its arguments the input object)."""
+    if not isinstance(block.get("id"), str) or not block["id"]:
+        raise RequestError(f"{where}.id must be a non-empty string")
+    if not isinstance(block.get("name"), str) or not block["name"]:
+        raise RequestError(f"{where}.name must be a non-empty string")
+    if not isinstance(block.get("input"), Mapping):
+        raise RequestError(f"{where}.input must be an object, got {block.get('input')!r}")
+    return {
+        "id": block["id"],
+        "type": "function",
+        "function": {"name": block["name"], "arguments": dict(block["input"])},
+    }
+
+
+def _tool_result(block: Mapping[str, Any], where: str) -> str:
+    """A tool_result block's content as text: a string or text blocks."""
+    if not isinstance(block.get("tool_use_id"), str):
+        raise RequestError(f"{where}.tool_use_id must be a string")
+    if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
+        raise RequestError(f"{where}.is_error must be true or false")
+    content = block.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content must be a string or a list of text blocks")
+    texts = []
+    for index, part in enumerate(content):
+        if _block_type(part) != "text":
+            raise RequestError(
+                f"{where}.content[{index}]: only text blocks are supported in a tool_result, got "
+                f"{_block_type(part)!r}"
+            )
+        texts.append(_text(part, f"{where}.content[{index}]"))
+    return "".join(texts)
+
+
+def _answered(results: list[dict[str, Any]]) -> list[str]:
+    """The tool_use ids the tool messages answer."""
+    return [result["tool_call_id"] for result in results]
+
+
+def _conversation(messages: Any) -> tuple[list[dict[str, Any]], bool]:
+    """Anthropic's messages as the OpenAI-shaped messages chat templates read (`chat_format`), and
+    whether any held a tool block. An assistant's text blocks are its content and its tool_use blocks
+    its tool calls (the text first, where the templates write it); a user's tool_result blocks come
+    first (Anthropic's rule), each answering one tool_use of the message before, and become tool
+    messages in their order, the user's text then a user message."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {'role', 'content'} objects")
+    converted: list[dict[str, Any]] = []
+    awaited: list[str] = []  # the ids of the previous message's tool_use blocks
+    tool_blocks = False
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
+            raise RequestError(f"{where}.role must be 'user' or 'assistant'")
+        role, content = message["role"], message.get("content")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for number, block in enumerate(content if isinstance(content, list) else []):
+            at, kind = f"{where}.content[{number}]", _block_type(block)
+            if kind == "text" and not calls:
+                texts.append(_text(block, at))
+            elif kind == "text":
+                raise RequestError(f"{at}: text after a tool_use block; the text comes first")
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(_tool_call(block, at))
+                if calls[-1]["id"] in [call["id"] for call in calls[:-1]]:
+                    raise RequestError(f"{at}.id: the tool_use id {calls[-1]['id']!r} is used twice")
+            elif kind == "tool_result" and role == "user":
+                if texts:
+                    raise RequestError(f"{at}: tool_result blocks come first in a message, before any text")
+                result = _tool_result(block, at)
+                if block["tool_use_id"] not in awaited:
+                    raise RequestError(
+                        f"{at}: tool_use_id {block['tool_use_id']!r} answers no tool_use of the previous "
+                        f"message (its tool_use ids: {awaited})"
+                    )
+                if block["tool_use_id"] in _answered(results):
+                    raise RequestError(f"{at}: tool_use_id {block['tool_use_id']!r} is answered twice")
+                results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
+            else:
+                takes = "text and tool_use" if role == "assistant" else "text and tool_result"
+                raise RequestError(f"{at}: {role} messages take {takes} blocks here, got {kind!r}")
+        missing = [call_id for call_id in awaited if call_id not in _answered(results)]
+        if missing:
+            raise RequestError(
+                f"{where}: the tool_use ids {missing} of messages[{index - 1}] have no tool_result blocks "
+                "here; each tool_use is answered by a tool_result at the start of the next message"
+            )
+        # a string (or a wrong type, which `render_chat` names) stays as it came
+        text: Any = "".join(texts) if isinstance(content, list) else content
+        converted.extend(results)
+        if calls:
+            converted.append({"role": "assistant", "content": text, "tool_calls": calls})
+        elif texts or not results:
+            converted.append({"role": role, "content": text})
+        tool_blocks = tool_blocks or bool(calls or results)
+        awaited = [call["id"] for call in calls]
+    if awaited:
+        raise RequestError(
+            f"messages[{len(messages) - 1}]: the tool_use ids {awaited} have no tool_result blocks after "
+            "them; each tool_use is answered by a tool_result at the start of the next message"
+        )
+    return converted, tool_blocks
 
 
 def _error_type(status: int) -> str:
@@ -99,27 +299,33 @@ class AnthropicRoutes:
         self.tokenizer = engine.tokenizer
         self.end_of_turn = end_of_turn_ids(self.tokenizer)
 
-    def prompt(self, body: Mapping[str, Any]) -> list[int]:
-        """The conversation's prompt tokens: the system prompt, then the messages, the assistant's turn
-        opened."""
+    def prompt(self, body: Mapping[str, Any]) -> tuple[list[int], bool]:
+        """The conversation's prompt tokens: the system prompt (and the tools, when offered), then the
+        messages, the assistant's turn opened; and whether tools are offered."""
         for name, allowed in _REFUSED_UNLESS.items():
             if name in body and body[name] not in allowed:
                 raise RequestError(f"{name}: {PARAMETERS[name]} on this server")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list of {'role', 'content'} objects")
-        for index, message in enumerate(messages):
-            if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
-                raise RequestError(f"messages[{index}].role must be 'user' or 'assistant'")
+        tools, offered = _tools(body)
+        messages, tool_blocks = _conversation(body.get("messages"))
+        if tool_blocks and not tools:
+            raise RequestError("messages: a request with tool_use or tool_result blocks must define tools")
+        if tool_blocks and not template_takes_tools(self.tokenizer):
+            raise RequestError(
+                "messages: this model's chat template does not render tool calls in a format whose calls "
+                "can be read back (the Qwen / Hermes <tool_call> format); send the conversation without "
+                "tool_use and tool_result blocks"
+            )
         system = body.get("system")
         conversation: list[Any] = [{"role": "system", "content": system}] if system else []
         try:
-            return render_chat(self.tokenizer, [*conversation, *messages])
+            prompt = render_chat(self.tokenizer, [*conversation, *messages], tools if offered else None)
         except ValueError as error:
             raise RequestError(str(error)) from None
+        return prompt, offered
 
-    def call(self, body: Mapping[str, Any]) -> GenerationCall:
-        prompt = self.prompt(body)
+    def call(self, body: Mapping[str, Any]) -> tuple[GenerationCall, bool]:
+        """The request as one generation call, and whether tools are offered."""
+        prompt, offered = self.prompt(body)
         max_tokens = body.get("max_tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(f"max_tokens: an integer >= 1 is required, got {max_tokens!r}")
@@ -152,7 +358,7 @@ class AnthropicRoutes:
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise RequestError(f"stream must be true or false, got {stream!r}")
-        return GenerationCall(
+        call = GenerationCall(
             prompt_ids=prompt,
             max_tokens=max_tokens,
             temperature=numbers["temperature"],
@@ -161,15 +367,39 @@ class AnthropicRoutes:
             stop_strings=(*stops, *extra) if stops else (),
             stop_ids=self.end_of_turn,
         )
+        return call, offered
 
     @staticmethod
-    def stop_reason(completion: Completion, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    def stop_reason(completion: Completion, stops: tuple[str, ...], called: bool) -> tuple[str, str | None]:
+        if called:
+            return "tool_use", None
         if completion.stop_string is not None and completion.stop_string in stops:
             return "stop_sequence", completion.stop_string
         return ("max_tokens" if completion.finish == "length" else "end_turn"), None
 
+    @staticmethod
+    def content(completion: Completion, offered: bool) -> list[dict[str, Any]]:
+        """The reply's content blocks: its text, then a tool_use block per call the model made (with no
+        text before the calls, no text block)."""
+        reply = parse_reply(completion.text, offered, object_arguments=True)
+        if not reply.tool_calls:
+            return [{"type": "text", "text": reply.content}]
+        text = [{"type": "text", "text": reply.content}] if reply.content else []
+        return [
+            *text,
+            *(
+                {
+                    "type": "tool_use",
+                    "id": f"toolu_{secrets.token_hex(12)}",
+                    "name": call.name,
+                    "input": json.loads(call.arguments),
+                }
+                for call in reply.tool_calls
+            ),
+        ]
+
     async def messages(self, body: Mapping[str, Any]) -> Response:
-        call = self.call(body)
+        call, offered = self.call(body)
         try:
             check_calls(self.engine, [call])
         except ValueError as error:
@@ -181,13 +411,14 @@ class AnthropicRoutes:
             weights.done()
         completion = result.completions[0]
         stops = check_stop_strings(body.get("stop_sequences"), "stop_sequences")
-        reason, sequence = self.stop_reason(completion, stops)
+        content = self.content(completion, offered)
+        reason, sequence = self.stop_reason(completion, stops, content[-1]["type"] == "tool_use")
         message = {
             "id": f"msg_{secrets.token_hex(12)}",
             "type": "message",
             "role": "assistant",
             "model": str(body["model"]),
-            "content": [{"type": "text", "text": completion.text}],
+            "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": {"input_tokens": len(result.prompt_ids), "output_tokens": len(completion.token_ids)},
@@ -203,21 +434,25 @@ class AnthropicRoutes:
         start = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
         start["usage"] = {"input_tokens": usage["input_tokens"], "output_tokens": 0}
         yield "message_start", {"type": "message_start", "message": start}
-        yield (
-            "content_block_start",
-            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-        )
-        yield "ping", {"type": "ping"}
-        for piece in text_deltas(self.tokenizer, completion):
+        called = message["stop_reason"] == "tool_use"
+        for index, block in enumerate(message["content"]):
+            if block["type"] == "text":
+                opened: dict[str, Any] = {"type": "text", "text": ""}
+                # the sampled text in pieces, or with calls parsed out of it, the text before them whole
+                pieces = [block["text"]] if called else text_deltas(self.tokenizer, completion)
+                deltas = [{"type": "text_delta", "text": piece} for piece in pieces]
+            else:
+                opened = {**block, "input": {}}
+                deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
             yield (
-                "content_block_delta",
-                {
-                    "type": "content_block_delta",
-                    "index": 0,
-                    "delta": {"type": "text_delta", "text": piece},
-                },
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": opened},
             )
-        yield "content_block_stop", {"type": "content_block_stop", "index": 0}
+            if index == 0:
+                yield "ping", {"type": "ping"}
+            for delta in deltas:
+                yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+            yield "content_block_stop", {"type": "content_block_stop", "index": index}
         yield (
             "message_delta",
             {
@@ -229,7 +464,7 @@ class AnthropicRoutes:
         yield "message_stop", {"type": "message_stop"}
 
     async def count_tokens(self, body: Mapping[str, Any]) -> Response:
-        return JSONResponse({"input_tokens": len(self.prompt(body))})
+        return JSONResponse({"input_tokens": len(self.prompt(body)[0])})
 
 
 def anthropic_router(service: TinkerService, weights: ServedWeights) -> APIRouter:

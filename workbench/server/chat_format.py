@@ -178,10 +178,11 @@ def render_chat(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def parse_reply(text: str, tools_offered: bool) -> Reply:
+def parse_reply(text: str, tools_offered: bool, *, object_arguments: bool = False) -> Reply:
     """The reply's text and tool calls: with tools offered, each Hermes `<tool_call>` block holding a
     JSON object with a `name` becomes a call (its `arguments` as JSON text) and leaves the text; a block
-    that is not such JSON stays in the text."""
+    that is not such JSON stays in the text. With `object_arguments` (Anthropic's `tool_use` input is an
+    object), a call's arguments must be a JSON object or JSON text of one, else its block stays too."""
     if not tools_offered:
         return Reply(text, [])
     calls: list[ToolCall] = []
@@ -194,6 +195,13 @@ def parse_reply(text: str, tools_offered: bool) -> Reply:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return found[0]
         arguments = call.get("arguments", {})
+        if object_arguments:
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                return found[0]
+            if not isinstance(arguments, dict):
+                return found[0]
         calls.append(
             ToolCall(
                 call_id=f"call_{secrets.token_hex(12)}",
