@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import tinker
+from torch import Tensor
 
 import workbench as wb
+from workbench.engine.samplers import hf
 from workbench.server import TinkerServer
 
 
@@ -40,3 +44,41 @@ def client(srv: TinkerServer) -> Iterator[tinker.ServiceClient]:
     yield service_client
     if srv.running:
         service_client.close("success").result()
+
+
+HOLD_LIMIT_S = 60.0
+"""How long a held decoding loop waits for the test to let it go: reached only when a test fails."""
+
+
+@dataclass
+class HeldDecoding:
+    """The HF sampler's decoding loop, held after it has drawn `at_step` tokens of the next generation
+    (and told them to the request's token sink) until the test sets `let_go`. `waited` says how the
+    hold ended: True let go by the test, False run out (`HOLD_LIMIT_S`), None not reached yet."""
+
+    at_step: int
+    let_go: threading.Event = field(default_factory=threading.Event)
+    waited: bool | None = None
+
+
+@pytest.fixture
+def hold_decoding(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], HeldDecoding]:
+    """`hold_decoding(step)` holds the next generation's decoding loop at `step`: what a client receives
+    while it is held was sent before the sample ended, whatever the machine's speed."""
+
+    def arm(step: int) -> HeldDecoding:
+        hold = HeldDecoding(step)
+        decoding_step = hf._RowStops.__call__
+
+        def held_step(
+            stops: hf._RowStops, input_ids: Tensor, scores: Tensor | None, **kwargs: object
+        ) -> Tensor:
+            done = decoding_step(stops, input_ids, scores, **kwargs)
+            if len(stops.chooser.tokens) == hold.at_step and hold.waited is None:
+                hold.waited = hold.let_go.wait(HOLD_LIMIT_S)
+            return done
+
+        monkeypatch.setattr(hf._RowStops, "__call__", held_step)
+        return hold
+
+    return arm

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import pytest
 
 import workbench as wb
 from tests.datums import sft_datum
+from tests.server.conftest import HeldDecoding
 from tests.server.test_chat_format import HERMES_TEMPLATE
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.server import TinkerServer
@@ -107,6 +108,59 @@ def test_stop_sequences_and_seeded_sampling(sampler: str, sess: wb.Session, srv:
         for _ in range(4)
     }
     assert len(draws) > 1  # sampling, not greedy
+
+
+def test_a_streamed_reply_with_a_stop_sequence_is_the_unstreamed_reply(
+    sess: wb.Session, srv: TinkerServer
+) -> None:
+    """A greedy reply cut at a stop sequence the free text contains: the streamed text joins to the
+    unstreamed text (nothing of the stop sequence is sent), with the same stop reason and sequence."""
+    client = claude(srv)
+    request = {"model": sess.config.base_model, "max_tokens": 30, "messages": QUESTION, "extra_body": GREEDY}
+    free = client.messages.create(**request).content[0].text
+    stop = free[4:6]
+    assert stop.strip(), free
+    whole = client.messages.create(**request, stop_sequences=[stop])
+    with client.messages.stream(**request, stop_sequences=[stop]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == free[: free.index(stop)]
+    assert final.stop_reason == whole.stop_reason == "stop_sequence"
+    assert final.stop_sequence == stop
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_text_reaches_the_client_while_the_reply_is_drawn(
+    sess: wb.Session, srv: TinkerServer, hold_decoding: Callable[[int], HeldDecoding]
+) -> None:
+    """A streamed reply's first text delta arrives before the reply ends. Deterministic on any
+    machine: the sampler's decoding loop is held after its 63rd of 64 tokens until the client has read
+    the first text delta, so that delta can only have come from a reply still being drawn (were the
+    events sent at the end, the hold would run out and `waited` be False). A client that then leaves
+    the stream leaves the server answering the next request as usual."""
+    client = claude(srv)
+    request = {"model": sess.config.base_model, "max_tokens": 64, "messages": QUESTION, "extra_body": GREEDY}
+    whole = client.messages.create(**request)
+    assert whole.stop_reason == "max_tokens"
+    hold = hold_decoding(63)
+    with client.messages.stream(**request) as stream:
+        pieces = []
+        for piece in stream.text_stream:
+            if not hold.let_go.is_set():
+                assert hold.waited is None  # the sampler is held, at token 63: the reply has not ended
+                hold.let_go.set()
+            pieces.append(piece)
+        final = stream.get_final_message()
+    assert hold.waited is True
+    assert "".join(pieces) == whole.content[0].text
+    assert final.stop_reason == "max_tokens"
+    hold = hold_decoding(8)
+    with client.messages.stream(**request) as stream:
+        next(iter(stream.text_stream))
+    hold.let_go.set()
+    again = claude(srv).with_options(timeout=60).messages.create(**{**request, "max_tokens": 5})
+    assert hold.waited is True
+    assert again.usage.output_tokens == 5
 
 
 REFUSALS = [

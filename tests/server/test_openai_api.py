@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anthropic
@@ -23,6 +24,7 @@ from tinker import types
 
 import workbench as wb
 from tests.datums import sft_datum
+from tests.server.conftest import HeldDecoding
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.loops.datasets import colours_quiz_file
 from workbench.server import TinkerServer
@@ -147,6 +149,110 @@ def test_stop_strings_end_the_text(sampler: str, sess: wb.Session, srv: TinkerSe
     assert cut.text == free[: free.index(stop)]
     assert cut.finish_reason == "stop"
     assert cut.model_extra["stop_reason"] == stop
+
+
+def test_streamed_choices_are_the_unstreamed_choices_with_stop_strings_and_n(
+    sess: wb.Session, srv: TinkerServer
+) -> None:
+    """Greedy chat (n=2) and text completions (two prompts x n=2, echoed), each with a stop string the
+    free text contains: every streamed choice's text joins to the unstreamed choice's text, ends with
+    its finish reason, and its last content chunk carries its token ids."""
+    api = oai(srv)
+    base = sess.config.base_model
+    chat = api.chat.completions.create(model=base, messages=QUESTION, max_tokens=30, temperature=0)
+    free = api.completions.create(model=base, prompt="a b c", max_tokens=30, temperature=0, stop=[])
+    chat_stop, stop = chat.choices[0].message.content[5:7], free.choices[0].text[5:7]
+    assert chat_stop.strip() and stop.strip(), (chat.choices[0].message.content, free.choices[0].text)
+    requests = [
+        (
+            api.chat.completions.create,
+            {"messages": QUESTION, "max_tokens": 30, "n": 2, "stop": [chat_stop]},
+            lambda choice: choice.message.content,
+            lambda choice: choice.delta.content,
+            2,
+        ),
+        (
+            api.completions.create,
+            {"prompt": ["a b c", "The sky is"], "max_tokens": 30, "n": 2, "stop": [stop], "echo": True},
+            lambda choice: choice.text,
+            lambda choice: choice.text,
+            4,
+        ),
+    ]
+    for create, request, text_of, piece_of, choices in requests:
+        whole = create(model=base, temperature=0, **request)
+        chunks = list(create(model=base, temperature=0, stream=True, **request))
+        texts: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        token_ids: dict[int, list[int]] = {}
+        for chunk in chunks:
+            (choice,) = chunk.choices
+            texts[choice.index] = texts.get(choice.index, "") + (piece_of(choice) or "")
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+            if (choice.model_extra or {}).get("token_ids") is not None:
+                token_ids[choice.index] = choice.model_extra["token_ids"]
+        assert len(whole.choices) == choices
+        for choice in whole.choices:
+            assert texts[choice.index] == text_of(choice)
+            assert finishes[choice.index] == choice.finish_reason
+            assert token_ids[choice.index] == choice.model_extra["token_ids"]
+        assert "stop" in finishes.values()
+
+
+def test_tokens_reach_the_client_while_the_sample_is_drawn(
+    sess: wb.Session, srv: TinkerServer, hold_decoding: Callable[[int], HeldDecoding]
+) -> None:
+    """A streamed chat's first content chunk arrives before its sequence ends. Deterministic on any
+    machine: the sampler's decoding loop is held after its 63rd of 64 tokens until the client has read
+    the first content chunk, so that chunk can only have come from a sample still being drawn (were
+    the stream sent at the end, the hold would run out and `waited` be False). The reply runs to
+    `max_tokens` (finish_reason "length"), and the streamed text is still the unstreamed text."""
+    api = oai(srv)
+    base = sess.config.base_model
+    request = {"model": base, "messages": QUESTION, "max_tokens": 64, "temperature": 0}
+    whole = api.chat.completions.create(**request)
+    assert whole.choices[0].finish_reason == "length"
+    hold = hold_decoding(63)
+    text, finish = "", None
+    for chunk in api.chat.completions.create(**request, stream=True):
+        piece = chunk.choices[0].delta.content if chunk.choices else None
+        if piece and not hold.let_go.is_set():
+            assert hold.waited is None  # the sampler is held, at token 63: the sequence has not ended
+            hold.let_go.set()
+        text += piece or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert hold.waited is True
+    assert text == whole.choices[0].message.content
+    assert finish == "length"
+
+
+def test_a_client_that_leaves_a_stream_leaves_the_server_serving(
+    sess: wb.Session, srv: TinkerServer, hold_decoding: Callable[[int], HeldDecoding]
+) -> None:
+    """A client that closes its stream after the first content chunk, while the sampler is held
+    mid-sequence: the sampler then draws the rest into a stream nobody reads, without waiting for it,
+    and the next request is answered as usual."""
+    api = oai(srv)
+    base = sess.config.base_model
+    hold = hold_decoding(8)
+    stream = api.chat.completions.create(
+        model=base, messages=QUESTION, max_tokens=64, temperature=0, stream=True
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()
+    hold.let_go.set()
+    reply = (
+        oai(srv)
+        .with_options(timeout=60)
+        .chat.completions.create(model=base, messages=QUESTION, max_tokens=5, temperature=0)
+    )
+    assert hold.waited is True
+    assert reply.usage.completion_tokens == 5
+    sampled = [row for row in sess.history if row["op"] == "sample"]
+    assert [row["num_tokens:sum"] for row in sampled[-2:]] == [64, 5]  # the abandoned sample finished
 
 
 def test_a_trained_checkpoint_answers_by_its_path_and_the_base_does_not(

@@ -12,7 +12,10 @@ Every field is supported, ignored or refused (`PARAMETERS`); a refusal comes in 
 queued. The `anthropic` client (2.x) has no arguments for `temperature`, `top_p` and `top_k`; they go in
 `extra_body={"temperature": 0}`, as the Messages API reads them. Streams (`stream: true`) send Anthropic's
 events (message_start, content_block_start, ping, content_block_delta, content_block_stop, message_delta,
-message_stop) once the reply is sampled.
+message_stop), the text deltas as the HF sampler draws the tokens (`generation.stream_generate`; with
+vLLM, which samples a batch whole, once the reply is sampled), each sent when the next token's text is
+in; with tools offered, once the reply is sampled (its calls are read from the whole reply). A failure
+after the stream has started comes as an `error` event, which the `anthropic` client raises.
 
 Tools, where the chat template takes them (`chat_format`: the Qwen / Hermes `<tool_call>` format, the
 OpenAI route's rule): each tool (`name`, `description`, `input_schema`) is rendered as the template's
@@ -33,7 +36,7 @@ import json
 import re
 import secrets
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -41,15 +44,18 @@ from fastapi.responses import JSONResponse
 
 from workbench.engine.local.engine import Engine
 from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat, template_takes_tools
-from workbench.server.compat_http import error_status, event_stream, guarded, json_body
+from workbench.server.compat_http import error_status, event_stream, guarded, json_body, started
 from workbench.server.errors import RequestError, message_of
 from workbench.server.generation import (
     Completion,
+    Generated,
     GenerationCall,
+    SequenceDone,
+    TextDelta,
     check_calls,
     check_stop_strings,
     generate,
-    text_deltas,
+    stream_generate,
     token_text,
 )
 from workbench.server.served_weights import ServedWeights
@@ -67,7 +73,8 @@ PARAMETERS: dict[str, str] = {
     "top_p": "supported",
     "top_k": "supported",
     "stop_sequences": "supported: up to 16",
-    "stream": "supported (sent once the reply is sampled)",
+    "stream": "supported: token by token as the HF sampler draws them (vLLM, or tools offered: once the "
+    "reply is sampled)",
     "metadata": "ignored",
     "service_tier": "ignored",
     "cache_control": "ignored",
@@ -288,6 +295,20 @@ def _error_type(status: int) -> str:
     }.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
+def _error_body(service: TinkerService, error: BaseException) -> dict[str, Any]:
+    """A failure in Anthropic's shape: a response's body, or a stream's error event."""
+    message = service.client_message(message_of(error))
+    return {"type": "error", "error": {"type": _error_type(error_status(error)), "message": message}}
+
+
+def _block_start(index: int, block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
+
+
+def _block_delta(index: int, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+
+
 class AnthropicRoutes:
     """The routes' work for the requests that name weights of one base model (its tokenizer renders and
     reads them), over the Tinker service and the weights it serves."""
@@ -404,61 +425,105 @@ class AnthropicRoutes:
             check_calls(self.engine, [call])
         except ValueError as error:
             raise RequestError(str(error)) from None
+        stops = check_stop_strings(body.get("stop_sequences"), "stop_sequences")
+        message_id = f"msg_{secrets.token_hex(12)}"
         weights = await self.weights.resolve(body.get("model"))
+        if body.get("stream"):
+            try:
+                events = await started(stream_generate(weights.engine, weights.pin, [call]))
+            finally:
+                weights.done()  # queued after the sample, which it leaves its weights
+            return event_stream(
+                self._events(events, message_id, str(body["model"]), call, offered, stops), done_marker=False
+            )
         try:
             result = (await generate(weights.engine, weights.pin, [call]))[0]
         finally:
             weights.done()
+        return JSONResponse(self.message(message_id, str(body["model"]), result, offered, stops))
+
+    def message(
+        self, message_id: str, model: str, result: Generated, offered: bool, stops: tuple[str, ...]
+    ) -> dict[str, Any]:
+        """The reply as a message."""
         completion = result.completions[0]
-        stops = check_stop_strings(body.get("stop_sequences"), "stop_sequences")
         content = self.content(completion, offered)
         reason, sequence = self.stop_reason(completion, stops, content[-1]["type"] == "tool_use")
-        message = {
-            "id": f"msg_{secrets.token_hex(12)}",
+        return {
+            "id": message_id,
             "type": "message",
             "role": "assistant",
-            "model": str(body["model"]),
+            "model": model,
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": {"input_tokens": len(result.prompt_ids), "output_tokens": len(completion.token_ids)},
         }
-        if body.get("stream"):
-            return event_stream(self._events(message, completion), done_marker=False)
-        return JSONResponse(message)
 
-    def _events(
-        self, message: dict[str, Any], completion: Completion
-    ) -> Iterator[tuple[str, dict[str, Any]]]:
-        usage = message["usage"]
-        start = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
-        start["usage"] = {"input_tokens": usage["input_tokens"], "output_tokens": 0}
+    async def _events(
+        self,
+        events: AsyncIterator[TextDelta | SequenceDone],
+        message_id: str,
+        model: str,
+        call: GenerationCall,
+        offered: bool,
+        stops: tuple[str, ...],
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The stream's events: the message's start, its text block's deltas as the reply is sampled
+        (with tools offered, its blocks once it is: the calls are parsed from the whole reply), then
+        its end."""
+        start = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": len(call.prompt_ids), "output_tokens": 0},
+        }
         yield "message_start", {"type": "message_start", "message": start}
-        called = message["stop_reason"] == "tool_use"
-        for index, block in enumerate(message["content"]):
-            if block["type"] == "text":
-                opened: dict[str, Any] = {"type": "text", "text": ""}
-                # the sampled text in pieces, or with calls parsed out of it, the text before them whole
-                pieces = [block["text"]] if called else text_deltas(self.tokenizer, completion)
-                deltas = [{"type": "text_delta", "text": piece} for piece in pieces]
-            else:
-                opened = {**block, "input": {}}
-                deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
-            yield (
-                "content_block_start",
-                {"type": "content_block_start", "index": index, "content_block": opened},
-            )
-            if index == 0:
+        texts: list[str] = []  # with tools offered, the text's deltas, held until the reply is parsed
+        message: dict[str, Any] | None = None
+        try:
+            if not offered:
+                yield _block_start(0, {"type": "text", "text": ""})
                 yield "ping", {"type": "ping"}
-            for delta in deltas:
-                yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-            yield "content_block_stop", {"type": "content_block_stop", "index": index}
+            async for event in events:
+                if isinstance(event, SequenceDone):
+                    message = self.message(message_id, model, event.generated, offered, stops)
+                elif offered:
+                    texts.append(event.text)
+                else:
+                    yield _block_delta(0, {"type": "text_delta", "text": event.text})
+            assert message is not None  # a stream ends with its sample's end
+            if not offered:
+                yield "content_block_stop", {"type": "content_block_stop", "index": 0}
+            called = message["stop_reason"] == "tool_use"
+            for index, block in enumerate(message["content"] if offered else []):
+                if block["type"] == "text":
+                    opened: dict[str, Any] = {"type": "text", "text": ""}
+                    # the sampled text in pieces, or with calls parsed out of it, the text before them whole
+                    pieces = [block["text"]] if called else texts
+                    deltas = [{"type": "text_delta", "text": piece} for piece in pieces]
+                else:
+                    opened = {**block, "input": {}}
+                    deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
+                yield _block_start(index, opened)
+                if index == 0:
+                    yield "ping", {"type": "ping"}
+                for delta in deltas:
+                    yield _block_delta(index, delta)
+                yield "content_block_stop", {"type": "content_block_stop", "index": index}
+        except Exception as error:  # the stream has started: the failure is its last event
+            yield "error", _error_body(self.service, error)
+            return
         yield (
             "message_delta",
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
-                "usage": {"output_tokens": usage["output_tokens"]},
+                "usage": {"output_tokens": message["usage"]["output_tokens"]},
             },
         )
         yield "message_stop", {"type": "message_stop"}
@@ -489,11 +554,7 @@ def anthropic_router(service: TinkerService, weights: ServedWeights) -> APIRoute
         return await model_routes.count_tokens(body)
 
     def answer(error: BaseException) -> JSONResponse:
-        status = error_status(error)
-        message = service.client_message(message_of(error))
-        return JSONResponse(
-            {"type": "error", "error": {"type": _error_type(status), "message": message}}, status_code=status
-        )
+        return JSONResponse(_error_body(service, error), status_code=error_status(error))
 
     async def answered(request: Request, work: Callable[[Request], Awaitable[Response]]) -> Response:
         return await guarded(request, service.config, work, answer)

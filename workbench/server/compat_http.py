@@ -5,21 +5,25 @@ The key is the Tinker API's: a server started with one takes it from OpenAI clie
 `Authorization: Bearer <key>` and from Anthropic clients (and Tinker's) as `X-API-Key`. A body is read
 within the server's `max_body_bytes` and must be a JSON object; each API answers a refusal in its own
 error shape (`openai_api`, `anthropic_api`). Streams are server-sent events through Starlette's own
-`StreamingResponse`.
+`StreamingResponse`, answered once their first event is in (`started`), so that a request that fails
+before any token is answered in its API's error shape with a status, like an unstreamed one; a failure
+after that comes as the API's error event.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from workbench.server.config import ServerConfig
 from workbench.server.errors import RequestError
+
+T = TypeVar("T")
 
 
 def check_key(request: Request, config: ServerConfig) -> None:
@@ -82,12 +86,25 @@ async def guarded(
         return answer(error)
 
 
-def event_stream(events: Iterable[tuple[str | None, Any]], done_marker: bool) -> StreamingResponse:
+async def started(events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`events` once its first item is in: what fails before it raises here, where the route still
+    answers with a status."""
+    first = await anext(events)
+
+    async def from_the_first() -> AsyncIterator[T]:
+        yield first
+        async for event in events:
+            yield event
+
+    return from_the_first()
+
+
+def event_stream(events: AsyncIterable[tuple[str | None, Any]], done_marker: bool) -> StreamingResponse:
     """Server-sent events: each `(event name or None, JSON data)`, then OpenAI's `data: [DONE]` when
     `done_marker`."""
 
     async def lines() -> AsyncIterator[bytes]:
-        for name, data in events:
+        async for name, data in events:
             head = f"event: {name}\n" if name is not None else ""
             yield f"{head}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
         if done_marker:

@@ -14,19 +14,30 @@ and cut before the first stop string it contains (both APIs leave the stop seque
 its token ids and logprobs are every token the sampler drew, the stop token included, so a harness can
 train on exactly what was sampled. `max_tokens=0` asks only for the prompt's logprobs (lm-eval's
 loglikelihood shape): the engine samples one token, which is then left out.
+
+`stream_generate` is the streams' counterpart of `generate`: the same calls, with a token sink
+(`requests.TokenSink`) that hands each token the HF sampler draws from the engine's worker thread to
+this event loop (`call_soon_threadsafe` into an unbounded queue: the worker never waits for a reader,
+and a client gone mid-stream leaves it sampling on to the end, unhindered). The tokens are decoded as
+they come into text deltas whose concatenation is the sequence's `Completion.text` exactly: a delta
+waits for the tokens that complete its last character, for the token after an end-of-turn or
+end-of-sequence token (which is not shown when it is the last), and for what follows a tail that could
+still become a stop string; nothing after a stop string is sent. With vLLM (or a request the engine
+retried alone after its batch failed) the tokens come with the result, and so do their deltas.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from workbench.engine.interface import SamplerPin
 from workbench.engine.local.engine import Engine
-from workbench.engine.samplers.requests import check_width, prepare_request
+from workbench.engine.samplers.requests import TokenSink, check_width, prepare_request
 from workbench.futures import APIFuture
 from workbench.types import ModelInput, SampleResponse, SamplingParams, StopReason, TopkEntries
 
@@ -217,21 +228,170 @@ def _ends(tokenizer: PreTrainedTokenizerBase, call: GenerationCall) -> frozenset
     return call.stop_ids | eos
 
 
-def text_deltas(tokenizer: PreTrainedTokenizerBase, completion: Completion) -> list[str]:
-    """The completion's text in pieces, about one per token (a piece waits for the tokens that complete
-    its characters), whose concatenation is exactly `completion.text`: what a stream sends. Each piece
-    decodes only the tokens since the previous one, so a long completion costs linear time."""
-    deltas: list[str] = []
-    sent, start = "", 0
-    for end in range(1, len(completion.token_ids) + 1):
-        piece = tokenizer.decode(completion.token_ids[start:end], skip_special_tokens=True)
-        if not piece or piece.endswith("\ufffd") or not completion.text.startswith(sent + piece):
-            continue
-        deltas.append(piece)
-        sent, start = sent + piece, end
-    if len(completion.text) > len(sent):
-        deltas.append(completion.text[len(sent) :])
-    return deltas
+@dataclass(frozen=True)
+class TextDelta:
+    """Text that sample `sequence` of call `call` adds to what its earlier deltas sent (never empty)."""
+
+    call: int
+    sequence: int
+    text: str
+
+
+@dataclass(frozen=True)
+class SequenceDone:
+    """Sample `sequence` of call `call` has ended, all its text sent; `generated` is its call's result
+    (`generated.completions[sequence]` the sample's)."""
+
+    call: int
+    sequence: int
+    generated: Generated
+
+
+async def stream_generate(
+    engine: Engine, pin: APIFuture[SamplerPin], calls: Sequence[GenerationCall]
+) -> AsyncIterator[TextDelta | SequenceDone]:
+    """`generate` as a stream: every sample's text deltas as its tokens are drawn, then its end.
+
+    The samples come one after another, in the order of the calls and of their samples (a stream's
+    choices are sent in that order): the first unfinished sample's deltas as they arrive, a later
+    one's held until the samples before it are done. A call's samples end together, when its sample
+    call returns; an engine error raises here when it does. The engine keeps sampling a stream that is
+    closed early (it finishes the batch it is in); its tokens are dropped.
+    """
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Queue[tuple[int, int, int] | int] = asyncio.Queue()  # a token, or a call that is done
+    listening = True
+
+    def hand_over(item: tuple[int, int, int] | int) -> None:
+        """From the worker thread: never blocks (an unbounded queue), never raises."""
+        if listening:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads the stream
+                loop.call_soon_threadsafe(arrived.put_nowait, item)
+
+    def sink_of(index: int) -> TokenSink:
+        return lambda sequence, token: hand_over((index, sequence, token))
+
+    futures = [
+        engine.sample(
+            pin,
+            call.prompt_ids,
+            call.n,
+            call.sampling_params(),
+            call.prompt_logprobs,
+            topk_prompt_logprobs=call.prompt_top_logprobs,
+            topk_sample_logprobs=call.top_logprobs,
+            token_sink=None if call.scores_only else sink_of(index),  # its one token is left out
+        )
+        for index, call in enumerate(calls)
+    ]
+    for index, future in enumerate(futures):
+        # called on the worker after the call's last token was handed over: it arrives after them
+        future.future().add_done_callback(lambda _, index=index: hand_over(index))
+    texts = [[_TextStream(engine.tokenizer, call) for _ in range(call.n)] for call in calls]
+    results: list[Generated | None] = [None] * len(calls)
+    waiting: dict[tuple[int, int], list[str]] = {}  # deltas of samples after the one being sent
+    order = [(index, sequence) for index, call in enumerate(calls) for sequence in range(call.n)]
+    sending = 0
+    try:
+        while sending < len(order):
+            item = await arrived.get()
+            if isinstance(item, int):
+                response = futures[item].future().result()  # the engine's error, if it failed
+                done = results[item] = decode(engine.tokenizer, calls[item], response)
+                for sequence, text in enumerate(texts[item]):
+                    waiting.setdefault((item, sequence), []).extend(text.finish(done.completions[sequence]))
+            else:
+                index, sequence, token = item
+                piece = texts[index][sequence].add(token)
+                if piece:
+                    waiting.setdefault((index, sequence), []).append(piece)
+            while sending < len(order):
+                index, sequence = order[sending]
+                for piece in waiting.pop((index, sequence), []):
+                    yield TextDelta(index, sequence, piece)
+                generated = results[index]
+                if generated is None:
+                    break
+                yield SequenceDone(index, sequence, generated)
+                sending += 1
+    finally:
+        listening = False
+
+
+class _TextStream:
+    """One sample's shown text as its tokens arrive, by `decode`'s rules.
+
+    Tokens are decoded in a window that starts at the previous delta's tokens (as vLLM's detokenizer
+    does), so a token's text is read in context (a tokenizer may drop a word's leading space at the
+    start of a text) and a long sample costs linear time. Held back: a text ending in an incomplete
+    character (`\ufffd`), an end-of-turn or end-of-sequence token until another follows (as the last
+    token it is not shown), and the text's longest tail that begins a stop string.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, call: GenerationCall):
+        self.tokenizer = tokenizer
+        self.ends = _ends(tokenizer, call)
+        self.stop_strings = call.stop_strings
+        self.tokens: list[int] = []
+        self.window = 0  # the first token of the decoding window
+        self.read = 0  # the tokens whose text is in `text`
+        self.text = ""
+        self.searched = 0  # `text[:searched]` holds no stop string
+        self.sent = 0  # characters of `text` sent
+        self.stopped = False  # a stop string was found: nothing after it is shown
+
+    def add(self, token: int) -> str:
+        """The text that can be sent now that `token` was drawn ('' for none)."""
+        self.tokens.append(token)
+        if self.stopped:
+            return ""
+        readable = len(self.tokens) - 1 if token in self.ends else len(self.tokens)
+        if readable > self.read:
+            before = self.tokenizer.decode(self.tokens[self.window : self.read], skip_special_tokens=True)
+            after = self.tokenizer.decode(self.tokens[self.window : readable], skip_special_tokens=True)
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before) :]
+                self.window, self.read = self.read, readable
+        return self._sendable()
+
+    def _sendable(self) -> str:
+        found = [
+            (at, stop)
+            for stop in self.stop_strings
+            if (at := self.text.find(stop, max(0, self.searched - len(stop) + 1))) >= 0
+        ]
+        self.searched = len(self.text)
+        if found:
+            self.stopped = True
+            end = min(found)[0]
+        else:
+            longest = max((len(stop) for stop in self.stop_strings), default=1)
+            held = next(
+                (
+                    k
+                    for k in range(min(longest - 1, len(self.text)), 0, -1)
+                    if any(stop.startswith(self.text[-k:]) for stop in self.stop_strings)
+                ),
+                0,
+            )
+            end = len(self.text) - held
+        piece = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece
+
+    def finish(self, completion: Completion) -> list[str]:
+        """The rest of the sample's text once it is done: the tokens that were not handed over (vLLM's,
+        a retried request's) decoded as they would have been, then whatever the last tokens' text
+        completes, so the deltas join to `completion.text`."""
+        pieces = []
+        if completion.token_ids[: len(self.tokens)] == self.tokens:
+            for token in completion.token_ids[len(self.tokens) :]:
+                if piece := self.add(token):
+                    pieces.append(piece)
+        sent = self.text[: self.sent]
+        if completion.text.startswith(sent) and len(completion.text) > len(sent):
+            pieces.append(completion.text[len(sent) :])
+        return pieces
 
 
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:

@@ -13,10 +13,14 @@ fields, as vLLM's `return_token_ids` gives them: each choice carries `token_ids`
 the stop token included) and the prompt's ids (`prompt_token_ids`: once for a chat, per choice for text
 completions), so an RL harness trains on exactly what was sampled; `top_k` is taken as vLLM takes it.
 
-Streams (`stream: true`) are server-sent events. The engine samples a request whole, so the chunks
-(about one per token) are sent when its sequences are done; their text joins to the unstreamed text.
-A choice's `logprobs` and `token_ids` come in its last content chunk; with
-`stream_options: {"include_usage": true}` a final chunk carries the usage.
+Streams (`stream: true`) are server-sent events, about one chunk per token, sent as the HF sampler
+draws the tokens (`generation.stream_generate`; with vLLM, which samples a batch whole, they come when
+the sequences are done); their text joins to the unstreamed text. The choices come one after another
+(a later choice's chunks wait for the earlier ones to finish). A choice's `logprobs` and `token_ids`
+come in its last content chunk, so each content chunk is sent when the next token's text is in; with
+`stream_options: {"include_usage": true}` a final chunk carries the usage. A chat that offers tools
+sends its text when the reply is done: tool calls are read from the whole reply. A failure after the
+stream has started comes as an `{"error": ...}` event, which the `openai` client raises.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import secrets
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -32,20 +36,22 @@ from fastapi.responses import JSONResponse
 
 from workbench.engine.local.engine import Engine
 from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat
-from workbench.server.compat_http import error_status, event_stream, guarded, json_body
+from workbench.server.compat_http import error_status, event_stream, guarded, json_body, started
 from workbench.server.errors import RequestError, message_of
 from workbench.server.generation import (
     MAX_TOP_LOGPROBS,
     Completion,
     Generated,
     GenerationCall,
+    SequenceDone,
+    TextDelta,
     check_calls,
     check_stop_strings,
     generate,
-    text_deltas,
+    stream_generate,
     token_text,
 )
-from workbench.server.served_weights import ServedWeights
+from workbench.server.served_weights import ServedWeights, Weights
 from workbench.server.service import TinkerService
 
 PREFIX = "/oai/api/v1"
@@ -60,7 +66,8 @@ PARAMETERS: dict[str, str] = {
     "n": "supported: prompts x n at most the server's max_samples_per_request",
     "stop": "supported: a string or up to 16",
     "seed": "supported: the same seed gives the same tokens",
-    "stream": "supported (sent once the sequences are sampled)",
+    "stream": "supported: token by token as the HF sampler draws them (vLLM: once the sequences are "
+    "sampled; with tools: once the reply is sampled)",
     "stream_options": "supported: include_usage",
     "user": "ignored",
     "metadata": "ignored",
@@ -128,6 +135,14 @@ def _error_type(status: int) -> str:
         404: "not_found_error",
         413: "invalid_request_error",
     }.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def _error_body(service: TinkerService, error: BaseException) -> dict[str, Any]:
+    """A failure in OpenAI's shape: a response's body, or a stream's error event."""
+    status = error_status(error)
+    param = error.param if isinstance(error, OpenAIError) else None
+    message = service.client_message(message_of(error))
+    return {"error": {"message": message, "type": _error_type(status), "param": param, "code": None}}
 
 
 def _id(prefix: str) -> str:
@@ -314,17 +329,18 @@ class OpenAIRoutes:
     async def chat(self, body: Mapping[str, Any]) -> Response:
         call, offered = self.chat_calls(body)
         common = _common(body)
-        results = await self._run(body.get("model"), [call])
-        result = results[0]
         model, created, response_id = str(body["model"]), int(time.time()), _id("chatcmpl")
         wanted = bool(body.get("logprobs"))
         if common["stream"]:
+            events = await self._stream(body.get("model"), [call])
             return event_stream(
                 self._chat_chunks(
-                    result, offered, wanted, common["include_usage"], response_id, created, model
+                    events, call, offered, wanted, common["include_usage"], response_id, created, model
                 ),
                 done_marker=True,
             )
+        results = await self._run(body.get("model"), [call])
+        result = results[0]
         choices = []
         for index, completion in enumerate(result.completions):
             message, finish = self.chat_message(completion, offered)
@@ -351,52 +367,84 @@ class OpenAIRoutes:
             }
         )
 
-    def _chat_chunks(
+    async def _chat_chunks(
         self,
-        result: Generated,
+        events: AsyncIterator[TextDelta | SequenceDone],
+        call: GenerationCall,
         offered: bool,
         wanted: bool,
         include_usage: bool,
         response_id: str,
         created: int,
         model: str,
-    ) -> Iterator[tuple[None, dict[str, Any]]]:
+    ) -> AsyncIterator[tuple[None, dict[str, Any]]]:
+        """Each choice's chunks: its role, its text as it is sampled, its end; then the usage."""
+
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> tuple[None, dict[str, Any]]:
             head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
             return None, {**head, "choices": choices, "usage": None, **extra}
 
-        for index, completion in enumerate(result.completions):
-            message, finish = self.chat_message(completion, offered)
-            yield chunk(
-                [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                prompt_token_ids=result.prompt_ids if index == 0 else None,
+        def content(index: int, piece: str, completion: Completion | None) -> tuple[None, dict[str, Any]]:
+            """A content chunk; the choice's last (`completion` given) carries its logprobs and ids."""
+            last = completion is not None
+            return chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"content": piece},
+                        "logprobs": self._chat_logprobs(completion, wanted) if last else None,
+                        "finish_reason": None,
+                        **({"token_ids": completion.token_ids} if last else {}),
+                    }
+                ]
             )
-            pieces = text_deltas(self.tokenizer, completion) if "tool_calls" not in message else []
-            if message.get("content") and "tool_calls" in message:
-                pieces = [message["content"]]
-            for number, piece in enumerate(pieces):
-                last = number == len(pieces) - 1
-                yield chunk(
-                    [
-                        {
-                            "index": index,
-                            "delta": {"content": piece},
-                            "logprobs": self._chat_logprobs(completion, wanted) if last else None,
-                            "finish_reason": None,
-                            **({"token_ids": completion.token_ids} if last else {}),
-                        }
-                    ]
-                )
-            closing: dict[str, Any] = {"index": index, "delta": {}, "finish_reason": finish}
-            if "tool_calls" in message:
-                closing["delta"] = {
-                    "tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-                }
-            if not pieces:
-                closing["logprobs"] = self._chat_logprobs(completion, wanted)
-                closing["token_ids"] = completion.token_ids
-            yield chunk([closing])
-        if include_usage:
+
+        opened = -1  # the choice whose chunks are being sent
+        # the choice's text not sent yet: its newest piece (the last one goes with the logprobs), or
+        # with tools offered all of it (the calls are parsed from the whole reply)
+        pending: list[str] = []
+        result: Generated | None = None
+        try:
+            async for event in events:
+                index = event.sequence
+                if index != opened:
+                    opened = index
+                    yield chunk(
+                        [
+                            {
+                                "index": index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                            }
+                        ],
+                        prompt_token_ids=call.prompt_ids if index == 0 else None,
+                    )
+                if isinstance(event, TextDelta):
+                    pending.append(event.text)
+                    while not offered and len(pending) > 1:
+                        yield content(index, pending.pop(0), None)
+                    continue
+                result = event.generated
+                completion = result.completions[index]
+                message, finish = self.chat_message(completion, offered)
+                if "tool_calls" in message:
+                    pending = [message["content"]] if message.get("content") else []
+                for number, piece in enumerate(pending):
+                    yield content(index, piece, completion if number == len(pending) - 1 else None)
+                closing: dict[str, Any] = {"index": index, "delta": {}, "finish_reason": finish}
+                if "tool_calls" in message:
+                    closing["delta"] = {
+                        "tool_calls": [{"index": i, **made} for i, made in enumerate(message["tool_calls"])]
+                    }
+                if not pending:
+                    closing["logprobs"] = self._chat_logprobs(completion, wanted)
+                    closing["token_ids"] = completion.token_ids
+                yield chunk([closing])
+                pending = []
+        except Exception as error:  # the stream has started: the failure is its last event
+            yield None, _error_body(self.service, error)
+            return
+        if include_usage and result is not None:
             yield (
                 None,
                 {
@@ -497,11 +545,23 @@ class OpenAIRoutes:
         common = _common(body)
         echo = bool(body.get("echo"))
         k = body.get("logprobs")
-        results = await self._run(body.get("model"), calls)
         model, created, response_id = str(body["model"]), int(time.time()), _id("cmpl")
+        # each prompt's text as an echo gives it
+        prefixes = [
+            (text if text is not None else self.tokenizer.decode(call.prompt_ids)) if echo else ""
+            for call, text in zip(calls, texts, strict=True)
+        ]
+        if common["stream"]:
+            events = await self._stream(body.get("model"), calls)
+            return event_stream(
+                self._completion_chunks(
+                    events, calls, prefixes, echo, k, common["include_usage"], response_id, created, model
+                ),
+                done_marker=True,
+            )
+        results = await self._run(body.get("model"), calls)
         choices = []
-        for number, (result, text) in enumerate(zip(results, texts, strict=True)):
-            prefix = (text if text is not None else self.tokenizer.decode(result.prompt_ids)) if echo else ""
+        for number, (result, prefix) in enumerate(zip(results, prefixes, strict=True)):
             for j, completion in enumerate(result.completions):
                 choices.append(
                     {
@@ -514,19 +574,8 @@ class OpenAIRoutes:
                         "stop_reason": completion.stop_string,
                         "token_ids": completion.token_ids,
                         "prompt_token_ids": result.prompt_ids,
-                        "_completion": completion,
-                        "_prefix": prefix,
                     }
                 )
-        if common["stream"]:
-            return event_stream(
-                self._completion_chunks(
-                    choices, results, common["include_usage"], response_id, created, model
-                ),
-                done_marker=True,
-            )
-        for choice in choices:
-            del choice["_completion"], choice["_prefix"]
         return JSONResponse(
             {
                 "id": response_id,
@@ -539,47 +588,73 @@ class OpenAIRoutes:
             }
         )
 
-    def _completion_chunks(
+    async def _completion_chunks(
         self,
-        choices: list[dict[str, Any]],
-        results: list[Generated],
+        events: AsyncIterator[TextDelta | SequenceDone],
+        calls: list[GenerationCall],
+        prefixes: list[str],
+        echo: bool,
+        k: int | None,
         include_usage: bool,
         response_id: str,
         created: int,
         model: str,
-    ) -> Iterator[tuple[None, dict[str, Any]]]:
+    ) -> AsyncIterator[tuple[None, dict[str, Any]]]:
+        """Each choice's chunks: the echoed prompt and its text as it is sampled, then its end; then the
+        usage."""
+
         def chunk(choice: dict[str, Any]) -> tuple[None, dict[str, Any]]:
             head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
             return None, {**head, "choices": [choice], "usage": None}
 
-        for choice in choices:
-            completion: Completion = choice["_completion"]
-            pieces = ([choice["_prefix"]] if choice["_prefix"] else []) + text_deltas(
-                self.tokenizer, completion
-            )
-            for number, piece in enumerate(pieces):
-                last = number == len(pieces) - 1
-                yield chunk(
-                    {
-                        "index": choice["index"],
-                        "text": piece,
-                        "logprobs": choice["logprobs"] if last else None,
-                        "finish_reason": None,
-                        **(
-                            {"token_ids": choice["token_ids"], "prompt_token_ids": choice["prompt_token_ids"]}
-                            if last
-                            else {}
-                        ),
-                    }
-                )
-            yield chunk(
+        def text(index: int, piece: str, last: dict[str, Any] | None) -> tuple[None, dict[str, Any]]:
+            """A text chunk; the choice's last carries its logprobs and ids (`last`)."""
+            return chunk(
                 {
-                    "index": choice["index"],
-                    "text": "",
-                    "logprobs": None,
-                    "finish_reason": choice["finish_reason"],
+                    "index": index,
+                    "text": piece,
+                    "logprobs": None if last is None else last["logprobs"],
+                    "finish_reason": None,
+                    **(
+                        {}
+                        if last is None
+                        else {"token_ids": last["token_ids"], "prompt_token_ids": last["prompt_token_ids"]}
+                    ),
                 }
             )
+
+        opened: tuple[int, int] | None = None  # the choice whose chunks are being sent
+        pending: list[str] = []  # its newest piece, sent with the logprobs when it is the last
+        results: list[Generated] = []
+        try:
+            async for event in events:
+                number, j = event.call, event.sequence
+                index = number * calls[number].n + j
+                if (number, j) != opened:
+                    opened = (number, j)
+                    pending = [prefixes[number]] if prefixes[number] else []
+                if isinstance(event, TextDelta):
+                    pending.append(event.text)
+                    while len(pending) > 1:
+                        yield text(index, pending.pop(0), None)
+                    continue
+                result = event.generated
+                if j == 0:
+                    results.append(result)
+                completion = result.completions[j]
+                last = {
+                    "logprobs": None if k is None else self._completion_logprobs(result, completion, echo, k),
+                    "token_ids": completion.token_ids,
+                    "prompt_token_ids": result.prompt_ids,
+                }
+                for piece_number, piece in enumerate(pending):
+                    yield text(index, piece, last if piece_number == len(pending) - 1 else None)
+                yield chunk(
+                    {"index": index, "text": "", "logprobs": None, "finish_reason": completion.finish}
+                )
+        except Exception as error:  # the stream has started: the failure is its last event
+            yield None, _error_body(self.service, error)
+            return
         if include_usage:
             head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
             yield None, {**head, "choices": [], "usage": _usage(results)}
@@ -588,18 +663,32 @@ class OpenAIRoutes:
 
     async def _run(self, model: object, calls: list[GenerationCall]) -> list[Generated]:
         """Check every call, resolve the weights, then sample: a refusal comes before any work."""
+        weights = await self._weights(model, calls)
+        try:
+            return await generate(weights.engine, weights.pin, calls)
+        finally:
+            weights.done()
+
+    async def _stream(
+        self, model: object, calls: list[GenerationCall]
+    ) -> AsyncIterator[TextDelta | SequenceDone]:
+        """`_run` as a stream, started: a failure before its first event raises here."""
+        weights = await self._weights(model, calls)
+        try:
+            return await started(stream_generate(weights.engine, weights.pin, calls))
+        finally:
+            weights.done()  # queued after the calls' samples, which it leaves their weights
+
+    async def _weights(self, model: object, calls: list[GenerationCall]) -> Weights:
+        """The calls checked, then the weights `model` names."""
         try:
             check_calls(self.engine, calls)
         except ValueError as error:
             raise OpenAIError(str(error)) from None
         try:
-            weights = await self.weights.resolve(model)
+            return await self.weights.resolve(model)
         except RequestError as error:
             raise OpenAIError(error.message, error.status, "model") from None
-        try:
-            return await generate(weights.engine, weights.pin, calls)
-        finally:
-            weights.done()
 
 
 def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
@@ -627,13 +716,7 @@ def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
         return await model_routes.completions(body)
 
     def answer(error: BaseException) -> JSONResponse:
-        status = error_status(error)
-        param = error.param if isinstance(error, OpenAIError) else None
-        message = service.client_message(message_of(error))
-        return JSONResponse(
-            {"error": {"message": message, "type": _error_type(status), "param": param, "code": None}},
-            status_code=status,
-        )
+        return JSONResponse(_error_body(service, error), status_code=error_status(error))
 
     async def answered(request: Request, work: Callable[[Request], Awaitable[Response]]) -> Response:
         return await guarded(request, service.config, work, answer)

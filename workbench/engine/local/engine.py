@@ -58,6 +58,7 @@ from workbench.engine.samplers import (
     vllm_cannot_sample_experts,
 )
 from workbench.engine.samplers.prefix_cache import PromptPrefixCache
+from workbench.engine.samplers.requests import TokenSink
 from workbench.engine.threads import ThreadPolicy, ThreadUse
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
@@ -464,6 +465,7 @@ class Engine:
         topk_sample_logprobs: int = 0,
         target_prompt_logprobs: Any = None,
         prompt_alt_tokens_k: int = 0,
+        token_sink: TokenSink | None = None,
     ) -> APIFuture[SampleResponse]:
         """Sample `num_samples` continuations of `prompt` from the pinned weights, with logprobs.
 
@@ -475,6 +477,10 @@ class Engine:
         `stable_reinforce` training data that names it. The SDK's other fields (top-k prompt and sample
         logprobs, target ids' prompt logprobs, prompt draws) are as `workbench.types.SampleResponse` says;
         K is capped by the vocabulary only.
+
+        `token_sink` (this engine's own, not the SDK's: the compatible APIs' streams use it) is told each
+        sequence's tokens as the HF sampler draws them, from the worker thread (`requests.TokenSink`);
+        vLLM samples a batch whole and tells it nothing, so its caller has the tokens with the response.
         """
         return sampling.submit_sample(
             self._state,
@@ -490,6 +496,7 @@ class Engine:
             topk_sample_logprobs=topk_sample_logprobs,
             target_prompt_logprobs=target_prompt_logprobs,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
+            token_sink=token_sink,
         )
 
     def compute_logprobs(

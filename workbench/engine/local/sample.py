@@ -39,6 +39,7 @@ from workbench.engine.samplers import notice_fallback
 from workbench.engine.samplers.requests import (
     RequestResult,
     SampleRequest,
+    TokenSink,
     check_prompt_logprobs_last_n,
     keep_last_logprobs,
     prepare_request,
@@ -186,6 +187,7 @@ def submit_sample(
     topk_sample_logprobs: int = 0,
     target_prompt_logprobs: Any = None,
     prompt_alt_tokens_k: int = 0,
+    token_sink: TokenSink | None = None,
 ) -> APIFuture[SampleResponse]:
     state.check_open()
     request = prepare_request(
@@ -204,6 +206,7 @@ def submit_sample(
         topk_sample_logprobs=topk_sample_logprobs,
         target_prompt_logprobs=target_prompt_logprobs,
         prompt_alt_tokens_k=prompt_alt_tokens_k,
+        token_sink=token_sink,
     )
     return state.submit_batchable(
         "sample", (pin_future, request), lambda items: run_sample_batch(state, items)
@@ -376,14 +379,20 @@ def run_sample_batch(
 def _sample_group(
     state: EngineState, held: SamplerPin, requests: list[SampleRequest]
 ) -> list[SampleResponse | BaseException]:
-    """One engine call for requests on the same weights; if it fails, each request again on its own."""
+    """One engine call for requests on the same weights; if it fails, each request again on its own.
+    A retried request has told its token sink the tokens of the failed call already: the retry tells it
+    nothing more, and its caller reads the rest from the response."""
     start = time.perf_counter()
     try:
         results = _generate(state, held, requests)
     except Exception as error:
         if len(requests) == 1:
             return [error]
-        return [outcome for request in requests for outcome in _sample_group(state, held, [request])]
+        return [
+            outcome
+            for request in requests
+            for outcome in _sample_group(state, held, [dataclasses.replace(request, token_sink=None)])
+        ]
     seconds = time.perf_counter() - start
     generated = sum(len(s.tokens) for result in results for s in result.sequences)
     return [

@@ -12,9 +12,10 @@ token (and, with `topk_sample_logprobs`, the top-k) is read from the distributio
 before truncation: log_softmax(logits / τ), which at τ = 1 is the number `forward` computes for that
 token (the temperature rule of `workbench.types.SampledSequence`; τ = 0 reports the model's own). The processor returns scores that leave `generate` (run greedy)
 exactly one choice per row. Rows end at their own stop token, stop string or `max_tokens`; the call ends
-when every row has. Across calls, a prompt's keys and values are kept in a `PromptPrefixCache` under the
-weights they were computed with, so a prompt that starts like an earlier one (a conversation's next
-turn) prefills only the tokens after the longest cached prefix.
+when every row has. A request's `token_sink` is told each of its rows' tokens after the step that drew
+it, so its caller can stream them while the batch decodes. Across calls, a prompt's keys and values are
+kept in a `PromptPrefixCache` under the weights they were computed with, so a prompt that starts like
+an earlier one (a conversation's next turn) prefills only the tokens after the longest cached prefix.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.batching import PreparedDatum, collate
 from workbench.engine.model.logprobs import final_features, language_model_logprobs, score_positions
 from workbench.engine.samplers.prefix_cache import LayerKeyValues, PromptPrefixCache
-from workbench.engine.samplers.requests import PromptScores, RequestResult, SampleRequest
+from workbench.engine.samplers.requests import PromptScores, RequestResult, SampleRequest, TokenSink
 from workbench.types import (
     PromptAltTokens,
     SampledSequence,
@@ -199,7 +200,9 @@ class SamplingInterrupted(RuntimeError):
 
 class _RowStops(StoppingCriteria):
     """Ends each row at its request's stop token, stop string or max_tokens; remembers where and why.
-    Raises `SamplingInterrupted` at the first step after `interrupted` is set."""
+    Tells each live row's token to its request's token sink (the stopping criteria run once per step,
+    after the token is chosen). Raises `SamplingInterrupted` at the first step after `interrupted` is
+    set."""
 
     def __init__(
         self,
@@ -207,9 +210,11 @@ class _RowStops(StoppingCriteria):
         chooser: _ChooseTokens,
         tokenizer: PreTrainedTokenizerBase,
         interrupted: threading.Event,
+        sinks: list[tuple[TokenSink, int] | None],  # per row: its request's sink, its index there
     ):
         self.interrupted = interrupted
         self.row_requests = row_requests
+        self.sinks = sinks
         self.chooser = chooser
         self.tokenizer = tokenizer
         self.ended: list[tuple[int, StopReason] | None] = [None] * len(row_requests)
@@ -222,6 +227,10 @@ class _RowStops(StoppingCriteria):
         for row, request in enumerate(self.row_requests):
             if self.ended[row] is not None:
                 continue
+            told = self.sinks[row]
+            if told is not None:
+                sink, sequence = told
+                sink(sequence, newest[row])
             if newest[row] in request.stop_token_ids or (
                 request.stop_strings and self._stop_string_seen(row, request, step)
             ):
@@ -293,7 +302,12 @@ class HFSampler:
             topk_widths[start] = request.topk_sample_logprobs
             start += request.num_samples
         chooser = _ChooseTokens(groups, self.device, topk_widths)
-        stops = _RowStops(row_requests, chooser, self.tokenizer, self.interrupted)
+        sinks = [
+            None if request.token_sink is None else (request.token_sink, sequence)
+            for request in requests
+            for sequence in range(request.num_samples)
+        ]
+        stops = _RowStops(row_requests, chooser, self.tokenizer, self.interrupted, sinks)
         config = GenerationConfig(
             max_new_tokens=max(request.max_tokens for request in requests),
             do_sample=False,

@@ -2,6 +2,10 @@
 
 Notation: P prompt tokens; R = num_samples rows per request.
 
+A request may carry a `TokenSink`: the HF sampler calls it from the engine's worker thread after each
+decoding step with each of the request's live sequences' new token, so a caller can stream the text as
+it is drawn (the compatible APIs' `stream: true`). vLLM samples a batch whole and calls no sink.
+
 Validation happens in the caller's thread before anything is queued (`prepare_request`): a bad prompt or
 bad parameters raise a `ValueError` and change nothing. A request without a seed draws one from the
 engine's sampling generator when it runs (`seeded`), on the worker in submission order, so a run's
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +34,12 @@ from workbench.types import (
     TensorData,
     TopkEntries,
 )
+
+TokenSink = Callable[[int, int], None]
+"""`sink(sequence, token_id)`: sequence `sequence` of a request (0 to num_samples − 1) drew `token_id`,
+its next token (the stop token included). Called on the engine's worker thread, in each sequence's
+token order, between decoding steps: it must neither block nor raise (hand the token to another thread
+and return)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class SampleRequest:
     # (P − 1, K) int64 ids to score at prompt positions 1.., −1 where nothing is asked
     target_prompt_ids: torch.Tensor | None = field(default=None, compare=False)
     prompt_alt_tokens_k: int = 0  # draws at every prompt position after the first
+    token_sink: TokenSink | None = field(default=None, compare=False)  # told each token as it is drawn
 
     @property
     def prompt_length(self) -> int:
@@ -145,6 +156,7 @@ def prepare_request(
     topk_sample_logprobs: int = 0,
     target_prompt_logprobs: Any = None,
     prompt_alt_tokens_k: int = 0,
+    token_sink: TokenSink | None = None,
 ) -> SampleRequest:
     """Validate a sampling call against the model; raises ValueError naming the problem."""
     params = to_sampling_params(sampling_params)
@@ -225,6 +237,7 @@ def prepare_request(
         topk_sample_logprobs=topk_sample_logprobs,
         target_prompt_ids=target_ids,
         prompt_alt_tokens_k=prompt_alt_tokens_k,
+        token_sink=token_sink,
     )
 
 

@@ -209,7 +209,9 @@ class VLLMSampler:
     def generate(
         self, requests: Sequence[SampleRequest], key: Hashable | None, write_adapter: WriteAdapter
     ) -> list[RequestResult]:
-        """Sample every request with the weights `key` names (None: the base model)."""
+        """Sample every request with the weights `key` names (None: the base model). vLLM's offline
+        `generate` returns the batch whole, so a request's `token_sink` is not called: a stream on vLLM
+        gets its text when the batch is done."""
         if self._asleep:
             self._llm.wake_up()
             self._asleep = False
