@@ -41,6 +41,32 @@ def _wait(sess: wb.Session) -> RunState:
     return sess.current_run.wait(WAIT_S)
 
 
+def test_the_status_bar_reads_memory_at_most_every_few_seconds_and_shows_two_digits(
+    panel: wb.Panel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RSS moves within every step; a bar rebuilt with it at each refresh would be sent to the page at
+    each (the memory read is injected)."""
+    from workbench.notebook.panel import status
+
+    monkeypatch.setattr(status, "memory_in_use", lambda device: 1_500_000_000)
+    monkeypatch.setattr(status, "MEASURED_REFRESH_S", 0.0)
+    panel.refresh()
+    assert '"memory"><b>memory</b> 1.4 GiB<' in panel.status.widget.value
+    shown = panel.status.widget.value
+    monkeypatch.setattr(status, "MEASURED_REFRESH_S", 600.0)
+    monkeypatch.setattr(status, "memory_in_use", lambda device: 2_900_000_000)
+    panel.refresh()
+    assert panel.status.widget.value == shown  # read again only after MEASURED_REFRESH_S
+    monkeypatch.setattr(status, "MEASURED_REFRESH_S", 0.0)
+    panel.refresh()
+    assert '"memory"><b>memory</b> 2.7 GiB<' in panel.status.widget.value
+    assert [status.format_memory(size) for size in (512, 671_088_640, 672_871_219)] == [
+        "510 B",
+        "640 MiB",
+        "640 MiB",
+    ]
+
+
 def test_the_status_bar_shows_the_session(panel: wb.Panel, tiny: wb.Session) -> None:
     text = panel.status.widget.value
     for expected in (

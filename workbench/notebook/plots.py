@@ -253,8 +253,10 @@ class LivePlot:
         return [("", history), *((f"{run} ", other) for run, other in self.compare.items())]
 
     def update(self, history: MetricsHistory) -> bool:
-        """Redraw from `history` if it has rows this plot has not drawn yet that carry one of its
-        metrics (rows of other metrics leave the figure as it is: no redraw, nothing sent to a page).
+        """Update the lines from `history` if it has rows this plot has not drawn yet that carry one of
+        its metrics (rows of other metrics leave the figure as it is). Rendering is the caller's: a live
+        canvas asked to redraw here (`draw_idle`) would have its page request a second render of
+        every update.
 
         Returns:
             True if the figure changed.
@@ -287,7 +289,6 @@ class LivePlot:
             self._hold_y(name, ax)
         self._hold_x()
         self._drawn_rows = len(history)
-        self.figure.canvas.draw_idle()
         return True
 
     def _hold_y(self, name: str, ax: Axes) -> None:
