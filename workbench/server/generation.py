@@ -172,22 +172,26 @@ def check_calls(engine: Engine, calls: Sequence[GenerationCall]) -> None:
             raise ValueError(f"{where}{error}") from None
 
 
+def _submit(
+    engine: Engine, pin: APIFuture[SamplerPin], call: GenerationCall, token_sink: TokenSink | None = None
+) -> APIFuture[SampleResponse]:
+    return engine.sample(
+        pin,
+        call.prompt_ids,
+        call.n,
+        call.sampling_params(),
+        call.prompt_logprobs,
+        topk_prompt_logprobs=call.prompt_top_logprobs,
+        topk_sample_logprobs=call.top_logprobs,
+        token_sink=token_sink,
+    )
+
+
 async def generate(
     engine: Engine, pin: APIFuture[SamplerPin], calls: Sequence[GenerationCall]
 ) -> list[Generated]:
     """Run checked calls on the engine, in order, on the pinned weights; their results decoded."""
-    futures = [
-        engine.sample(
-            pin,
-            call.prompt_ids,
-            call.n,
-            call.sampling_params(),
-            call.prompt_logprobs,
-            topk_prompt_logprobs=call.prompt_top_logprobs,
-            topk_sample_logprobs=call.top_logprobs,
-        )
-        for call in calls
-    ]
+    futures = [_submit(engine, pin, call) for call in calls]
     responses: list[SampleResponse] = [await asyncio.wrap_future(future.future()) for future in futures]
     return [decode(engine.tokenizer, call, response) for call, response in zip(calls, responses, strict=True)]
 
@@ -272,16 +276,7 @@ async def stream_generate(
         return lambda sequence, token: hand_over((index, sequence, token))
 
     futures = [
-        engine.sample(
-            pin,
-            call.prompt_ids,
-            call.n,
-            call.sampling_params(),
-            call.prompt_logprobs,
-            topk_prompt_logprobs=call.prompt_top_logprobs,
-            topk_sample_logprobs=call.top_logprobs,
-            token_sink=None if call.scores_only else sink_of(index),  # its one token is left out
-        )
+        _submit(engine, pin, call, None if call.scores_only else sink_of(index))  # its one token is left out
         for index, call in enumerate(calls)
     ]
     for index, future in enumerate(futures):
