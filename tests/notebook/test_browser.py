@@ -17,6 +17,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
 REPO = Path(__file__).resolve().parents[2]
+TUTORIAL_04 = REPO / "notebooks" / "04_rl_with_importance_sampling.ipynb"
+"""The RL tutorial: its loop cell blocks in `run.wait()` for the whole run (15 steps on smollm2-135m)."""
 ARTIFACTS = REPO / "artifacts"
 """Where screenshots go: the ones the docs use, and a failed test's page."""
 CHROMIUM_ARGS = [
@@ -222,6 +225,7 @@ def _serve(tmp_path: Path, front_end: str) -> Iterator[Lab]:
     _write_notebook(root / "panel.ipynb", NOTEBOOK_CELLS)
     _write_notebook(root / "cockpit.ipynb", COCKPIT_CELLS)
     _write_notebook(root / "busy.ipynb", BUSY_CELLS)
+    shutil.copy(TUTORIAL_04, root / TUTORIAL_04.name)
     _write_settings(tmp_path / "jupyter" / "settings")
     port, token = _free_port(), secrets.token_hex(16)
     env = {
@@ -506,10 +510,10 @@ def _tab(panel: Locator, name: str) -> None:
     panel.locator(".lm-TabBar-tab", has_text=name).click()
 
 
-def _edit_learning_rate(panel: Locator, busy: Callable[[], bool]) -> float:
+def _edit_learning_rate(panel: Locator, busy: Callable[[], bool], value: str = "0.0002") -> float:
     _tab(panel, "Train")
     field = panel.locator(".widget-text", has_text="learning_rate").locator("input")
-    field.fill("0.0002")
+    field.fill(value)
     field.press("Enter")
     field.press("Tab")
     # acknowledged at once as requested (or already applied, between two steps) ...
@@ -517,10 +521,12 @@ def _edit_learning_rate(panel: Locator, busy: Callable[[], bool]) -> float:
         lambda: expect(panel.locator(".wb-train-settings")).to_contain_text("learning_rate", timeout=ACK_MS),
         busy,
     )
-    expect(panel.locator(".wb-train-settings")).to_contain_text(re.compile(r"0\.0002 (requested|applied)"))
+    expect(panel.locator(".wb-train-settings")).to_contain_text(
+        re.compile(rf"{re.escape(value)} (requested|applied)")
+    )
     # ... and shown as applied once the run has applied it, while the cell still waits
     expect(panel.locator('[data-field="applied-learning_rate"]')).to_contain_text(
-        "learning_rate = 0.0002 applied from run step", timeout=STEP_MS
+        f"learning_rate = {value} applied from run step", timeout=STEP_MS
     )
     assert busy()
     return took
@@ -600,14 +606,16 @@ class KernelTraffic:
         self.received += len(payload.encode() if isinstance(payload, str) else payload)
 
 
-def _bytes_per_step(page: Page, panel: Locator, traffic: KernelTraffic, tab: str) -> float:
-    """Kernel-to-page bytes per run step over TRAFFIC_STEPS steps with `tab` shown and nothing clicked,
+def _bytes_per_step(
+    page: Page, panel: Locator, traffic: KernelTraffic, tab: str, steps: int = TRAFFIC_STEPS
+) -> float:
+    """Kernel-to-page bytes per run step over `steps` steps with `tab` shown and nothing clicked,
     counted between two refreshes of the panel's step counter (whose rate adapts to the machine)."""
     _tab(panel, tab)
     page.wait_for_timeout(1000)  # the tab's first draw is the switch's, not the run's
     start = _wait_for_steps(page, panel, _run_step(panel) + 1, STEP_MS)
     received = traffic.received
-    end = _wait_for_steps(page, panel, start + TRAFFIC_STEPS, STEP_MS * 2)
+    end = _wait_for_steps(page, panel, start + steps, STEP_MS * 2)
     return (traffic.received - received) / (end - start)
 
 
@@ -689,3 +697,45 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     expect(record.locator('[data-field="run-progress"]')).to_contain_text("stopped")
     expect(record.locator("img")).to_be_visible()
     expect(reopened.locator(".wb-panel")).to_have_count(0)
+
+
+SETTLING_STEPS = 4
+"""Steps of tutorial 04's run before its traffic is counted."""
+
+
+@pytest.mark.parametrize("front_end", ["lab", "notebook"])
+def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_path: Path) -> None:
+    """Run All of tutorial 04 as shipped: while its loop cell blocks in `run.wait()` (15 RL steps on
+    smollm2-135m), the LR field (3.1e-4 for the run's 3e-4: a value it already has would send nothing), a
+    histogram bar and the plot's zoom are each acknowledged while the cell is still busy,
+    and the run then finishes all its steps. The traffic per step is printed."""
+    with (
+        _serve(tmp_path, front_end) as server,
+        _browser_page(tmp_path, 1400, f"browser-failure-04-{front_end}.png") as page,
+    ):
+        traffic = KernelTraffic(page)
+        _open_in(page, server, front_end, TUTORIAL_04.name)
+        panel = page.locator(".wb-panel")
+        expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
+
+        def waiting_on_the_run() -> bool:
+            return _prompt(page, "pause_if=") == "[*]:"
+
+        # the cells before the loop, then the first steps, in which the plots' axes find their ranges
+        # (a rescale redraws the whole figure: ~50 KB; afterwards a step's redraw is its new pixels)
+        _wait_for_steps(page, panel, SETTLING_STEPS, STEP_MS * 5)
+        per_step = {
+            tab: _bytes_per_step(page, panel, traffic, tab, steps=2) for tab in ("Metrics", "Rollouts")
+        }
+        print(f"{front_end} 04: kernel-to-page bytes per step while the loop cell waits {per_step}")
+        # printed, not asserted: on smollm2-135m's 32 rollouts per step the Rollouts tab sends 28-29 KB
+        # per step and the Metrics tab 11-77 KB (a rescale in the window: ~50 KB), over the budget that
+        # the busy notebook above holds (issue 37)
+        assert waiting_on_the_run()
+        timings = {
+            "learning_rate": _edit_learning_rate(panel, waiting_on_the_run, value="0.00031"),
+            "histogram": _click_histogram(panel, waiting_on_the_run),
+            "zoom": _zoom(page, panel, waiting_on_the_run),
+        }
+        print(f"{front_end} 04: acknowledged in seconds {timings}")
+        expect(panel.locator('[data-field="run-progress"]')).to_contain_text("finished", timeout=STEP_MS * 10)
