@@ -6,7 +6,10 @@
    loglikelihood request (`/completions` with `echo`, `logprobs=1`, `max_tokens=1`, lm-eval's shape)
    against the SDK's `sample(..., include_prompt_logprobs=True)`. The SDK path is the floor.
    Target: openai / tinker <= 1.05.
-2. Eight streaming chat clients (threads, `stream=True`) beside a training loop (SFT steps in-process):
+2. Time to the first token: the first content chunk of the same chat request with `stream=True`,
+   against the whole unstreamed request of 1. (the floor). Tokens are streamed as the HF sampler draws
+   them, so the ratio is about one token's share of the reply, not 1.
+3. Eight streaming chat clients (threads, `stream=True`) beside a training loop (SFT steps in-process):
    the training tokens/s and the sampled tokens/s of both together, against each alone.
 
 Both are measured on a quiet machine and with a second process keeping one core busy
@@ -94,6 +97,18 @@ def main() -> None:
             types.SamplingParams(max_tokens=max_tokens, seed=1, stop=[tokenizer.eos_token_id]),
         ).result()
 
+    def first_chunk_seconds() -> float:
+        """Seconds from the streamed chat request to its first content chunk (the stream is read out)."""
+        started, first = time.perf_counter(), None
+        stream = api.chat.completions.create(
+            model=args.model, messages=MESSAGES, max_tokens=max_tokens, seed=1, stream=True
+        )
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - started
+        assert first is not None, "the stream carried no text"
+        return first
+
     def openai_loglikelihood() -> None:
         api.completions.create(
             model=args.model, prompt=[scored], max_tokens=1, echo=True, logprobs=1, temperature=0
@@ -173,12 +188,13 @@ def main() -> None:
         tokens, seconds = result["s"]
         return train_alone, stream_alone, train_together, tokens / seconds
 
-    def measure() -> tuple[list[tuple[float, float]], tuple[float, float, float, float]]:
+    def measure() -> tuple[list[tuple[float, float]], float, tuple[float, float, float, float]]:
         pairs = [
             timed_pair(tinker_chat, openai_chat, calls),
             timed_pair(tinker_loglikelihood, openai_loglikelihood, calls),
         ]
-        return pairs, beside()
+        first_chunk = statistics.median(first_chunk_seconds() for _ in range(calls))
+        return pairs, first_chunk, beside()
 
     print(
         f"model={args.model} device={session.device} dtype={session.config.dtype} threads={torch.get_num_threads()} "
@@ -186,7 +202,7 @@ def main() -> None:
     )
     both = quiet_and_contended(measure)
     names = (f"chat ({max_tokens} tokens)", f"loglikelihood ({len(scored)} tokens, echo)")
-    for mode, (pairs, (train_alone, stream_alone, train_together, stream_together)) in zip(
+    for mode, (pairs, first_chunk, (train_alone, stream_alone, train_together, stream_together)) in zip(
         MODES, (both.quiet, both.contended), strict=True
     ):
         print(f"{mode}:\n{'request':40s} {'tinker SDK s':>13s} {'openai s':>9s} {'ratio':>6s}  target")
@@ -194,6 +210,11 @@ def main() -> None:
             print(
                 f"{name:40s} {tinker_s:13.4f} {openai_s:9.4f} {openai_s / tinker_s:6.3f}  openai/tinker <= 1.05"
             )
+        unstreamed = pairs[0][1]
+        print(
+            f"streamed chat: first content chunk {first_chunk * 1000:.0f} ms vs the whole unstreamed reply "
+            f"{unstreamed * 1000:.0f} ms ({first_chunk / unstreamed:.2f}x)"
+        )
         print(
             f"{CLIENTS} streaming clients beside training ({count}x{length} tokens a step): "
             f"training {train_together:.0f} tok/s vs {train_alone:.0f} alone ({train_together / train_alone:.2f}x); "
