@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ import tinker
 from torch import Tensor
 
 import workbench as wb
+from tests.server.test_chat_format import HERMES_TEMPLATE
+from workbench.engine.model.base_model import resolve_model_path
 from workbench.engine.samplers import hf
 from workbench.server import TinkerServer
 
@@ -82,3 +85,12 @@ def hold_decoding(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], HeldDecodi
         return hold
 
     return arm
+
+
+@pytest.fixture(scope="module")
+def hermes_tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with a chat template in the Qwen / Hermes tool format."""
+    folder = tmp_path_factory.mktemp("tiny-hermes") / "tiny-hermes"
+    shutil.copytree(resolve_model_path("tiny"), folder)
+    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    return str(folder)

@@ -9,7 +9,6 @@ taught to call one as the OpenAI route's tool test teaches it.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -24,8 +23,6 @@ import pytest
 import workbench as wb
 from tests.datums import sft_datum
 from tests.server.conftest import HeldDecoding
-from tests.server.test_chat_format import HERMES_TEMPLATE
-from workbench.engine.model.base_model import resolve_model_path
 from workbench.server import TinkerServer
 from workbench.server.chat_format import render_chat
 
@@ -286,15 +283,6 @@ def openai_turns(arguments: type[str] | type[dict[str, Any]]) -> list[dict[str, 
         {"role": "tool", "tool_call_id": "toolu_02", "content": "rain, 4 C"},
         {"role": "user", "content": "And tomorrow?"},
     ]
-
-
-@pytest.fixture(scope="module")
-def hermes_tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny model with a chat template in the Qwen / Hermes tool format."""
-    folder = tmp_path_factory.mktemp("tiny-hermes") / "tiny-hermes"
-    shutil.copytree(resolve_model_path("tiny"), folder)
-    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    return str(folder)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ HTTP with the unmodified openai client on a tiny model taught to call a tool."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
@@ -47,15 +46,6 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-
-
-@pytest.fixture(scope="module")
-def hermes_tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny model with a chat template in the Qwen / Hermes tool format."""
-    folder = tmp_path_factory.mktemp("tiny-hermes") / "tiny-hermes"
-    shutil.copytree(resolve_model_path("tiny"), folder)
-    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    return str(folder)
 
 
 def test_end_of_turn_and_rendering() -> None:
