@@ -700,3 +700,21 @@ def test_the_metrics_plot_reaches_the_page_as_png_before_the_front_end_says_it_i
     assert sent, "the redraw sent no image"
     for image in sent:
         assert bytes(image[:8]) == b"\x89PNG\r\n\x1a\n" and len(image) < 100_000, len(image)
+
+
+def test_rows_the_saved_record_drew_while_the_tab_was_hidden_still_reach_the_page(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    """The saved record draws the plot for its PNG while the Metrics tab is hidden; opening the tab
+    must still send the page that drawing."""
+    from workbench.notebook.panel.panel import METRICS_TAB
+
+    m = panel.metrics
+    panel.tabs.selected_index = 0
+    panel.train.step_button.click()
+    _wait(tiny)
+    assert m.png() is not None  # what the record does at a run's end: the new rows are drawn
+    renders = m.renders
+    panel.tabs.selected_index = METRICS_TAB
+    panel.refresh()
+    assert m.renders == renders + 1

@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from workbench.engine.config import EngineConfig, ModelConfig
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
+from workbench.engine.samplers.requests import TokenSink
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
@@ -211,6 +212,7 @@ class EngineInterface(Protocol):
         topk_sample_logprobs: int = 0,
         target_prompt_logprobs: Any = None,
         prompt_alt_tokens_k: int = 0,
+        token_sink: TokenSink | None = None,
     ) -> APIFuture[SampleResponse]: ...
 
     def compute_logprobs(

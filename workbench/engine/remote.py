@@ -54,6 +54,7 @@ from workbench.engine.config import EngineConfig, ModelConfig
 from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, SamplerPin
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
+from workbench.engine.samplers.requests import TokenSink
 from workbench.engine.sequence_id_relay import SequenceIdRelay
 from workbench.engine.server_profiles import identify_server
 from workbench.engine.worker import SessionClosedError, Worker
@@ -606,9 +607,11 @@ class RemoteEngine:
         topk_sample_logprobs: int = 0,
         target_prompt_logprobs: Any = None,
         prompt_alt_tokens_k: int = 0,
+        token_sink: TokenSink | None = None,
     ) -> APIFuture[SampleResponse]:
         """Sample on the service; the response reports the weights version its client pinned. The SDK's
-        top-k, target-id and prompt-draw fields go to the service as they are."""
+        top-k, target-id and prompt-draw fields go to the service as they are. The service answers a
+        request whole: `token_sink` is told nothing, and its caller has the tokens with the response."""
         if record_stability_info or sequence_ids is not None:
             raise RemoteUnsupportedError(
                 "stability records and caller-chosen sequence ids are kept by a local engine only"

@@ -109,6 +109,7 @@ class MetricsTab:
         self._rendered_at = 0.0  # time.monotonic() of the last render
         self._rendered_step: tuple[int, int] | None = None  # (id, step) of the run running then
         self._syncing = False
+        self._unsent = False  # rows drawn into the figure (for the saved record) but not sent to the page
         self.select.observe(self.feedback.guard(self._on_select), names="value")
         self.add_metric.observe(self.feedback.guard(lambda change: self.add(change["new"])), names="value")
         for control in (self.smoothing, self.log_scale, self.x_axis):
@@ -184,6 +185,7 @@ class MetricsTab:
 
     def _render(self) -> None:
         self.canvas.draw()  # renders and sends the image to the page
+        self._unsent = False
         self.renders += 1
         self._rendered_at = time.monotonic()
         run = self.session.current_run
@@ -205,7 +207,8 @@ class MetricsTab:
         with self._lock:
             if self.plot is None:
                 return None
-            self.plot.update(self.session.history)  # up to date even while the tab is hidden
+            if self.plot.update(self.session.history):  # up to date even while the tab is hidden
+                self._unsent = True
             return self.figure._repr_png_()
 
     def refresh(self) -> None:
@@ -218,5 +221,7 @@ class MetricsTab:
                     self.add_metric.options = options
                 finally:
                     self._syncing = False
-            if self.plot is not None and self._render_due() and self.plot.update(self.session.history):
-                self._render()
+            if self.plot is not None and self._render_due():
+                updated = self.plot.update(self.session.history)
+                if updated or self._unsent:
+                    self._render()
