@@ -15,7 +15,7 @@ LOCK := requirements/dev.lock
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env lock demo test lint test-unit test-notebooks lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
+.PHONY: env lock demo test lint test-unit test-notebooks test-tutorial-browser lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -124,6 +124,11 @@ test: env browser lint skyrl-env test-unit test-notebooks test-vllm
 
 lab: env
 	$(BIN)/jupyter lab --notebook-dir=notebooks --LabApp.news_url=None
+
+# Run All of tutorial 04 in JupyterLab and Notebook 7, its controls driven while its loop cell waits on the
+# run (smollm2-135m: minutes on a quiet machine, too slow for CI's loaded cores).
+test-tutorial-browser: env browser
+	$(BIN)/python -m pytest -q -s -m tutorial_browser tests/notebook/test_browser.py
 
 # The README's panel and cockpit screenshots, taken by the real-browser tests.
 screenshot: env browser

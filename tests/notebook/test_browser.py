@@ -703,6 +703,7 @@ SETTLING_STEPS = 4
 """Steps of tutorial 04's run before its traffic is counted."""
 
 
+@pytest.mark.tutorial_browser
 @pytest.mark.parametrize("front_end", ["lab", "notebook"])
 def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_path: Path) -> None:
     """Run All of tutorial 04 as shipped: while its loop cell blocks in `run.wait()` (15 RL steps on
