@@ -445,17 +445,7 @@ class OpenAIRoutes:
             yield None, _error_body(self.service, error)
             return
         if include_usage and result is not None:
-            yield (
-                None,
-                {
-                    "id": response_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": _usage([result]),
-                },
-            )
+            yield chunk([], usage=_usage([result]))
 
     # ------------------------------------------------------------------------------------------ completions
 
@@ -603,24 +593,31 @@ class OpenAIRoutes:
         """Each choice's chunks: the echoed prompt and its text as it is sampled, then its end; then the
         usage."""
 
-        def chunk(choice: dict[str, Any]) -> tuple[None, dict[str, Any]]:
+        def chunk(
+            choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+        ) -> tuple[None, dict[str, Any]]:
             head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
-            return None, {**head, "choices": [choice], "usage": None}
+            return None, {**head, "choices": choices, "usage": usage}
 
         def text(index: int, piece: str, last: dict[str, Any] | None) -> tuple[None, dict[str, Any]]:
             """A text chunk; the choice's last carries its logprobs and ids (`last`)."""
             return chunk(
-                {
-                    "index": index,
-                    "text": piece,
-                    "logprobs": None if last is None else last["logprobs"],
-                    "finish_reason": None,
-                    **(
-                        {}
-                        if last is None
-                        else {"token_ids": last["token_ids"], "prompt_token_ids": last["prompt_token_ids"]}
-                    ),
-                }
+                [
+                    {
+                        "index": index,
+                        "text": piece,
+                        "logprobs": None if last is None else last["logprobs"],
+                        "finish_reason": None,
+                        **(
+                            {}
+                            if last is None
+                            else {
+                                "token_ids": last["token_ids"],
+                                "prompt_token_ids": last["prompt_token_ids"],
+                            }
+                        ),
+                    }
+                ]
             )
 
         opened: tuple[int, int] | None = None  # the choice whose chunks are being sent
@@ -650,14 +647,13 @@ class OpenAIRoutes:
                 for piece_number, piece in enumerate(pending):
                     yield text(index, piece, last if piece_number == len(pending) - 1 else None)
                 yield chunk(
-                    {"index": index, "text": "", "logprobs": None, "finish_reason": completion.finish}
+                    [{"index": index, "text": "", "logprobs": None, "finish_reason": completion.finish}]
                 )
         except Exception as error:  # the stream has started: the failure is its last event
             yield None, _error_body(self.service, error)
             return
         if include_usage:
-            head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
-            yield None, {**head, "choices": [], "usage": _usage(results)}
+            yield chunk([], usage=_usage(results))
 
     # ------------------------------------------------------------------------------------------ shared
 
