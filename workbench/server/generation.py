@@ -16,7 +16,7 @@ train on exactly what was sampled. `max_tokens=0` asks only for the prompt's log
 loglikelihood shape): the engine samples one token, which is then left out.
 
 `stream_generate` is the streams' counterpart of `generate`: the same calls, with a token sink
-(`requests.TokenSink`) that hands each token the HF sampler draws from the engine's worker thread to
+(`requests.TokenSink`) that hands each token the sampler draws from the engine's worker thread to
 this event loop (`call_soon_threadsafe` into an unbounded queue: the worker never waits for a reader,
 and a client gone mid-stream leaves it sampling on to the end, unhindered). The tokens are decoded as
 they come into text deltas whose concatenation is the sequence's `Completion.text` exactly: a delta

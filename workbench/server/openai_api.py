@@ -13,9 +13,8 @@ fields, as vLLM's `return_token_ids` gives them: each choice carries `token_ids`
 the stop token included) and the prompt's ids (`prompt_token_ids`: once for a chat, per choice for text
 completions), so an RL harness trains on exactly what was sampled; `top_k` is taken as vLLM takes it.
 
-Streams (`stream: true`) are server-sent events, about one chunk per token, sent as the HF sampler
-draws the tokens (`generation.stream_generate`; with vLLM, which samples a batch whole, they come when
-the sequences are done); their text joins to the unstreamed text. The choices come one after another
+Streams (`stream: true`) are server-sent events, about one chunk per token, sent as the sampler (HF
+or vLLM) draws the tokens (`generation.stream_generate`); their text joins to the unstreamed text. The choices come one after another
 (a later choice's chunks wait for the earlier ones to finish). A choice's `logprobs` and `token_ids`
 come in its last content chunk, so each content chunk is sent when the next token's text is in; with
 `stream_options: {"include_usage": true}` a final chunk carries the usage. A chat that offers tools
@@ -66,8 +65,7 @@ PARAMETERS: dict[str, str] = {
     "n": "supported: prompts x n at most the server's max_samples_per_request",
     "stop": "supported: a string or up to 16",
     "seed": "supported: the same seed gives the same tokens",
-    "stream": "supported: token by token as the HF sampler draws them (vLLM: once the sequences are "
-    "sampled; with tools: once the reply is sampled)",
+    "stream": "supported: token by token as the sampler draws them (with tools: once the reply is sampled)",
     "stream_options": "supported: include_usage",
     "user": "ignored",
     "metadata": "ignored",

@@ -20,6 +20,7 @@ from workbench.engine.local.base_models import (
     engine_bytes,
     parse_size,
 )
+from workbench.engine.samplers.vllm import CPU_KV_CACHE_BYTES, vllm_memory_bytes
 from workbench.notebook.panel.status import StatusBar
 from workbench.sdk_conversion import to_sdk_datum
 from workbench.server import ServerConfig, TinkerServer
@@ -84,6 +85,20 @@ def test_a_base_model_larger_than_the_whole_budget_is_refused_before_loading(
     with pytest.raises(MemoryBudgetError, match="more than the whole memory budget"):
         models.engine(big_twin)
     assert len(models.engines()) == 1
+
+
+def test_a_vllm_sampler_counts_as_its_weights_and_kv_cache_on_a_cpu(
+    sess: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The formula the budget uses for an engine that samples with vLLM (the engines themselves are
+    tested in test_vllm.py); an engine sampling with HF has no vLLM share."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cpu = torch.device("cpu")
+    assert vllm_memory_bytes(1000, cpu) == 1000 + CPU_KV_CACHE_BYTES
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # vLLM's own setting, in GiB
+    assert vllm_memory_bytes(1000, cpu) == 1000 + 3 * 1024**3
+    assert sess.base_models is not None
+    assert [h.sampler_bytes for h in sess.base_models.holdings()] == [0]
 
 
 def test_sizes_read_with_units() -> None:

@@ -9,15 +9,23 @@ is not installed. What every sample promises on both samplers is in test_samplin
 from __future__ import annotations
 
 import gc
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 import workbench as wb
-from workbench.engine.samplers.vllm import ENGINE_PROCESS_PREFIX, MAX_LORAS
+from tests.conftest import build_tiny_twin
+from workbench.engine.local.base_models import BaseModels, MemoryBudgetError, base_model_bytes
+from workbench.engine.samplers.requests import SamplingInterrupted
+from workbench.engine.samplers.vllm import CPU_KV_CACHE_BYTES, ENGINE_PROCESS_PREFIX, MAX_LORAS
 
 pytestmark = pytest.mark.vllm
+
+HOLD_LIMIT_S = 120.0  # how long a held sink waits for the test (a bound, never reached when it passes)
 
 
 def _vllm_processes() -> set[int]:
@@ -167,3 +175,99 @@ def test_prefix_caching_never_serves_another_versions_keys(tiny_for_vllm: str) -
             scored = sess.policy.forward([datum], "cross_entropy").result()
             forward = scored.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
             assert max(abs(a - b) for a, b in zip(forward, seq.logprobs, strict=True)) <= 1e-3
+
+
+class HeldSink:
+    """A token sink that records each sequence's tokens and holds the sampler at its `at`-th token until
+    the test lets go: what happens meanwhile happened before the sample ended, whatever the speed."""
+
+    def __init__(self, at: int):
+        self.at = at
+        self.heard: dict[int, list[int]] = {}
+        self.reached, self.let_go = threading.Event(), threading.Event()
+
+    def __call__(self, sequence: int, token: int) -> None:
+        self.heard.setdefault(sequence, []).append(token)
+        if sum(map(len, self.heard.values())) == self.at:
+            self.reached.set()
+            self.let_go.wait(HOLD_LIMIT_S)
+
+
+def test_a_token_sink_hears_each_sequence_as_vllm_draws_it(tiny_for_vllm: str) -> None:
+    """vLLM's engine is stepped by the sampler: a request's sink hears each sequence's tokens in order,
+    before the sample ends (the sink is held at its 8th token while the sample is checked unfinished),
+    and what it heard is the response's tokens; a greedy request's one row is each of its samples."""
+    with wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="vllm") as sess:
+        engine = sess.engine
+        pin = engine.pin_sampler(sess.model_id)
+        for temperature in (1.0, 0.0):
+            sink = HeldSink(at=8)
+            params = wb.SamplingParams(max_tokens=24, temperature=temperature, seed=3, stop=[])
+            response = engine.sample(pin, [5, 17, 33, 48], 2, params, token_sink=sink)
+            assert sink.reached.wait(HOLD_LIMIT_S)
+            assert not response.done()  # eight tokens heard while the sample goes on
+            sink.let_go.set()
+            assert [sink.heard[0], sink.heard[1]] == _tokens(response.result())
+        engine.release_sampler(pin)
+
+
+def test_an_interrupt_aborts_vllm_generation_in_flight_and_every_later_sample(tiny_for_vllm: str) -> None:
+    """`Engine.interrupt_sampling` (what `workbench serve` calls on SIGTERM) during a long vLLM
+    generation: the request fails with `SamplingInterrupted` at the next step (held at its 8th token
+    when the interrupt comes, it draws no more than one token per sequence after), vLLM is left with
+    nothing in flight, a later sample fails at once, and training goes on."""
+    with wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="vllm") as sess:
+        engine = sess.engine
+        sink = HeldSink(at=8)
+        params = wb.SamplingParams(max_tokens=400, temperature=1.0, seed=3, stop=[])
+        pin = engine.pin_sampler(sess.model_id)
+        long_sample = engine.sample(pin, [5, 17, 33, 48], 2, params, token_sink=sink)
+        assert sink.reached.wait(HOLD_LIMIT_S)
+        engine.interrupt_sampling()
+        sink.let_go.set()
+        with pytest.raises(SamplingInterrupted, match="interrupted"):
+            long_sample.result()
+        assert sum(map(len, sink.heard.values())) <= 8 + 2  # the step in progress ends; no other runs
+        assert not engine._state.vllm._llm.llm_engine.has_unfinished_requests()
+        with pytest.raises(SamplingInterrupted):
+            engine.sample(pin, [5, 17], 1, params).result()
+        _train_one_step(sess)
+
+
+def test_each_base_model_gets_its_own_vllm_engine_within_a_budget_that_counts_them(
+    tiny_for_vllm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two base models sampling with vLLM in one process: each engine starts its own vLLM (its own
+    engine processes) and samples its own weights. The memory budget counts each vLLM's copy of the
+    weights and its KV cache: a budget with room for the second base on HF but not beside its vLLM
+    refuses it, naming the vLLM share, and changes nothing; a budget with room for both loads it."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    twin = build_tiny_twin(tmp_path / "twin", layers=3, seed=1, head_dim=32)
+    first = wb.Engine(tiny_for_vllm, sampler="vllm", seed=0)
+    models = BaseModels(first)
+    try:
+        weights = {name: base_model_bytes(name, torch.float32) for name in (tiny_for_vllm, twin)}
+        vllm_share = {name: size + CPU_KV_CACHE_BYTES for name, size in weights.items()}
+        (held,) = models.holdings()
+        assert held.sampler_bytes == vllm_share[tiny_for_vllm] and held.bytes > held.sampler_bytes
+        models.memory_budget_bytes = held.bytes + 2 * weights[twin]  # the twin on HF would fit
+        with pytest.raises(MemoryBudgetError, match="of it for its vLLM sampler") as refused:
+            models.engine(twin)
+        assert "of it vLLM's" in str(refused.value)  # what the first one holds, vLLM's share named
+        assert len(models.engines()) == 1
+        models.memory_budget_bytes = held.bytes + weights[twin] + vllm_share[twin]
+        second = models.engine(twin)
+        assert [h.sampler_bytes for h in models.holdings()] == [vllm_share[tiny_for_vllm], vllm_share[twin]]
+
+        params = wb.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+        tokens = []
+        for engine in (first, second):
+            pin = engine.pin_sampler(None)
+            tokens.append(_tokens(engine.sample(pin, [5, 17, 33, 48], 1, params).result()))
+            engine.release_sampler(pin)
+        assert tokens[0] != tokens[1]  # each base model's own weights
+        processes = [engine._state.vllm.engine_processes for engine in (first, second)]
+        assert processes[0] and processes[1] and not processes[0] & processes[1]
+    finally:
+        models.close()
+        first.close()

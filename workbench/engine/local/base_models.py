@@ -8,10 +8,17 @@ what the session's service clients loaded).
 
 A base model is named by its alias, folder or HF id; the key is the folder (`resolve_model_path`), so
 `"tiny"` and the tiny model's folder are one engine. Which names a caller may load is the caller's
-choice (in-process any; a server only those it allows). `memory_budget_bytes` bounds what the engines' weights hold together:
+choice (in-process any; a server only those it allows). `memory_budget_bytes` bounds what the engines
+hold together:
 
-    held = Σ_engines Σ_tensors numel · element_size         (parameters and buffers, adapters included)
-    need(new) = Σ_parameters numel · element_size(dtype)    (counted on the meta device, nothing loaded)
+    held(engine) = Σ_tensors numel · element_size + vllm(engine)   (parameters and buffers, adapters
+                                                                     included; vLLM's share where it samples)
+    need(new) = weights + vllm(new),  weights = Σ_parameters numel · element_size(dtype)
+                                                                    (counted on the meta device, nothing loaded)
+    vllm = `samplers.vllm.vllm_memory_bytes(weights, device)` for an engine that samples with vLLM, else 0
+
+An engine that samples with vLLM is counted with its vLLM share from the start (vLLM starts at its first
+sample), so a budget that admits it holds it whenever it samples.
 
 A load that would take `held + need` past the budget first closes idle engines (no model on them; the
 least recently used first, never the first engine, the session's), then, if it still does not fit,
@@ -21,6 +28,7 @@ evicted engine's base fails with the closed engine's error; a new one loads the 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +39,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from workbench.engine.config import DEFAULT_MAX_MODELS
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_device_and_dtype, resolve_model_path
-from workbench.engine.samplers import SamplerChoice
+from workbench.engine.samplers import SamplerChoice, resolve_sampler
+from workbench.engine.samplers.vllm import vllm_memory_bytes
 
 GIB = 1024**3
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1024, "MIB": 1024**2, "GIB": GIB}
@@ -59,12 +68,22 @@ def format_size(size: int) -> str:
 
 
 def engine_bytes(engine: Engine) -> int:
-    """What an engine's model holds: every parameter and buffer (the base and its adapters)."""
+    """What an engine holds: every parameter and buffer of its model (the base and its adapters), and
+    its vLLM sampler's share (`sampler_bytes`)."""
     module = engine.torch_model
     tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors) + sampler_bytes(engine)
 
 
+def sampler_bytes(engine: Engine) -> int:
+    """The vLLM sampler's share of an engine (see the module); 0 for one that samples with HF."""
+    if engine.config.sampler != "vllm":
+        return 0
+    device, dtype = resolve_device_and_dtype(engine.config.device, engine.config.dtype)
+    return vllm_memory_bytes(base_model_bytes(engine.base_info.path, dtype), device)
+
+
+@functools.cache
 def base_model_bytes(base_model: str, dtype: torch.dtype) -> int:
     """The weights a base model will hold in `dtype`, counted from its config on the meta device."""
     config = AutoConfig.from_pretrained(resolve_model_path(base_model))
@@ -81,12 +100,14 @@ class Holding:
     base_model: str
     path: str
     bytes: int
+    sampler_bytes: int  # vLLM's share of `bytes`
     models: int
     evictable: bool
 
     def describe(self) -> str:
         models = f"{self.models} model{'s' if self.models != 1 else ''}"
-        return f"{self.base_model!r} holds {format_size(self.bytes)} ({models})"
+        vllm = f", {format_size(self.sampler_bytes)} of it vLLM's" if self.sampler_bytes else ""
+        return f"{self.base_model!r} holds {format_size(self.bytes)} ({models}{vllm})"
 
 
 class BaseModels:
@@ -151,7 +172,11 @@ class BaseModels:
                 return found
             key = resolve_model_path(base_model)
             if self.memory_budget_bytes is not None:
-                self._make_room(base_model, base_model_bytes(base_model, self.dtype))
+                weights = base_model_bytes(base_model, self.dtype)
+                vllm = 0
+                if resolve_sampler(self.sampler, self.device) == "vllm":
+                    vllm = vllm_memory_bytes(weights, self.device)
+                self._make_room(base_model, weights + vllm, vllm)
             engine = Engine(
                 base_model,
                 seed=self.seed,
@@ -178,6 +203,7 @@ class BaseModels:
                 engine.config.base_model,
                 engine.base_info.path,
                 engine_bytes(engine),
+                sampler_bytes(engine),
                 len(engine.model_ids()),
                 self._evictable(key, engine),
             )
@@ -193,14 +219,14 @@ class BaseModels:
     def _evictable(self, key: str, engine: Engine) -> bool:
         return key != self._first and not engine.model_ids()
 
-    def _make_room(self, base_model: str, need: int) -> None:
+    def _make_room(self, base_model: str, need: int, vllm: int) -> None:
         budget = self.memory_budget_bytes
         assert budget is not None
+        needs = f"loading {base_model!r} needs about {format_size(need)}"
+        if vllm:
+            needs += f" ({format_size(vllm)} of it for its vLLM sampler)"
         if need > budget:
-            raise MemoryBudgetError(
-                f"loading {base_model!r} needs about {format_size(need)}, more than the whole memory "
-                f"budget of {format_size(budget)}"
-            )
+            raise MemoryBudgetError(f"{needs}, more than the whole memory budget of {format_size(budget)}")
         idle = sorted(
             (key for key, engine in self._engines.items() if self._evictable(key, engine)),
             key=self._last_used.__getitem__,
@@ -209,7 +235,7 @@ class BaseModels:
         if sum(h.bytes for h in kept) + need > budget:
             held = "; ".join(h.describe() for h in kept)
             raise MemoryBudgetError(
-                f"loading {base_model!r} needs about {format_size(need)}, and the memory budget of "
+                f"{needs}, and the memory budget of "
                 f"{format_size(budget)} has {format_size(budget - sum(h.bytes for h in kept))} left "
                 f"beside the base models in use: {held}. Free their models (close their clients) or "
                 "raise the budget"

@@ -479,8 +479,8 @@ class Engine:
         K is capped by the vocabulary only.
 
         `token_sink` (this engine's own, not the SDK's: the compatible APIs' streams use it) is told each
-        sequence's tokens as the HF sampler draws them, from the worker thread (`requests.TokenSink`);
-        vLLM samples a batch whole and tells it nothing, so its caller has the tokens with the response.
+        sequence's tokens as the sampler (HF or vLLM) draws them, from the worker thread
+        (`requests.TokenSink`).
         """
         return sampling.submit_sample(
             self._state,
@@ -656,11 +656,11 @@ class Engine:
         return self._state.submit(digest).result()
 
     def interrupt_sampling(self) -> None:
-        """Stop HF sampling for good, from any thread, for a prompt shutdown (`workbench serve` on
+        """Stop sampling for good, from any thread, for a prompt shutdown (`workbench serve` on
         SIGINT/SIGTERM): the generation in progress ends at its next decoding step and it, and every
-        sample request after it, fails with `SamplingInterrupted`; other operations run as before. A
-        vLLM generation runs in vLLM's engine and finishes its request."""
-        self._state.hf_sampler.interrupted.set()
+        sample request after it, fails with `SamplingInterrupted`, on either sampler (vLLM's requests in
+        flight are aborted); other operations run as before."""
+        self._state.sampling_interrupted.set()
 
     def close(self) -> None:
         """Finish queued work, then free the model and optimizer memory. Safe to call again, also after

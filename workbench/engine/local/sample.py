@@ -37,8 +37,10 @@ from workbench.engine.local.state import REFERENCE_LABEL, EngineState, LoadedAda
 from workbench.engine.model.batching import prepare_batch
 from workbench.engine.samplers import notice_fallback
 from workbench.engine.samplers.requests import (
+    INTERRUPTED_MESSAGE,
     RequestResult,
     SampleRequest,
+    SamplingInterrupted,
     TokenSink,
     check_prompt_logprobs_last_n,
     keep_last_logprobs,
@@ -263,6 +265,8 @@ def vllm_engine(state: EngineState) -> VLLMSampler | None:
     if state.vllm_start_error is not None:
         raise RuntimeError(f"vLLM could not start: {state.vllm_start_error!r}") from state.vllm_start_error
     if state.vllm is None and state.config.sampler == "vllm":
+        if state.sampling_interrupted.is_set():  # a shutdown does not start vLLM (most of a minute)
+            raise SamplingInterrupted(INTERRUPTED_MESSAGE)
         info = state.base_info
         ranks = [lora_model.policy.lora.rank for lora_model in state.lora_models.values()] or [8]
         try:
@@ -274,6 +278,7 @@ def vllm_engine(state: EngineState) -> VLLMSampler | None:
                 max(ranks),
                 info.max_length,
                 state.config.seed,
+                state.sampling_interrupted,
             )
         except Exception as error:
             if not state.sampler_falls_back:

@@ -9,6 +9,7 @@ Nothing here runs a model; it holds what the operations need and the few rules t
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,8 +72,15 @@ class EngineState:
         # Draws the seeds of sampling requests that give none, on the worker in submission order, so a
         # run's samples are reproducible from the engine seed; its state is saved with checkpoints.
         self.sampling_generator = torch.Generator().manual_seed(config.seed)
+        # set by `Engine.interrupt_sampling` (a shutdown): both samplers stop between decoding steps
+        self.sampling_interrupted = threading.Event()
         self.hf_sampler = HFSampler(
-            model, tokenizer, device, model.info.vocab_size, model.info.logits_from_hidden_states
+            model,
+            tokenizer,
+            device,
+            model.info.vocab_size,
+            model.info.logits_from_hidden_states,
+            self.sampling_interrupted,
         )
         self.vllm: VLLMSampler | None = None  # started on first use when config.sampler == "vllm"
         # sampler="auto": a vLLM that cannot run the model falls back to HF (config.sampler becomes "hf")

@@ -41,7 +41,14 @@ from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.batching import PreparedDatum, collate
 from workbench.engine.model.logprobs import final_features, language_model_logprobs, score_positions
 from workbench.engine.samplers.prefix_cache import LayerKeyValues, PromptPrefixCache
-from workbench.engine.samplers.requests import PromptScores, RequestResult, SampleRequest, TokenSink
+from workbench.engine.samplers.requests import (
+    INTERRUPTED_MESSAGE,
+    PromptScores,
+    RequestResult,
+    SampleRequest,
+    SamplingInterrupted,
+    TokenSink,
+)
 from workbench.types import (
     PromptAltTokens,
     SampledSequence,
@@ -191,13 +198,6 @@ class _ChooseTokens(LogitsProcessor):
         return draw_tokens(logits_G_V, params, requests)
 
 
-INTERRUPTED_MESSAGE = "sampling was interrupted: the engine is shutting down"
-
-
-class SamplingInterrupted(RuntimeError):
-    """A generation stopped at a decoding step because its engine is shutting down."""
-
-
 class _RowStops(StoppingCriteria):
     """Ends each row at its request's stop token, stop string or max_tokens; remembers where and why.
     Tells each live row's token to its request's token sink (the stopping criteria run once per step,
@@ -258,13 +258,14 @@ class HFSampler:
         device: torch.device,
         vocab_size: int,
         logits_from_hidden_states: bool,
+        interrupted: threading.Event,
     ):
         self.adapted = model  # its module changes as adapters come and go: read it at each call
         self.tokenizer = tokenizer
         self.device = device
         self.vocab_size = vocab_size
         self.logits_from_hidden_states = logits_from_hidden_states
-        self.interrupted = threading.Event()
+        self.interrupted = interrupted
         """Set from any thread (`Engine.interrupt_sampling`): the generation in progress stops at its
         next decoding step, and every later one at once, with `SamplingInterrupted`."""
         self.prefix_cache = PromptPrefixCache()

@@ -2,9 +2,9 @@
 
 Notation: P prompt tokens; R = num_samples rows per request.
 
-A request may carry a `TokenSink`: the HF sampler calls it from the engine's worker thread after each
-decoding step with each of the request's live sequences' new token, so a caller can stream the text as
-it is drawn (the compatible APIs' `stream: true`). vLLM samples a batch whole and calls no sink.
+A request may carry a `TokenSink`: the sampler (HF or vLLM) calls it from the engine's worker thread
+after each decoding step with each of the request's live sequences' new token, so a caller can stream
+the text as it is drawn (the compatible APIs' `stream: true`).
 
 Validation happens in the caller's thread before anything is queued (`prepare_request`): a bad prompt or
 bad parameters raise a `ValueError` and change nothing. A request without a seed draws one from the
@@ -34,6 +34,14 @@ from workbench.types import (
     TensorData,
     TopkEntries,
 )
+
+INTERRUPTED_MESSAGE = "sampling was interrupted: the engine is shutting down"
+
+
+class SamplingInterrupted(RuntimeError):
+    """A generation stopped between decoding steps because its engine is shutting down (both samplers
+    check their engine's `interrupted` event there: `Engine.interrupt_sampling`)."""
+
 
 TokenSink = Callable[[int, int], None]
 """`sink(sequence, token_id)`: sequence `sequence` of a request (0 to num_samples − 1) drew `token_id`,

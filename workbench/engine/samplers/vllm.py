@@ -16,6 +16,13 @@ making a set of weights resident (writing the folder, every registration) is its
 with every sample of it. Weights no client can sample any more are dropped (`keep_only`), so the
 folders and vLLM's slots stay bounded over a long run. The base model samples with no LoRA request.
 
+**Steps.** The sampler adds its requests to vLLM's engine and steps it itself (`LLMEngine.add_request`,
+`step`, `abort_request`: what `LLM.generate` does inside), so that between two decoding steps a
+request's `token_sink` hears each sequence's new tokens (a stream's text arrives as it is drawn) and a
+shutdown (`interrupted`, set by `Engine.interrupt_sampling`) aborts the requests in flight and raises
+`SamplingInterrupted`, instead of the generation running to its end. A request with a sink asks vLLM
+for its sequences as they grow (`RequestOutputKind.CUMULATIVE`), one without for the finished ones only.
+
 Logprobs are vLLM's raw logprobs of the sampled tokens (before temperature and top-k/top-p), the same
 quantity the HF sampler and `forward` report at temperature 1; `topk_sample_logprobs=k` is vLLM's own
 `logprobs=k`. At another temperature the temperature rule (`workbench.types.SampledSequence`) wants the
@@ -35,8 +42,11 @@ Written against vLLM's public API (`LLM`, `SamplingParams`, `TokensPrompt`, `LoR
 from __future__ import annotations
 
 import copy
+import itertools
+import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -46,7 +56,13 @@ from pathlib import Path
 import psutil
 import torch
 
-from workbench.engine.samplers.requests import RequestResult, SampleRequest
+from workbench.engine.samplers.requests import (
+    INTERRUPTED_MESSAGE,
+    RequestResult,
+    SampleRequest,
+    SamplingInterrupted,
+    TokenSink,
+)
 from workbench.types import SampledSequence
 
 # Fraction of GPU memory vLLM's engine may take (weights, activations, KV cache).
@@ -61,6 +77,31 @@ MAX_LORAS = 2
 SHUTDOWN_TIMEOUT_S = 60.0
 # The process titles vLLM gives its engine processes.
 ENGINE_PROCESS_PREFIX = "VLLM::"
+
+
+def vllm_memory_bytes(weights_bytes: int, device: torch.device) -> int:
+    """The memory a vLLM sampler takes beside its engine's training model, for a memory budget
+    (`workbench.engine.local.base_models`), from the base model's `weights_bytes`:
+
+        GPU: GPU_MEMORY_UTILIZATION · the device's memory   (vLLM's own bound: weights, activations, KV cache)
+        CPU: weights_bytes + KV cache                       (CPU_KV_CACHE_BYTES, or VLLM_CPU_KVCACHE_SPACE GiB)
+
+    On a CPU vLLM holds its own copy of the base weights and a KV cache of exactly the size it was
+    given; `VLLM_CPU_KVCACHE_SPACE` replaces that size as vLLM reads it (whole GiB)."""
+    if device.type == "cuda":
+        return int(GPU_MEMORY_UTILIZATION * torch.cuda.get_device_properties(device).total_memory)
+    space_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    return weights_bytes + (int(space_gib) * 1024**3 if space_gib else CPU_KV_CACHE_BYTES)
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """A finished vLLM request: its sequences in index order (`vllm.CompletionOutput`s) and, when
+    asked, its prompt's logprobs."""
+
+    outputs: list[object]
+    prompt_logprobs: list | None
+
 
 WriteAdapter = Callable[[Path], None]
 """Writes the adapter for a set of weights, in peft's format, into the given folder."""
@@ -100,12 +141,17 @@ class VLLMSampler:
         max_lora_rank: int,
         max_length: int,
         seed: int,
+        interrupted: threading.Event,
         max_loras: int = MAX_LORAS,
     ):
         import vllm
         from vllm.platforms import current_platform
 
         self._vllm = vllm
+        self.interrupted = interrupted
+        """Set from any thread (`Engine.interrupt_sampling`): the requests in flight are aborted at the
+        next step, and every later call fails at once, with `SamplingInterrupted`."""
+        self._request_ids = itertools.count()
         self._closed = False
         self._can_sleep = device.type == "cuda" and current_platform.is_sleep_mode_available()
         before = _engine_processes()
@@ -133,15 +179,8 @@ class VLLMSampler:
         self._resident: OrderedDict[Hashable, int] = OrderedDict()  # what vLLM holds, least recent first
         self._lora_ids_made = 0
         self._asleep = False
-        self._prompt_logprob_params = vllm.SamplingParams(
-            max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
-        )
         try:  # a model vLLM loads but cannot run here (an attention head size its kernels lack) fails now
-            self._llm.generate(
-                [vllm.inputs.TokensPrompt(prompt_token_ids=[0])],
-                vllm.SamplingParams(max_tokens=1),
-                use_tqdm=False,
-            )
+            self._run([[0]], [vllm.SamplingParams(max_tokens=1)], None, [None])
         except Exception:
             self.close()
             raise
@@ -209,16 +248,17 @@ class VLLMSampler:
     def generate(
         self, requests: Sequence[SampleRequest], key: Hashable | None, write_adapter: WriteAdapter
     ) -> list[RequestResult]:
-        """Sample every request with the weights `key` names (None: the base model). vLLM's offline
-        `generate` returns the batch whole, so a request's `token_sink` is not called: a stream on vLLM
-        gets its text when the batch is done."""
+        """Sample every request with the weights `key` names (None: the base model), telling each
+        request's `token_sink` its tokens as they are drawn."""
+        if self.interrupted.is_set():
+            raise SamplingInterrupted(INTERRUPTED_MESSAGE)
         if self._asleep:
             self._llm.wake_up()
             self._asleep = False
         lora = None if key is None else self._lora_request(key, write_adapter)
-        prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_tokens)) for r in requests]
+        prompts = [list(r.prompt_tokens) for r in requests]
         params = [self._params(r) for r in requests]
-        outputs = self._llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        outputs = self._run(prompts, params, lora, [self._sink(r) for r in requests])
         results = []
         for request, prompt, output in zip(requests, prompts, outputs, strict=True):
             prompt_logprobs = None
@@ -229,9 +269,7 @@ class VLLMSampler:
                 # vLLM 0.32 applies an adapter on the output embedding to prompt positions with one
                 # adapter index per sampled row (an einsum shape error unless there is one row): the
                 # prompt's logprobs come from a call of their own, with one row
-                scored = self._llm.generate(
-                    [prompt], self._prompt_logprob_params, lora_request=lora, use_tqdm=False
-                )[0]
+                scored = self._run([prompt], [self._prompt_logprob_params()], lora, [None])[0]
                 prompt_logprobs = [None] + [
                     position[token].logprob
                     for position, token in zip(
@@ -245,6 +283,72 @@ class VLLMSampler:
                 self._llm.sleep(level=1)
                 self._asleep = True
         return results
+
+    def _run(
+        self,
+        prompts: Sequence[list[int]],
+        params: Sequence[object],  # vllm.SamplingParams, one per prompt
+        lora: object | None,  # vllm.lora.request.LoRARequest
+        sinks: Sequence[TokenSink | None],
+    ) -> list[_Finished]:
+        """Run the prompts to the end on vLLM's engine, stepping it here: between steps each sink hears
+        its sequences' new tokens, and `interrupted` aborts every request still in flight (see the
+        module). Returns each prompt's finished output, in order."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._llm.llm_engine
+        ids = []
+        for prompt, param, sink in zip(prompts, params, sinks, strict=True):
+            param.output_kind = RequestOutputKind.FINAL_ONLY if sink is None else RequestOutputKind.CUMULATIVE
+            request_id = f"workbench-{next(self._request_ids)}"
+            engine.add_request(
+                request_id, self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt), param, lora_request=lora
+            )
+            ids.append(request_id)
+        sink_of = dict(zip(ids, sinks, strict=True))
+        # each sequence's latest output and how many of its tokens its sink was told (vLLM may extend
+        # an output's lists in place, so the count is kept apart)
+        completions: dict[str, dict[int, object]] = {i: {} for i in ids}
+        told: dict[tuple[str, int], int] = {}
+        finished: dict[str, _Finished] = {}
+        try:
+            while engine.has_unfinished_requests():
+                if self.interrupted.is_set():
+                    raise SamplingInterrupted(INTERRUPTED_MESSAGE)
+                for output in engine.step():
+                    latest = completions[output.request_id]
+                    sink = sink_of[output.request_id]
+                    for completion in output.outputs:
+                        latest[completion.index] = completion
+                        if sink is not None:
+                            sequence = (output.request_id, completion.index)
+                            for token in completion.token_ids[told.get(sequence, 0) :]:
+                                sink(completion.index, token)
+                            told[sequence] = len(completion.token_ids)
+                    if output.finished:
+                        finished[output.request_id] = _Finished(
+                            [latest[index] for index in sorted(latest)], output.prompt_logprobs
+                        )
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finished])
+            raise
+        return [finished[i] for i in ids]
+
+    def _sink(self, request: SampleRequest) -> TokenSink | None:
+        """The request's sink as vLLM's sequences call it: a greedy request samples one row (`_params`),
+        which is each of its samples."""
+        sink = request.token_sink
+        if sink is None or request.params.temperature != 0 or request.num_samples == 1:
+            return sink
+
+        def every_sample(_sequence: int, token: int) -> None:
+            for sequence in range(request.num_samples):
+                sink(sequence, token)
+
+        return every_sample
+
+    def _prompt_logprob_params(self) -> object:
+        return self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
 
     def _params(self, request: SampleRequest) -> object:
         p = request.params
@@ -264,7 +368,7 @@ class VLLMSampler:
         )
 
     @staticmethod
-    def _sequences(request: SampleRequest, output: object) -> list[SampledSequence]:
+    def _sequences(request: SampleRequest, output: _Finished) -> list[SampledSequence]:
         """The request's sampled sequences; a greedy request's one row, repeated for each sample."""
         rows = []
         for completion in output.outputs:
