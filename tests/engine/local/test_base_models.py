@@ -142,7 +142,7 @@ def test_a_server_holds_two_base_models_and_refuses_a_third_that_does_not_fit(
             client.create_sampling_client(base_model="Qwen/Qwen3-8B").sample(
                 prompt, 1, tinker.SamplingParams()
             )
-        client.close("success")
+        client.close("success").result()
 
 
 def test_session_connect_drives_the_second_base_model_of_a_server(
