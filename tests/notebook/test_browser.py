@@ -34,6 +34,8 @@ import pytest
 from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import Locator, Page, WebSocket, expect, sync_playwright
 
+from tests.notebook import BYTES_PER_STEP_BUDGET
+
 pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -125,9 +127,6 @@ run.wait()  # blocks again, until the panel's Stop""",
 ]
 """Run All of a notebook whose cells block in `run.wait()`: the panel is driven while they do."""
 
-BYTES_PER_STEP_BUDGET = 20_000
-"""What a live panel may send the page per run step, whatever the kernel is doing: a 1,000-step run then
-stays within 20 MB through an SSH tunnel or JupyterHub."""
 
 TRAFFIC_STEPS = 10
 """How many run steps the traffic of each tab is counted over (at least)."""

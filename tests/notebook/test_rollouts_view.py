@@ -4,11 +4,14 @@ by side, and the token view of what was trained on; live from a session and from
 from __future__ import annotations
 
 import html
+import json
 import re
 
+import ipywidgets
 import pytest
 
 import workbench as wb
+from tests.notebook import BYTES_PER_STEP_BUDGET
 from workbench.loops.rollout_groups import RolloutGroup, rollout_data
 from workbench.notebook.rollouts_view import RolloutExplorer, reward_bins
 
@@ -17,13 +20,15 @@ def _plain(fragment: str) -> str:
     return " ".join(html.unescape(re.sub("<[^>]+>", " ", fragment)).split())
 
 
-def _record_step(sess: wb.Session, rewards: list[list[float]], seed: int) -> list[RolloutGroup]:
+def _record_step(
+    sess: wb.Session, rewards: list[list[float]], seed: int, max_tokens: int = 5
+) -> list[RolloutGroup]:
     """Sample one group per reward list (one prompt each), train on them, record them."""
     sampler = sess.policy.save_weights_and_get_sampling_client()
     groups = []
     for g, group_rewards in enumerate(rewards):
         prompt = wb.ModelInput.from_ints(sess.tokenizer.encode(f"Question {g}:"))
-        params = wb.SamplingParams(max_tokens=5, temperature=1.0, seed=seed + g)
+        params = wb.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + g)
         response = sampler.sample(prompt, len(group_rewards), params).result()
         groups.append(RolloutGroup.of(prompt, response, group_rewards))
     data = rollout_data(groups)
@@ -148,3 +153,28 @@ def test_a_rollouts_prompt_is_sampled_again_from_the_sample_tab(tiny: wb.Session
         assert s.exact_prompt is None and s.exact_note.value == ""
     finally:
         panel.close()
+
+
+def test_a_new_batch_reaches_the_page_within_the_step_budget(
+    tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the explorer sends the page when it follows a new batch (8 groups of 4 replies of 48 tokens,
+    the size of an RL tutorial's step): the widgets' messages, counted as the kernel sends them, fit the
+    panel's per-step budget (21.5 KB before the groups' and tokens' repeated styles were said once)."""
+    explorer = tiny.rollout_explorer()
+    rewards = [[float((g + r) % 3 == 0) for r in range(4)] for g in range(8)]
+    _record_step(tiny, rewards, seed=0, max_tokens=48)
+    explorer.refresh()
+    sent = []
+    send = ipywidgets.Widget._send
+
+    def counted(widget: ipywidgets.Widget, msg: dict, buffers: list | None = None) -> None:
+        sent.append(len(json.dumps(msg)) + sum(len(b) for b in buffers or []))
+        send(widget, msg, buffers)
+
+    monkeypatch.setattr(ipywidgets.Widget, "_send", counted)
+    _record_step(tiny, rewards, seed=100, max_tokens=48)
+    explorer.refresh()
+    assert explorer.batch == 1 and len(explorer.reply.options) == 32
+    print(f"a new batch: {sum(sent)} bytes in {len(sent)} messages")
+    assert 0 < sum(sent) <= BYTES_PER_STEP_BUDGET

@@ -36,6 +36,19 @@ NUM_BINS = 10
 BAR_HEIGHT_PX = 90
 REPLY_PREVIEW_CHARS = 60
 PROMPT_PREVIEW_CHARS = 160
+GROUPS_STYLE = (
+    "<style>"
+    ".wb-rollout-cards{display:flex;gap:8px;overflow-x:auto;padding-bottom:4px}"
+    ".wb-rollout-group{flex:0 0 auto;min-width:18em;max-width:30em;border:1px solid #ddd;"
+    "border-radius:4px;padding:4px 6px;font-size:smaller}"
+    ".wb-rollout-group>div:first-child{color:#444}"
+    ".wb-rollout-group .wb-prompt{color:#666;white-space:pre-wrap}"
+    ".wb-rollout-group pre{white-space:pre-wrap}"
+    ".wb-rollout-group table{border-collapse:collapse}"
+    ".wb-rollout-group td:first-child{white-space:pre-wrap;font-family:monospace}"
+    "</style>"
+)
+"""The groups' style, said once per batch's HTML rather than on each card and cell."""
 
 # The token view's colourings: (label, what is shown)
 VIEWS = ("sampler logprob", "trainer logprob", "advantage", "weight", "mismatch")
@@ -266,48 +279,46 @@ class RolloutExplorer(ipywidgets.VBox):
         self._show_selected()
 
     def _groups_html(self, groups: Sequence[RolloutGroup], chosen: set[tuple[int, int]]) -> str:
+        """The groups as cards side by side. This HTML is sent to the page at every batch, so what repeats
+        (each card's and cell's style) is said once in `GROUPS_STYLE`, and a prompt that fits its
+        preview is not repeated in an expandable copy."""
         cards = []
         for g, group in enumerate(groups):
             rewards = group.rewards
             mean = sum(rewards) / len(rewards)
             std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
             prompt = _text(self.tokenizer, group.prompt_tokens)
-            tail = prompt if len(prompt) <= PROMPT_PREVIEW_CHARS else "…" + prompt[-PROMPT_PREVIEW_CHARS:]
+            if len(prompt) <= PROMPT_PREVIEW_CHARS:
+                shown_prompt = f'<div class="wb-prompt">{html.escape(prompt)}</div>'
+            else:
+                tail = "…" + prompt[-PROMPT_PREVIEW_CHARS:]
+                shown_prompt = (
+                    f'<details><summary class="wb-prompt">{html.escape(tail)}</summary>'
+                    f"<pre>{html.escape(prompt)}</pre></details>"
+                )
             rows = []
             for r, sequence in enumerate(group.sequences):
                 text = _text(self.tokenizer, sequence.tokens)
                 preview = text if len(text) <= REPLY_PREVIEW_CHARS else text[:REPLY_PREVIEW_CHARS] + "…"
-                highlight = "background:#d9f0ff;" if self.bin is not None and (g, r) in chosen else ""
+                highlight = ' style="background:#d9f0ff"' if self.bin is not None and (g, r) in chosen else ""
                 trained = "✓" if group.trained[r] else ""
                 stop = "max_tokens" if sequence.stop_reason == "length" else "stop"
                 rows.append(
-                    f'<tr data-reply="{g}-{r}" style="{highlight}">'
-                    f"<td>{html.escape(preview)}</td>"
+                    f'<tr data-reply="{g}-{r}"{highlight}><td>{html.escape(preview)}</td>'
                     f"<td>{group.rewards[r]:.3g}</td><td>{group.advantages[r]:+.3g}</td>"
                     f"<td>{len(sequence.tokens)}</td><td>{stop}</td><td>{trained}</td></tr>"
                 )
             zero = " · <b>zero variance</b>" if std == 0 else ""
             version = "base" if group.weights_version is None else f"v{group.weights_version}"
             cards.append(
-                f'<div class="wb-rollout-group" data-group="{g}" style="flex:0 0 auto;min-width:18em;max-width:30em;'
-                'border:1px solid #ddd;border-radius:4px;padding:4px 6px">'
-                f'<div style="font-size:smaller;color:#444"><b>group {g}</b> · weights {version} · '
-                f"reward {mean:.3g} ± {std:.3g}{zero}</div>"
-                f'<details><summary style="font-size:smaller;color:#666;white-space:pre-wrap">'
-                f"{html.escape(tail)}</summary>"
-                f'<pre style="white-space:pre-wrap;font-size:smaller">{html.escape(prompt)}</pre></details>'
-                '<table style="font-size:smaller;border-collapse:collapse">'
+                f'<div class="wb-rollout-group" data-group="{g}">'
+                f"<div><b>group {g}</b> · weights {version} · reward {mean:.3g} ± {std:.3g}{zero}</div>"
+                f"{shown_prompt}<table>"
                 "<tr><th>reply</th><th>reward</th><th>adv</th><th>len</th><th>end</th><th>trained</th></tr>"
                 + "".join(rows)
                 + "</table></div>"
             )
-        return (
-            # the rows' style once, not on each of them: this HTML is sent to the page at every batch
-            "<style>.wb-rollout-group td:first-child{white-space:pre-wrap;font-family:monospace}</style>"
-            '<div style="display:flex;gap:8px;overflow-x:auto;padding-bottom:4px">'
-            + "".join(cards)
-            + "</div>"
-        )
+        return GROUPS_STYLE + '<div class="wb-rollout-cards">' + "".join(cards) + "</div>"
 
     def _show_selected(self) -> None:
         if self.reply.value is None or self.batch is None:

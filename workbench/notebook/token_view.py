@@ -131,10 +131,10 @@ def render_tokens(
                 f"token {int(token)}, {detail}",
                 f"background:{scale.colour(shown)}{round(ALPHA * 255):02x}",
             )
-        spans.append(f'<span title="{html.escape(title)}" style="{style};border-radius:2px">{text}</span>')
+        spans.append(f'<span title="{html.escape(title)}" style="{style}">{text}</span>')
     body = "".join(spans)
     fragment = (
-        '<div class="wb-tokens">'
+        '<div class="wb-tokens"><style>.wb-tokens span{border-radius:2px}</style>'
         f'<div style="font-family:monospace;white-space:pre-wrap;line-height:1.6">{body}</div>'
         f'<div style="font-size:smaller;color:#666;margin-top:2px">{html.escape(scale.legend)}</div>'
         "</div>"
