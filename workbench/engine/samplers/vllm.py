@@ -35,7 +35,8 @@ vLLM sleeps between sample calls (weights offloaded, KV cache dropped) and wakes
 leaving the memory to training. On a CPU there is no sleep mode, and the KV cache takes a fixed
 `CPU_KV_CACHE_BYTES` of host memory unless `VLLM_CPU_KVCACHE_SPACE` (GiB) says otherwise.
 
-Written against vLLM's public API (`LLM`, `SamplingParams`, `TokensPrompt`, `LoRARequest`, the engine's
+Written against vLLM's public API (`LLM`, `SamplingParams`, `RequestOutputKind`, `TokensPrompt`,
+`LoRARequest`, the engine's `add_request/step/abort_request/has_unfinished_requests` and
 `add_lora/remove_lora/list_loras`, `LLM.sleep/wake_up`); tested by the `vllm`-marked tests.
 """
 
