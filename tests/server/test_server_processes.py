@@ -50,7 +50,7 @@ def expected() -> dict:
 def run_client(base_url: str, pythonpath: list[Path]) -> dict:
     env = {**os.environ, "TINKER_API_KEY": "tml-local", "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "sdk_client.py"), base_url],
+        [sys.executable, "-X", "faulthandler", str(ROOT / "tests" / "sdk_client.py"), base_url],
         env=env,
         capture_output=True,
         text=True,
