@@ -298,21 +298,22 @@ class VLLMSampler:
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm.llm_engine
-        ids = []
-        for prompt, param, sink in zip(prompts, params, sinks, strict=True):
-            param.output_kind = RequestOutputKind.FINAL_ONLY if sink is None else RequestOutputKind.CUMULATIVE
-            request_id = f"workbench-{next(self._request_ids)}"
-            engine.add_request(
-                request_id, self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt), param, lora_request=lora
-            )
-            ids.append(request_id)
-        sink_of = dict(zip(ids, sinks, strict=True))
+        ids: list[str] = []
+        sink_of: dict[str, TokenSink | None] = {}
         # each sequence's latest output and how many of its tokens its sink was told (vLLM may extend
         # an output's lists in place, so the count is kept apart)
-        completions: dict[str, dict[int, object]] = {i: {} for i in ids}
+        completions: dict[str, dict[int, object]] = {}
         told: dict[tuple[str, int], int] = {}
         finished: dict[str, _Finished] = {}
-        try:
+        try:  # a request vLLM refuses (a prompt past its context) leaves none of the call's behind
+            for prompt, param, sink in zip(prompts, params, sinks, strict=True):
+                kind = RequestOutputKind.FINAL_ONLY if sink is None else RequestOutputKind.CUMULATIVE
+                param.output_kind = kind
+                request_id = f"workbench-{next(self._request_ids)}"
+                ids.append(request_id)
+                sink_of[request_id], completions[request_id] = sink, {}
+                prompt_input = self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt)
+                engine.add_request(request_id, prompt_input, param, lora_request=lora)
             while engine.has_unfinished_requests():
                 if self.interrupted.is_set():
                     raise SamplingInterrupted(INTERRUPTED_MESSAGE)
