@@ -70,9 +70,14 @@ def format_size(size: int) -> str:
 def engine_bytes(engine: Engine) -> int:
     """What an engine holds: every parameter and buffer of its model (the base and its adapters), and
     its vLLM sampler's share (`sampler_bytes`)."""
+    return model_bytes(engine) + sampler_bytes(engine)
+
+
+def model_bytes(engine: Engine) -> int:
+    """What an engine's model holds: every parameter and buffer (the base and its adapters)."""
     module = engine.torch_model
     tensors = [*module.parameters(), *module.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors) + sampler_bytes(engine)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def sampler_bytes(engine: Engine) -> int:
@@ -198,18 +203,22 @@ class BaseModels:
 
     def holdings(self) -> list[Holding]:
         """What each loaded base model holds, the first one first."""
-        return [
-            Holding(
-                engine.config.base_model,
-                engine.base_info.path,
-                engine_bytes(engine),
-                sampler_bytes(engine),
-                len(engine.model_ids()),
-                self._evictable(key, engine),
+        holdings = []
+        for key, engine in list(self._engines.items()):
+            if engine.closed:
+                continue
+            vllm = sampler_bytes(engine)
+            holdings.append(
+                Holding(
+                    engine.config.base_model,
+                    engine.base_info.path,
+                    model_bytes(engine) + vllm,
+                    vllm,
+                    len(engine.model_ids()),
+                    self._evictable(key, engine),
+                )
             )
-            for key, engine in list(self._engines.items())
-            if not engine.closed
-        ]
+        return holdings
 
     def held_bytes(self) -> int:
         return sum(h.bytes for h in self.holdings())
