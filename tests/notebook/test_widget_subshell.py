@@ -67,6 +67,20 @@ def _output(client: BlockingKernelClient, code: str) -> str:
     return "".join(lines)
 
 
+def _line_starting(client: BlockingKernelClient, marker: str) -> tuple[str, dict]:
+    """The first printed line that starts with `marker`, and the last message of it. A print's parts
+    may come in several stream messages (the kernel flushes its buffer on a timer), so the stream's
+    text is joined until the line ends."""
+    streamed = ""
+    while True:
+        message = client.get_iopub_msg(timeout=REPLY_S)
+        if message["msg_type"] == "stream":
+            streamed += message["content"]["text"]
+            for line in streamed.splitlines(keepends=True):
+                if line.startswith(marker) and line.endswith("\n"):
+                    return line, message
+
+
 def test_a_routed_widget_answers_while_the_main_thread_is_busy(
     kernel: tuple[KernelManager, BlockingKernelClient],
 ) -> None:
@@ -78,11 +92,7 @@ def test_a_routed_widget_answers_while_the_main_thread_is_busy(
     _click(client, unrouted)  # waits behind the busy cell
     _click(client, routed)  # answered now, on the subshell
     started = time.monotonic()
-    while True:
-        message = client.get_iopub_msg(timeout=REPLY_S)
-        if message["msg_type"] == "stream" and "released" in message["content"]["text"]:
-            text = message["content"]["text"]
-            break
+    text, message = _line_starting(client, "released")
     assert time.monotonic() - started < REPLY_S / 2  # not the 60 s the cell would wait unanswered
     assert "released True" in text
     assert "('routed', 'subshell-" in text and "unrouted" not in text
@@ -129,9 +139,6 @@ def test_an_ipympl_toolbar_answers_while_the_main_thread_is_busy(
     started = time.monotonic()
     data = {"method": "custom", "content": {"type": "toolbar_button", "name": "zoom"}}
     client.shell_channel.send(client.session.msg("comm_msg", {"comm_id": toolbar, "data": data}))
-    while True:
-        message = client.get_iopub_msg(timeout=REPLY_S)
-        if message["msg_type"] == "stream" and "mode" in message["content"]["text"]:
-            break
-    assert "mode ZOOM" in message["content"]["text"]
+    text, _ = _line_starting(client, "mode")
+    assert "mode ZOOM" in text
     assert time.monotonic() - started < REPLY_S / 2  # not the 60 s the cell would wait unanswered
