@@ -17,10 +17,14 @@ makes, with the datums built from token lists inside the step).
        reward. Workbench: a sampling client from `save_weights_and_get_sampling_client`, group-relative
        advantages, `forward_backward(importance_sampling)` on all 32 completions, `optim_step`. TRL:
        `GRPOTrainer` generating with transformers (no vLLM), one optimizer step per generation batch.
-       Seconds per step. Target: workbench / TRL <= 0.7. With `--vllm-python`, workbench samples with
+       Seconds per step. Target: workbench / TRL <= 0.4. With `--vllm-python`, workbench samples with
        vLLM (its CPU build here, in that interpreter's environment: `make vllm-env`); TRL still generates
        with transformers: TRL 1.16 supports vLLM 0.22 to 0.31 only (the CPU build here is 0.32), and its
        colocate mode drives vLLM's workers directly through `torch.distributed`, written for GPUs.
+  GRPO, long prompt (`grpo-long`): the same step with about 512 prompt tokens: worked examples before
+       each question, as few-shot prompts are. Every completion of a step shares them, and each group
+       its question too; workbench computes that shared prefix once per call (shared-prefix training,
+       `workbench.engine.model.shared_prefix`), TRL once per completion. Target: workbench / TRL <= 0.4.
 Each task runs twice, on a quiet machine and with a second process keeping one core busy while both
 sides' children run (`bench/contention.py`: what a notebook always has beside the engine), with each
 side's median step time contended / quiet.
@@ -49,6 +53,7 @@ Settings that differ (each side's natural way of doing the same step):
     python bench/peers.py
     python bench/peers.py --tasks sft --steps 6
     python bench/peers.py --tasks grpo --vllm-python .venv-vllm/bin/python
+    python bench/peers.py --tasks grpo grpo-long --steps 5
 
 Needs `trl` (`pip install -e .[peers]`); without it, says so and exits with code 0.
 """
@@ -79,6 +84,8 @@ BETAS = (0.9, 0.95)
 EPS = 1e-8
 SFT_BATCH = 8
 PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS = 8, 4, 16
+LONG_PROMPT_TOKENS = 512  # grpo-long: the chat prompt's length, worked examples and question
+TASKS = ("sft", "grpo", "grpo-long")
 SIDES = ("trl", "workbench")
 
 
@@ -102,6 +109,30 @@ def grpo_problems(steps: int) -> list[Any]:
     from workbench.loops.datasets import addition_problems
 
     return addition_problems(steps * PROMPTS_PER_STEP, seed=0)
+
+
+def grpo_questions(task: str, problems: list[Any], tokenizer: Any) -> list[str]:
+    """Each problem's user message: its question, and for `grpo-long` worked examples before it, as
+    many as bring the chat prompt to LONG_PROMPT_TOKENS tokens (the same examples for every problem)."""
+    from workbench.loops.datasets import addition_problems
+
+    if task == "grpo":
+        return [p.question for p in problems]
+
+    def prompt_length(examples: str) -> int:
+        messages = [{"role": "user", "content": examples + problems[0].question}]
+        encoded = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True
+        )
+        return len(encoded["input_ids"])
+
+    examples = ""
+    for example in addition_problems(LONG_PROMPT_TOKENS, seed=1):
+        longer = f"{examples}{example.question}\n{example.answer}\n\n"
+        if prompt_length(longer) > LONG_PROMPT_TOKENS:
+            break
+        examples = longer
+    return [examples + p.question for p in problems]
 
 
 def reward(text: str, answer: str) -> float:
@@ -201,7 +232,9 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
         problems = grpo_problems(warmup + steps)
         dataset = Dataset.from_dict(
             {
-                "prompt": [[{"role": "user", "content": p.question}] for p in problems],
+                "prompt": [
+                    [{"role": "user", "content": q}] for q in grpo_questions(task, problems, tokenizer)
+                ],
                 "answer": [p.answer for p in problems],
             }
         )
@@ -266,11 +299,16 @@ def workbench_run(task: str, warmup: int, steps: int, sampler: str = "hf") -> di
         timed_tokens = sum(len(seq) - 1 for batch in batches[warmup:] for seq in batch)
     else:
         problems = grpo_problems(warmup + steps)
+        questions = grpo_questions(task, problems, tokenizer)
         sampling = wb.SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.0)
         eos = tokenizer.eos_token
         for step in range(warmup + steps):
-            chunk = problems[step * PROMPTS_PER_STEP : (step + 1) * PROMPTS_PER_STEP]
-            prompts = [wb.chat_prompt(tokenizer, [{"role": "user", "content": p.question}]) for p in chunk]
+            first = step * PROMPTS_PER_STEP
+            chunk = problems[first : first + PROMPTS_PER_STEP]
+            prompts = [
+                wb.chat_prompt(tokenizer, [{"role": "user", "content": q}])
+                for q in questions[first : first + PROMPTS_PER_STEP]
+            ]
             sampler = session.policy.save_weights_and_get_sampling_client()
             futures = [sampler.sample(prompt, GROUP_SIZE, sampling) for prompt in prompts]
             data = []
@@ -313,7 +351,7 @@ def run_child(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", nargs="+", choices=("sft", "grpo"), default=["sft", "grpo"])
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument(
@@ -357,10 +395,11 @@ def main() -> None:
                 print(f"{label:54s} {trl_tps:9.1f} {ours_tps:10.1f} {ours_tps / trl_tps:6.2f}  >= 1.0")
             else:
                 trl_s, ours_s = (statistics.median(figures[s]["seconds"]) for s in SIDES)
+                prompt = f", prompt {LONG_PROMPT_TOKENS}" if task == "grpo-long" else ""
                 label = (
-                    f"GRPO s/step ({PROMPTS_PER_STEP}x{GROUP_SIZE}, <= {MAX_NEW_TOKENS} new tokens), {mode}"
+                    f"GRPO s/step ({PROMPTS_PER_STEP}x{GROUP_SIZE}, <= {MAX_NEW_TOKENS} new{prompt}), {mode}"
                 )
-                print(f"{label:54s} {trl_s:9.2f} {ours_s:10.2f} {ours_s / trl_s:6.2f}  <= 0.7")
+                print(f"{label:54s} {trl_s:9.2f} {ours_s:10.2f} {ours_s / trl_s:6.2f}  <= 0.4")
             for side in SIDES:
                 step_seconds[mode, side] = statistics.median(figures[side]["seconds"])
         print(f"  {both.describe()}")

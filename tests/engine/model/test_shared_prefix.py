@@ -78,6 +78,55 @@ def test_a_prefix_stops_short_of_the_shortest_datum_and_unrelated_datums_share_n
     assert find_groups(_tensors(unrelated), overhead_tokens=0) == []
 
 
+def _few_shot_batch(rng: random.Random) -> list[list[int]]:
+    """A group-RL batch whose prompts share a header: 8 problems' prompts (a 60-token header, the same
+    for all, as a system prompt with worked examples is, then a 10-token question), 4 completions of 8
+    to 15 tokens each."""
+    header = random_tokens(rng, 60, VOCAB)
+    sequences: list[list[int]] = []
+    for _ in range(8):
+        prompt = header + random_tokens(rng, 10, VOCAB)
+        sequences += [prompt + random_tokens(rng, rng.randint(8, 15), VOCAB) for _ in range(4)]
+    return sequences
+
+
+def test_on_streams_no_group_holds_the_whole_call() -> None:
+    """One run over the header saves the most tokens (31 x 60), but it is one pass, on one stream; on
+    two streams the groups are capped at the call's tokens per stream and both streams get work."""
+    sequences = _few_shot_batch(random.Random(4))
+    tokens, lengths = _tensors(sequences), [len(sequence) for sequence in sequences]
+    one_stream = shared_prefix.groups_for_streams(tokens, overhead_tokens=16, streams=1)
+    assert one_stream == find_groups(tokens, overhead_tokens=16)
+    assert [len(group.indices) for group in one_stream] == [32]
+    whole_call = shared_prefix.group_tokens(one_stream[0], lengths)
+    two_streams = shared_prefix.groups_for_streams(tokens, overhead_tokens=16, streams=2)
+    grouped = [shared_prefix.group_tokens(group, lengths) for group in two_streams]
+    assert len(two_streams) >= 2
+    assert max(grouped) <= (whole_call + 16) / 2  # the single run's tokens per stream
+    assert (sum(grouped) + 16 * len(two_streams)) / 2 < 0.7 * whole_call  # the streams' time, about
+    assert all(group.prefix_length >= 60 for group in two_streams)  # the header at least
+
+
+def test_one_long_group_stays_one_group_on_streams() -> None:
+    """Capping a group at half the call's tokens would leave nothing worth sharing: the plan keeps it."""
+    rng = random.Random(5)
+    prompt = random_tokens(rng, 400, VOCAB)
+    sequences = [prompt + random_tokens(rng, 30, VOCAB) for _ in range(8)]
+    groups = shared_prefix.groups_for_streams(_tensors(sequences), overhead_tokens=48, streams=2)
+    assert groups == [PrefixGroup(list(range(8)), 400)]
+
+
+def test_no_group_computes_more_than_the_cap() -> None:
+    rng = random.Random(6)
+    prompt = random_tokens(rng, 100, VOCAB)
+    sequences = [prompt + random_tokens(rng, 10, VOCAB) for _ in range(8)]
+    lengths = [len(sequence) for sequence in sequences]
+    for cap in (130, 150, 200, 500):
+        groups = find_groups(_tensors(sequences), overhead_tokens=0, largest_group_tokens=cap)
+        assert groups and all(shared_prefix.group_tokens(group, lengths) <= cap for group in groups)
+    assert find_groups(_tensors(sequences), overhead_tokens=0, largest_group_tokens=119) == []
+
+
 def test_passes_hold_whole_groups_within_the_budget() -> None:
     groups = [PrefixGroup([4 * g + k for k in range(4)], 50 + g) for g in range(6)]
     lengths = [50 + g + 10 for g in range(6) for _ in range(4)]

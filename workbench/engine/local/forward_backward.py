@@ -10,7 +10,8 @@ datum's length in input order; metric sums are kept over the micro-batches and t
 the whole call succeeded and its gradient is finite (`TrainableAdapter.accumulating`).
 
 Datums that start with the same tokens (a group RL prompt's completions) are found first
-(`shared_prefix.find_groups`, where its cost rule says sharing pays): each such group runs in a
+(`shared_prefix.groups_for_streams`, where its cost rule says sharing pays, with the call's streams
+kept busy): each such group runs in a
 shared-prefix pass, its prefix computed once (`workbench.engine.model.prefix_attention`), and the other
 datums as above. A group is never split across passes or streams. The history row of the call records
 the tokens computed and the tokens submitted (`computed_tokens:sum`, `submitted_tokens:sum`).
@@ -45,7 +46,7 @@ from workbench.engine.model.shared_prefix import (
     PrefixGroup,
     collate_shared,
     computed_tokens,
-    find_groups,
+    groups_for_streams,
     plan_shared_passes,
 )
 from workbench.engine.roles import Role
@@ -208,7 +209,9 @@ def plan_call(
     (and, on `streams` streams, about an equal share of their tokens per stream, at least
     `CHUNK_TOKENS`); the other datums as length-grouped micro-batches, cut into stream chunks."""
     lengths = [item.length for item in batch]
-    groups = find_groups([item.tokens_N for item in batch], shared_prefix.PREFIX_PASS_OVERHEAD_TOKENS)
+    groups = groups_for_streams(
+        [item.tokens_N for item in batch], shared_prefix.PREFIX_PASS_OVERHEAD_TOKENS, streams
+    )
     grouped = {index for group in groups for index in group.indices}
     rest = [index for index in range(len(batch)) if index not in grouped]
     plan = (

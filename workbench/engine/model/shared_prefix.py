@@ -18,10 +18,21 @@ below). The datums are sorted by their tokens, so datums with a common prefix ar
 into runs by an exact dynamic programme that maximises Σ ((G − 1) · L − overhead) over the runs that
 share (a run of one, or one that does not pay, runs as today). A prefix stops one token short of the
 shortest datum of its group, so every datum keeps a suffix of at least one token.
+
+On S ≥ 2 streams the largest saving can be the slowest plan. A group is one pass, so a call's time is
+at least its largest group's computed tokens C_max, and at least its computed tokens C over S:
+time ∝ max(C_max, C / S). Group RL's prompts share a header (a system prompt, worked examples) and,
+within a problem's G completions, the question after it; the one run over every problem that shares
+the header saves the most tokens, and puts nearly the whole call in one pass on one stream
+(`bench/peers.py`'s GRPO batch: 24 of its 32 datums in one 819-token pass, the other stream idle
+after 165 tokens, as slow as not sharing). So the rule is also run with each group's computed tokens
+capped at the first plan's C / S, and the plan of the two with the smaller max(C_max, C / S) is taken
+(there: a group per problem, 7 passes of at most 165 tokens, 1.2x fewer computed tokens and balanced).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,11 +42,15 @@ from torch import Tensor
 
 from workbench.engine.model.batching import MicroBatch, PreparedDatum, collate
 
-# The cost of a group's own prefix pass, in tokens' worth of a training pass. An estimate, not yet measured
-# on its own: a shared pass makes one model call more than a plain micro-batch (the planner's measured
-# cost of a call, `batching.MICROBATCH_OVERHEAD_TOKENS` = 128), and a pass holds several groups (about 3
-# of a GRPO batch's on 2 streams), which share that call. Tests inject it; `bench/prefix.py` runs with it.
-PREFIX_PASS_OVERHEAD_TOKENS = 48
+# The cost of a group's own prefix pass, in tokens' worth of a training pass. A shared pass makes one
+# model call more than a plain micro-batch (the planner's measured cost of a call,
+# `batching.MICROBATCH_OVERHEAD_TOKENS` = 128), and the groups of a pass (up to about 8 of a GRPO batch's
+# on 2 streams) share that call: 128 / 8. Bounded by a measurement: `bench/peers.py`'s GRPO batch (8
+# problems x 4 completions, a 27-token header and an 18-token question) ran a group per problem, 728
+# computed tokens, in 4.25 s, and a plan of 5 groups, one over the header, 882 tokens, in 5.5 s
+# (SmolLM2-135M, 2 streams); a cost of 45 or more per group would have chosen the slower one. Tests
+# inject it; `bench/prefix.py` runs with it.
+PREFIX_PASS_OVERHEAD_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -54,9 +69,12 @@ def _common_prefix(first: np.ndarray, second: np.ndarray) -> int:
     return int(differs[0]) if len(differs) else n
 
 
-def find_groups(tokens: Sequence[Tensor], overhead_tokens: float) -> list[PrefixGroup]:
+def find_groups(
+    tokens: Sequence[Tensor], overhead_tokens: float, largest_group_tokens: float = math.inf
+) -> list[PrefixGroup]:
     """The groups worth sharing among datums with these `tokens` (each (N_d,)), by the rule above with
-    `overhead_tokens` for a prefix pass; each group's datums in input order, groups in sorted order."""
+    `overhead_tokens` for a prefix pass, none computing more than `largest_group_tokens` tokens; each
+    group's datums in input order, groups in sorted order."""
     arrays = [t.numpy() if isinstance(t, Tensor) else np.asarray(t) for t in tokens]
     count = len(arrays)
     if count < 2:
@@ -72,10 +90,12 @@ def find_groups(tokens: Sequence[Tensor], overhead_tokens: float) -> list[Prefix
     for end in range(1, count + 1):
         best[end], start[end] = best[end - 1], end - 1
         shared = len(arrays[order[end - 1]]) - 1
+        run_tokens = len(arrays[order[end - 1]])
         for first in range(end - 2, -1, -1):
             shared = min(shared, neighbour_prefix[first], len(arrays[order[first]]) - 1)
-            if shared == 0:
-                break
+            run_tokens += len(arrays[order[first]])
+            if shared == 0 or run_tokens - (end - first - 1) * shared > largest_group_tokens:
+                break  # a longer run shares no more and computes more
             saving = best[first] + (end - first - 1) * shared - overhead_tokens
             if saving > best[end]:
                 best[end], start[end], prefix_of[end] = saving, first, shared
@@ -87,6 +107,31 @@ def find_groups(tokens: Sequence[Tensor], overhead_tokens: float) -> list[Prefix
             groups.append(PrefixGroup(sorted(order[first:end]), prefix_of[end]))
         end = first
     return groups[::-1]
+
+
+def group_tokens(group: PrefixGroup, lengths: Sequence[int]) -> int:
+    """The real tokens a group computes: its prefix once and each datum's suffix, Σ N_d − (G − 1) · L."""
+    return sum(lengths[i] for i in group.indices) - (len(group.indices) - 1) * group.prefix_length
+
+
+def groups_for_streams(tokens: Sequence[Tensor], overhead_tokens: float, streams: int) -> list[PrefixGroup]:
+    """`find_groups`, and on `streams` ≥ 2 the same with each group capped at the first plan's computed
+    tokens per stream, whichever plan has the smaller max(C_max, C / S) (the module's docstring)."""
+    groups = find_groups(tokens, overhead_tokens)
+    if streams < 2 or not groups:
+        return groups
+    lengths = [len(t) for t in tokens]
+
+    def per_stream(chosen: list[PrefixGroup]) -> float:
+        """C / S, with each group's prefix pass counted at `overhead_tokens`."""
+        saved = sum((len(group.indices) - 1) * group.prefix_length for group in chosen)
+        return (sum(lengths) - saved + overhead_tokens * len(chosen)) / streams
+
+    def call_time(chosen: list[PrefixGroup]) -> float:
+        return max([per_stream(chosen), *(group_tokens(group, lengths) for group in chosen)])
+
+    balanced = find_groups(tokens, overhead_tokens, largest_group_tokens=per_stream(groups))
+    return balanced if call_time(balanced) < call_time(groups) else groups
 
 
 def computed_tokens(groups: Sequence[PrefixGroup], lengths: Sequence[int]) -> int:
