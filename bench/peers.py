@@ -24,7 +24,9 @@ makes, with the datums built from token lists inside the step).
   GRPO, long prompt (`grpo-long`): the same step with about 512 prompt tokens: worked examples before
        each question, as few-shot prompts are. Every completion of a step shares them, and each group
        its question too; workbench computes that shared prefix once per call (shared-prefix training,
-       `workbench.engine.model.shared_prefix`), TRL once per completion. Target: workbench / TRL <= 0.4.
+       `workbench.engine.model.shared_prefix`), TRL once per completion. TRL runs with its default
+       activation checkpointing here: without it, its one padded pass needs more than 24 GiB. Target:
+       workbench / TRL <= 0.4.
 Each task runs twice, on a quiet machine and with a second process keeping one core busy while both
 sides' children run (`bench/contention.py`: what a notebook always has beside the engine), with each
 side's median step time contended / quiet.
@@ -44,7 +46,8 @@ Settings that differ (each side's natural way of doing the same step):
     gradient clipping.
   - micro-batches: workbench groups datums by length under its token budget (and checkpoints layers only
     past its full-activation limit, 1,024 padded tokens here); TRL runs the batch as one padded forward, with
-    `gradient_checkpointing=False` (TRL's default is True; off is the faster setting at these sizes).
+    `activation_checkpointing=False` (TRL's default is True; off is the faster setting at these sizes;
+    grpo-long keeps it on).
   - TRL also computes its logged metrics every step (entropy, token accuracy); workbench its own
     (`loss:sum`, `num_tokens:sum`).
   - Sampling: both draw at temperature 1 with no top-k/top-p and stop at the end-of-turn token; the
@@ -196,7 +199,9 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
         "weight_decay": 0.0,
         "max_grad_norm": 0.0,
         "bf16": False,
-        "activation_checkpointing": False,
+        # off is the faster setting at these sizes; grpo-long's one padded pass over 32 x ~530 tokens
+        # runs out of 24 GiB without it, so that task keeps TRL's default (on)
+        "activation_checkpointing": task == "grpo-long",
         "use_cpu": True,
         "dataloader_num_workers": 0,
         "logging_steps": 1,
