@@ -6,6 +6,8 @@ share nothing):
 
     long    8 groups x 8 completions, prompt 512, completion 64 tokens (4.5x fewer tokens computed)
     grpo    8 groups x 4 completions, prompt 40, completion 16 tokens (`bench/peers.py`'s GRPO batch)
+    header  the same with prompts as a chat template makes them: a 27-token header common to all 8
+            (the system prompt), then an 18-token question (`groups_for_streams` chooses the groups)
     none    32 datums of 56 tokens sharing no prefix (the rule finds nothing: today's path)
 
 Each side of each case is a fresh process, run quiet and then with `bench/contention.py`'s busy process
@@ -13,7 +15,7 @@ keeping one core busy: it loads the model, runs `--warmup` untimed steps, then `
 and reports submitted tokens per second and the step's peak resident memory over the loaded model
 (Linux `VmHWM`, reset before the first timed step; on a GPU the peak CUDA allocation). "plain" is the
 engine with sharing off (the rule's prefix-pass cost set to infinity), the floor every ratio is
-against. Targets: long >= 3.5x and lower peak memory, grpo >= 1.5x, none >= 0.98x.
+against. Targets: long >= 3.5x and lower peak memory, grpo and header >= 1.5x, none >= 0.98x.
 
 `--rollout`: a 5-turn rollout through the HF sampler (a 200-token first prompt; each turn samples 2
 replies of 32 tokens, and the first reply and a 16-token message extend the conversation), in one
@@ -44,10 +46,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 MODEL = "smollm2-135m"
-CASES = {  # groups, completions per group, prompt tokens, completion tokens
-    "long": (8, 8, 512, 64),
-    "grpo": (8, 4, 40, 16),
-    "none": (32, 1, 40, 16),
+CASES = {  # groups, completions per group, header tokens common to all prompts, prompt tokens, completion tokens
+    "long": (8, 8, 0, 512, 64),
+    "grpo": (8, 4, 0, 40, 16),
+    "header": (8, 4, 27, 45, 16),
+    "none": (32, 1, 0, 40, 16),
 }
 SIDES = ("plain", "shared")
 TOKEN_IDS = (1000, 40_000)
@@ -58,11 +61,12 @@ def batch(case: str) -> list:
     advantage on the completion positions."""
     import workbench as wb
 
-    groups, completions, prompt_length, completion_length = CASES[case]
+    groups, completions, header_length, prompt_length, completion_length = CASES[case]
     rng = random.Random(0)
+    header = [rng.randrange(*TOKEN_IDS) for _ in range(header_length)]
     data = []
     for _ in range(groups):
-        prompt = [rng.randrange(*TOKEN_IDS) for _ in range(prompt_length)]
+        prompt = header + [rng.randrange(*TOKEN_IDS) for _ in range(prompt_length - header_length)]
         for _ in range(completions):
             tokens = prompt + [rng.randrange(*TOKEN_IDS) for _ in range(completion_length)]
             completion = [float(i >= prompt_length - 1) for i in range(len(tokens) - 1)]
@@ -181,7 +185,7 @@ def main() -> None:
         return
     print(f"{MODEL}, forward_backward(importance_sampling), {args.warmup} warm-up + {args.steps} timed steps")
     for case in args.cases:
-        groups, completions, prompt, completion = CASES[case]
+        groups, completions, _, prompt, completion = CASES[case]
         print(f"\n{case}: {groups} x {completions} datums, prompt {prompt}, completion {completion}")
         for mode in args.modes:
             results: dict[str, dict[str, float]] = {}
