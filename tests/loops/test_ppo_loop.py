@@ -40,6 +40,9 @@ def test_rollout_datums_line_up_with_the_samples(tiny: wb.Session) -> None:
 
 
 def test_grpo_style_loop_raises_the_reward() -> None:
+    """At learning rate 3e-2 the reward rises by 0.27 to 0.52 over 12 steps for seeds 0 to 7 (seed 0:
+    0.49). At 5e-2 it reaches 1.0 sooner, and then Adam's momentum carries on once every advantage is 0:
+    on some machines the reward fell back to 0.3 within the 12 steps."""
     with wb.Session("tiny", wb.LoraConfig(rank=8), seed=0) as sess:
         prompt = sess.tokenizer("The answer is").input_ids
         target = sess.base_info.vocab_size
@@ -52,7 +55,7 @@ def test_grpo_style_loop_raises_the_reward() -> None:
             advantages = wb.group_relative_advantages(group_rewards)
             data = [wb.policy_datum(prompt, s, float(a)) for s, a in zip(group, advantages, strict=True)]
             sess.policy.forward_backward(data, "importance_sampling").result()
-            sess.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
+            sess.policy.optim_step(wb.AdamParams(learning_rate=3e-2)).result()
         assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
 
 
