@@ -48,6 +48,7 @@ from workbench.engine.model.shared_prefix import (
     computed_tokens,
     groups_for_streams,
     plan_shared_passes,
+    saved_tokens,
 )
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
@@ -243,8 +244,7 @@ def plan_call(
         if len(units) >= 2 and within_limit and (plain_chunks is not None or shared):
             chunks = units
     submitted = sum(lengths)
-    saved = sum((len(group.indices) - 1) * group.prefix_length for group in groups)
-    return CallPlan([*shared, *plan], chunks, submitted - saved, submitted)
+    return CallPlan([*shared, *plan], chunks, submitted - saved_tokens(groups), submitted)
 
 
 def _pass_tokens(unit: Pass, lengths: Sequence[int]) -> int:

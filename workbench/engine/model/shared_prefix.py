@@ -27,7 +27,8 @@ the header saves the most tokens, and puts nearly the whole call in one pass on 
 (`bench/peers.py`'s GRPO batch: 24 of its 32 datums in one 819-token pass, the other stream idle
 after 165 tokens, as slow as not sharing). So the rule is also run with each group's computed tokens
 capped at the first plan's C / S, and the plan of the two with the smaller max(C_max, C / S) is taken
-(there: a group per problem, 7 passes of at most 165 tokens, 1.2x fewer computed tokens and balanced).
+(there: 7 groups of at most 165 tokens, a problem's completions each, 1.2x fewer computed tokens, in
+two balanced passes).
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ def group_tokens(group: PrefixGroup, lengths: Sequence[int]) -> int:
     return sum(lengths[i] for i in group.indices) - (len(group.indices) - 1) * group.prefix_length
 
 
+def saved_tokens(groups: Sequence[PrefixGroup]) -> int:
+    """The tokens sharing saves: Σ (G − 1) · L over the groups."""
+    return sum((len(group.indices) - 1) * group.prefix_length for group in groups)
+
+
 def groups_for_streams(tokens: Sequence[Tensor], overhead_tokens: float, streams: int) -> list[PrefixGroup]:
     """`find_groups`, and on `streams` ≥ 2 the same with each group capped at the first plan's computed
     tokens per stream, whichever plan has the smaller max(C_max, C / S) (the module's docstring)."""
@@ -124,8 +130,7 @@ def groups_for_streams(tokens: Sequence[Tensor], overhead_tokens: float, streams
 
     def per_stream(chosen: list[PrefixGroup]) -> float:
         """C / S, with each group's prefix pass counted at `overhead_tokens`."""
-        saved = sum((len(group.indices) - 1) * group.prefix_length for group in chosen)
-        return (sum(lengths) - saved + overhead_tokens * len(chosen)) / streams
+        return (sum(lengths) - saved_tokens(chosen) + overhead_tokens * len(chosen)) / streams
 
     def call_time(chosen: list[PrefixGroup]) -> float:
         return max([per_stream(chosen), *(group_tokens(group, lengths) for group in chosen)])
