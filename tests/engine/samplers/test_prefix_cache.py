@@ -12,6 +12,7 @@ import torch
 
 import workbench as wb
 from tests.datums import random_tokens
+from workbench.engine.samplers.hf import shared_header_length
 from workbench.engine.samplers.prefix_cache import PromptPrefixCache
 
 VOCAB = 200
@@ -119,3 +120,54 @@ def test_no_entry_outlives_its_weights_and_a_new_version_samples_as_without_the_
     for a, b in zip(cached.sequences, plain.sequences, strict=True):
         assert a.tokens == b.tokens
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_a_header_is_shared_where_it_saves_more_than_a_model_call() -> None:
+    header = list(range(100))
+    assert shared_header_length([[*header, 1, 2], [*header, 3]]) == 0  # saves 100 < 128 tokens' worth
+    assert shared_header_length([[*header, 1, 2], [*header, 3], [*header, 4, 5]]) == 100
+    assert shared_header_length([[*header, 1], [*header, 1], [*header, 1]]) == 100  # each keeps a token
+    assert shared_header_length([[7, *header], header, header]) == 0  # nothing in common
+    assert shared_header_length([[*header, 1]]) == 0
+
+
+def test_prompts_sharing_a_header_prefill_it_once_and_sample_as_alone() -> None:
+    """A group RL call: 4 prompts that start with the same 60-token header (a system prompt, worked
+    examples). Sampled in one call, the header is prefilled once and then each prompt's rest; each
+    prompt samples the tokens and logprobs it samples alone."""
+    rng = random.Random(2)
+    header = random_tokens(rng, 60, VOCAB)
+    prompts = [header + random_tokens(rng, 8, VOCAB) for _ in range(4)]
+    params = [wb.SamplingParams(max_tokens=6, temperature=1.0, seed=10 + k, stop=[]) for k in range(4)]
+    busy = [
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints(random_tokens(rng, 255, VOCAB)),
+            loss_fn_inputs={"target_tokens": random_tokens(rng, 255, VOCAB)},
+        )
+        for _ in range(32)
+    ]
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
+        cache = sess.engine.prompt_cache
+        cache.max_bytes = 0  # nothing kept across calls: what a call computes is its own
+        client = sess.sampling_client()
+        alone = [client.sample(p, 2, q).result() for p, q in zip(prompts, params, strict=True)]
+        assert cache.stats.computed_tokens == cache.stats.prompt_tokens == 4 * 67
+        embedded: list[int] = []
+        embeddings = sess.engine.torch_model.get_input_embeddings()
+        handle = embeddings.register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+        try:
+            sess.policy.forward(busy, "cross_entropy")  # the worker is busy: the 4 requests queue together
+            together = [
+                future.result()
+                for future in [client.sample(p, 2, q) for p, q in zip(prompts, params, strict=True)]
+            ]
+        finally:
+            handle.remove()
+        stats = cache.stats
+    assert stats.prompt_tokens == 2 * 4 * 67
+    assert stats.computed_tokens - 4 * 67 == 60 + 4 * 7  # the header once, then each prompt's rest
+    assert sum(embedded) - 32 * 255 == 60 + 4 * 7 + 4 * 2 * 6  # what the decoder embedded: prefill, decoding
+    for single, batched in zip(alone, together, strict=True):
+        for a, b in zip(single.sequences, batched.sequences, strict=True):
+            assert a.tokens == b.tokens
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

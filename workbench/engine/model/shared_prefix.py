@@ -63,7 +63,7 @@ class PrefixGroup:
     prefix_length: int
 
 
-def _common_prefix(first: np.ndarray, second: np.ndarray) -> int:
+def common_prefix_length(first: np.ndarray, second: np.ndarray) -> int:
     """How many leading tokens two token arrays share."""
     n = min(len(first), len(second))
     differs = np.flatnonzero(first[:n] != second[:n])
@@ -81,7 +81,7 @@ def find_groups(
     if count < 2:
         return []
     order = sorted(range(count), key=lambda i: arrays[i].tolist())
-    neighbour_prefix = [_common_prefix(arrays[order[k]], arrays[order[k + 1]]) for k in range(count - 1)]
+    neighbour_prefix = [common_prefix_length(arrays[order[k]], arrays[order[k + 1]]) for k in range(count - 1)]
     if max(neighbour_prefix) == 0:
         return []
     # best[j]: the largest saving over sorted datums [0, j); start[j]: where the last run of it begins

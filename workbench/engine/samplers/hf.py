@@ -16,6 +16,9 @@ when every row has. A request's `token_sink` is told each of its rows' tokens af
 it, so its caller can stream them while the batch decodes. Across calls, a prompt's keys and values are
 kept in a `PromptPrefixCache` under the weights they were computed with, so a prompt that starts like
 an earlier one (a conversation's next turn) prefills only the tokens after the longest cached prefix.
+Within a call, prompts that start with the same tokens (a group RL step's system prompt and worked
+examples) prefill those once, then each prompt's rest (`shared_header_length`): `bench/peers.py`'s
+long-prompt GRPO call, 8 prompts of 509 tokens sharing 492, prefilled in 1.5 s instead of 6.9 s.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import math
 import threading
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import (
@@ -38,8 +42,9 @@ from transformers import (
 )
 
 from workbench.engine.model.adapted_model import AdaptedModel
-from workbench.engine.model.batching import PreparedDatum, collate
+from workbench.engine.model.batching import MICROBATCH_OVERHEAD_TOKENS, PreparedDatum, collate
 from workbench.engine.model.logprobs import final_features, language_model_logprobs, score_positions
+from workbench.engine.model.shared_prefix import common_prefix_length
 from workbench.engine.samplers.prefix_cache import LayerKeyValues, PromptPrefixCache
 from workbench.engine.samplers.requests import (
     INTERRUPTED_MESSAGE,
@@ -127,6 +132,20 @@ def draw_tokens(
     if order_R_V is None:
         return picked_R
     return order_R_V.gather(1, picked_R[:, None]).squeeze(1)
+
+
+def shared_header_length(prompts: Sequence[Sequence[int]]) -> int:
+    """How many first tokens `prompts` all share, where prefilling them once pays: n prompts sharing L
+    tokens compute (n − 1) · L fewer, for one more model call (`batching.MICROBATCH_OVERHEAD_TOKENS`
+    tokens' worth). At most one short of the shortest prompt, so each keeps a token after the header.
+    0 where it does not pay."""
+    if len(prompts) < 2:
+        return 0
+    first = np.asarray(prompts[0])
+    length = min(len(prompt) for prompt in prompts) - 1
+    for prompt in prompts[1:]:
+        length = min(length, common_prefix_length(first, np.asarray(prompt)))
+    return length if (len(prompts) - 1) * length >= MICROBATCH_OVERHEAD_TOKENS else 0
 
 
 class _ChooseTokens(LogitsProcessor):
@@ -469,31 +488,35 @@ class HFSampler:
         A request's samples share their prompt, so `generate`'s own prefill (one per row) would compute
         the same keys and values `num_samples` times: for 8 prompts of 45 tokens × 4 samples and 16 new
         tokens, that repeated prefill is a third of the call on a CPU. Prompts with no cached prefix are
-        prefilled together, left-padded; one with a cached prefix prefills only what follows it. Every
-        prompt's keys and values then go into the prompt cache. Also gives how many tokens of each
-        prompt came from the cache. None for one-token prompts.
+        prefilled together (`_prefill_misses`); one with a cached prefix prefills only what follows it.
+        Every prompt's keys and values then go into the prompt cache. Also gives, for each prompt, how
+        many of its tokens were not computed for it: found in the cache, or its call's shared header
+        computed for the first prompt that has it. None for one-token prompts.
         """
         prompts = [request.prompt_tokens[:-1] for request in requests]
         longest = max(len(prompt) for prompt in prompts)
         if longest < 1:
             return None, [0] * len(prompts)
         found = [self.prefix_cache.longest(weights, prompt) for prompt in prompts]
+        reused = [cached for cached, _ in found]
         per_request: list[LayerKeyValues | None] = [None] * len(prompts)
         misses = [i for i, (cached, _) in enumerate(found) if cached == 0 and prompts[i]]
         if misses:
-            computed = self._prefill_together([prompts[i] for i in misses])
+            computed = self._prefill_misses([prompts[i] for i in misses])
             if computed is None:  # sliding-window layers keep only their window: no per-prompt entries
                 return self._prefill_all(prompts, request_of_row_N), [0] * len(prompts)
-            for i, keys_values in zip(misses, computed, strict=True):
+            keys_values_of_misses, header = computed
+            for number, (i, keys_values) in enumerate(zip(misses, keys_values_of_misses, strict=True)):
                 per_request[i] = keys_values
+                reused[i] = header if number else 0
         for i, (cached, keys_values) in enumerate(found):
             if cached:
                 assert keys_values is not None
-                per_request[i] = self._prefill_after(prompts[i], cached, keys_values)
-        for prompt, (cached, _), keys_values in zip(prompts, found, per_request, strict=True):
+                per_request[i] = self._prefill_after([prompts[i]], cached, keys_values)[0]
+        for prompt, reused_tokens, keys_values in zip(prompts, reused, per_request, strict=True):
             if keys_values is not None:
                 self.prefix_cache.put(weights, prompt, keys_values)
-            self.prefix_cache.count(len(prompt), cached)
+            self.prefix_cache.count(len(prompt), reused_tokens)
         cache = DynamicCache(config=self.adapted.module.config)
         layers = next(kv for kv in per_request if kv is not None)
         for layer, (keys_H_Q_D, values_H_Q_E) in enumerate(layers):
@@ -511,7 +534,7 @@ class HFSampler:
                     values_R_H_Q_D[row, :, longest - values.shape[1] :] = values
             cache.update(keys_R_H_Q_D, values_R_H_Q_D, layer)
         cache.batch_select_indices(request_of_row_N)
-        return cache, [cached for cached, _ in found]
+        return cache, reused
 
     def _left_padded_tokens(self, prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor]:
         """Token ids, attention mask and position ids (as `generate` derives them from a left-padded
@@ -543,6 +566,21 @@ class HFSampler:
         cache.batch_select_indices(request_of_row_N)
         return cache
 
+    def _prefill_misses(self, prompts: list[tuple[int, ...]]) -> tuple[list[LayerKeyValues], int] | None:
+        """Prompts with nothing cached, prefilled: the tokens they all start with once, where that
+        pays (`shared_header_length`: a group RL call's prompts share a system prompt or worked
+        examples), then the rest of each in one pass; else all together in one pass. Each prompt's keys
+        and values (copies) and the header's length (0: none); None for a model with sliding-window
+        layers."""
+        header = shared_header_length(prompts)
+        if header == 0:
+            together = self._prefill_together(prompts)
+            return None if together is None else (together, 0)
+        computed = self._prefill_together([prompts[0][:header]])
+        if computed is None:
+            return None
+        return self._prefill_after(prompts, header, computed[0]), header
+
     def _prefill_together(self, prompts: list[tuple[int, ...]]) -> list[LayerKeyValues] | None:
         """Prompts prefilled in one left-padded pass, and each one's keys and values (copies, without
         the padding); None for a model with sliding-window layers."""
@@ -563,17 +601,36 @@ class HFSampler:
         ]
 
     def _prefill_after(
-        self, prompt: tuple[int, ...], cached: int, keys_values: LayerKeyValues
-    ) -> LayerKeyValues:
-        """A prompt's keys and values from its first `cached` positions' and a pass over the rest."""
-        if cached == len(prompt):
-            return keys_values
+        self, prompts: list[tuple[int, ...]], cached: int, keys_values: LayerKeyValues
+    ) -> list[LayerKeyValues]:
+        """Prompts that start with the same `cached` tokens, whose keys and values are `keys_values`:
+        each one's keys and values, from those and one pass over the rest of every prompt. The rests
+        are right-padded: a row's padding comes after its real positions, which causal attention keeps
+        from seeing it."""
+        rests = [len(prompt) - cached for prompt in prompts]
+        if max(rests) == 0:
+            return [keys_values] * len(prompts)
+        rows, longest = len(prompts), max(rests)
         cache = DynamicCache(config=self.adapted.module.config)
         for layer, (keys, values) in enumerate(keys_values):
-            cache.update(keys[None], values[None], layer)
-        ids = torch.tensor([prompt[cached:]], device=self.device)
-        self._run(cache, ids, torch.ones((1, len(prompt)), dtype=torch.long, device=self.device), None)
-        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+            cache.update(keys.expand(rows, *keys.shape), values.expand(rows, *values.shape), layer)
+        ids_R_S = torch.full((rows, longest), int(self.tokenizer.pad_token_id), dtype=torch.long)
+        mask_R_C = torch.zeros((rows, cached + longest), dtype=torch.long)
+        mask_R_C[:, :cached] = 1
+        for row, (prompt, rest) in enumerate(zip(prompts, rests, strict=True)):
+            ids_R_S[row, :rest] = torch.tensor(prompt[cached:])
+            mask_R_C[row, cached : cached + rest] = 1
+        position_ids_R_S = (cached + torch.arange(longest)).expand(rows, -1)
+        self._run(cache, ids_R_S.to(self.device), mask_R_C.to(self.device), position_ids_R_S.to(self.device))
+        if rows == 1:
+            return [[(layer.keys[0], layer.values[0]) for layer in cache.layers]]
+        return [
+            [
+                (layer.keys[row, :, : cached + rest].clone(), layer.values[row, :, : cached + rest].clone())
+                for layer in cache.layers
+            ]
+            for row, rest in enumerate(rests)
+        ]
 
     @torch.no_grad()
     def prompt_logprobs(self, prompts: list[tuple[int, ...]]) -> list[list[float | None]]:

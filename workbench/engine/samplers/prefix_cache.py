@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from workbench.engine.model.shared_prefix import common_prefix_length
+
 # Bytes of keys and values the cache holds at most: 512 MiB, about 11,000 tokens of SmolLM2-135M in fp32.
 PREFIX_CACHE_BYTES = 512 * 2**20
 
@@ -44,12 +46,6 @@ class PrefixCacheStats:
         return 1.0 - self.computed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def _common_prefix(first: np.ndarray, second: np.ndarray) -> int:
-    n = min(len(first), len(second))
-    differs = np.flatnonzero(first[:n] != second[:n])
-    return int(differs[0]) if len(differs) else n
-
-
 class PromptPrefixCache:
     """An LRU of (weights, tokens) → per-layer keys and values, within `max_bytes`."""
 
@@ -67,7 +63,7 @@ class PromptPrefixCache:
         for key in self.entries:
             if key[0] != weights:
                 continue
-            shared = _common_prefix(np.asarray(key[1]), query)
+            shared = common_prefix_length(np.asarray(key[1]), query)
             if shared > best:
                 best, best_key = shared, key
         if best_key is None:
