@@ -86,6 +86,7 @@ def test_a_multi_turn_rollout_prefills_only_its_new_tokens_and_samples_the_same(
     assert embedded_without - embedded_with == submitted - computed  # what the decoder did not embed
     assert computed <= 0.3 * submitted
     assert stats.hits == 4  # every turn after the first
+    assert stats.cached_tokens == stats.prompt_tokens - stats.computed_tokens
     # each turn's history row says how much of its prefill the cache gave
     assert sum(row["prefill_tokens:sum"] for row in rows) == submitted
     assert sum(row["prefill_cached_tokens:sum"] for row in rows) == submitted - computed
@@ -166,6 +167,7 @@ def test_prompts_sharing_a_header_prefill_it_once_and_sample_as_alone() -> None:
         stats = cache.stats
     assert stats.prompt_tokens == 2 * 4 * 67
     assert stats.computed_tokens - 4 * 67 == 60 + 4 * 7  # the header once, then each prompt's rest
+    assert stats.cached_tokens == stats.hits == 0  # shared within the call: nothing came from the cache
     assert sum(embedded) - 32 * 255 == 60 + 4 * 7 + 4 * 2 * 6  # what the decoder embedded: prefill, decoding
     for single, batched in zip(alone, together, strict=True):
         for a, b in zip(single.sequences, batched.sequences, strict=True):

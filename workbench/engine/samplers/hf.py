@@ -489,16 +489,15 @@ class HFSampler:
         the same keys and values `num_samples` times: for 8 prompts of 45 tokens × 4 samples and 16 new
         tokens, that repeated prefill is a third of the call on a CPU. Prompts with no cached prefix are
         prefilled together (`_prefill_misses`); one with a cached prefix prefills only what follows it.
-        Every prompt's keys and values then go into the prompt cache. Also gives, for each prompt, how
-        many of its tokens were not computed for it: found in the cache, or its call's shared header
-        computed for the first prompt that has it. None for one-token prompts.
+        Every prompt's keys and values then go into the prompt cache. Also gives how many tokens of each
+        prompt came from the cache. None for one-token prompts.
         """
         prompts = [request.prompt_tokens[:-1] for request in requests]
         longest = max(len(prompt) for prompt in prompts)
         if longest < 1:
             return None, [0] * len(prompts)
         found = [self.prefix_cache.longest(weights, prompt) for prompt in prompts]
-        reused = [cached for cached, _ in found]
+        shared = [0] * len(prompts)  # tokens of a header computed for an earlier prompt of the call
         per_request: list[LayerKeyValues | None] = [None] * len(prompts)
         misses = [i for i, (cached, _) in enumerate(found) if cached == 0 and prompts[i]]
         if misses:
@@ -508,15 +507,15 @@ class HFSampler:
             keys_values_of_misses, header = computed
             for number, (i, keys_values) in enumerate(zip(misses, keys_values_of_misses, strict=True)):
                 per_request[i] = keys_values
-                reused[i] = header if number else 0
+                shared[i] = header if number else 0
         for i, (cached, keys_values) in enumerate(found):
             if cached:
                 assert keys_values is not None
                 per_request[i] = self._prefill_after([prompts[i]], cached, keys_values)[0]
-        for prompt, reused_tokens, keys_values in zip(prompts, reused, per_request, strict=True):
+        for prompt, (cached, _), header, keys_values in zip(prompts, found, shared, per_request, strict=True):
             if keys_values is not None:
                 self.prefix_cache.put(weights, prompt, keys_values)
-            self.prefix_cache.count(len(prompt), reused_tokens)
+            self.prefix_cache.count(len(prompt), cached, header)
         cache = DynamicCache(config=self.adapted.module.config)
         layers = next(kv for kv in per_request if kv is not None)
         for layer, (keys_H_Q_D, values_H_Q_E) in enumerate(layers):
@@ -534,7 +533,7 @@ class HFSampler:
                     values_R_H_Q_D[row, :, longest - values.shape[1] :] = values
             cache.update(keys_R_H_Q_D, values_R_H_Q_D, layer)
         cache.batch_select_indices(request_of_row_N)
-        return cache, reused
+        return cache, [cached for cached, _ in found]
 
     def _left_padded_tokens(self, prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor]:
         """Token ids, attention mask and position ids (as `generate` derives them from a left-padded

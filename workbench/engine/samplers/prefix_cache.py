@@ -32,10 +32,12 @@ LayerKeyValues = list[tuple[Tensor, Tensor]]
 
 @dataclass
 class PrefixCacheStats:
-    """Since the sampler started: prompt tokens to prefill, those computed (the rest came from the
-    cache), and the requests that found a cached prefix."""
+    """Since the sampler started: prompt tokens to prefill, those that came from the cache, those
+    computed (fewer than the rest where prompts of one call shared a header, computed once:
+    `HFSampler`), and the requests that found a cached prefix."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     computed_tokens: int = 0
     requests: int = 0
     hits: int = 0
@@ -43,7 +45,7 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         """The share of prompt tokens the cache supplied."""
-        return 1.0 - self.computed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class PromptPrefixCache:
@@ -95,9 +97,11 @@ class PromptPrefixCache:
     def _drop(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
         self.bytes -= sum(k.nbytes + v.nbytes for k, v in self.entries.pop(key))
 
-    def count(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """Count one request's prefill: `prompt_tokens` to prefill, `cached_tokens` of them cached."""
+    def count(self, prompt_tokens: int, cached_tokens: int, shared_tokens: int = 0) -> None:
+        """Count one request's prefill: `prompt_tokens` to prefill, `cached_tokens` of them cached and
+        `shared_tokens` computed for another prompt of its call."""
         self.stats.prompt_tokens += prompt_tokens
-        self.stats.computed_tokens += prompt_tokens - cached_tokens
+        self.stats.cached_tokens += cached_tokens
+        self.stats.computed_tokens += prompt_tokens - cached_tokens - shared_tokens
         self.stats.requests += 1
         self.stats.hits += cached_tokens > 0
