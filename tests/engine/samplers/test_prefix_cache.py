@@ -12,6 +12,7 @@ import torch
 
 import workbench as wb
 from tests.datums import random_tokens
+from tests.engine.model.moe_twins import FAMILIES, save_twin
 from workbench.engine.samplers.hf import shared_header_length
 from workbench.engine.samplers.prefix_cache import PromptPrefixCache
 
@@ -132,44 +133,78 @@ def test_a_header_is_shared_where_it_saves_more_than_a_model_call() -> None:
     assert shared_header_length([[*header, 1]]) == 0
 
 
+def _alone_and_together(
+    sess: wb.Session, prompts: list[list[int]], busy_datums: int = 32
+) -> tuple[list[wb.SampleResponse], list[wb.SampleResponse], int]:
+    """Each prompt sampled (2 samples, 6 tokens, its own seed) in its own call, then all in one call
+    (queued behind a `forward` that keeps the worker busy), with the prompt cache keeping nothing
+    across calls; and the tokens the decoder embedded during the call of all, less the `forward`'s."""
+    rng = random.Random(3)
+    busy = [
+        wb.Datum(
+            model_input=wb.ModelInput.from_ints(random_tokens(rng, 255, VOCAB)),
+            loss_fn_inputs={"target_tokens": random_tokens(rng, 255, VOCAB)},
+        )
+        for _ in range(busy_datums)
+    ]
+    params = [
+        wb.SamplingParams(max_tokens=6, temperature=1.0, seed=10 + k, stop=[]) for k in range(len(prompts))
+    ]
+    sess.engine.prompt_cache.max_bytes = 0  # nothing kept across calls: what a call computes is its own
+    client = sess.sampling_client()
+    alone = [client.sample(p, 2, q).result() for p, q in zip(prompts, params, strict=True)]
+    embedded: list[int] = []
+    embeddings = sess.engine.torch_model.get_input_embeddings()
+    handle = embeddings.register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+    try:
+        sess.policy.forward(busy, "cross_entropy")  # the worker is busy: the requests queue together
+        futures = [client.sample(p, 2, q) for p, q in zip(prompts, params, strict=True)]
+        together = [future.result() for future in futures]
+    finally:
+        handle.remove()
+    return alone, together, sum(embedded) - busy_datums * 255
+
+
+def _assert_same_samples(alone: list[wb.SampleResponse], together: list[wb.SampleResponse]) -> None:
+    for single, batched in zip(alone, together, strict=True):
+        for a, b in zip(single.sequences, batched.sequences, strict=True):
+            assert a.tokens == b.tokens
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 def test_prompts_sharing_a_header_prefill_it_once_and_sample_as_alone() -> None:
     """A group RL call: 4 prompts that start with the same 60-token header (a system prompt, worked
     examples). Sampled in one call, the header is prefilled once and then each prompt's rest; each
     prompt samples the tokens and logprobs it samples alone."""
     rng = random.Random(2)
     header = random_tokens(rng, 60, VOCAB)
-    prompts = [header + random_tokens(rng, 8, VOCAB) for _ in range(4)]
-    params = [wb.SamplingParams(max_tokens=6, temperature=1.0, seed=10 + k, stop=[]) for k in range(4)]
-    busy = [
-        wb.Datum(
-            model_input=wb.ModelInput.from_ints(random_tokens(rng, 255, VOCAB)),
-            loss_fn_inputs={"target_tokens": random_tokens(rng, 255, VOCAB)},
-        )
-        for _ in range(32)
-    ]
+    prompts = [header + random_tokens(rng, length, VOCAB) for length in (8, 5, 12, 3)]
+    prefilled = sum(len(prompt) - 1 for prompt in prompts)  # each prompt but its last token
+    rests = [len(prompt) - 1 - 60 for prompt in prompts]  # 7, 4, 11, 2: right-padded to 11 in one pass
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        cache = sess.engine.prompt_cache
-        cache.max_bytes = 0  # nothing kept across calls: what a call computes is its own
-        client = sess.sampling_client()
-        alone = [client.sample(p, 2, q).result() for p, q in zip(prompts, params, strict=True)]
-        assert cache.stats.computed_tokens == cache.stats.prompt_tokens == 4 * 67
-        embedded: list[int] = []
-        embeddings = sess.engine.torch_model.get_input_embeddings()
-        handle = embeddings.register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
-        try:
-            sess.policy.forward(busy, "cross_entropy")  # the worker is busy: the 4 requests queue together
-            together = [
-                future.result()
-                for future in [client.sample(p, 2, q) for p, q in zip(prompts, params, strict=True)]
-            ]
-        finally:
-            handle.remove()
-        stats = cache.stats
-    assert stats.prompt_tokens == 2 * 4 * 67
-    assert stats.computed_tokens - 4 * 67 == 60 + 4 * 7  # the header once, then each prompt's rest
+        alone, together, embedded = _alone_and_together(sess, prompts)
+        stats = sess.engine.prompt_cache.stats
+    assert stats.prompt_tokens == 2 * prefilled
+    assert stats.computed_tokens - prefilled == 60 + sum(rests)  # the header once, then each prompt's rest
     assert stats.cached_tokens == stats.hits == 0  # shared within the call: nothing came from the cache
-    assert sum(embedded) - 32 * 255 == 60 + 4 * 7 + 4 * 2 * 6  # what the decoder embedded: prefill, decoding
-    for single, batched in zip(alone, together, strict=True):
-        for a, b in zip(single.sequences, batched.sequences, strict=True):
-            assert a.tokens == b.tokens
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    # what the decoder embedded: the header, the padded rests, then 6 decoding steps of 8 rows
+    assert embedded == 60 + 4 * max(rests) + 6 * 8
+    _assert_same_samples(alone, together)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_shared_header_samples_as_alone_on_every_family(family: str, tmp_path) -> None:
+    """GQA, MLA (DeepSeek-V3: values narrower than keys), attention sinks and sliding windows (gpt-oss,
+    whose sliding layers keep no per-prompt entries: its prompts are prefilled whole), on the MoE
+    twins."""
+    rng = random.Random(4)
+    header = random_tokens(rng, 70, VOCAB)
+    prompts = [header + random_tokens(rng, length, VOCAB) for length in (6, 3, 9)]
+    folder = save_twin(family, tmp_path / family)
+    with wb.Session(folder, wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
+        alone, together, _ = _alone_and_together(sess, prompts, busy_datums=8)
+        stats = sess.engine.prompt_cache.stats
+    computed_in_call = stats.computed_tokens - stats.prompt_tokens // 2
+    sliding = family == "gpt_oss"
+    assert computed_in_call == (stats.prompt_tokens // 2 if sliding else 70 + 5 + 2 + 8)
+    _assert_same_samples(alone, together)
