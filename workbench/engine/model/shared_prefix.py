@@ -81,7 +81,9 @@ def find_groups(
     if count < 2:
         return []
     order = sorted(range(count), key=lambda i: arrays[i].tolist())
-    neighbour_prefix = [common_prefix_length(arrays[order[k]], arrays[order[k + 1]]) for k in range(count - 1)]
+    neighbour_prefix = [
+        common_prefix_length(arrays[order[k]], arrays[order[k + 1]]) for k in range(count - 1)
+    ]
     if max(neighbour_prefix) == 0:
         return []
     # best[j]: the largest saving over sorted datums [0, j); start[j]: where the last run of it begins
