@@ -4,6 +4,7 @@ with."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 
@@ -133,12 +134,22 @@ def test_a_header_is_shared_where_it_saves_more_than_a_model_call() -> None:
     assert shared_header_length([[*header, 1]]) == 0
 
 
-def _alone_and_together(
+def _params(count: int) -> list[wb.SamplingParams]:
+    """Each prompt's sampling: 6 tokens, its own seed."""
+    return [wb.SamplingParams(max_tokens=6, temperature=1.0, seed=10 + k, stop=[]) for k in range(count)]
+
+
+def _sample_alone(sess: wb.Session, prompts: list[list[int]]) -> list[wb.SampleResponse]:
+    """Each prompt sampled (2 samples) in its own call."""
+    client = sess.sampling_client()
+    return [client.sample(p, 2, q).result() for p, q in zip(prompts, _params(len(prompts)), strict=True)]
+
+
+def _sample_together(
     sess: wb.Session, prompts: list[list[int]], busy_datums: int = 32
-) -> tuple[list[wb.SampleResponse], list[wb.SampleResponse], int]:
-    """Each prompt sampled (2 samples, 6 tokens, its own seed) in its own call, then all in one call
-    (queued behind a `forward` that keeps the worker busy), with the prompt cache keeping nothing
-    across calls; and the tokens the decoder embedded during the call of all, less the `forward`'s."""
+) -> tuple[list[wb.SampleResponse], int]:
+    """All prompts sampled (2 samples each) in one call, queued behind a `forward` that keeps the
+    worker busy; and the tokens the decoder embedded during the call, less the `forward`'s."""
     rng = random.Random(3)
     busy = [
         wb.Datum(
@@ -147,22 +158,26 @@ def _alone_and_together(
         )
         for _ in range(busy_datums)
     ]
-    params = [
-        wb.SamplingParams(max_tokens=6, temperature=1.0, seed=10 + k, stop=[]) for k in range(len(prompts))
-    ]
-    sess.engine.prompt_cache.max_bytes = 0  # nothing kept across calls: what a call computes is its own
     client = sess.sampling_client()
-    alone = [client.sample(p, 2, q).result() for p, q in zip(prompts, params, strict=True)]
     embedded: list[int] = []
     embeddings = sess.engine.torch_model.get_input_embeddings()
     handle = embeddings.register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
     try:
         sess.policy.forward(busy, "cross_entropy")  # the worker is busy: the requests queue together
-        futures = [client.sample(p, 2, q) for p, q in zip(prompts, params, strict=True)]
+        futures = [client.sample(p, 2, q) for p, q in zip(prompts, _params(len(prompts)), strict=True)]
         together = [future.result() for future in futures]
     finally:
         handle.remove()
-    return alone, together, sum(embedded) - busy_datums * 255
+    return together, sum(embedded) - busy_datums * 255
+
+
+def _alone_and_together(
+    sess: wb.Session, prompts: list[list[int]], busy_datums: int = 32
+) -> tuple[list[wb.SampleResponse], list[wb.SampleResponse], int]:
+    """`_sample_alone`, then `_sample_together`, with the prompt cache keeping nothing across calls."""
+    sess.engine.prompt_cache.max_bytes = 0  # what a call computes is its own
+    alone = _sample_alone(sess, prompts)
+    return (alone, *_sample_together(sess, prompts, busy_datums))
 
 
 def _assert_same_samples(alone: list[wb.SampleResponse], together: list[wb.SampleResponse]) -> None:
@@ -207,4 +222,29 @@ def test_a_shared_header_samples_as_alone_on_every_family(family: str, tmp_path)
     computed_in_call = stats.computed_tokens - stats.prompt_tokens // 2
     sliding = family == "gpt_oss"
     assert computed_in_call == (stats.prompt_tokens // 2 if sliding else 70 + 5 + 2 + 8)
+    _assert_same_samples(alone, together)
+
+
+def test_the_next_turns_of_two_conversations_prefill_their_new_tokens_in_one_pass() -> None:
+    """Two conversations (50 and 30 tokens so far) are sampled, then each is extended (by 9 and 4
+    tokens) and both are sampled in one call: it finds each one's history in the cache and prefills
+    both rests in one pass (the histories left-padded, the rests right-padded after them), and samples
+    what each samples with nothing cached."""
+    rng = random.Random(5)
+    histories = [random_tokens(rng, 50, VOCAB), random_tokens(rng, 30, VOCAB)]
+    prompts = [histories[0] + random_tokens(rng, 9, VOCAB), histories[1] + random_tokens(rng, 4, VOCAB)]
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
+        cache = sess.engine.prompt_cache
+        cache.max_bytes = 0
+        alone = _sample_alone(sess, prompts)  # nothing cached: the reference
+        cache.max_bytes = 2**30
+        _sample_alone(sess, histories)  # caches each history but its last token
+        before = dataclasses.replace(cache.stats)
+        together, embedded = _sample_together(sess, prompts)
+        stats = cache.stats
+    assert stats.hits - before.hits == 2
+    assert stats.cached_tokens - before.cached_tokens == 49 + 29  # each history but its last token
+    # from each history's last token to the prompt's last but one: 9 and 4
+    assert stats.computed_tokens - before.computed_tokens == 9 + 4
+    assert embedded == 2 * 9 + 6 * 4  # both rests in one pass, padded to 9; then 6 decoding steps
     _assert_same_samples(alone, together)

@@ -488,7 +488,8 @@ class HFSampler:
         A request's samples share their prompt, so `generate`'s own prefill (one per row) would compute
         the same keys and values `num_samples` times: for 8 prompts of 45 tokens × 4 samples and 16 new
         tokens, that repeated prefill is a third of the call on a CPU. Prompts with no cached prefix are
-        prefilled together (`_prefill_misses`); one with a cached prefix prefills only what follows it.
+        prefilled together (`_prefill_misses`); those with a cached prefix prefill only what follows it, together
+        in one pass (`_prefill_after`: the turns of several conversations).
         Every prompt's keys and values then go into the prompt cache. Also gives how many tokens of each
         prompt came from the cache. None for one-token prompts.
         """
@@ -508,30 +509,22 @@ class HFSampler:
             for number, (i, keys_values) in enumerate(zip(misses, keys_values_of_misses, strict=True)):
                 per_request[i] = keys_values
                 shared[i] = header if number else 0
-        for i, (cached, keys_values) in enumerate(found):
-            if cached:
+        hits = [i for i, (cached, _) in enumerate(found) if cached]
+        if hits:
+            known = []
+            for i in hits:
+                cached, keys_values = found[i]
                 assert keys_values is not None
-                per_request[i] = self._prefill_after([prompts[i]], cached, keys_values)[0]
+                known.append((cached, keys_values))
+            for i, keys_values in zip(
+                hits, self._prefill_after([prompts[i] for i in hits], known), strict=True
+            ):
+                per_request[i] = keys_values
         for prompt, (cached, _), header, keys_values in zip(prompts, found, shared, per_request, strict=True):
             if keys_values is not None:
                 self.prefix_cache.put(weights, prompt, keys_values)
             self.prefix_cache.count(len(prompt), cached, header)
-        cache = DynamicCache(config=self.adapted.module.config)
-        layers = next(kv for kv in per_request if kv is not None)
-        for layer, (keys_H_Q_D, values_H_Q_E) in enumerate(layers):
-            # keys and values may differ in head size (MLA: DeepSeek-V3's values are narrower)
-            keys_R_H_Q_D = keys_H_Q_D.new_zeros(
-                (len(prompts), keys_H_Q_D.shape[0], longest, keys_H_Q_D.shape[2])
-            )
-            values_R_H_Q_D = values_H_Q_E.new_zeros(
-                (len(prompts), values_H_Q_E.shape[0], longest, values_H_Q_E.shape[2])
-            )
-            for row, keys_values in enumerate(per_request):
-                if keys_values is not None:  # left-padded, as `generate`'s inputs are
-                    keys, values = keys_values[layer]
-                    keys_R_H_Q_D[row, :, longest - keys.shape[1] :] = keys
-                    values_R_H_Q_D[row, :, longest - values.shape[1] :] = values
-            cache.update(keys_R_H_Q_D, values_R_H_Q_D, layer)
+        cache = self._left_padded_cache(per_request, longest)
         cache.batch_select_indices(request_of_row_N)
         return cache, [cached for cached, _ in found]
 
@@ -578,7 +571,7 @@ class HFSampler:
         computed = self._prefill_together([prompts[0][:header]])
         if computed is None:
             return None
-        return self._prefill_after(prompts, header, computed[0]), header
+        return self._prefill_after(prompts, [(header, computed[0])] * len(prompts)), header
 
     def _prefill_together(self, prompts: list[tuple[int, ...]]) -> list[LayerKeyValues] | None:
         """Prompts prefilled in one left-padded pass, and each one's keys and values (copies, without
@@ -599,37 +592,61 @@ class HFSampler:
             for row, prompt in enumerate(prompts)
         ]
 
-    def _prefill_after(
-        self, prompts: list[tuple[int, ...]], cached: int, keys_values: LayerKeyValues
-    ) -> list[LayerKeyValues]:
-        """Prompts that start with the same `cached` tokens, whose keys and values are `keys_values`:
-        each one's keys and values, from those and one pass over the rest of every prompt. The rests
-        are right-padded: a row's padding comes after its real positions, which causal attention keeps
-        from seeing it."""
-        rests = [len(prompt) - cached for prompt in prompts]
-        if max(rests) == 0:
-            return [keys_values] * len(prompts)
-        rows, longest = len(prompts), max(rests)
+    def _left_padded_cache(self, per_row: Sequence[LayerKeyValues | None], longest: int) -> DynamicCache:
+        """A cache of `per_row` keys and values, each row's left-padded to `longest` positions (zeros
+        for a row with none)."""
         cache = DynamicCache(config=self.adapted.module.config)
-        for layer, (keys, values) in enumerate(keys_values):
-            cache.update(keys.expand(rows, *keys.shape), values.expand(rows, *values.shape), layer)
-        ids_R_S = torch.full((rows, longest), int(self.tokenizer.pad_token_id), dtype=torch.long)
-        mask_R_C = torch.zeros((rows, cached + longest), dtype=torch.long)
-        mask_R_C[:, :cached] = 1
-        for row, (prompt, rest) in enumerate(zip(prompts, rests, strict=True)):
-            ids_R_S[row, :rest] = torch.tensor(prompt[cached:])
-            mask_R_C[row, cached : cached + rest] = 1
-        position_ids_R_S = (cached + torch.arange(longest)).expand(rows, -1)
+        layers = next(kv for kv in per_row if kv is not None)
+        for layer, (keys_H_Q_D, values_H_Q_E) in enumerate(layers):
+            # keys and values may differ in head size (MLA: DeepSeek-V3's values are narrower)
+            keys_R_H_Q_D = keys_H_Q_D.new_zeros(
+                (len(per_row), keys_H_Q_D.shape[0], longest, keys_H_Q_D.shape[2])
+            )
+            values_R_H_Q_E = values_H_Q_E.new_zeros(
+                (len(per_row), values_H_Q_E.shape[0], longest, values_H_Q_E.shape[2])
+            )
+            for row, keys_values in enumerate(per_row):
+                if keys_values is not None:
+                    keys, values = keys_values[layer]
+                    keys_R_H_Q_D[row, :, longest - keys.shape[1] :] = keys
+                    values_R_H_Q_E[row, :, longest - values.shape[1] :] = values
+            cache.update(keys_R_H_Q_D, values_R_H_Q_E, layer)
+        return cache
+
+    def _prefill_after(
+        self, prompts: list[tuple[int, ...]], known: list[tuple[int, LayerKeyValues]]
+    ) -> list[LayerKeyValues]:
+        """Prompts whose first tokens' keys and values are known (`known`: how many, and theirs): each
+        prompt's keys and values, from those and one pass over the rest of every prompt that has one.
+        In the pass, each row's known part is left-padded to the longest and its rest right-padded
+        after it: a row's real positions are contiguous, its left padding is masked, and its right
+        padding comes after every real position, which causal attention keeps from seeing it."""
+        out = [keys_values for _, keys_values in known]
+        rest = [
+            i
+            for i, (prompt, (cached, _)) in enumerate(zip(prompts, known, strict=True))
+            if len(prompt) > cached
+        ]
+        if not rest:
+            return out
+        lengths = [known[i][0] for i in rest]
+        rests = [len(prompts[i]) - known[i][0] for i in rest]
+        rows, longest_known, longest_rest = len(rest), max(lengths), max(rests)
+        cache = self._left_padded_cache([out[i] for i in rest], longest_known)
+        ids_R_S = torch.full((rows, longest_rest), int(self.tokenizer.pad_token_id), dtype=torch.long)
+        mask_R_C = torch.zeros((rows, longest_known + longest_rest), dtype=torch.long)
+        for row, (i, cached, length) in enumerate(zip(rest, lengths, rests, strict=True)):
+            ids_R_S[row, :length] = torch.tensor(prompts[i][cached:])
+            mask_R_C[row, longest_known - cached : longest_known + length] = 1
+        position_ids_R_S = torch.tensor(lengths)[:, None] + torch.arange(longest_rest)
         self._run(cache, ids_R_S.to(self.device), mask_R_C.to(self.device), position_ids_R_S.to(self.device))
-        if rows == 1:
-            return [[(layer.keys[0], layer.values[0]) for layer in cache.layers]]
-        return [
-            [
-                (layer.keys[row, :, : cached + rest].clone(), layer.values[row, :, : cached + rest].clone())
+        for row, (i, cached, length) in enumerate(zip(rest, lengths, rests, strict=True)):
+            span = slice(longest_known - cached, longest_known + length)
+            out[i] = [
+                (layer.keys[row, :, span].clone(), layer.values[row, :, span].clone())
                 for layer in cache.layers
             ]
-            for row, rest in enumerate(rests)
-        ]
+        return out
 
     @torch.no_grad()
     def prompt_logprobs(self, prompts: list[tuple[int, ...]]) -> list[list[float | None]]:
