@@ -488,10 +488,10 @@ class HFSampler:
         A request's samples share their prompt, so `generate`'s own prefill (one per row) would compute
         the same keys and values `num_samples` times: for 8 prompts of 45 tokens × 4 samples and 16 new
         tokens, that repeated prefill is a third of the call on a CPU. Prompts with no cached prefix are
-        prefilled together (`_prefill_misses`); those with a cached prefix prefill only what follows it, together
-        in one pass (`_prefill_after`: the turns of several conversations).
-        Every prompt's keys and values then go into the prompt cache. Also gives how many tokens of each
-        prompt came from the cache. None for one-token prompts.
+        prefilled together (`_prefill_misses`); those with a cached prefix prefill only what follows it,
+        together in one pass (`_prefill_after`: the turns of several conversations). Every prompt's keys
+        and values then go into the prompt cache. Also gives how many tokens of each prompt came from
+        the cache. None for one-token prompts.
         """
         prompts = [request.prompt_tokens[:-1] for request in requests]
         longest = max(len(prompt) for prompt in prompts)

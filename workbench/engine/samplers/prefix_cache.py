@@ -97,7 +97,7 @@ class PromptPrefixCache:
     def _drop(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
         self.bytes -= sum(k.nbytes + v.nbytes for k, v in self.entries.pop(key))
 
-    def count(self, prompt_tokens: int, cached_tokens: int, shared_tokens: int = 0) -> None:
+    def count(self, prompt_tokens: int, cached_tokens: int, shared_tokens: int) -> None:
         """Count one request's prefill: `prompt_tokens` to prefill, `cached_tokens` of them cached and
         `shared_tokens` computed for another prompt of its call."""
         self.stats.prompt_tokens += prompt_tokens
