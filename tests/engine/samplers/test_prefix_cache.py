@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import random
+import threading
 
 import pytest
 import torch
@@ -145,39 +146,48 @@ def _sample_alone(sess: wb.Session, prompts: list[list[int]]) -> list[wb.SampleR
     return [client.sample(p, 2, q).result() for p, q in zip(prompts, _params(len(prompts)), strict=True)]
 
 
-def _sample_together(
-    sess: wb.Session, prompts: list[list[int]], busy_datums: int = 32
-) -> tuple[list[wb.SampleResponse], int]:
-    """All prompts sampled (2 samples each) in one call, queued behind a `forward` that keeps the
-    worker busy; and the tokens the decoder embedded during the call, less the `forward`'s."""
-    rng = random.Random(3)
-    busy = [
-        wb.Datum(
-            model_input=wb.ModelInput.from_ints(random_tokens(rng, 255, VOCAB)),
-            loss_fn_inputs={"target_tokens": random_tokens(rng, 255, VOCAB)},
-        )
-        for _ in range(busy_datums)
-    ]
+def _sample_together(sess: wb.Session, prompts: list[list[int]]) -> tuple[list[wb.SampleResponse], int]:
+    """All prompts sampled (2 samples each) in one call: they are queued while the worker is held in a
+    `forward_backward_custom` whose loss waits until they are, so they queue together whatever the
+    machine's load. Also the tokens the decoder embedded during the call, less the held pass's."""
+    held_tokens = list(range(1, 9))
+    queued = threading.Event()
+
+    def wait_for_the_requests(data: list, logprobs: list) -> tuple:
+        assert queued.wait(timeout=60)
+        return logprobs[0].sum() * 0.0, {}
+
     client = sess.sampling_client()
     embedded: list[int] = []
     embeddings = sess.engine.torch_model.get_input_embeddings()
     handle = embeddings.register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
     try:
-        sess.policy.forward(busy, "cross_entropy")  # the worker is busy: the requests queue together
+        held = sess.policy.forward_backward_custom(
+            [
+                wb.Datum(
+                    model_input=wb.ModelInput.from_ints(held_tokens),
+                    loss_fn_inputs={"target_tokens": held_tokens},
+                )
+            ],
+            wait_for_the_requests,
+        )
         futures = [client.sample(p, 2, q) for p, q in zip(prompts, _params(len(prompts)), strict=True)]
+        queued.set()
+        held.result()
         together = [future.result() for future in futures]
     finally:
+        queued.set()
         handle.remove()
-    return together, sum(embedded) - busy_datums * 255
+    return together, sum(embedded) - len(held_tokens)
 
 
 def _alone_and_together(
-    sess: wb.Session, prompts: list[list[int]], busy_datums: int = 32
+    sess: wb.Session, prompts: list[list[int]]
 ) -> tuple[list[wb.SampleResponse], list[wb.SampleResponse], int]:
     """`_sample_alone`, then `_sample_together`, with the prompt cache keeping nothing across calls."""
     sess.engine.prompt_cache.max_bytes = 0  # what a call computes is its own
     alone = _sample_alone(sess, prompts)
-    return (alone, *_sample_together(sess, prompts, busy_datums))
+    return (alone, *_sample_together(sess, prompts))
 
 
 def _assert_same_samples(alone: list[wb.SampleResponse], together: list[wb.SampleResponse]) -> None:
@@ -217,7 +227,7 @@ def test_a_shared_header_samples_as_alone_on_every_family(family: str, tmp_path)
     prompts = [header + random_tokens(rng, length, VOCAB) for length in (6, 3, 9)]
     folder = save_twin(family, tmp_path / family)
     with wb.Session(folder, wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
-        alone, together, _ = _alone_and_together(sess, prompts, busy_datums=8)
+        alone, together, _ = _alone_and_together(sess, prompts)
         stats = sess.engine.prompt_cache.stats
     computed_in_call = stats.computed_tokens - stats.prompt_tokens // 2
     sliding = family == "gpt_oss"
