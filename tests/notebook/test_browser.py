@@ -700,6 +700,9 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
 
 SETTLING_STEPS = 4
 """Steps of tutorial 04's run before its traffic is counted."""
+TUTORIAL_TRAFFIC_STEPS = 2
+"""Steps each tab's traffic is counted over in tutorial 04 (at least: the panel's step counter may move by
+more at once). Its run has 15; the settling steps and the two tabs' counts leave a few for the clicks."""
 
 
 @pytest.mark.tutorial_browser
@@ -708,7 +711,7 @@ def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_
     """Run All of tutorial 04 as shipped: while its loop cell blocks in `run.wait()` (15 RL steps on
     smollm2-135m), the LR field (3.1e-4 for the run's 3e-4: a value it already has would send nothing), a
     histogram bar and the plot's zoom are each acknowledged while the cell is still busy,
-    and the run then finishes all its steps. The traffic per step is printed."""
+    and the run then finishes all its steps. The Rollouts tab's traffic per step is within the budget."""
     with (
         _serve(tmp_path, front_end) as server,
         _browser_page(tmp_path, 1400, f"browser-failure-04-{front_end}.png") as page,
@@ -725,12 +728,14 @@ def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_
         # (a rescale redraws the whole figure: ~50 KB; afterwards a step's redraw is its new pixels)
         _wait_for_steps(page, panel, SETTLING_STEPS, STEP_MS * 5)
         per_step = {
-            tab: _bytes_per_step(page, panel, traffic, tab, steps=2) for tab in ("Metrics", "Rollouts")
+            tab: _bytes_per_step(page, panel, traffic, tab, steps=TUTORIAL_TRAFFIC_STEPS)
+            for tab in ("Metrics", "Rollouts")
         }
         print(f"{front_end} 04: kernel-to-page bytes per step while the loop cell waits {per_step}")
-        # printed, not asserted: on smollm2-135m's 32 rollouts per step the Rollouts tab sends 28-29 KB
-        # per step and the Metrics tab 11-77 KB (a rescale in the window: ~50 KB), over the budget that
-        # the busy notebook above holds (issue 37)
+        # the Metrics tab is printed, not asserted: its panel refreshes every 2-3 of these steps, a step's
+        # redraw sends 4-6 KB, but one that rescales a y axis sends the whole figure again (~50 KB), and
+        # in 15 steps of a rising reward a window of two steps often holds one (issue 37)
+        assert per_step["Rollouts"] <= BYTES_PER_STEP_BUDGET, per_step
         assert waiting_on_the_run()
         timings = {
             "learning_rate": _edit_learning_rate(panel, waiting_on_the_run, value="0.00031"),

@@ -274,6 +274,27 @@ def test_a_live_plot_follows_its_steps_from_a_single_first_one_and_rescales_rare
     assert changes <= 40, changes  # autoscaling changes them at each of the 200 steps
 
 
+def test_a_live_runs_step_axis_reaches_its_last_step_from_its_first_row() -> None:
+    """Given the step a run ends at, the x axis holds it from the run's first row: none of the run's steps
+    moves the axis (which redraws the whole figure), where without it the axis moves as steps pass it."""
+    history = MetricsHistory()
+    planned, unplanned = LivePlot(["loss:sum"]), LivePlot(["loss:sum"])
+    planned_limits, unplanned_limits = set(), set()
+    for step in range(1, 16):
+        history.record("forward_backward", "policy", step, {"loss:sum": 1.0})
+        planned.update(history, until_step=15)
+        unplanned.update(history)
+        planned_limits.add(planned.axes["loss:sum"].get_xlim())
+        unplanned_limits.add(unplanned.axes["loss:sum"].get_xlim())
+    assert len(planned_limits) == 1, planned_limits
+    low, high = planned_limits.pop()
+    assert low < 1 and 15 < high < 16
+    assert len(unplanned_limits) > 3
+    wall_clock = LivePlot(["loss:sum"], x_axis="time")  # a step means nothing on a time axis
+    wall_clock.update(history, until_step=1000)
+    assert wall_clock.axes["loss:sum"].get_xlim()[1] < 1000
+
+
 def test_a_live_plot_keeps_a_zoom_of_the_toolbar_while_rows_arrive() -> None:
     history = training_history(10)
     plot = LivePlot(["loss:sum"])

@@ -13,7 +13,7 @@ import pytest
 import workbench as wb
 from tests.notebook import BYTES_PER_STEP_BUDGET
 from workbench.loops.rollout_groups import RolloutGroup, rollout_data
-from workbench.notebook.rollouts_view import RolloutExplorer, reward_bins
+from workbench.notebook.rollouts_view import RolloutExplorer, reward_bins, shared_prompt_start
 
 
 def _plain(fragment: str) -> str:
@@ -42,6 +42,29 @@ def test_reward_bins() -> None:
     assert reward_bins([0.0, 1.0, 1.0]) == [(0.0, 0.0), (1.0, 1.0)]
     bins = reward_bins([i / 20 for i in range(21)])
     assert len(bins) == 10 and bins[0][0] == 0.0 and bins[-1][1] == 1.0
+
+
+def test_the_lines_all_prompts_start_with_are_said_once_above_the_cards() -> None:
+    system = "system\nYou are a calculator.\nuser\nWhat is 2 + 2?\nassistant\n4\nuser\n"
+    prompts = [system + "What is 1 + 9?\nassistant\n", system + "What is 12 + 3?\nassistant\n"]
+    assert shared_prompt_start(prompts) == system  # whole lines: not "What is 1" of the questions
+    assert shared_prompt_start(prompts[:1]) == ""  # one prompt: nothing to say once
+    assert shared_prompt_start(["user\nHi\n", "user\nHo\n"]) == ""  # too short to be worth a line
+
+
+def test_a_batchs_shared_prompt_start_is_shown_once(tiny: wb.Session) -> None:
+    sampler = tiny.policy.save_weights_and_get_sampling_client()
+    header = "You are a calculator. Reply with the number only, nothing else.\n"
+    groups = []
+    for g in range(3):
+        prompt = wb.ModelInput.from_ints(tiny.tokenizer.encode(f"{header}Question {g}:"))
+        response = sampler.sample(prompt, 2, wb.SamplingParams(max_tokens=3, seed=g)).result()
+        groups.append(RolloutGroup.of(prompt, response, [1.0, 0.0]))
+    tiny.record_rollouts(groups)
+    explorer = tiny.rollout_explorer()
+    shown = _plain(explorer.groups.value)
+    assert shown.count("You are a calculator") == 1 and "every prompt starts with" in shown
+    assert all(f"…Question {g}:" in shown for g in range(3))
 
 
 def test_the_explorer_shows_a_batch_and_its_histogram_opens_the_replies(tiny: wb.Session) -> None:
@@ -160,7 +183,8 @@ def test_a_new_batch_reaches_the_page_within_the_step_budget(
 ) -> None:
     """What the explorer sends the page when it follows a new batch (8 groups of 4 replies of 48 tokens,
     the size of an RL tutorial's step): the widgets' messages, counted as the kernel sends them, fit the
-    panel's per-step budget (21.5 KB before the groups' and tokens' repeated styles were said once)."""
+    panel's per-step budget (21.5 KB before the groups' and tokens' repeated styles were said once, 18.0
+    KB before the tables left out their optional end tags), in few messages."""
     explorer = tiny.rollout_explorer()
     rewards = [[float((g + r) % 3 == 0) for r in range(4)] for g in range(8)]
     _record_step(tiny, rewards, seed=0, max_tokens=48)
@@ -178,3 +202,5 @@ def test_a_new_batch_reaches_the_page_within_the_step_budget(
     assert explorer.batch == 1 and len(explorer.reply.options) == 32
     print(f"a new batch: {sum(sent)} bytes in {len(sent)} messages")
     assert 0 < sum(sent) <= BYTES_PER_STEP_BUDGET
+    # each message also costs the page ~550 bytes of headers: a widget's changes go in one (7 before)
+    assert len(sent) <= 5, len(sent)

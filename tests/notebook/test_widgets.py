@@ -7,11 +7,13 @@ import html
 import math
 import re
 import threading
+import time
 from pathlib import Path
 
 import ipywidgets
 import pytest
 import torch
+from matplotlib.backend_tools import Cursors
 from matplotlib.figure import Figure
 
 import workbench as wb
@@ -383,10 +385,15 @@ def test_the_sample_tab_samples_with_its_settings(panel: wb.Panel, tiny: wb.Sess
 
 
 def test_the_version_picker_offers_the_live_snapshots_and_the_base(panel: wb.Panel, tiny: wb.Session) -> None:
+    """The Sample tab's list of weights versions follows the session while the tab is shown; hidden, it
+    is left as it was (a new version every RL step would cost the page a message per step)."""
     s = panel.sample
     assert s.version.options == (("current (v0)", "current"), ("base model", "base"))
     pinned = tiny.sampling_client()  # a cell holds a client on v0; then the policy trains
     tiny.run(wb.train_step(_data(tiny)), steps=1).wait(WAIT_S)
+    panel.refresh()
+    assert s.version.options == (("current (v0)", "current"), ("base model", "base"))  # hidden
+    panel.tabs.selected_index = 1
     panel.refresh()
     assert s.version.options == (("current (v1)", "current"), ("v0", "0"), ("base model", "base"))
     assert "v1 (pinned v0)" in panel.status.widget.value
@@ -700,6 +707,68 @@ def test_the_metrics_plot_reaches_the_page_as_png_before_the_front_end_says_it_i
     assert sent, "the redraw sent no image"
     for image in sent:
         assert bytes(image[:8]) == b"\x89PNG\r\n\x1a\n" and len(image) < 100_000, len(image)
+
+
+def test_a_redraw_of_the_live_plot_sends_no_wait_cursor(
+    panel: wb.Panel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib's toolbar shows the wait cursor around a draw more than a second after the last: two
+    widget messages for a draw of milliseconds, at every step of a live run. The live canvas skips it."""
+    canvas = panel.metrics.canvas
+    canvas.draw()
+    time.sleep(1.1)
+    changes: list[object] = []
+    canvas.observe(lambda change: changes.append(change["new"]), names="_cursor")
+    canvas.draw()
+    assert changes == []
+    canvas.set_cursor(Cursors.SELECT_REGION)  # the other cursors still reach the page (zoom)
+    assert changes == ["crosshair"]
+
+
+def test_the_rollouts_tab_follows_a_running_run_at_most_every_few_seconds(
+    panel: wb.Panel, tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a run runs, the open Rollouts tab shows its new batches at most every ROLLOUTS_FOLLOW_S (a
+    batch is ~10 KB for the page); opened again, it shows the newest at once; a run that has ended, too."""
+    from workbench.notebook.panel import panel as panel_module
+
+    entered, release = threading.Event(), threading.Event()
+
+    def step(sess: wb.Session, i: int) -> dict[str, float]:
+        _record_batch(sess)
+        if i == 1:
+            entered.set()
+            assert release.wait(WAIT_S)
+        return {}
+
+    panel.tabs.selected_index = panel_module.ROLLOUTS_TAB
+    monkeypatch.setattr(panel_module, "ROLLOUTS_FOLLOW_S", 3600.0)
+    run = tiny.run(step, steps=2)
+    try:
+        assert entered.wait(WAIT_S)  # batches 0 and 1 recorded, the run running
+        panel.refresh()
+        shown = panel.rollouts.batch
+        _record_batch(tiny)
+        panel.refresh()
+        assert panel.rollouts.batch == shown  # not followed again within the interval
+        panel.tabs.selected_index = 0
+        panel.tabs.selected_index = panel_module.ROLLOUTS_TAB  # opened again: the newest
+        panel.refresh()
+        assert panel.rollouts.batch == len(tiny.rollouts) - 1
+    finally:
+        release.set()
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    _record_batch(tiny)
+    panel.refresh()
+    assert panel.rollouts.batch == len(tiny.rollouts) - 1
+
+
+def _record_batch(sess: wb.Session) -> None:
+    """One group of two replies, recorded as an RL step records its rollouts."""
+    prompt = wb.ModelInput.from_ints(sess.tokenizer.encode("Question:"))
+    sampler = sess.policy.save_weights_and_get_sampling_client()
+    response = sampler.sample(prompt, 2, wb.SamplingParams(max_tokens=2, seed=0)).result()
+    sess.record_rollouts([wb.RolloutGroup.of(prompt, response, [1.0, 0.0])])
 
 
 def test_rows_the_saved_record_drew_while_the_tab_was_hidden_still_reach_the_page(

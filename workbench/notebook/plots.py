@@ -252,11 +252,14 @@ class LivePlot:
     def _sources(self, history: MetricsHistory) -> list[tuple[str, MetricsHistory]]:
         return [("", history), *((f"{run} ", other) for run, other in self.compare.items())]
 
-    def update(self, history: MetricsHistory) -> bool:
+    def update(self, history: MetricsHistory, until_step: int | None = None) -> bool:
         """Update the lines from `history` if it has rows this plot has not drawn yet that carry one of
         its metrics (rows of other metrics leave the figure as it is). Rendering is the caller's: a live
         canvas asked to redraw here (`draw_idle`) would have its page request a second render of
         every update.
+
+        `until_step`, the step a live run will end at: a step axis reaches it from the run's first row,
+        so no step of the run moves it (a moved axis redraws the whole figure).
 
         Returns:
             True if the figure changed.
@@ -287,7 +290,7 @@ class LivePlot:
             self._show_ticks(ax, has_data)
             ax.relim()
             self._hold_y(name, ax)
-        self._hold_x()
+        self._hold_x(until_step)
         self._drawn_rows = len(history)
         return True
 
@@ -300,14 +303,16 @@ class LivePlot:
         self._held[key] = held_limits(self._held.get(key), low, high, log=key[1] == "log")
         ax.set_ylim(*self._held[key], auto=None)  # still autoscaled: a toolbar zoom turns that off
 
-    def _hold_x(self) -> None:
-        """The shared x axis within `held_limits`; a single step shows as ±1 step around it, a readable
-        axis rather than matplotlib's ±0.045."""
+    def _hold_x(self, until_step: int | None) -> None:
+        """The shared x axis within `held_limits`, reaching `until_step` on a step axis; a single step
+        shows as ±1 step around it, a readable axis rather than matplotlib's ±0.045."""
         first = next(iter(self.axes.values()))
         xs = [x for lines in self.lines.values() for line in lines.values() for x in line.get_xdata()]
         if not (xs and first.get_autoscalex_on()):
             return
         low, high = min(xs), max(xs)
+        if until_step is not None and self.x_axis == "step":
+            high = max(high, until_step)
         key = ("x", "linear")
         if low == high:
             self._held[key] = (low - 1, high + 1)

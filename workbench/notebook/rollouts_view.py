@@ -35,7 +35,12 @@ MAX_DISTINCT_REWARDS = 8
 NUM_BINS = 10
 BAR_HEIGHT_PX = 90
 REPLY_PREVIEW_CHARS = 60
+PICKER_PREVIEW_CHARS = 20
+"""Of each reply in the reply picker's labels (the cards show more): all of a batch's labels are sent
+with it."""
 PROMPT_PREVIEW_CHARS = 160
+SHARED_PROMPT_MIN_CHARS = 40
+"""A start of line(s) common to a batch's prompts at least this long is shown once above the cards."""
 GROUPS_STYLE = (
     "<style>"
     ".wb-rollout-cards{display:flex;gap:8px;overflow-x:auto;padding-bottom:4px}"
@@ -75,6 +80,18 @@ def in_bin(reward: float, bins: Sequence[tuple[float, float]], index: int) -> bo
 
 def _bin_label(low: float, high: float) -> str:
     return f"{low:.3g}" if low == high else f"{low:.2g}–{high:.2g}"
+
+
+def shared_prompt_start(prompts: Sequence[str]) -> str:
+    """The whole lines every prompt of a batch starts with (a chat template's system message and
+    worked examples), when there are two prompts or more and they share at least
+    `SHARED_PROMPT_MIN_CHARS`: said once above the cards instead of on every card; else ""."""
+    if len(prompts) < 2:
+        return ""
+    first, last = min(prompts), max(prompts)  # what these two share, all the prompts do
+    length = next((i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), len(first))
+    lines = first[: first.rfind("\n", 0, length) + 1]
+    return lines if len(lines) >= SHARED_PROMPT_MIN_CHARS else ""
 
 
 def _text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int]) -> str:
@@ -176,12 +193,13 @@ class RolloutExplorer(ipywidgets.VBox):
             )
             return
         following = self.batch is None or self.batch == self.slider.max
-        self.slider.disabled = False
-        self.slider.max = count - 1
+        with self.slider.hold_sync():  # one message for the slider's changes (see BYTES_PER_STEP)
+            self.slider.disabled = False
+            self.slider.max = count - 1
+            if following and self.batch != count - 1:
+                self.slider.value = count - 1  # calls select_batch
         if following and self.batch != count - 1:
-            self.slider.value = count - 1  # calls select_batch
-            if self.batch != count - 1:
-                self.select_batch(count - 1)
+            self.select_batch(count - 1)
 
     def select_batch(self, batch: int) -> None:
         if not 0 <= batch < len(self.rollouts):
@@ -241,10 +259,11 @@ class RolloutExplorer(ipywidgets.VBox):
         while len(self._bars) < len(self.bins):
             self._bars.append(self._new_bar(len(self._bars)))
         for (low, high), count, (_column, bar, label) in zip(self.bins, counts, self._bars, strict=False):
-            bar.description = str(count)
-            bar.tooltip = f"reward {_bin_label(low, high)}: {count} replies (click to open them)"
+            with bar.hold_sync():
+                bar.description = str(count)
+                bar.tooltip = f"the replies of reward {_bin_label(low, high)} (click to open them)"
+                bar.button_style = ""
             bar.layout.height = f"{max(round(BAR_HEIGHT_PX * count / top), 18)}px"
-            bar.button_style = ""
             label.value = f'<div style="text-align:center;font-size:smaller;width:4.5em">{html.escape(_bin_label(low, high))}</div>'
         shown = tuple(column for column, _bar, _label in self._bars[: len(self.bins)])
         if self.histogram.children != shown:
@@ -266,28 +285,35 @@ class RolloutExplorer(ipywidgets.VBox):
         for g, r in self.replies():
             group = groups[g]
             text = _text(self.tokenizer, group.sequences[r].tokens).strip()
-            preview = text if len(text) <= 30 else text[:29] + "…"
+            preview = text if len(text) <= PICKER_PREVIEW_CHARS else text[: PICKER_PREVIEW_CHARS - 1] + "…"
             options.append(
                 (
                     f"group {g} · reply {r} · reward {group.rewards[r]:.3g} · adv {group.advantages[r]:+.3g} · {preview!r}",
                     (g, r),
                 )
             )
-        self.reply.options = options
-        self.reply.value = options[0][1] if options else None
+        with self.reply.hold_sync():
+            self.reply.options = options
+            self.reply.value = options[0][1] if options else None
         self.groups.value = self._groups_html(groups, chosen)
         self._show_selected()
 
     def _groups_html(self, groups: Sequence[RolloutGroup], chosen: set[tuple[int, int]]) -> str:
         """The groups as cards side by side. This HTML is sent to the page at every batch, so what repeats
-        (each card's and cell's style) is said once in `GROUPS_STYLE`, and a prompt that fits its
-        preview is not repeated in an expandable copy."""
+        is said once: each card's and cell's style in `GROUPS_STYLE`, the lines all prompts start with
+        above the cards (`shared_prompt_start`); a prompt that fits its preview is not repeated in an
+        expandable copy, and the tables leave out the end tags HTML lets them omit (`</td>`, `</th>`,
+        `</tr>`: each cell ends where the next begins)."""
+        prompts = [_text(self.tokenizer, group.prompt_tokens) for group in groups]
+        shared = shared_prompt_start(prompts)
         cards = []
         for g, group in enumerate(groups):
             rewards = group.rewards
             mean = sum(rewards) / len(rewards)
             std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
-            prompt = _text(self.tokenizer, group.prompt_tokens)
+            prompt = prompts[g][len(shared) :]
+            if shared:
+                prompt = "…" + prompt
             if len(prompt) <= PROMPT_PREVIEW_CHARS:
                 shown_prompt = f'<div class="wb-prompt">{html.escape(prompt)}</div>'
             else:
@@ -304,21 +330,25 @@ class RolloutExplorer(ipywidgets.VBox):
                 trained = "✓" if group.trained[r] else ""
                 stop = "max_tokens" if sequence.stop_reason == "length" else "stop"
                 rows.append(
-                    f'<tr data-reply="{g}-{r}"{highlight}><td>{html.escape(preview)}</td>'
-                    f"<td>{group.rewards[r]:.3g}</td><td>{group.advantages[r]:+.3g}</td>"
-                    f"<td>{len(sequence.tokens)}</td><td>{stop}</td><td>{trained}</td></tr>"
+                    f"<tr{highlight}><td>{html.escape(preview)}<td>{group.rewards[r]:.3g}"
+                    f"<td>{group.advantages[r]:+.3g}<td>{len(sequence.tokens)}<td>{stop}<td>{trained}"
                 )
             zero = " · <b>zero variance</b>" if std == 0 else ""
             version = "base" if group.weights_version is None else f"v{group.weights_version}"
             cards.append(
                 f'<div class="wb-rollout-group" data-group="{g}">'
                 f"<div><b>group {g}</b> · weights {version} · reward {mean:.3g} ± {std:.3g}{zero}</div>"
-                f"{shown_prompt}<table>"
-                "<tr><th>reply</th><th>reward</th><th>adv</th><th>len</th><th>end</th><th>trained</th></tr>"
+                f"{shown_prompt}<table><tr><th>reply<th>reward<th>adv<th>len<th>end<th>trained"
                 + "".join(rows)
                 + "</table></div>"
             )
-        return GROUPS_STYLE + '<div class="wb-rollout-cards">' + "".join(cards) + "</div>"
+        shared_html = (
+            f'<details class="wb-shared-prompt"><summary class="wb-prompt">every prompt starts with these '
+            f"{len(shared)} characters (… in the cards)</summary><pre>{html.escape(shared)}</pre></details>"
+            if shared
+            else ""
+        )
+        return GROUPS_STYLE + shared_html + '<div class="wb-rollout-cards">' + "".join(cards) + "</div>"
 
     def _show_selected(self) -> None:
         if self.reply.value is None or self.batch is None:

@@ -54,6 +54,12 @@ RUN_MODEL = "run"
 PAUSED_POLL_S = 0.5
 
 
+PROGRESS_FORMAT = "{desc}|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+"""The run's progress bar: tqdm's default without the percentage, which the step count says. In a notebook
+tqdm draws the text left of the bar, the bar and the text right of it as three widgets; a left text
+that does not change sends the page nothing per step (two messages instead of three)."""
+
+
 class RunState(enum.StrEnum):
     """Where a run is. `running` and `paused` are active; the other three are final."""
 
@@ -149,7 +155,7 @@ class Run:
     def start(self) -> Run:
         """Start the run thread. The progress bar is created here, in the caller's thread, so a notebook
         shows it under the cell that started the run."""
-        self._progress = tqdm(total=self.steps, desc="run", unit="step")
+        self._progress = tqdm(total=self.steps, desc="run", unit="step", bar_format=PROGRESS_FORMAT)
         self.started_at = time.time()
         self.started_step = self.session.step
         self._thread.start()

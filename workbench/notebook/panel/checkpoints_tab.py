@@ -231,7 +231,8 @@ class CheckpointsTab:
             (f"{info.name} ({info.kind}, step {info.step})", str(info.path)) for info in reversed(infos)
         ]
         chosen = self.choice.value
-        self.choice.options = options
-        self.choice.value = (
-            chosen if chosen in {value for _, value in options} else (options[0][1] if options else None)
-        )
+        with self.choice.hold_sync():
+            self.choice.options = options
+            self.choice.value = (
+                chosen if chosen in {value for _, value in options} else (options[0][1] if options else None)
+            )

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import ipywidgets
 from ipympl.backend_nbagg import Canvas, FigureManager
+from matplotlib.backend_tools import Cursors
 
 from workbench.metrics import MetricsHistory, history_run_name
 from workbench.notebook.panel.feedback import Feedback
@@ -60,6 +61,13 @@ class LockedCanvas(Canvas):
     def _handle_message(self, widget: object, content: dict[str, object], buffers: list[bytes]) -> None:
         with self.lock:
             super()._handle_message(widget, content, buffers)
+
+    def set_cursor(self, cursor: Cursors) -> None:
+        """Every cursor but the wait cursor. matplotlib's toolbar shows it around any draw more than a
+        second after the last, so a live plot redrawn once per step would send the page two cursor
+        messages per step for a draw of a few milliseconds."""
+        if cursor is not Cursors.WAIT:
+            super().set_cursor(cursor)
 
 
 class MetricsTab:
@@ -180,7 +188,7 @@ class MetricsTab:
                 x_axis=self.x_axis.value,
                 compare=self.compared,
             )
-            self.plot.update(self.session.history)
+            self.plot.update(self.session.history, self._run_end_step())
             self._render()
 
     def _render(self) -> None:
@@ -190,6 +198,11 @@ class MetricsTab:
         self._rendered_at = time.monotonic()
         run = self.session.current_run
         self._rendered_step = None if run is None else (id(run), run.i)
+
+    def _run_end_step(self) -> int | None:
+        """The step the current run ends at when it runs all its steps (None: no run)."""
+        run = self.session.current_run
+        return None if run is None else run.started_step + run.steps
 
     def _render_due(self) -> bool:
         """Whether new rows are drawn now: always when no run is running; during one, once per step of
@@ -207,7 +220,9 @@ class MetricsTab:
         with self._lock:
             if self.plot is None:
                 return None
-            if self.plot.update(self.session.history):  # up to date even while the tab is hidden
+            if self.plot.update(
+                self.session.history, self._run_end_step()
+            ):  # up to date even while the tab is hidden
                 self._unsent = True
             return self.figure._repr_png_()
 
@@ -222,6 +237,6 @@ class MetricsTab:
                 finally:
                     self._syncing = False
             if self.plot is not None and self._render_due():
-                updated = self.plot.update(self.session.history)
+                updated = self.plot.update(self.session.history, self._run_end_step())
                 if updated or self._unsent:
                     self._render()

@@ -23,6 +23,7 @@ interpreter kills daemon threads, which aborts the process.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -50,8 +51,12 @@ if TYPE_CHECKING:
 
 REFRESH_S = 0.5
 """How often the panel re-reads the session, at most."""
-METRICS_TAB, ROLLOUTS_TAB = 3, 4
+SAMPLE_TAB, METRICS_TAB, ROLLOUTS_TAB = 1, 3, 4
 """The positions of the tabs that are redrawn only while shown."""
+ROLLOUTS_FOLLOW_S = 5.0
+"""While a run runs, the Rollouts tab follows its new batches at most this often (and at once when it is
+opened): a batch of an RL tutorial's 32 replies is about 10 KB for the page, and nobody reads 32 replies
+in less. A run of slower steps is followed at every step."""
 CPU_SHARE = 0.03
 """The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
@@ -119,7 +124,8 @@ class Panel(ipywidgets.VBox):
             self.train.stop_button,
         ):
             button.on_click(lambda _button: self.refresh_soon())  # the status and progress agree at once
-        self.tabs.observe(lambda _change: self.refresh_soon(), names="selected_index")
+        self._rollouts_followed_at = -math.inf
+        self.tabs.observe(lambda _change: self._tab_opened(), names="selected_index")
         self.refresh_interval = REFRESH_S
         """Seconds the timer waits between refreshes now (see `CPU_SHARE`)."""
         self.refresh()
@@ -167,17 +173,27 @@ class Panel(ipywidgets.VBox):
                 return
             self.progress.refresh()
             self.train.refresh()
-            self.sample.refresh()
             self.checkpoints.refresh()
-            # a hidden plot or rollout view is redrawn when its tab is opened, not on every step
+            # a hidden tab whose content changes every step (the Sample tab's list of weights versions,
+            # the plots, the rollouts) is redrawn when it is opened, not on every step
+            if self.tabs.selected_index == SAMPLE_TAB:
+                self.sample.refresh()
             if self.tabs.selected_index == METRICS_TAB:
                 self.metrics.refresh()
-            if self.tabs.selected_index == ROLLOUTS_TAB:
-                self.rollouts.refresh()
             run = session.current_run
             running = run is not None and run.state is RunState.RUNNING and not run.stopping
+            if self.tabs.selected_index == ROLLOUTS_TAB and (
+                not running or time.monotonic() - self._rollouts_followed_at >= ROLLOUTS_FOLLOW_S
+            ):
+                self.rollouts.refresh()
+                self._rollouts_followed_at = time.monotonic()
             self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
         answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
+
+    def _tab_opened(self) -> None:
+        """A tab opened shows what is new at once."""
+        self._rollouts_followed_at = -math.inf
+        self.refresh_soon()
 
     def refresh_soon(self) -> None:
         """Have the timer refresh the panel now (a tab was opened, a control changed the run), without

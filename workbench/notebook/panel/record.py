@@ -8,8 +8,8 @@ progress line, the run's state and the Metrics tab's plots as a PNG, the way HF'
 (`:has()`, so only the record of its own cell); without the panel the record is what shows.
 
 The record is updated through its display id when the run settles (pauses, ends, is stopped) or a new
-run starts, and at most every `RECORD_S` while it runs: a PNG of the plots is tens of kilobytes, sent
-seldom enough to stay a small part of the panel's traffic per step.
+run starts, and at most every `RECORD_S` while it runs: a PNG of the plots is 50-90 KB, sent seldom
+enough to stay a small part of the panel's traffic per step.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from collections.abc import Callable
 
 from IPython.display import DisplayHandle, display
 
-RECORD_S = 60.0
-"""How often a running run's record is rewritten, at most."""
+RECORD_S = 600.0
+"""How often a running run's record is rewritten, at most. A rewrite's 50-90 KB is more than the panel's
+budget for a step (20 KB) on its own, so it must be rare in steps, not only in seconds: every minute, a
+run of 20-second steps paid up to 30 KB per step for it; every ten minutes, a run of 5-second steps
+pays ~0.75 KB per step."""
 
 HIDE_WHILE_LIVE = (
     "<style>"

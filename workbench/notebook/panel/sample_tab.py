@@ -89,6 +89,7 @@ class SampleTab:
         self.chat_box = ChatBox(session)
         """A conversation with the live policy, the base model or a checkpoint (below the outputs)."""
         self.widget.children = (*self.widget.children, self.chat_box.widget)
+        self.refresh()  # the weights versions of now; the panel refreshes them while the tab is shown
 
     # ------------------------------------------------------------------------------------------ settings
 
@@ -195,5 +196,6 @@ class SampleTab:
         options.append(("base model", BASE))
         if list(self.version.options) != options:
             chosen = self.version.value
-            self.version.options = options
-            self.version.value = chosen if chosen in {value for _, value in options} else CURRENT
+            with self.version.hold_sync():  # a new version every RL step: one message, not three
+                self.version.options = options
+                self.version.value = chosen if chosen in {value for _, value in options} else CURRENT
