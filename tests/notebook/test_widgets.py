@@ -7,13 +7,11 @@ import html
 import math
 import re
 import threading
-import time
 from pathlib import Path
 
 import ipywidgets
 import pytest
 import torch
-from matplotlib.backend_tools import Cursors
 from matplotlib.figure import Figure
 
 import workbench as wb
@@ -707,22 +705,6 @@ def test_the_metrics_plot_reaches_the_page_as_png_before_the_front_end_says_it_i
     assert sent, "the redraw sent no image"
     for image in sent:
         assert bytes(image[:8]) == b"\x89PNG\r\n\x1a\n" and len(image) < 100_000, len(image)
-
-
-def test_a_redraw_of_the_live_plot_sends_no_wait_cursor(
-    panel: wb.Panel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """matplotlib's toolbar shows the wait cursor around a draw more than a second after the last: two
-    widget messages for a draw of milliseconds, at every step of a live run. The live canvas skips it."""
-    canvas = panel.metrics.canvas
-    canvas.draw()
-    time.sleep(1.1)
-    changes: list[object] = []
-    canvas.observe(lambda change: changes.append(change["new"]), names="_cursor")
-    canvas.draw()
-    assert changes == []
-    canvas.set_cursor(Cursors.SELECT_REGION)  # the other cursors still reach the page (zoom)
-    assert changes == ["crosshair"]
 
 
 def test_the_rollouts_tab_follows_a_running_run_at_most_every_few_seconds(

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import ipywidgets
 from ipympl.backend_nbagg import Canvas, FigureManager
-from matplotlib.backend_tools import Cursors
 
 from workbench.metrics import MetricsHistory, history_run_name
 from workbench.notebook.panel.feedback import Feedback
@@ -61,13 +60,6 @@ class LockedCanvas(Canvas):
     def _handle_message(self, widget: object, content: dict[str, object], buffers: list[bytes]) -> None:
         with self.lock:
             super()._handle_message(widget, content, buffers)
-
-    def set_cursor(self, cursor: Cursors) -> None:
-        """Every cursor but the wait cursor. matplotlib's toolbar shows it around any draw more than a
-        second after the last, so a live plot redrawn once per step would send the page two cursor
-        messages per step for a draw of a few milliseconds."""
-        if cursor is not Cursors.WAIT:
-            super().set_cursor(cursor)
 
 
 class MetricsTab:
