@@ -212,9 +212,8 @@ class MetricsTab:
         with self._lock:
             if self.plot is None:
                 return None
-            if self.plot.update(
-                self.session.history, self._run_end_step()
-            ):  # up to date even while the tab is hidden
+            # up to date even while the tab is hidden
+            if self.plot.update(self.session.history, self._run_end_step()):
                 self._unsent = True
             return self.figure._repr_png_()
 
