@@ -698,11 +698,11 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     expect(reopened.locator(".wb-panel")).to_have_count(0)
 
 
-SETTLING_STEPS = 4
-"""Steps of tutorial 04's run before its traffic is counted."""
+TUTORIAL_STEPS = 15
+"""Steps of tutorial 04's run."""
 TUTORIAL_TRAFFIC_STEPS = 2
 """Steps each tab's traffic is counted over in tutorial 04 (at least: the panel's step counter may move by
-more at once). Its run has 15; the settling steps and the two tabs' counts leave a few for the clicks."""
+more at once, and a count begins at the counter's next move)."""
 
 
 @pytest.mark.tutorial_browser
@@ -724,17 +724,16 @@ def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_
         def waiting_on_the_run() -> bool:
             return _prompt(page, "pause_if=") == "[*]:"
 
-        # the cells before the loop, then the first steps, in which the plots' axes find their ranges
-        # (a rescale redraws the whole figure: ~50 KB; afterwards a step's redraw is its new pixels)
-        _wait_for_steps(page, panel, SETTLING_STEPS, STEP_MS * 5)
-        per_step = {
-            tab: _bytes_per_step(page, panel, traffic, tab, steps=TUTORIAL_TRAFFIC_STEPS)
-            for tab in ("Metrics", "Rollouts")
-        }
+        # the cells before the loop, then a first batch of rollouts
+        _wait_for_steps(page, panel, 1, STEP_MS * 5)
+        per_step = {"Rollouts": _bytes_per_step(page, panel, traffic, "Rollouts", steps=TUTORIAL_TRAFFIC_STEPS)}
+        # the Metrics tab is printed, not asserted, and only where the run has steps to spare for it (on a
+        # quiet machine a step takes 4 s and the panel's counter moves every 2-3 of them): a step's redraw
+        # sends 4-6 KB, but one that rescales a y axis sends the whole figure again (~50 KB), and in 15
+        # steps of a rising reward a window of two steps often holds one (issue 37)
+        if _run_step(panel) + 3 * TUTORIAL_TRAFFIC_STEPS <= TUTORIAL_STEPS - 3:
+            per_step["Metrics"] = _bytes_per_step(page, panel, traffic, "Metrics", steps=TUTORIAL_TRAFFIC_STEPS)
         print(f"{front_end} 04: kernel-to-page bytes per step while the loop cell waits {per_step}")
-        # the Metrics tab is printed, not asserted: its panel refreshes every 2-3 of these steps, a step's
-        # redraw sends 4-6 KB, but one that rescales a y axis sends the whole figure again (~50 KB), and
-        # in 15 steps of a rising reward a window of two steps often holds one (issue 37)
         assert per_step["Rollouts"] <= BYTES_PER_STEP_BUDGET, per_step
         assert waiting_on_the_run()
         timings = {

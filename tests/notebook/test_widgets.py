@@ -332,6 +332,30 @@ def test_closing_the_session_ends_the_panel_timer(tiny: wb.Session) -> None:
     assert "closed" in panel.status.widget.value
 
 
+def test_a_run_that_ends_as_its_session_closes_is_shown_ended(tiny: wb.Session) -> None:
+    """A notebook's last cells can end the run and close the session between two of the timer's
+    refreshes; the panel's last refresh shows the run's end, not the step it last saw in progress."""
+    panel = tiny.panel()
+    panel.stop_polling()  # the test refreshes
+    entered, release = threading.Event(), threading.Event()
+
+    def step(sess: wb.Session, i: int) -> None:
+        entered.set()
+        assert release.wait(WAIT_S)
+
+    run = tiny.run(step, steps=1)
+    assert entered.wait(WAIT_S)
+    panel.refresh()
+    assert "running · 0/1 (step in progress)" in panel.train.progress_text.value
+    release.set()
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    tiny.close()
+    panel.refresh()
+    assert "finished · 1/1" in panel.train.progress_text.value
+    assert "step 1/1" in panel.progress.widget.value
+    assert "closed" in panel.status.widget.value
+
+
 def test_sess_plot_draws_the_named_metrics(tiny: wb.Session) -> None:
     tiny.run(wb.train_step(_data(tiny)), steps=2).wait(WAIT_S)
     figure = tiny.plot("loss:sum", "grad_norm")

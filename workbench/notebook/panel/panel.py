@@ -169,26 +169,30 @@ class Panel(ipywidgets.VBox):
                 self.status.show_freed()
                 return
             self.status.refresh()
-            if session.closed:
-                return
+            # the run's last state is read from memory, also after the session closed: a run that ended
+            # and a session closed between two refreshes would otherwise stay "running" in the page
             self.progress.refresh()
             self.train.refresh()
-            self.checkpoints.refresh()
-            # a hidden tab whose content changes every step (the Sample tab's list of weights versions,
-            # the plots, the rollouts) is redrawn when it is opened, not on every step
-            if self.tabs.selected_index == SAMPLE_TAB:
-                self.sample.refresh()
-            if self.tabs.selected_index == METRICS_TAB:
-                self.metrics.refresh()
             run = session.current_run
             running = run is not None and run.state is RunState.RUNNING and not run.stopping
-            if self.tabs.selected_index == ROLLOUTS_TAB and (
-                not running or time.monotonic() - self._rollouts_followed_at >= ROLLOUTS_FOLLOW_S
-            ):
-                self.rollouts.refresh()
-                self._rollouts_followed_at = time.monotonic()
+            if not session.closed:
+                self._refresh_tabs(running)
             self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
         answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
+
+    def _refresh_tabs(self, running: bool) -> None:
+        self.checkpoints.refresh()
+        # a hidden tab whose content changes every step (the Sample tab's list of weights versions, the
+        # plots, the rollouts) is redrawn when it is opened, not on every step
+        if self.tabs.selected_index == SAMPLE_TAB:
+            self.sample.refresh()
+        if self.tabs.selected_index == METRICS_TAB:
+            self.metrics.refresh()
+        if self.tabs.selected_index == ROLLOUTS_TAB and (
+            not running or time.monotonic() - self._rollouts_followed_at >= ROLLOUTS_FOLLOW_S
+        ):
+            self.rollouts.refresh()
+            self._rollouts_followed_at = time.monotonic()
 
     def _tab_opened(self) -> None:
         """A tab opened shows what is new at once."""
