@@ -13,9 +13,10 @@ makes, with the datums built from token lists inside the step).
        order on both sides; the loss on every token (workbench `cross_entropy` with weight 1 everywhere,
        TRL `SFTTrainer` on pre-tokenized `input_ids`, no packing, padded to the batch's longest). Tokens/s
        counts real tokens. Target: workbench / TRL >= 1.0.
-  GRPO: 8 addition prompts x 4 completions per step, at most 16 new tokens, temperature 1, exact-match
-       reward. Workbench: a sampling client from `save_weights_and_get_sampling_client`, group-relative
-       advantages, `forward_backward(importance_sampling)` on all 32 completions, `optim_step`. TRL:
+  GRPO: 8 addition prompts x 4 completions per step, at most 16 new tokens, temperature 1, reward 1
+       when the reply's last number is the answer. Workbench: a sampling client from
+       `save_weights_and_get_sampling_client`, group-relative advantages,
+       `forward_backward(importance_sampling)` on all 32 completions, `optim_step`. TRL:
        `GRPOTrainer` generating with transformers (no vLLM), one optimizer step per generation batch.
        Seconds per step. Target: workbench / TRL <= 0.4. With `--vllm-python`, workbench samples with
        vLLM (its CPU build here, in that interpreter's environment: `make vllm-env`); TRL still generates
@@ -67,6 +68,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -139,8 +141,11 @@ def grpo_questions(task: str, problems: list[Any], tokenizer: Any) -> list[str]:
 
 
 def reward(text: str, answer: str) -> float:
-    """1.0 for exactly the answer (surrounding whitespace aside), 0.0 for anything else."""
-    return 1.0 if text.strip() == answer else 0.0
+    """1.0 when the reply's last number is the answer, 0.0 otherwise: the final-answer rule of
+    arithmetic RL (GSM8K's). SmolLM2-135M rarely replies with the number alone ("5 + 2 = 7"), so an
+    exact match would give every reply 0 and both sides nothing to train on."""
+    numbers = re.findall(r"-?\d+", text)
+    return 1.0 if numbers and numbers[-1] == answer else 0.0
 
 
 def workbench_lora() -> Any:
@@ -244,7 +249,7 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
             }
         )
 
-        def exact_match(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+        def final_answer(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
             return [reward(c[0]["content"], a) for c, a in zip(completions, answer, strict=True)]
 
         config = GRPOConfig(
@@ -261,7 +266,7 @@ def trl_run(task: str, warmup: int, steps: int) -> dict[str, Any]:
             scale_rewards="none",
             use_vllm=False,
         )
-        trainer = GRPOTrainer(reward_funcs=exact_match, args=config, train_dataset=dataset, **trainer_inputs)
+        trainer = GRPOTrainer(reward_funcs=final_answer, args=config, train_dataset=dataset, **trainer_inputs)
         trainer.train()
         timed_tokens = 0
     seconds = [b - a for a, b in zip(step_ends[warmup - 1 : -1], step_ends[warmup:], strict=True)]

@@ -78,6 +78,10 @@ class LossSpec:
     its datums name the sampled sequences with provenance spans, and the engine adds
     `recorded_logprobs` and `sampled` to their inputs. `soft_targets` marks a loss that also takes K
     targets per position: `target_tokens` and `weights` of shape (N, K), its logprobs then (B, T, K).
+    `gradient_scale` names the input that multiplies every term of the loss (the advantages of a
+    policy-gradient loss, the weights of cross-entropy): a datum whose values of it are all 0 has no
+    gradient, and `forward_backward` computes it forward only. None where some term is not scaled by
+    one input (DRO's quadratic penalty).
     """
 
     fn: LossFn
@@ -91,6 +95,7 @@ class LossSpec:
     check_datum: Callable[[Mapping[str, Tensor]], str | None] | None = None
     uses_sampling_records: bool = False
     soft_targets: bool = False
+    gradient_scale: str | None = None
 
 
 def cross_entropy(
@@ -371,15 +376,23 @@ _POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(
-        cross_entropy, "logprobs", ("target_tokens",), optional_inputs={"weights": 1.0}, soft_targets=True
+        cross_entropy,
+        "logprobs",
+        ("target_tokens",),
+        optional_inputs={"weights": 1.0},
+        soft_targets=True,
+        gradient_scale="weights",
     ),
-    "importance_sampling": LossSpec(importance_sampling, "logprobs", _POLICY_INPUTS, reports_entropy=True),
+    "importance_sampling": LossSpec(
+        importance_sampling, "logprobs", _POLICY_INPUTS, reports_entropy=True, gradient_scale="advantages"
+    ),
     "ppo": LossSpec(
         ppo,
         "logprobs",
         _POLICY_INPUTS,
         config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
         reports_entropy=True,
+        gradient_scale="advantages",
     ),
     "cispo": LossSpec(
         cispo,
@@ -387,6 +400,7 @@ LOSSES: dict[str, LossSpec] = {
         _POLICY_INPUTS,
         config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
         reports_entropy=True,
+        gradient_scale="advantages",
     ),
     "dro": LossSpec(dro, "logprobs", _POLICY_INPUTS, config_defaults={"beta": 0.05}, reports_entropy=True),
     "gspo": LossSpec(
@@ -396,6 +410,7 @@ LOSSES: dict[str, LossSpec] = {
         config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
         reports_entropy=True,
         check_datum=_check_sequence_ratio_mask,
+        gradient_scale="advantages",
     ),
     "dppo": LossSpec(
         dppo,
@@ -403,6 +418,7 @@ LOSSES: dict[str, LossSpec] = {
         _POLICY_INPUTS,
         config_defaults={"delta_low": 0.2, "delta_high": 0.2},
         reports_entropy=True,
+        gradient_scale="advantages",
     ),
     "stable_reinforce": LossSpec(
         stable_reinforce,
@@ -412,6 +428,7 @@ LOSSES: dict[str, LossSpec] = {
         config_defaults={"clip_high_threshold": 2.0},
         reports_entropy=True,
         uses_sampling_records=True,
+        gradient_scale="advantages",
     ),
     "ppo_critic": LossSpec(
         ppo_critic,
@@ -421,6 +438,7 @@ LOSSES: dict[str, LossSpec] = {
         training_inputs=("values", "returns"),
         config_defaults={"value_clip": 0.2},
         summarize=_explained_variance,
+        gradient_scale="weights",
     ),
 }
 

@@ -131,6 +131,9 @@ def test_record_rollouts_on_a_real_step(tiny: wb.Session) -> None:
     assert abs(metrics["kl_sample_train_v1:mean"]) < 1e-3 and metrics["kl_sample_train_v2:mean"] < 1e-4
     row = [r for r in tiny.history if r["op"] == "rollouts"][-1]
     assert row["step"] == 1 and row["reward:mean"] == pytest.approx(0.5)  # outside a run: the current step
+    # the loss's row has the mismatch already: one line for it in a plot, not two
+    assert "kl_sample_train_v1:mean" not in row and "kl_sample_train_v1:mean" in out.metrics
+    assert {r["op"] for r in tiny.history if "kl_sample_train_v1:mean" in r} == {"forward_backward"}
 
     recorded = tiny.rollouts[0][0]
     assert recorded.step == 1 and recorded.trainer_logprobs is not None

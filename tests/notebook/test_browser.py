@@ -726,13 +726,17 @@ def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_
 
         # the cells before the loop, then a first batch of rollouts
         _wait_for_steps(page, panel, 1, STEP_MS * 5)
-        per_step = {"Rollouts": _bytes_per_step(page, panel, traffic, "Rollouts", steps=TUTORIAL_TRAFFIC_STEPS)}
+        per_step = {
+            "Rollouts": _bytes_per_step(page, panel, traffic, "Rollouts", steps=TUTORIAL_TRAFFIC_STEPS)
+        }
         # the Metrics tab is printed, not asserted, and only where the run has steps to spare for it (on a
         # quiet machine a step takes 4 s and the panel's counter moves every 2-3 of them): a step's redraw
         # sends 4-6 KB, but one that rescales a y axis sends the whole figure again (~50 KB), and in 15
         # steps of a rising reward a window of two steps often holds one (issue 37)
         if _run_step(panel) + 3 * TUTORIAL_TRAFFIC_STEPS <= TUTORIAL_STEPS - 3:
-            per_step["Metrics"] = _bytes_per_step(page, panel, traffic, "Metrics", steps=TUTORIAL_TRAFFIC_STEPS)
+            per_step["Metrics"] = _bytes_per_step(
+                page, panel, traffic, "Metrics", steps=TUTORIAL_TRAFFIC_STEPS
+            )
         print(f"{front_end} 04: kernel-to-page bytes per step while the loop cell waits {per_step}")
         assert per_step["Rollouts"] <= BYTES_PER_STEP_BUDGET, per_step
         assert waiting_on_the_run()

@@ -533,7 +533,9 @@ class Session:
     ) -> dict[str, float]:
         """Record one RL step's rollout groups: for the rollout explorer (`self.rollouts`, the run
         folder's `rollouts.jsonl`) and as the step's health signals (`workbench.loops.health`), a history
-        row of op `"rollouts"` (hence the panel, the plots, W&B and `pause_if` triggers).
+        row of op `"rollouts"` (hence the panel, the plots, W&B and `pause_if` triggers). The row leaves
+        out the signals `trained`'s own metrics report under the same name (a built-in RL loss's
+        `kl_sample_train_v1/v2`, over the tokens it trained on), so that each is one line in a plot.
 
         Args:
             groups: The step's `RolloutGroup`s.
@@ -558,7 +560,12 @@ class Session:
         groups = [dataclasses.replace(group, step=step) for group in groups]
         self.rollouts.append(groups)
         label = self.engine.model_status(self.model_id).adapter
-        self.engine.record("rollouts", label, step, metrics).result()
+        # a built-in RL loss's own row already has the mismatch (over the tokens it trained on): one
+        # metric, one line in a plot
+        recorded = {
+            name: value for name, value in metrics.items() if trained is None or name not in trained.metrics
+        }
+        self.engine.record("rollouts", label, step, recorded).result()
         return metrics
 
     def rollout_explorer(self) -> RolloutExplorer:

@@ -589,3 +589,95 @@ def test_service_client_entry_point() -> None:
         assert tc.optim_step(wb.AdamParams(learning_rate=1e-3)).result().applied
         names = [n for n, _ in tc.engine.torch_model.named_parameters() if "lora_" in n]
         assert names and not any("lm_head" in n for n in names)
+
+
+def _group_rl_batch(sess: wb.Session, advantages_G: list[list[float]]) -> list[wb.Datum]:
+    """Groups of completions of one random prompt each, one group per row of `advantages_G`; the sampler's
+    logprobs are the policy's own, shifted so that the ratios are not all 1."""
+    rng = random.Random(3)
+    data = []
+    for advantages in advantages_G:
+        prompt = random_tokens(rng, 9, 900)
+        for advantage in advantages:
+            tokens = prompt + random_tokens(rng, rng.randint(3, 7), 900)
+            own = sess.policy.forward([ce_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]
+            sampled = [lp - 0.1 * rng.random() for lp in own["logprobs"].tolist()]
+            data.append(rl_datum(tokens, len(prompt), sampled, advantage))
+    return data
+
+
+def _recording_grad_mode(sess: wb.Session) -> tuple[list[bool], torch.utils.hooks.RemovableHandle]:
+    """A forward pre-hook on the decoder that records whether each pass builds a graph for backward."""
+    seen: list[bool] = []
+
+    def record(module: torch.nn.Module, args: object) -> None:
+        seen.append(torch.is_grad_enabled())
+
+    return seen, sess.engine.torch_model.get_decoder().register_forward_pre_hook(record)
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo"])
+def test_datums_without_gradient_are_computed_forward_only(
+    loss: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group whose completions all got the same reward has advantages 0, so its datums' loss has no
+    gradient: they run forward only, and the call's outputs, metrics and gradient are those of the same
+    call with every datum run backward (the loss without `gradient_scale`). A call of such datums only
+    runs no backward pass and still accumulates a gradient of zeros, as the full call does."""
+    from dataclasses import replace
+
+    from workbench import losses
+
+    advantages_G = [[0.5, -0.5, 0.25, -0.25], [0.0] * 4, [1.0, -1.0, 0.0, 0.0]]
+    results, gradients = [], []
+    for skipping in (True, False):
+        if not skipping:
+            monkeypatch.setitem(losses.LOSSES, loss, replace(losses.LOSSES[loss], gradient_scale=None))
+        with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
+            data = _group_rl_batch(sess, advantages_G)
+            seen, hook = _recording_grad_mode(sess)
+            results.append(sess.policy.forward_backward(data, loss).result())
+            hook.remove()
+            assert (False in seen) is skipping and True in seen
+            gradients.append(_grads(sess))
+    (skipped, full), (skipped_grads, full_grads) = results, gradients
+    assert skipped.metrics == pytest.approx(full.metrics, rel=1e-5, abs=1e-6)
+    for ours, theirs in zip(skipped.loss_fn_outputs, full.loss_fn_outputs, strict=True):
+        for name in ("logprobs", "elementwise_loss"):
+            torch.testing.assert_close(ours[name].to_torch(), theirs[name].to_torch(), rtol=1e-5, atol=1e-6)
+    for name, gradient in full_grads.items():  # summed in other passes: equal up to float rounding
+        scale = float(gradient.abs().max())
+        torch.testing.assert_close(skipped_grads[name], gradient, rtol=1e-5, atol=1e-5 * scale)
+
+    monkeypatch.undo()
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
+        data = _group_rl_batch(sess, [[0.0] * 4, [0.0] * 3])
+        seen, hook = _recording_grad_mode(sess)
+        out = sess.policy.forward_backward(data, loss).result()
+        hook.remove()
+        assert seen and not any(seen)
+        assert out.metrics["loss:sum"] == 0.0
+        assert all(float(g.abs().max()) == 0.0 for g in _grads(sess).values())
+        assert sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm"] == 0.0
+
+
+def test_cross_entropy_datums_with_zero_weights_are_computed_forward_only(tiny: wb.Session) -> None:
+    """Cross-entropy's terms are scaled by the weights: a datum weighted 0 everywhere contributes its
+    logprobs and no gradient, computed without a backward pass."""
+    rng = random.Random(5)
+    trained, unweighted = ce_datum(random_tokens(rng, 20, 900)), ce_datum(random_tokens(rng, 30, 900))
+    unweighted.loss_fn_inputs["weights"] = wb.TensorData.from_torch(torch.zeros(29))
+    seen, hook = _recording_grad_mode(tiny)
+    both = tiny.policy.forward_backward([trained, unweighted], "cross_entropy").result()
+    hook.remove()
+    assert True in seen and False in seen
+    mixed = _grads(tiny)
+    tiny.policy.optim_step(wb.AdamParams(learning_rate=0.0)).result()
+    tiny.policy.forward_backward([trained], "cross_entropy").result()
+    for name, gradient in _grads(tiny).items():
+        torch.testing.assert_close(mixed[name], gradient, rtol=1e-5, atol=1e-5 * float(gradient.abs().max()))
+    alone = tiny.policy.forward([unweighted], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    torch.testing.assert_close(
+        both.loss_fn_outputs[1]["logprobs"].to_torch(), alone.to_torch(), rtol=1e-5, atol=1e-6
+    )
+    tiny.policy.optim_step(wb.AdamParams(learning_rate=0.0)).result()
