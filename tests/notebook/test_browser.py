@@ -240,6 +240,10 @@ def _serve(tmp_path: Path, front_end: str) -> Iterator[Lab]:
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     }
     env.pop("MPLBACKEND", None)  # the kernel picks its own inline backend
+    # the kernel chooses its thread count as a user's does: the count tests/conftest.py fixes for the
+    # in-process sessions' bit-for-bit comparisons keeps two OpenMP threads on a machine where another
+    # process holds a core, which made tutorial 04's sampling 10-20x slower than the adaptive count
+    env.pop("OMP_NUM_THREADS", None)
     log = tmp_path / f"jupyter-{front_end}.log"
     command = [
         sys.executable,

@@ -332,6 +332,40 @@ def test_closing_the_session_ends_the_panel_timer(tiny: wb.Session) -> None:
     assert "closed" in panel.status.widget.value
 
 
+def test_the_hidden_train_tab_is_redrawn_when_opened_or_when_the_run_ends(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    """The Train tab's progress bar and text move at every step, as the progress line above the tabs does:
+    hidden while a run runs, the tab sends the page nothing; opened, or once the run has ended, it shows
+    the run as it is."""
+    from workbench.notebook.panel import panel as panel_module
+
+    panel.stop_polling()  # the test refreshes
+    entered, release = threading.Event(), threading.Event()
+
+    def step(sess: wb.Session, i: int) -> None:
+        if i == 1:
+            entered.set()
+            assert release.wait(WAIT_S)
+
+    panel.tabs.selected_index = panel_module.METRICS_TAB
+    run = tiny.run(step, steps=2)
+    try:
+        assert entered.wait(WAIT_S)
+        panel.refresh()
+        assert "step 1/2" in panel.progress.widget.value
+        assert "1/2" not in panel.train.progress_text.value
+        panel.tabs.selected_index = panel_module.TRAIN_TAB
+        panel.refresh()
+        assert "running · 1/2 (step in progress)" in panel.train.progress_text.value
+        panel.tabs.selected_index = panel_module.METRICS_TAB
+    finally:
+        release.set()
+    assert run.wait(WAIT_S) is RunState.FINISHED
+    panel.refresh()
+    assert "finished · 2/2" in panel.train.progress_text.value
+
+
 def test_a_run_that_ends_as_its_session_closes_is_shown_ended(tiny: wb.Session) -> None:
     """A notebook's last cells can end the run and close the session between two of the timer's
     refreshes; the panel's last refresh shows the run's end, not the step it last saw in progress."""

@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 
 REFRESH_S = 0.5
 """How often the panel re-reads the session, at most."""
-SAMPLE_TAB, METRICS_TAB, ROLLOUTS_TAB = 1, 3, 4
-"""The positions of the tabs that are redrawn only while shown."""
+TRAIN_TAB, SAMPLE_TAB, METRICS_TAB, ROLLOUTS_TAB = 0, 1, 3, 4
+"""The positions of the tabs that are redrawn only while shown (the Train tab: while a run runs)."""
 ROLLOUTS_FOLLOW_S = 5.0
 """While a run runs, the Rollouts tab follows its new batches at most this often (and at once when it is
 opened): a batch of an RL tutorial's 32 replies is about 10 KB for the page, and nobody reads 32 replies
@@ -140,6 +140,7 @@ class Panel(ipywidgets.VBox):
         self.record.display()
 
     def _snapshot(self) -> tuple[str, bytes | None]:
+        self.train.refresh()  # hidden while a run runs, the tab is not redrawn at every step
         run_state = self.train.progress_text.value
         body = (
             self.status.widget.value
@@ -172,9 +173,12 @@ class Panel(ipywidgets.VBox):
             # the run's last state is read from memory, also after the session closed: a run that ended
             # and a session closed between two refreshes would otherwise stay "running" in the page
             self.progress.refresh()
-            self.train.refresh()
             run = session.current_run
             running = run is not None and run.state is RunState.RUNNING and not run.stopping
+            # the Train tab's progress bar and text change at every step, which the progress line above
+            # the tabs already shows: hidden, the tab is redrawn when the run pauses or ends, or is opened
+            if self.tabs.selected_index == TRAIN_TAB or not running:
+                self.train.refresh()
             if not session.closed:
                 self._refresh_tabs(running)
             self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
