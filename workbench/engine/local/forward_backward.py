@@ -8,8 +8,9 @@ values), through the loss, and backward when the call trains. Per-datum outputs 
 datum's length in input order; metric sums are kept over the micro-batches and turned into
 `name:reduction` metrics at the end. A training call's datums whose loss has no gradient (the input that
 scales every term of the loss, `LossSpec.gradient_scale`, is 0 throughout: a group RL prompt whose
-completions got equal rewards) run forward only, in passes of their own. A training call adds its gradient to the accumulated one only when
-the whole call succeeded and its gradient is finite (`TrainableAdapter.accumulating`).
+completions got equal rewards) run forward only, in passes of their own. A training call adds its
+gradient to the accumulated one only when the whole call succeeded and its gradient is finite
+(`TrainableAdapter.accumulating`).
 
 Datums that start with the same tokens (a group RL prompt's completions) are found first
 (`shared_prefix.groups_for_streams`, where its cost rule says sharing pays, with the call's streams
@@ -263,9 +264,12 @@ def collate_pass(state: EngineState, batch: Sequence[PreparedDatum], unit: Pass)
     return collate(batch, unit, pad, state.device)  # type: ignore[arg-type]
 
 
-def token_counts(plan: CallPlan) -> dict[str, float]:
-    """The history row's record of the saving: real tokens computed and submitted."""
-    return {"computed_tokens:sum": float(plan.computed), "submitted_tokens:sum": float(plan.submitted)}
+def token_counts(*plans: CallPlan) -> dict[str, float]:
+    """The history row's record of the saving: real tokens computed and submitted by a call's plans."""
+    return {
+        "computed_tokens:sum": float(sum(plan.computed for plan in plans)),
+        "submitted_tokens:sum": float(sum(plan.submitted for plan in plans)),
+    }
 
 
 def predict(
@@ -380,8 +384,9 @@ def run_loss(
             outputs[index] = output
 
     if backward:
-        frozen = {index for index, item in enumerate(batch) if without_gradient(spec, item)}
-        trained = [index for index in range(len(batch)) if index not in frozen]
+        gradient_free = [without_gradient(spec, item) for item in batch]
+        trained = [index for index, free in enumerate(gradient_free) if not free]
+        frozen = [index for index, free in enumerate(gradient_free) if free]
         with lora_model.role_adapter(role).trainable.accumulating(
             f"{op} with {spec.fn.__name__!r} on {state.adapter_label(lora_model, role)}"
         ):
@@ -391,15 +396,11 @@ def run_loss(
                 for param in parameters:
                     param.grad = torch.zeros_like(param)
             if frozen:
-                run_part(sorted(frozen), trains=False)
+                run_part(frozen, trains=False)
     else:
         run_part(list(range(len(batch))), trains=False)
     metrics = totals.metrics(spec, with_loss)
-    counts = {"computed_tokens:sum": 0.0, "submitted_tokens:sum": 0.0}
-    for plan in plans:
-        for name, value in token_counts(plan).items():
-            counts[name] += value
-    state.record(op, lora_model, state.adapter_label(lora_model, role), {**metrics, **counts})
+    state.record(op, lora_model, state.adapter_label(lora_model, role), {**metrics, **token_counts(*plans)})
     return ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
     )
