@@ -150,3 +150,4 @@ bench: env
 	$(BIN)/python bench/cold_start.py
 	$(BIN)/python bench/peers.py
 	$(BIN)/python bench/cpu_share.py
+	$(BIN)/python bench/plot_traffic.py

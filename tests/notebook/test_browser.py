@@ -715,7 +715,8 @@ def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_
     """Run All of tutorial 04 as shipped: while its loop cell blocks in `run.wait()` (15 RL steps on
     smollm2-135m), the LR field (3.1e-4 for the run's 3e-4: a value it already has would send nothing), a
     histogram bar and the plot's zoom are each acknowledged while the cell is still busy,
-    and the run then finishes all its steps. The Rollouts tab's traffic per step is within the budget."""
+    and the run then finishes all its steps. The Rollouts and Metrics tabs' traffic per step is within
+    the budget."""
     with (
         _serve(tmp_path, front_end) as server,
         _browser_page(tmp_path, 1400, f"browser-failure-04-{front_end}.png") as page,
@@ -733,16 +734,14 @@ def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_
         per_step = {
             "Rollouts": _bytes_per_step(page, panel, traffic, "Rollouts", steps=TUTORIAL_TRAFFIC_STEPS)
         }
-        # the Metrics tab is printed, not asserted, and only where the run has steps to spare for it (on a
-        # quiet machine a step takes 4 s and the panel's counter moves every 2-3 of them): a step's redraw
-        # sends 4-6 KB, but one that rescales a y axis sends the whole figure again (~50 KB), and in 15
-        # steps of a rising reward a window of two steps often holds one (issue 37)
+        # the Metrics tab where the run has steps to spare for it (on a quiet machine a step takes 4 s and
+        # the panel's counter moves every 2-3 of them; the clicks below need steps too)
         if _run_step(panel) + 3 * TUTORIAL_TRAFFIC_STEPS <= TUTORIAL_STEPS - 3:
             per_step["Metrics"] = _bytes_per_step(
                 page, panel, traffic, "Metrics", steps=TUTORIAL_TRAFFIC_STEPS
             )
         print(f"{front_end} 04: kernel-to-page bytes per step while the loop cell waits {per_step}")
-        assert per_step["Rollouts"] <= BYTES_PER_STEP_BUDGET, per_step
+        assert max(per_step.values()) <= BYTES_PER_STEP_BUDGET, per_step
         assert waiting_on_the_run()
         timings = {
             "learning_rate": _edit_learning_rate(panel, waiting_on_the_run, value="0.00031"),

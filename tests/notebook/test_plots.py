@@ -295,6 +295,36 @@ def test_a_live_runs_step_axis_reaches_its_last_step_from_its_first_row() -> Non
     assert wall_clock.axes["loss:sum"].get_xlim()[1] < 1000
 
 
+def test_a_live_plot_keeps_its_axes_in_place_until_a_tick_label_outgrows_its_room() -> None:
+    """A rescaled axis whose tick labels got narrower ("0.25" to "0.0") leaves every axes where it was,
+    where constrained layout at each draw moves them all (a live canvas then sends the whole figure
+    again); wider labels, or a new figure size, lay the figure out again as constrained layout would."""
+    rewards = [0.5, 0.25, 0.9, 0.0, 1234.5678]  # labels: as wide, narrower, wider ("−0.2"), wider
+
+    def lefts(plot: LivePlot) -> list[tuple[float, float]]:
+        history = MetricsHistory()
+        positions = []
+        for step, reward in enumerate(rewards):
+            history.record("rollouts", "policy", step, {"reward:mean": reward, "entropy:mean": 2.0})
+            plot.update(history, until_step=10)
+            plot.figure.draw_without_rendering()
+            positions.append(tuple(ax.get_position().x0 for ax in plot.figure.axes))
+        return positions
+
+    held = LivePlot(["reward:mean", "entropy:mean"])
+    every_draw = LivePlot(["reward:mean", "entropy:mean"])
+    every_draw.figure.set_layout_engine("constrained")
+    held_lefts, every_draw_lefts = lefts(held), lefts(every_draw)
+    assert every_draw_lefts[2] != every_draw_lefts[1]  # the narrower labels moved the axes
+    assert held_lefts[2] == held_lefts[1]
+    for held_left, every_draw_left in zip(held_lefts[3:], every_draw_lefts[3:], strict=True):
+        assert held_left == pytest.approx(every_draw_left)  # wider: laid out again
+    assert held_lefts[4] != held_lefts[3]
+    held.figure.set_size_inches(12, 3)
+    held.figure.draw_without_rendering()
+    assert tuple(ax.get_position().x0 for ax in held.figure.axes) != held_lefts[4]
+
+
 def test_a_live_plot_keeps_a_zoom_of_the_toolbar_while_rows_arrive() -> None:
     history = training_history(10)
     plot = LivePlot(["loss:sum"])

@@ -711,10 +711,12 @@ def test_the_metrics_tab_redraws_once_per_step_while_a_run_runs(
     panel: wb.Panel, tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step's rows arrive over its duration: a row that arrives after the step was drawn waits for
-    the next step (the time cap is injected: no refresh here waits on it)."""
+    the next step (the time cap is injected: no refresh here waits on it; so is the byte allowance, which
+    no render here exceeds)."""
     from workbench.notebook.panel import metrics_tab
 
     monkeypatch.setattr(metrics_tab, "MAX_RENDER_INTERVAL_S", 600.0)
+    monkeypatch.setattr(metrics_tab, "PLOT_BYTES_PER_STEP", 10**9)
     m = panel.metrics
     panel.tabs.selected_index = 3
     data = _data(tiny)
@@ -750,6 +752,45 @@ def test_the_metrics_tab_redraws_once_per_step_while_a_run_runs(
     assert m.renders == renders + 2
 
 
+def test_a_costly_metrics_redraw_is_followed_by_steps_without_one(
+    panel: wb.Panel, tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redraw that sent the page 2.5 times the plot's bytes per step (the allowance is injected from
+    what the first redraw sent) is followed by three steps without one, so the plot's traffic averages
+    the allowance whatever a redraw costs."""
+    from workbench.notebook.panel import metrics_tab
+
+    monkeypatch.setattr(metrics_tab, "MAX_RENDER_INTERVAL_S", 600.0)
+    m = panel.metrics
+    panel.tabs.selected_index = 3
+    data = _data(tiny)
+    stepped = [threading.Event() for _ in range(5)]
+    go_on = [threading.Event() for _ in range(5)]
+
+    def step(sess: wb.Session, i: int) -> None:
+        assert sess.current_run is not None
+        sess.policy.forward_backward(data, "cross_entropy").result()
+        sess.policy.optim_step(sess.current_run.adam_params).result()
+        stepped[i].set()
+        assert go_on[i].wait(WAIT_S)
+
+    run = tiny.run(step, steps=5)
+    assert stepped[0].wait(WAIT_S)
+    panel.refresh()  # the run's first rows: drawn
+    assert m.rendered_bytes > 0
+    monkeypatch.setattr(metrics_tab, "PLOT_BYTES_PER_STEP", m.rendered_bytes / 2.5)
+    renders = m.renders
+    for i in (1, 2, 3):
+        go_on[i - 1].set()
+        assert stepped[i].wait(WAIT_S)  # step i's rows are in: the run's counter says i steps done
+        panel.refresh()
+        assert m.renders == renders + (i == 3), i
+    run.stop()
+    for event in go_on:
+        event.set()
+    assert run.wait(WAIT_S) is RunState.STOPPED
+
+
 def test_the_metrics_plot_reaches_the_page_as_png_before_the_front_end_says_it_is_ready(
     panel: wb.Panel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -763,6 +804,34 @@ def test_the_metrics_plot_reaches_the_page_as_png_before_the_front_end_says_it_i
     assert sent, "the redraw sent no image"
     for image in sent:
         assert bytes(image[:8]) == b"\x89PNG\r\n\x1a\n" and len(image) < 100_000, len(image)
+
+
+def test_the_plots_images_are_paletted_pngs_that_keep_every_pixels_transparency(panel: wb.Panel) -> None:
+    """A diff image of the live canvas (alpha 0: a pixel left as it was) re-encoded with a palette: the
+    same transparency at every pixel, the colours within 10/255, under 60% of the bytes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from workbench.notebook.panel.metrics_tab import paletted_png
+    from workbench.notebook.plots import LivePlot
+
+    history = wb.MetricsHistory()
+    for step in range(8):
+        history.record("forward_backward", "policy", step, {"loss:sum": 3.0 / (step + 1), "tokens": 8.0})
+    plot = LivePlot(["loss:sum", "tokens"])
+    plot.update(history)
+    rgba = np.asarray(Image.open(io.BytesIO(plot.to_png())).convert("RGBA")).copy()
+    rgba[:, : rgba.shape[1] // 2, :] = 0  # the left half left as it was
+    original = io.BytesIO()
+    Image.fromarray(rgba).save(original, format="png")
+    paletted = paletted_png(original.getvalue())
+    decoded = np.asarray(Image.open(io.BytesIO(paletted)).convert("RGBA")).astype(int)
+    assert (decoded[..., 3] == rgba[..., 3]).all()
+    shown = rgba[..., 3] > 0
+    assert np.abs(decoded[shown][:, :3] - rgba[shown][:, :3].astype(int)).max() <= 10
+    assert len(paletted) < 0.6 * len(original.getvalue()), (len(paletted), len(original.getvalue()))
 
 
 def test_the_rollouts_tab_follows_a_running_run_at_most_every_few_seconds(

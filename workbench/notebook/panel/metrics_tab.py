@@ -2,11 +2,13 @@
 
 The plot is a `LivePlot` (the same figure `sess.plot(...)` draws) on an ipympl canvas, the matplotlib
 widget: its toolbar zooms and pans, and the value under the cursor shows beside it. A refresh redraws
-only when the history has new rows, with `canvas.draw()`, which pushes the new image to the page from
-the panel's timer thread (while a cell is busy too). While a run is running it redraws at most once
-per step of it (or after MAX_RENDER_INTERVAL_S): a step's rows (sampling, `forward_backward`,
+only when the history has new rows, with `canvas.draw()`, which pushes the changed pixels to the page
+from the panel's timer thread (while a cell is busy too). While a run is running it redraws at most
+once per step of it (or after MAX_RENDER_INTERVAL_S): a step's rows (sampling, `forward_backward`,
 `optim_step`) arrive over its duration, and a redraw for each refresh that saw one of them sent 31 KB
-per step on a loaded machine, against the 20 KB budget. The chosen metrics are tags (× removes one); a
+per step on a loaded machine, against a budget of 20 KB per step for the whole panel. A redraw that
+sent more than PLOT_BYTES_PER_STEP (a rescaled axis, the first points) waits as many steps before the
+next as its bytes take at that rate. The chosen metrics are tags (× removes one); a
 metric is added by picking it in the box beside them (type to filter, Enter adds it: the same input in
 JupyterLab and Notebook 7); smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
 `history.jsonl` files) are controls of their own.
@@ -14,6 +16,7 @@ JupyterLab and Notebook 7); smoothing, a log scale, the x axis (step or wall clo
 
 from __future__ import annotations
 
+import io
 import math
 import threading
 import time
@@ -22,7 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ipywidgets
+import numpy as np
 from ipympl.backend_nbagg import Canvas, FigureManager
+from matplotlib.backend_tools import Cursors
+from PIL import Image
 
 from workbench.metrics import MetricsHistory, history_run_name
 from workbench.notebook.panel.feedback import Feedback
@@ -36,9 +42,37 @@ MAX_RENDER_INTERVAL_S = 5.0
 """The longest a plot waits, while a run is running, for its step to end before it shows the rows that
 have arrived (a slow step's, or those of a run that never steps the optimizer)."""
 
+PLOT_BYTES_PER_STEP = 12_000
+"""What the plot sends the page per step of a running run, at most on average: a redraw that sent N
+bytes is followed by ceil(N / PLOT_BYTES_PER_STEP) steps (or MAX_RENDER_INTERVAL_S periods) before the
+next. Tutorial 04's three plots send ~2 KB for a step's new segments, 5-9 KB for a step that rescales
+an axis or two and ~12 KB for the first points; the progress line sends ~1.5 KB per step."""
+
 INCHES_PER_PLOT = (3.7, 2.8)
 """One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 370 × 280 px, so
 three side by side and the toolbar fit a 1280 px window)."""
+
+
+def paletted_png(png: bytes) -> bytes:
+    """An RGBA PNG of matplotlib's web canvas re-encoded with a palette of 255 colours and one
+    transparent index: under half the bytes (tutorial 04's three plots: a step's new segments 3.9 to
+    1.8 KB, a rescale 18.8 to 7.5 KB; ~35 ms), colours within 10/255 of the original (median cut over a
+    line plot's few colours and their antialiased edges).
+
+    The diff images that the canvas sends mark a pixel left as it was with alpha 0, and the figure's
+    own pixels are opaque, so the transparent index 0 is given to alpha 0 alone: an opaque pixel never
+    becomes see-through, nor a kept one painted over."""
+    rgba = np.asarray(Image.open(io.BytesIO(png)).convert("RGBA"))
+    quantized = Image.fromarray(np.ascontiguousarray(rgba[..., :3])).quantize(
+        255, method=Image.Quantize.MEDIANCUT
+    )
+    indices = np.asarray(quantized) + 1
+    indices[rgba[..., 3] == 0] = 0
+    paletted = Image.fromarray(indices.astype(np.uint8), mode="P")
+    paletted.putpalette([0, 0, 0, *quantized.getpalette()[: 3 * 255]])
+    buffer = io.BytesIO()
+    paletted.save(buffer, format="png", transparency=0, optimize=True)
+    return buffer.getvalue()
 
 
 class LockedCanvas(Canvas):
@@ -56,6 +90,23 @@ class LockedCanvas(Canvas):
         self.lock = lock
         super().__init__(figure)
         self.syncing_data_url = False
+        self.sent_bytes = 0
+        """The bytes of the images sent to the page so far."""
+
+    def set_cursor(self, cursor: Cursors) -> None:
+        """Every cursor but matplotlib's "wait" during a draw: a redraw takes ~50 ms, and the two cursor
+        changes around it cost the page ~1.2 KB per step of a run."""
+        if cursor is not Cursors.WAIT:
+            super().set_cursor(cursor)
+
+    def get_diff_image(self) -> bytes | None:
+        """The changed pixels (all of them in ipympl's "full" image mode) as a paletted PNG."""
+        png = super().get_diff_image()
+        return None if png is None else paletted_png(png)
+
+    def send_binary(self, data: bytes) -> None:
+        self.sent_bytes += len(data)
+        super().send_binary(data)
 
     def _handle_message(self, widget: object, content: dict[str, object], buffers: list[bytes]) -> None:
         with self.lock:
@@ -106,6 +157,7 @@ class MetricsTab:
         self.canvas.add_class("wb-metrics-plot")
         self.plot: LivePlot | None = None
         self.renders = 0  # how many times the plot was redrawn
+        self.rendered_bytes = 0  # the bytes the last redraw sent the page
         self._rendered_at = 0.0  # time.monotonic() of the last render
         self._rendered_step: tuple[int, int] | None = None  # (id, step) of the run running then
         self._syncing = False
@@ -184,7 +236,9 @@ class MetricsTab:
             self._render()
 
     def _render(self) -> None:
-        self.canvas.draw()  # renders and sends the image to the page
+        sent = self.canvas.sent_bytes
+        self.canvas.draw()  # renders and sends the changed pixels to the page
+        self.rendered_bytes = self.canvas.sent_bytes - sent
         self._unsent = False
         self.renders += 1
         self._rendered_at = time.monotonic()
@@ -197,15 +251,18 @@ class MetricsTab:
         return None if run is None else run.started_step + run.steps
 
     def _render_due(self) -> bool:
-        """Whether new rows are drawn now: always when no run is running; during one, once per step of
-        it (the first refresh that sees its step counter past the last render's), or when
-        MAX_RENDER_INTERVAL_S have passed."""
+        """Whether new rows are drawn now: always when no run is running; during one, once the steps of
+        it since the last render (the first refresh that sees its step counter past the last render's)
+        and the MAX_RENDER_INTERVAL_S periods since then add up to the last render's share of
+        PLOT_BYTES_PER_STEP (one, for a render that sent less)."""
         run = self.session.current_run
         if run is None or run.state is not RunState.RUNNING:
             return True
-        if time.monotonic() - self._rendered_at >= MAX_RENDER_INTERVAL_S:
+        if self._rendered_step is None or self._rendered_step[0] != id(run):
             return True
-        return (id(run), run.i) != self._rendered_step
+        periods = int((time.monotonic() - self._rendered_at) / MAX_RENDER_INTERVAL_S)
+        steps = run.i - self._rendered_step[1]
+        return steps + periods >= max(1, math.ceil(self.rendered_bytes / PLOT_BYTES_PER_STEP))
 
     def png(self) -> bytes | None:
         """The plots as PNG bytes (None with no metric chosen), for the panel's saved record."""
