@@ -872,6 +872,39 @@ def test_the_rollouts_tab_follows_a_running_run_at_most_every_few_seconds(
     assert panel.rollouts.batch == len(tiny.rollouts) - 1
 
 
+def test_the_rollouts_tab_follows_a_run_of_slow_steps_every_other_step(
+    panel: wb.Panel, tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps slower than ROLLOUTS_FOLLOW_S (injected: 0) are followed every ROLLOUTS_FOLLOW_STEPS of them,
+    not at each: an early RL batch is ~18 KB for the page."""
+    from workbench.notebook.panel import panel as panel_module
+
+    monkeypatch.setattr(panel_module, "ROLLOUTS_FOLLOW_S", 0.0)
+    recorded = [threading.Event() for _ in range(3)]
+    go_on = [threading.Event() for _ in range(3)]
+
+    def step(sess: wb.Session, i: int) -> dict[str, float]:
+        _record_batch(sess)
+        recorded[i].set()
+        assert go_on[i].wait(WAIT_S)
+        return {}
+
+    panel.tabs.selected_index = panel_module.ROLLOUTS_TAB
+    run = tiny.run(step, steps=3)
+    try:
+        shown = []
+        for i in range(3):
+            assert recorded[i].wait(WAIT_S)  # batch i recorded, i steps done, the run running
+            panel.refresh()
+            shown.append(panel.rollouts.batch)
+            go_on[i].set()
+        assert shown == [0, 0, 2]
+    finally:
+        for event in go_on:
+            event.set()
+    assert run.wait(WAIT_S) is RunState.FINISHED
+
+
 def _record_batch(sess: wb.Session) -> None:
     """One group of two replies, recorded as an RL step records its rollouts."""
     prompt = wb.ModelInput.from_ints(sess.tokenizer.encode("Question:"))

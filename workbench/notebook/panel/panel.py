@@ -43,7 +43,7 @@ from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
 from workbench.notebook.rollouts_view import RolloutExplorer
-from workbench.notebook.run import RunState
+from workbench.notebook.run import Run, RunState
 from workbench.notebook.widget_subshell import answer_while_busy
 
 if TYPE_CHECKING:
@@ -56,7 +56,11 @@ TRAIN_TAB, SAMPLE_TAB, METRICS_TAB, ROLLOUTS_TAB = 0, 1, 3, 4
 ROLLOUTS_FOLLOW_S = 5.0
 """While a run runs, the Rollouts tab follows its new batches at most this often (and at once when it is
 opened): a batch of an RL tutorial's 32 replies is about 10 KB for the page, and nobody reads 32 replies
-in less. A run of slower steps is followed at every step."""
+in less."""
+ROLLOUTS_FOLLOW_STEPS = 2
+"""... and at most every this many of its steps: a batch of tutorial 04's first, untrained steps (the
+longest replies) is ~18 KB for the page, and a run whose steps take longer than ROLLOUTS_FOLLOW_S sent
+one at every step, 24 KB per step with the rest of the panel against a budget of 20 KB."""
 CPU_SHARE = 0.03
 """The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
@@ -125,6 +129,7 @@ class Panel(ipywidgets.VBox):
         ):
             button.on_click(lambda _button: self.refresh_soon())  # the status and progress agree at once
         self._rollouts_followed_at = -math.inf
+        self._rollouts_followed_step: tuple[int, int] | None = None  # (id, step) of the run running then
         self.tabs.observe(lambda _change: self._tab_opened(), names="selected_index")
         self.refresh_interval = REFRESH_S
         """Seconds the timer waits between refreshes now (see `CPU_SHARE`)."""
@@ -180,11 +185,11 @@ class Panel(ipywidgets.VBox):
             if self.tabs.selected_index == TRAIN_TAB or not running:
                 self.train.refresh()
             if not session.closed:
-                self._refresh_tabs(running)
+                self._refresh_tabs(run, running)
             self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
         answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
 
-    def _refresh_tabs(self, running: bool) -> None:
+    def _refresh_tabs(self, run: Run | None, running: bool) -> None:
         self.checkpoints.refresh()
         # a hidden tab whose content changes every step (the Sample tab's list of weights versions, the
         # plots, the rollouts) is redrawn when it is opened, not on every step
@@ -192,15 +197,27 @@ class Panel(ipywidgets.VBox):
             self.sample.refresh()
         if self.tabs.selected_index == METRICS_TAB:
             self.metrics.refresh()
-        if self.tabs.selected_index == ROLLOUTS_TAB and (
-            not running or time.monotonic() - self._rollouts_followed_at >= ROLLOUTS_FOLLOW_S
-        ):
+        if self.tabs.selected_index == ROLLOUTS_TAB and (not running or self._rollouts_due(run)):
+            shown = self.rollouts.batch
             self.rollouts.refresh()
-            self._rollouts_followed_at = time.monotonic()
+            if self.rollouts.batch != shown:  # followed to a new batch (not: none yet, or one chosen)
+                self._rollouts_followed_at = time.monotonic()
+                self._rollouts_followed_step = None if run is None else (id(run), run.i)
+
+    def _rollouts_due(self, run: Run | None) -> bool:
+        """Whether the Rollouts tab follows a running `run` now: ROLLOUTS_FOLLOW_S and
+        ROLLOUTS_FOLLOW_STEPS after it last did."""
+        if time.monotonic() - self._rollouts_followed_at < ROLLOUTS_FOLLOW_S:
+            return False
+        followed = self._rollouts_followed_step
+        if run is None or followed is None or followed[0] != id(run):
+            return True
+        return run.i - followed[1] >= ROLLOUTS_FOLLOW_STEPS
 
     def _tab_opened(self) -> None:
         """A tab opened shows what is new at once."""
         self._rollouts_followed_at = -math.inf
+        self._rollouts_followed_step = None
         self.refresh_soon()
 
     def refresh_soon(self) -> None:
