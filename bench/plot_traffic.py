@@ -8,7 +8,7 @@ and counts the bytes of the images each canvas sends:
   (`relim`, `autoscale_view`), redrawn at every step, which is what `%matplotlib widget` and a plot
   updated in a loop gives;
 - the panel's: `MetricsTab`'s canvas and `LivePlot` (held limits and layout, paletted PNGs), redrawn as
-  its byte allowance lets it (`PLOT_BYTES_PER_STEP`).
+  its byte allowance lets it (`steps_between_renders`).
 
 Both send only the pixels that changed (ipympl's diff mode). Nothing is timed, so the figures are the
 same on a busy machine. Budget: 20 KB per step for the whole panel, ~4.5 KB of which are its text.
@@ -19,7 +19,6 @@ same on a busy machine. Budget: 20 KB per step for the whole panel, ~4.5 KB of w
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import threading
@@ -29,7 +28,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 from ipympl.backend_nbagg import Canvas, FigureManager
 
 from workbench.metrics import MetricsHistory
-from workbench.notebook.panel.metrics_tab import INCHES_PER_PLOT, PLOT_BYTES_PER_STEP, LockedCanvas
+from workbench.notebook.panel.metrics_tab import INCHES_PER_PLOT, LockedCanvas, steps_between_renders
 from workbench.notebook.plots import LivePlot, NotebookFigure
 
 NAMES = ("reward:mean", "entropy:mean", "kl_sample_train_v1:mean")
@@ -105,8 +104,7 @@ def panel_bytes(rows: list[dict[str, float]]) -> list[int]:
     for step, row in enumerate(rows):
         history.record("rollouts", "policy", step, row)
         before = canvas.sent_bytes
-        wait = max(1, math.ceil(rendered_bytes / PLOT_BYTES_PER_STEP))  # MetricsTab._render_due's rule
-        if rendered_step is None or step - rendered_step >= wait:
+        if rendered_step is None or step - rendered_step >= steps_between_renders(rendered_bytes):
             plot.update(history, until_step=len(rows))
             canvas.draw()
             rendered_step, rendered_bytes = step, canvas.sent_bytes - before

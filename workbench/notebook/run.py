@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import threading
 import time
 import traceback
@@ -71,6 +72,9 @@ class RunState(enum.StrEnum):
 
 
 ACTIVE_STATES = (RunState.RUNNING, RunState.PAUSED)
+
+RunMark = tuple[int, int]
+"""Where a run was when a view last showed it: `(id(run), steps done)` (`Run.mark()`)."""
 
 
 class RunActiveError(RuntimeError):
@@ -192,6 +196,17 @@ class Run:
         """The optimizer settings the next step will use: `adam_params` with any `set()` edit made while
         the current step runs."""
         return self._pending_adam or self._adam_params
+
+    def mark(self) -> RunMark:
+        """This run and the steps it has done, for `steps_since` (a panel's views pace their redraws
+        by the run's steps)."""
+        return (id(self), self.i)
+
+    def steps_since(self, mark: RunMark | None) -> float:
+        """The steps this run has done since `mark`: infinitely many if it marked another run, or none."""
+        if mark is None or mark[0] != id(self):
+            return math.inf
+        return self.i - mark[1]
 
     def __repr__(self) -> str:
         error = f", error={self.error!r}" if self.error is not None else ""

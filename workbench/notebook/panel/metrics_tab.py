@@ -33,7 +33,7 @@ from PIL import Image
 from workbench.metrics import MetricsHistory, history_run_name
 from workbench.notebook.panel.feedback import Feedback
 from workbench.notebook.plots import MAX_COLUMNS, LivePlot, NotebookFigure
-from workbench.notebook.run import RunState
+from workbench.notebook.run import RunMark, RunState
 
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
@@ -47,6 +47,13 @@ PLOT_BYTES_PER_STEP = 12_000
 bytes is followed by ceil(N / PLOT_BYTES_PER_STEP) steps (or MAX_RENDER_INTERVAL_S periods) before the
 next. Tutorial 04's three plots send ~2 KB for a step's new segments, 5-9 KB for a step that rescales
 an axis or two and ~12 KB for the first points; the progress line sends ~1.5 KB per step."""
+
+
+def steps_between_renders(rendered_bytes: int) -> int:
+    """The steps (or MAX_RENDER_INTERVAL_S periods) a running run's plot waits after a redraw that sent
+    `rendered_bytes`: ceil(rendered_bytes / PLOT_BYTES_PER_STEP), at least one."""
+    return max(1, math.ceil(rendered_bytes / PLOT_BYTES_PER_STEP))
+
 
 INCHES_PER_PLOT = (3.7, 2.8)
 """One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 370 × 280 px, so
@@ -159,7 +166,7 @@ class MetricsTab:
         self.renders = 0  # how many times the plot was redrawn
         self.rendered_bytes = 0  # the bytes the last redraw sent the page
         self._rendered_at = 0.0  # time.monotonic() of the last render
-        self._rendered_step: tuple[int, int] | None = None  # (id, step) of the run running then
+        self._rendered_mark: RunMark | None = None  # the run running then
         self._syncing = False
         self._unsent = False  # rows drawn into the figure (for the saved record) but not sent to the page
         self.select.observe(self.feedback.guard(self._on_select), names="value")
@@ -243,7 +250,7 @@ class MetricsTab:
         self.renders += 1
         self._rendered_at = time.monotonic()
         run = self.session.current_run
-        self._rendered_step = None if run is None else (id(run), run.i)
+        self._rendered_mark = None if run is None else run.mark()
 
     def _run_end_step(self) -> int | None:
         """The step the current run ends at when it runs all its steps (None: no run)."""
@@ -253,16 +260,12 @@ class MetricsTab:
     def _render_due(self) -> bool:
         """Whether new rows are drawn now: always when no run is running; during one, once the steps of
         it since the last render (the first refresh that sees its step counter past the last render's)
-        and the MAX_RENDER_INTERVAL_S periods since then add up to the last render's share of
-        PLOT_BYTES_PER_STEP (one, for a render that sent less)."""
+        and the MAX_RENDER_INTERVAL_S periods since then add up to `steps_between_renders`."""
         run = self.session.current_run
         if run is None or run.state is not RunState.RUNNING:
             return True
-        if self._rendered_step is None or self._rendered_step[0] != id(run):
-            return True
         periods = int((time.monotonic() - self._rendered_at) / MAX_RENDER_INTERVAL_S)
-        steps = run.i - self._rendered_step[1]
-        return steps + periods >= max(1, math.ceil(self.rendered_bytes / PLOT_BYTES_PER_STEP))
+        return run.steps_since(self._rendered_mark) + periods >= steps_between_renders(self.rendered_bytes)
 
     def png(self) -> bytes | None:
         """The plots as PNG bytes (None with no metric chosen), for the panel's saved record."""

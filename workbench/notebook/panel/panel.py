@@ -43,7 +43,7 @@ from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
 from workbench.notebook.rollouts_view import RolloutExplorer
-from workbench.notebook.run import Run, RunState
+from workbench.notebook.run import Run, RunMark, RunState
 from workbench.notebook.widget_subshell import answer_while_busy
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class Panel(ipywidgets.VBox):
         ):
             button.on_click(lambda _button: self.refresh_soon())  # the status and progress agree at once
         self._rollouts_followed_at = -math.inf
-        self._rollouts_followed_step: tuple[int, int] | None = None  # (id, step) of the run running then
+        self._rollouts_followed_mark: RunMark | None = None  # the run running then
         self.tabs.observe(lambda _change: self._tab_opened(), names="selected_index")
         self.refresh_interval = REFRESH_S
         """Seconds the timer waits between refreshes now (see `CPU_SHARE`)."""
@@ -202,22 +202,19 @@ class Panel(ipywidgets.VBox):
             self.rollouts.refresh()
             if self.rollouts.batch != shown:  # followed to a new batch (not: none yet, or one chosen)
                 self._rollouts_followed_at = time.monotonic()
-                self._rollouts_followed_step = None if run is None else (id(run), run.i)
+                self._rollouts_followed_mark = None if run is None else run.mark()
 
     def _rollouts_due(self, run: Run | None) -> bool:
         """Whether the Rollouts tab follows a running `run` now: ROLLOUTS_FOLLOW_S and
         ROLLOUTS_FOLLOW_STEPS after it last did."""
         if time.monotonic() - self._rollouts_followed_at < ROLLOUTS_FOLLOW_S:
             return False
-        followed = self._rollouts_followed_step
-        if run is None or followed is None or followed[0] != id(run):
-            return True
-        return run.i - followed[1] >= ROLLOUTS_FOLLOW_STEPS
+        return run is None or run.steps_since(self._rollouts_followed_mark) >= ROLLOUTS_FOLLOW_STEPS
 
     def _tab_opened(self) -> None:
         """A tab opened shows what is new at once."""
         self._rollouts_followed_at = -math.inf
-        self._rollouts_followed_step = None
+        self._rollouts_followed_mark = None
         self.refresh_soon()
 
     def refresh_soon(self) -> None:
