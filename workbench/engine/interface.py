@@ -3,7 +3,7 @@
 `Session`, the Tinker clients (`workbench.tinker_api.clients`), the run loop and the panel are typed against
 `EngineInterface`, so the same notebook code runs on the base model in this process
 (`workbench.engine.Engine`) or on a Tinker-compatible service over the `tinker` SDK
-(`workbench.engine.remote.RemoteEngine`). Both validate input in the caller's thread, take effect in
+(`workbench.engine.remote.engine.RemoteEngine`). Both validate input in the caller's thread, take effect in
 submission order and return `APIFuture`s.
 
 The interface holds only what both engines do. What needs the model in this process (a critic, local

@@ -39,7 +39,7 @@ from workbench.engine.interface import EngineInterface, Restore
 from workbench.engine.local.base_models import BaseModels
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import BaseModelInfo
-from workbench.engine.remote import DEFAULT_PROBE_INTERVAL_S, RemoteEngine, RemoteUnsupportedError
+from workbench.engine.remote.engine import DEFAULT_PROBE_INTERVAL_S, RemoteEngine, RemoteUnsupportedError
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
 from workbench.engine.threads import ThreadUse

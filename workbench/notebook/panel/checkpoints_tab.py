@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets
 
 from workbench.engine.interface import Restore
-from workbench.engine.remote import EngineUnreachableError
+from workbench.engine.remote.engine import EngineUnreachableError
 from workbench.notebook.panel.feedback import Feedback
 from workbench.notebook.panel.status import format_bytes
 from workbench.storage.checkpoint_store import CheckpointInfo

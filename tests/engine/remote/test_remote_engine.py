@@ -28,11 +28,11 @@ import pytest
 
 import workbench as wb
 from tests.datums import ce_datum
-from workbench.engine.client_metrics import with_client_metrics
 from workbench.engine.interface import EngineInterface
-from workbench.engine.remote import SDK_LOSSES
-from workbench.engine.sequence_id_relay import MADE_UP_ID_PREFIX, with_sequence_ids
-from workbench.engine.server_profiles import SKYRL, TINKER_PROTOCOL
+from workbench.engine.remote.client_metrics import with_client_metrics
+from workbench.engine.remote.engine import SDK_LOSSES
+from workbench.engine.remote.sequence_id_relay import MADE_UP_ID_PREFIX, with_sequence_ids
+from workbench.engine.remote.server_profiles import SKYRL, TINKER_PROTOCOL
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = wb.LoraConfig(rank=4, train_unembed=False)  # what SkyRL builds: attention and MLP, alpha 32

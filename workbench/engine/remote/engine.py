@@ -24,9 +24,9 @@ operation with `EngineUnreachableError` within `probe_interval_s` plus one healt
 after the SDK's own minutes of retries; the session stays open for whatever can still work.
 
 Services differ where the protocol does not say: the service is identified at connect
-(`workbench.engine.server_profiles`), and what it does differently is adapted here (sequence ids it
-does not send, `workbench.engine.sequence_id_relay`; metrics it leaves out,
-`workbench.engine.client_metrics`; its metric names) or refused before sending (losses and adapter
+(`workbench.engine.remote.server_profiles`), and what it does differently is adapted here (sequence ids it
+does not send, `workbench.engine.remote.sequence_id_relay`; metrics it leaves out,
+`workbench.engine.remote.client_metrics`; its metric names) or refused before sending (losses and adapter
 fields it does not honour). `load_state` continues the run on a new model loaded as its first
 request, which every Tinker service accepts; closing frees the runs' models where the service has a way.
 """
@@ -49,14 +49,14 @@ import tinker
 from tinker import types as sdk
 from transformers import PreTrainedTokenizerBase
 
-from workbench.engine.client_metrics import with_client_metrics
 from workbench.engine.config import EngineConfig, ModelConfig
 from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, SamplerPin
 from workbench.engine.model.base_model import BaseModelInfo
+from workbench.engine.remote.client_metrics import with_client_metrics
+from workbench.engine.remote.sequence_id_relay import SequenceIdRelay
+from workbench.engine.remote.server_profiles import identify_server
 from workbench.engine.roles import Role
 from workbench.engine.samplers.requests import TokenSink
-from workbench.engine.sequence_id_relay import SequenceIdRelay
-from workbench.engine.server_profiles import identify_server
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
