@@ -10,6 +10,9 @@ import pytest
 
 import workbench as wb
 from workbench.cli import _parser
+from workbench.engine.local import checkpoint_files
+
+OLD_CHECKPOINT = Path(__file__).parent / "assets" / "checkpoint-0.1.0"
 
 
 @pytest.mark.parametrize(
@@ -43,3 +46,9 @@ def test_the_serve_command_still_takes_run_dir() -> None:
     parser = _parser()
     assert parser.parse_args(["serve", "--run-dir", "x"]).model_dir == "x"
     assert parser.parse_args(["serve", "--model-dir", "y"]).model_dir == "y"
+
+
+def test_a_saved_states_run_id_is_the_old_name_of_its_model_id() -> None:
+    saved = checkpoint_files.read(OLD_CHECKPOINT)  # its config.json names the model under "run_id"
+    with pytest.warns(DeprecationWarning, match="SavedState.run_id is now SavedState.model_id"):
+        assert saved.run_id == saved.model_id == "run"

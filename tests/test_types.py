@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -105,6 +108,48 @@ def test_sdk_objects_convert() -> None:
     assert to_lora_config(tinker.LoraConfig(rank=8, train_unembed=False)) == wb.LoraConfig(
         rank=8, train_unembed=False
     )
+
+
+def test_sdk_fields_convert_where_a_datum_comes_in_and_the_data_class_refuses_them() -> None:
+    """An SDK `Datum` (or a dict) with SDK fields converts at the edge (`to_datum`, which the engines and
+    clients call); `wb.Datum` itself takes plain forms only and names the SDK object it was given."""
+    tinker = pytest.importorskip("tinker")
+    fields = {
+        "model_input": tinker.ModelInput.from_ints([1, 2, 3]),
+        "loss_fn_inputs": {
+            "target_tokens": tinker.TensorData.from_numpy(np.array([2, 3, 4])),
+            "weights": tinker.TensorData(data=[0.0, 1.0, 0.5], dtype="float32", shape=[3]),
+        },
+        "model_input_spans": [tinker.PromptProvenanceSpan(sequence_id="s", length=3)],
+        "loss_fn_input_spans": [tinker.SampledProvenanceSpan(sequence_id="s", offset=1, length=3)],
+    }
+    for given in (tinker.Datum(**fields), fields):
+        datum = to_datum(given)
+        assert datum.model_input == wb.ModelInput.from_ints([1, 2, 3])
+        assert datum.loss_fn_inputs["target_tokens"] == wb.TensorData([2, 3, 4], "int64")
+        assert datum.loss_fn_inputs["weights"] == wb.TensorData([0.0, 1.0, 0.5], "float32")
+        assert datum.model_input_spans == (wb.PromptProvenanceSpan(sequence_id="s", length=3),)
+        assert datum.loss_fn_input_spans == (wb.SampledProvenanceSpan(sequence_id="s", offset=1, length=3),)
+    with pytest.raises(ValueError, match=r"target_tokens.*token ids must be integers"):
+        to_datum(
+            {
+                "model_input": [1],
+                "loss_fn_inputs": {"target_tokens": tinker.TensorData.from_numpy(np.array([0.5]))},
+            }
+        )
+    with pytest.raises(ValueError, match=r"model_input: .* got tinker(\.\w+)*\.ModelInput"):
+        wb.Datum(model_input=fields["model_input"])
+    with pytest.raises(ValueError, match=r"loss_fn_inputs\['weights'\] .* got tinker(\.\w+)*\.TensorData"):
+        wb.Datum(model_input=[1, 2, 3], loss_fn_inputs={"weights": fields["loss_fn_inputs"]["weights"]})
+
+
+def test_the_data_types_do_not_import_the_sdk_conversions() -> None:
+    """The data classes sit below their conversions to and from the SDK: building one loads neither."""
+    code = (
+        "import sys, workbench.types as t; t.Datum(model_input=[1], loss_fn_inputs={'weights': [1.0]}); "
+        "assert 'workbench.sdk_conversion' not in sys.modules and 'tinker' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize(

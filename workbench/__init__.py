@@ -23,8 +23,7 @@ from typing import Any
 _PUBLIC: dict[str, tuple[str, ...]] = {
     # SessionConfig and RunStatus: deprecated names of ModelConfig and ModelStatus
     "workbench.engine.config": ("ModelConfig", "SessionConfig"),
-    "workbench.engine.interface": ("EngineInterface", "ModelStatus", "RunStatus"),
-    "workbench.engine.local.checkpoint_files": ("Restore",),
+    "workbench.engine.interface": ("EngineInterface", "ModelStatus", "Restore", "RunStatus"),
     "workbench.engine.local.engine": ("Engine", "ModelTensors"),
     "workbench.engine.model.trainable_adapter": ("NonFiniteGradientError",),
     "workbench.engine.remote.engine": (
@@ -34,6 +33,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "RemoteUnsupportedError",
     ),
     "workbench.engine.roles": ("Role",),
+    "workbench.engine.samplers.sample_request": ("SampleRequest",),
     "workbench.engine.worker": ("SessionClosedError",),
     "workbench.futures": ("APIFuture", "ReentrantWaitError"),
     "workbench.loops.advantages": (

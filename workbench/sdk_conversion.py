@@ -2,10 +2,11 @@
 
 Into ours: objects built with the real SDK are accepted wherever ours are, and so are plain dicts and
 lists: `to_datum`, `to_model_input`, `to_tensor_data`, `to_provenance_span`, `to_adam_params`,
-`to_sampling_params` and `to_lora_config` turn any of them into ours (a `Datum`'s fields go through them
-too). The SDK is not imported for that: when a caller holds an SDK object, the SDK is already in
-`sys.modules`, and that module's classes are what we check against, so the local engine runs without
-loading the SDK.
+`to_sampling_params` and `to_lora_config` turn any of them into ours. Every place that receives a value
+from a caller (the clients, the engines, the server) converts it here; the types themselves coerce only
+plain forms and know nothing of the SDK. The SDK is not imported for that:
+when a caller holds an SDK object, the SDK is already in `sys.modules`, and that module's classes are what
+we check against, so the local engine runs without loading the SDK.
 
 Into the SDK's (`to_sdk_*`) and back from its results (`from_sdk_*`): what the remote engine
 (`workbench.engine.remote`) sends through the SDK and reads from it. These import the SDK when first
@@ -19,17 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from workbench.types import (
-    INPUT_DTYPES,
     AdamParams,
     Datum,
-    EncodedTextChunk,
     ForwardBackwardOutput,
     LoraConfig,
     ModelInput,
@@ -40,7 +39,9 @@ from workbench.types import (
     SampledSequence,
     SamplingParams,
     TensorData,
-    to_token_ids,
+    as_model_input,
+    as_provenance_span,
+    as_tensor_data,
 )
 
 if TYPE_CHECKING:
@@ -56,92 +57,39 @@ def _tinker_class(name: str) -> type | None:
 # ---------------------------------------------------------------------------------------------- into ours
 
 
-def to_tensor_data(key: str, value: Any) -> TensorData:
-    """Turn a `loss_fn_inputs` value (ours, the SDK's, torch, numpy or a list) into `TensorData`.
-
-    Token ids (`target_tokens`) must be integers: a bool or a float raises ValueError naming the input.
-    """
-    if INPUT_DTYPES.get(key) == "int64":
-        return _token_tensor_data(key, value)
-    if isinstance(value, TensorData):
-        return value
-    tinker_tensor_data = _tinker_class("TensorData")
-    if tinker_tensor_data is not None and isinstance(value, tinker_tensor_data):
-        return TensorData(value.to_numpy(), value.dtype)
-    if isinstance(value, torch.Tensor):
-        return TensorData.from_torch(value)
-    if isinstance(value, np.ndarray):
-        return TensorData.from_numpy(value)
-    if isinstance(value, (list, tuple)):
-        array = np.asarray(value)
-        if array.dtype == object or array.dtype.kind not in "iubf":
-            raise ValueError(f"loss_fn_inputs[{key!r}] must be a rectangular list of numbers")
-        return TensorData(array, INPUT_DTYPES.get(key, "float32"))
-    raise ValueError(
-        f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
-    )
-
-
-def _token_tensor_data(key: str, value: Any) -> TensorData:
-    """Token ids as int64 `TensorData`, from any form `to_tensor_data` takes; never from bools or floats."""
-    tinker_tensor_data = _tinker_class("TensorData")
-    if isinstance(value, TensorData) or (
-        tinker_tensor_data is not None and isinstance(value, tinker_tensor_data)
-    ):
-        array = value.to_numpy()
-    elif isinstance(value, torch.Tensor):
-        array = value.detach().cpu().numpy()
-    elif isinstance(value, np.ndarray):
-        array = value
-    elif isinstance(value, (list, tuple)):
-        try:
-            return TensorData(np.asarray(to_token_ids(value), dtype=np.int64), "int64")
-        except ValueError as error:
-            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
-    else:
-        raise ValueError(
-            f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {type(value).__name__}"
-        )
-    if array.dtype.kind not in "iu":
-        try:
-            to_token_ids(array.tolist())  # names the first value that is not an integer
-        except ValueError as error:
-            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
-        raise ValueError(f"loss_fn_inputs[{key!r}]: token ids must be integers, got {array.dtype} values")
-    return TensorData(array, "int64")
-
-
 def to_model_input(value: Any) -> ModelInput:
     """Turn a `ModelInput` (ours or the SDK's), a list of token ids, or a dict with `chunks` into ours.
 
     Malformed input raises ValueError saying what is wrong (the caller names the field).
     """
-    if isinstance(value, ModelInput):
-        return value
     tinker_model_input = _tinker_class("ModelInput")
     if tinker_model_input is not None and isinstance(value, tinker_model_input):
         return ModelInput.from_ints(value.to_ints())
-    if isinstance(value, Mapping):
-        given = value.get("chunks", ())
-        if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
-            raise ValueError(f"'chunks' must be a list of chunks, got {given!r}")
-        chunks = []
-        for index, chunk in enumerate(given):
-            if not isinstance(chunk, Mapping) or "tokens" not in chunk:
-                raise ValueError(
-                    f"chunk {index} must be a dict with 'tokens' (a list of token ids), got {chunk!r}"
-                )
-            kind = chunk.get("type", "encoded_text")
-            if kind != "encoded_text":
-                raise ValueError(f"only text chunks are supported, got a {kind!r} chunk")
-            try:
-                chunks.append(EncodedTextChunk(tokens=chunk["tokens"]))
-            except ValueError as error:
-                raise ValueError(f"chunk {index}: {error}") from None
-        return ModelInput(chunks=tuple(chunks))
-    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
-        return ModelInput.from_ints(value)
-    raise ValueError(f"model_input must be a ModelInput or a list of token ids, got {type(value).__name__}")
+    return as_model_input(value)
+
+
+def to_tensor_data(key: str, value: Any) -> TensorData:
+    """Turn a `loss_fn_inputs` value (ours, the SDK's, torch, numpy or a list) into `TensorData`.
+
+    Token ids (`target_tokens`) must be integers: a bool or a float raises ValueError naming the input.
+    """
+    tinker_tensor_data = _tinker_class("TensorData")
+    if tinker_tensor_data is not None and isinstance(value, tinker_tensor_data):
+        value = TensorData(value.to_numpy(), value.dtype)
+    return as_tensor_data(key, value)
+
+
+def to_provenance_span(value: Any) -> ProvenanceSpan:
+    """Turn a provenance span (ours or the SDK's `PromptProvenanceSpan` / `SampledProvenanceSpan`) into ours."""
+    for ours in (PromptProvenanceSpan, SampledProvenanceSpan):
+        sdk_class = _tinker_class(ours.__name__)
+        if sdk_class is not None and isinstance(value, sdk_class):
+            return ours(sequence_id=value.sequence_id, offset=value.offset, length=value.length)
+    return as_provenance_span(value)
+
+
+def _spans(spans: Any) -> tuple[ProvenanceSpan, ...] | None:
+    return None if spans is None else tuple(to_provenance_span(span) for span in spans)
 
 
 _DATUM_KEYS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
@@ -149,42 +97,33 @@ _DATUM_KEYS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_in
 
 def to_datum(value: Any) -> Datum:
     """Turn a `Datum` (ours or the SDK's, provenance spans included) or a dict with `model_input`,
-    `loss_fn_inputs` and optionally the two span lists into ours."""
+    `loss_fn_inputs` and optionally the two span lists (each field ours, the SDK's or a plain form)
+    into ours."""
     if isinstance(value, Datum):
         return value
     tinker_datum = _tinker_class("Datum")
     if tinker_datum is not None and isinstance(value, tinker_datum):
-        return Datum(
-            model_input=value.model_input,
-            loss_fn_inputs=dict(value.loss_fn_inputs),
-            model_input_spans=value.model_input_spans,
-            loss_fn_input_spans=value.loss_fn_input_spans,
-        )
-    if isinstance(value, Mapping):
+        fields = {name: getattr(value, name) for name in _DATUM_KEYS}
+    elif isinstance(value, Mapping):
         unknown = set(value) - set(_DATUM_KEYS)
         if unknown or "model_input" not in value:
             raise ValueError(
                 f"a datum dict has keys {list(_DATUM_KEYS)} (spans optional), got {sorted(value)}"
             )
-        return Datum(
-            model_input=value["model_input"],
-            loss_fn_inputs=value.get("loss_fn_inputs", {}),
-            model_input_spans=value.get("model_input_spans"),
-            loss_fn_input_spans=value.get("loss_fn_input_spans"),
-        )
-    raise ValueError(f"a datum must be a Datum or a dict, got {type(value).__name__}")
-
-
-def to_provenance_span(value: Any) -> ProvenanceSpan:
-    """Turn a provenance span (ours or the SDK's `PromptProvenanceSpan` / `SampledProvenanceSpan`) into ours."""
-    if isinstance(value, (PromptProvenanceSpan, SampledProvenanceSpan)):
-        return value
-    for ours in (PromptProvenanceSpan, SampledProvenanceSpan):
-        sdk_class = _tinker_class(ours.__name__)
-        if sdk_class is not None and isinstance(value, sdk_class):
-            return ours(sequence_id=value.sequence_id, offset=value.offset, length=value.length)
-    raise ValueError(
-        f"a provenance span must be a PromptProvenanceSpan or a SampledProvenanceSpan, got {type(value).__name__}"
+        fields = {name: value.get(name) for name in _DATUM_KEYS}
+    else:
+        raise ValueError(f"a datum must be a Datum or a dict, got {type(value).__name__}")
+    try:
+        model_input = to_model_input(fields["model_input"])
+    except ValueError as error:
+        raise ValueError(f"model_input: {error}") from None
+    return Datum(
+        model_input=model_input,
+        loss_fn_inputs={
+            key: to_tensor_data(key, item) for key, item in dict(fields["loss_fn_inputs"] or {}).items()
+        },
+        model_input_spans=_spans(fields["model_input_spans"]),
+        loss_fn_input_spans=_spans(fields["loss_fn_input_spans"]),
     )
 
 

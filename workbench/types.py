@@ -3,8 +3,10 @@
 The names, fields and defaults follow the `tinker` SDK (0.38) so that code written against Tinker reads
 the same here: a `Datum` is a `ModelInput` plus a dict of per-position `loss_fn_inputs`; results are
 `ForwardBackwardOutput`, `OptimStepResponse`, `SampleResponse`. Objects built with the real SDK are
-accepted wherever ours are: `workbench.sdk_conversion` turns an SDK object, a plain dict or a list into
-ours (a `Datum`'s fields go through it too), and ours into the SDK's.
+accepted wherever ours are, converted where they come in: `workbench.sdk_conversion` turns an SDK
+object into ours (and ours into the SDK's), and the engines, clients and server call it on what they
+receive. These classes know nothing of the SDK: a `Datum` coerces its fields from plain forms only
+(`as_model_input`, `as_tensor_data`, `as_provenance_span`: ours, dicts, lists, numpy arrays, torch tensors).
 """
 
 from __future__ import annotations
@@ -233,6 +235,106 @@ def _check_span(span: PromptProvenanceSpan | SampledProvenanceSpan) -> None:
             raise ValueError(f"{name}.{field_name} must be an integer >= 0, got {value!r}")
 
 
+# ---------------------------------------------------------------------------------------------- conversions
+
+
+def as_model_input(value: Any) -> ModelInput:
+    """A `ModelInput` from itself, a list (array, tensor) of token ids, or a dict with `chunks`.
+
+    Malformed input raises ValueError saying what is wrong (the caller names the field).
+    """
+    if isinstance(value, ModelInput):
+        return value
+    if isinstance(value, Mapping):
+        given = value.get("chunks", ())
+        if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
+            raise ValueError(f"'chunks' must be a list of chunks, got {given!r}")
+        chunks = []
+        for index, chunk in enumerate(given):
+            if not isinstance(chunk, Mapping) or "tokens" not in chunk:
+                raise ValueError(
+                    f"chunk {index} must be a dict with 'tokens' (a list of token ids), got {chunk!r}"
+                )
+            kind = chunk.get("type", "encoded_text")
+            if kind != "encoded_text":
+                raise ValueError(f"only text chunks are supported, got a {kind!r} chunk")
+            try:
+                chunks.append(EncodedTextChunk(tokens=chunk["tokens"]))
+            except ValueError as error:
+                raise ValueError(f"chunk {index}: {error}") from None
+        return ModelInput(chunks=tuple(chunks))
+    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
+        return ModelInput.from_ints(value)
+    raise ValueError(f"model_input must be a ModelInput or a list of token ids, got {_described(value)}")
+
+
+def as_tensor_data(key: str, value: Any) -> TensorData:
+    """A `loss_fn_inputs` value (`TensorData`, torch, numpy or a list) as `TensorData`.
+
+    Token ids (`target_tokens`) must be integers: a bool or a float raises ValueError naming the input.
+    """
+    if INPUT_DTYPES.get(key) == "int64":
+        return _token_tensor_data(key, value)
+    if isinstance(value, TensorData):
+        return value
+    if isinstance(value, torch.Tensor):
+        return TensorData.from_torch(value)
+    if isinstance(value, np.ndarray):
+        return TensorData.from_numpy(value)
+    if isinstance(value, (list, tuple)):
+        array = np.asarray(value)
+        if array.dtype == object or array.dtype.kind not in "iubf":
+            raise ValueError(f"loss_fn_inputs[{key!r}] must be a rectangular list of numbers")
+        return TensorData(array, INPUT_DTYPES.get(key, "float32"))
+    raise ValueError(
+        f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {_described(value)}"
+    )
+
+
+def _token_tensor_data(key: str, value: Any) -> TensorData:
+    """Token ids as int64 `TensorData`, from any form `as_tensor_data` takes; never from bools or floats."""
+    if isinstance(value, TensorData):
+        array = value.to_numpy()
+    elif isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy()
+    elif isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple)):
+        try:
+            return TensorData(np.asarray(to_token_ids(value), dtype=np.int64), "int64")
+        except ValueError as error:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
+    else:
+        raise ValueError(
+            f"loss_fn_inputs[{key!r}] must be TensorData, a tensor, an array or a list, got {_described(value)}"
+        )
+    if array.dtype.kind not in "iu":
+        try:
+            to_token_ids(array.tolist())  # names the first value that is not an integer
+        except ValueError as error:
+            raise ValueError(f"loss_fn_inputs[{key!r}]: {error}") from None
+        raise ValueError(f"loss_fn_inputs[{key!r}]: token ids must be integers, got {array.dtype} values")
+    return TensorData(array, "int64")
+
+
+def as_provenance_span(value: Any) -> ProvenanceSpan:
+    """A provenance span, checked to be one of ours."""
+    if isinstance(value, (PromptProvenanceSpan, SampledProvenanceSpan)):
+        return value
+    raise ValueError(
+        f"a provenance span must be a PromptProvenanceSpan or a SampledProvenanceSpan, got {_described(value)}"
+    )
+
+
+def _described(value: Any) -> str:
+    """A value's type for an error, by its full name: another library's class may share ours."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+# ---------------------------------------------------------------------------------------------- datums
+
+
 @dataclass(frozen=True)
 class Datum:
     """One training example: the tokens read (`model_input`) and per-position loss inputs.
@@ -252,15 +354,12 @@ class Datum:
     loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
 
     def __post_init__(self) -> None:
-        # the one import of the conversions from here: they build on these classes
-        from workbench.sdk_conversion import to_model_input, to_provenance_span, to_tensor_data
-
         try:
-            model_input = to_model_input(self.model_input)
+            model_input = as_model_input(self.model_input)
         except ValueError as error:
             raise ValueError(f"model_input: {error}") from None
         object.__setattr__(self, "model_input", model_input)
-        converted = {key: to_tensor_data(key, value) for key, value in dict(self.loss_fn_inputs).items()}
+        converted = {key: as_tensor_data(key, value) for key, value in dict(self.loss_fn_inputs).items()}
         object.__setattr__(self, "loss_fn_inputs", converted)
         if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
             raise ValueError(
@@ -269,20 +368,18 @@ class Datum:
         for name in ("model_input_spans", "loss_fn_input_spans"):
             spans = getattr(self, name)
             if spans is not None:
-                object.__setattr__(self, name, tuple(to_provenance_span(span) for span in spans))
+                object.__setattr__(self, name, tuple(as_provenance_span(span) for span in spans))
 
     def with_provenance(
         self, model_input: Sequence[ProvenanceSpan], loss_fn_inputs: Sequence[ProvenanceSpan]
     ) -> Datum:
         """A copy naming where each token came from: `model_input` runs tile the input tokens,
         `loss_fn_inputs` runs tile `target_tokens` (checked here)."""
-        from workbench.sdk_conversion import to_provenance_span
-
         for what, spans, expected in (
             ("model_input", model_input, self.model_input.length),
             ("loss_fn_inputs", loss_fn_inputs, len(self.loss_fn_inputs.get("target_tokens", ()))),
         ):
-            covered = sum(to_provenance_span(span).length for span in spans)
+            covered = sum(as_provenance_span(span).length for span in spans)
             if covered != expected:
                 raise ValueError(
                     f"with_provenance {what} spans cover {covered} positions but the field has {expected}; "

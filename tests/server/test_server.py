@@ -26,6 +26,7 @@ from tinker.lib.public_interfaces.training_client import fetch_training_info
 import workbench as wb
 from tests.datums import ce_datum, sdk_ce_datum
 from tests.tinker_api.test_service_client import check_a_weights_only_load_starts_the_optimizer_afresh
+from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.server import ServerConfig, TinkerServer
 
 API_KEY = "tml-test-key-0123"
@@ -226,47 +227,6 @@ def test_checkpoints_through_the_server(sess: wb.Session, client: tinker.Service
         remote.load_state_with_optimizer(state.path).result()
     back = remote.forward(check, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     np.testing.assert_array_equal(back, after.to_numpy())
-
-
-def test_runs_and_checkpoints_rest(
-    sess: wb.Session, srv: TinkerServer, client: tinker.ServiceClient, tmp_path: Path
-) -> None:
-    remote = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
-    remote.save_state("s1").result()
-    sampler_path = remote.save_weights_for_sampler("w1").result().path
-    rest = tinker.RestClient(base_url=srv.url)
-    assert rest.get_server_capabilities().result().supported_models[0].model_name == "tiny"
-    runs = rest.list_training_runs().result()
-    assert {r.training_run_id for r in runs.training_runs} == {sess.model_id, remote.model_id}
-    run = rest.get_training_run(remote.model_id).result()
-    assert run.model_owner == client.holder.get_session_id() and run.lora_rank == 4
-    assert run.last_checkpoint.tinker_path == f"tinker://{remote.model_id}/weights/s1"
-    listed = rest.list_checkpoints(remote.model_id).result().checkpoints
-    assert sorted(c.checkpoint_id for c in listed) == ["sampler_weights/w1", "weights/s1"]
-    assert {c.checkpoint_id for c in rest.list_user_checkpoints().result().checkpoints} >= {"weights/s1"}
-    info = rest.get_weights_info_by_tinker_path(f"tinker://{remote.model_id}/weights/s1").result()
-    assert (info.base_model, info.lora_rank, info.train_unembed) == ("tiny", 4, True)
-    assert rest.get_weights_info_by_tinker_path(sampler_path).result().lora_rank == 4
-    # the archive: a signed link to the checkpoint folder as workbench.export_archive writes it
-    link = httpx.get(
-        f"{srv.url}/api/v1/training_runs/{remote.model_id}/checkpoints/weights/s1/archive", timeout=30
-    )
-    assert link.status_code == 302
-    download = httpx.get(link.headers["location"], timeout=30)
-    assert download.status_code == 200
-    (tmp_path / "s1.tar").write_bytes(download.content)
-    imported = wb.import_archive(tmp_path / "s1.tar", tmp_path / "imported")
-    assert sorted(p.name for p in imported.iterdir()) == sorted(
-        p.name for p in sess.engine.checkpoint_folder(f"tinker://{remote.model_id}/weights/s1").iterdir()
-    )
-    forged = link.headers["location"].replace("signature=", "signature=0")
-    assert httpx.get(forged, timeout=30).status_code == 403
-    rest.delete_checkpoint_from_tinker_path(sampler_path).result()
-    assert [c.checkpoint_id for c in rest.list_checkpoints(remote.model_id).result().checkpoints] == [
-        "weights/s1"
-    ]
-    with pytest.raises(tinker.NotFoundError, match="no training run"):
-        rest.get_training_run("nobody").result()
 
 
 # ---------------------------------------------------------------------------------------------- protocol
@@ -551,14 +511,14 @@ def test_the_engine_samples_under_the_ids_its_caller_names(sess: wb.Session) -> 
     engine gives its sequences (and its stability records) exactly those ids."""
     pin = sess.engine.pin_sampler(sess.model_id)
     params = {"max_tokens": 3, "seed": 1}
-    named = sess.engine.sample(pin, TOKENS[0], 2, params, sequence_ids=["r:0", "r:1"]).result()
+    named = sess.engine.sample(pin, SampleRequest(TOKENS[0], 2, params, sequence_ids=["r:0", "r:1"])).result()
     assert [s.sequence_id for s in named.sequences] == ["r:0", "r:1"]
-    unnamed = sess.engine.sample(pin, TOKENS[0], 2, params).result()
+    unnamed = sess.engine.sample(pin, SampleRequest(TOKENS[0], 2, params)).result()
     assert len({s.sequence_id for s in unnamed.sequences} | {"r:0", "r:1"}) == 4
     digest = sess.engine.state_digest()
     for bad in (["r:2"], ["r:2", "r:2"], ["r:2", ""]):
         with pytest.raises(ValueError, match="sequence_ids must be 2 distinct non-empty strings"):
-            sess.engine.sample(pin, TOKENS[0], 2, params, sequence_ids=bad)
+            sess.engine.sample(pin, SampleRequest(TOKENS[0], 2, params, sequence_ids=bad))
     assert sess.engine.state_digest() == digest
     sess.engine.release_sampler(pin)
 

@@ -283,16 +283,16 @@ def test_finished_runs_are_found_on_disk(tmp_path: Path, monkeypatch: pytest.Mon
         client = first.create_lora_training_client("tiny", rank=4, user_metadata={"a": "b"}).result()
         _train(client)
         path = client.save_state("s").result().path
-        run_id = client.model_id
+        model_id = client.model_id
     assert client.engine.closed
     later = wb.ServiceClient()
     rest = later.create_rest_client()
-    assert rest.get_training_run(run_id).result().user_metadata == {"a": "b"}
+    assert rest.get_training_run(model_id).result().user_metadata == {"a": "b"}
     assert [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints] == [path]
     resumed = later.create_training_client_from_state_with_optimizer(path).result()
     assert resumed.step == 1
     rest.delete_checkpoint_from_tinker_path(path).result()
-    assert rest.list_checkpoints(run_id).result().checkpoints == []
+    assert rest.list_checkpoints(model_id).result().checkpoints == []
     with pytest.raises(ValueError, match="no training run 'nope'"):
         rest.get_training_run("nope")
     later.close("success")

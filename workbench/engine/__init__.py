@@ -6,6 +6,8 @@
   does for servers that differ from hosted Tinker.
 - `model/`: the pieces the local engine is built from (base model and adapters, logprobs, batching,
   trainable adapters, weight versions, the critic's value head).
-- `samplers/`: HF `generate` and vLLM, the local engine's two samplers.
-- `worker.py`, `config.py`, `roles.py`: the ordered worker thread, the settings, and what a client speaks for.
+- `samplers/`: the `SampleRequest` both engines take, and HF `generate` and vLLM, the local engine's two
+  samplers.
+- `worker.py`, `config.py`, `roles.py`, `threads.py`: the ordered worker thread, the settings, what a client
+  speaks for, and how many torch threads the worker uses.
 """

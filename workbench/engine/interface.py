@@ -29,6 +29,7 @@ from workbench.engine.config import EngineConfig, ModelConfig
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
 from workbench.engine.samplers.requests import TokenSink
+from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
@@ -39,7 +40,6 @@ from workbench.types import (
     ModelInput,
     OptimStepResponse,
     SampleResponse,
-    SamplingParams,
     SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
@@ -125,17 +125,21 @@ class EngineInterface(Protocol):
         """The base model and the engine's settings."""
 
     @property
-    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The base model's tokenizer (Tinker's `TrainingClient.get_tokenizer`)."""
 
     @property
-    def base_info(self) -> BaseModelInfo: ...
+    def base_info(self) -> BaseModelInfo:
+        """What is known of the base model: its name, path, architecture, vocabulary and sizes."""
 
     @property
     def history(self) -> MetricsHistory:
-        """Every completed operation's metrics, in submission order."""
+        """Every completed operation's metrics, in submission order (all models; the `model` column
+        says which)."""
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """Whether `close` was called: from then on every operation raises `SessionClosedError`."""
 
     def check_open(self) -> None:
         """Raise `SessionClosedError` once the engine is closed."""
@@ -150,9 +154,16 @@ class EngineInterface(Protocol):
         model_dir: str | Path | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[str]:
-        """Add a LoRA model on the base; resolves to its model id."""
+        """Add a model with a new LoRA policy on the base (Tinker's
+        `ServiceClient.create_lora_training_client`); resolves to its model id (default: a fresh one).
 
-    def model_ids(self) -> list[str]: ...
+        `seed` makes the adapter's initialisation reproducible. The model's folder, where its history
+        and W&B files go, is `<models root>/<model id>` unless `model_dir` says otherwise;
+        `user_metadata` is kept with the model.
+        """
+
+    def model_ids(self) -> list[str]:
+        """The engine's models, in the order they were created."""
 
     def model_status(self, model_id: str) -> ModelStatus:
         """The model's counters and settings now (a snapshot)."""
@@ -168,7 +179,13 @@ class EngineInterface(Protocol):
         data: Sequence[Any],
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
-    ) -> APIFuture[ForwardBackwardOutput]: ...
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """The loss `loss_fn` and its per-datum outputs (`logprobs` among them) on `data`, without
+        touching gradients (Tinker's `TrainingClient.forward`).
+
+        `data` holds `Datum`s (ours, the SDK's, or dicts with their fields); `loss_fn_config` sets the
+        loss's parameters (e.g. PPO's clip thresholds).
+        """
 
     def forward_backward(
         self,
@@ -177,43 +194,60 @@ class EngineInterface(Protocol):
         data: Sequence[Any],
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
-    ) -> APIFuture[ForwardBackwardOutput]: ...
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """As `forward`, and the loss's gradient is added to the accumulated one: gradients accumulate
+        over calls until `optim_step` applies them (Tinker's `TrainingClient.forward_backward`)."""
 
     def forward_backward_custom(
         self, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
-    ) -> APIFuture[ForwardBackwardOutput]: ...
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Train on any differentiable function of the per-datum logprobs: `loss_fn(data, logprobs)`
+        gives `(loss, metrics)`, and the loss's gradient is accumulated as `forward_backward`'s is
+        (Tinker's `TrainingClient.forward_backward_custom`)."""
 
-    def optim_step(
-        self, model_id: str, role: Role, adam_params: Any = None
-    ) -> APIFuture[OptimStepResponse]: ...
+    def optim_step(self, model_id: str, role: Role, adam_params: Any = None) -> APIFuture[OptimStepResponse]:
+        """Apply the accumulated gradient with AdamW and every field of `adam_params` (an `AdamParams`,
+        the SDK's, or a dict; default `AdamParams()`, whose weight decay is 0 as Tinker's is), then start
+        a new one; the step and the weights version move on by one (Tinker's `TrainingClient.optim_step`)."""
 
     # sampling
     def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
-        """Hold a policy's weights at a version (default: current) for sampling; `None`: the base model."""
+        """Hold the weights a sampling client samples: the model's policy at `version` (default: the
+        weights the operations queued before this call leave), or the base model (`model_id=None`), until
+        `release_sampler` (Tinker's `save_weights_and_get_sampling_client`)."""
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
-        """Hold the weights of a sampler checkpoint for sampling."""
+        """Hold the weights of a saved checkpoint for sampling, named by its `tinker://` path: sampler
+        weights, or the policy of a state checkpoint (Tinker's `create_sampling_client(model_path=...)`);
+        training the live models does not change them."""
 
     def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None:
-        """Let go of pinned weights (a sampling client that is dropped or closed)."""
+        """Let go of pinned weights (a sampling client that is dropped or closed), after everything
+        queued before; takes no lock, so a finalizer may call it. With `wait` (never from a finalizer),
+        return once they are released."""
 
     def sample(
-        self,
-        pin: APIFuture[SamplerPin],
-        prompt: ModelInput | Sequence[int],
-        num_samples: int,
-        sampling_params: SamplingParams | Mapping[str, Any],
-        include_prompt_logprobs: bool = False,
-        *,
-        prompt_logprobs_last_n: int | None = None,
-        record_stability_info: bool = False,
-        sequence_ids: Sequence[str] | None = None,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-        target_prompt_logprobs: Any = None,
-        prompt_alt_tokens_k: int = 0,
-        token_sink: TokenSink | None = None,
-    ) -> APIFuture[SampleResponse]: ...
+        self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
+    ) -> APIFuture[SampleResponse]:
+        """Sample `request.num_samples` continuations of `request.prompt` from the pinned weights, each
+        with the logprob of every sampled token (Tinker's `SamplingClient.sample`).
+
+        The request was checked as it was built of everything that needs no model (`SampleRequest`); what
+        needs the model (token ids within the vocabulary, `max_tokens` within the context, widths capped
+        by the vocabulary) is checked before anything is queued, and a refused request raises a
+        ValueError and changes nothing. Sampled tokens' logprobs follow the temperature rule of
+        `workbench.types.SampledSequence`; the prompt's logprobs and scores (top-k, target ids, draws) are
+        the model's own, as `workbench.types.SampleResponse` says.
+
+        Every sequence gets a `sequence_id` unique in this engine; a caller that must know the ids before
+        the sequences exist (the REST server promises them with the request) names them in
+        `request.sequence_ids`. With `request.record_stability_info`, the engine keeps each sequence
+        (prompt, tokens, the sampler's logprobs, the weights) for a day, for `stable_reinforce` training
+        data that names it. `token_sink` (the engine's own, not the SDK's: the compatible APIs' streams
+        use it) is told each sequence's tokens as they are drawn, from the engine's worker thread
+        (`requests.TokenSink`); an engine that answers a request whole tells it nothing, and its caller
+        reads the tokens from the response.
+        """
 
     def compute_logprobs(
         self,
@@ -221,7 +255,10 @@ class EngineInterface(Protocol):
         prompt: ModelInput | Sequence[int],
         *,
         prompt_logprobs_last_n: int | None = None,
-    ) -> APIFuture[list[float | None]]: ...
+    ) -> APIFuture[list[float | None]]:
+        """The logprob of every token of `prompt` given the ones before it, from the pinned weights: the
+        first entry None, and with `prompt_logprobs_last_n` every entry before the last N (Tinker's
+        `SamplingClient.compute_logprobs`)."""
 
     # checkpoints
     def save_state(
@@ -232,7 +269,14 @@ class EngineInterface(Protocol):
         overwrite: bool = False,
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
-    ) -> APIFuture[SaveWeightsResponse]: ...
+    ) -> APIFuture[SaveWeightsResponse]:
+        """Save the model's state, to resume from (its weights and optimizer state), as checkpoint `name`
+        after the operations queued before; `.path` is `tinker://<model id>/weights/<name>` (Tinker's
+        `TrainingClient.save_state`).
+
+        With `ttl_seconds` the checkpoint expires that long after (None: never); `overwrite` replaces
+        a checkpoint of that name, metadata included; `user_metadata` is stored with it and listed.
+        """
 
     def save_weights_for_sampler(
         self,
@@ -242,7 +286,10 @@ class EngineInterface(Protocol):
         overwrite: bool = False,
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
-    ) -> APIFuture[SaveWeightsForSamplerResponse]: ...
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """Save the policy's adapter for sampling as `name`, after the operations queued before; `.path`
+        is `tinker://<model id>/sampler_weights/<name>`, which `pin_sampler_checkpoint` loads (Tinker's
+        `TrainingClient.save_weights_for_sampler`). The options are `save_state`'s."""
 
     def save_weights_external(
         self,
@@ -251,24 +298,35 @@ class EngineInterface(Protocol):
         *,
         ttl_seconds: int | None = None,
         age_encryption_recipients: Sequence[str] | None = None,
-    ) -> APIFuture[SaveWeightsExternalResponse]: ...
+    ) -> APIFuture[SaveWeightsExternalResponse]:
+        """Save the policy's adapter in peft's format as external weights `name`, after the operations
+        queued before; `.path` is `tinker://<model id>/external_weights/<name>`, listed and deleted like
+        any checkpoint (Tinker's `TrainingClient.save_weights_external`). With
+        `age_encryption_recipients` (age or SSH public keys), every file is encrypted to them."""
 
-    def load_state(
-        self, model_id: str, path: str | Path, restore: Restore
-    ) -> APIFuture[LoadWeightsResponse]: ...
+    def load_state(self, model_id: str, path: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
+        """Load a state checkpoint (its `tinker://` path) into the model after the operations queued
+        before, as far as `restore` says: `Restore.WEIGHTS` is Tinker's `load_state` (the optimizer
+        starts afresh), `Restore.WITH_OPTIMIZER` its `load_state_with_optimizer`; the weights version
+        moves on. `.path` names what was loaded."""
 
-    def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]: ...
+    def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]:
+        """The model's complete, unexpired checkpoints, oldest first (Tinker's
+        `RestClient.list_checkpoints`)."""
 
-    def delete_checkpoint(
-        self, model_id: str, name: str, kind: CheckpointKind = "state"
-    ) -> APIFuture[None]: ...
+    def delete_checkpoint(self, model_id: str, name: str, kind: CheckpointKind = "state") -> APIFuture[None]:
+        """Delete the model's checkpoint `name` of `kind`, after the operations queued before (never
+        racing a save of it)."""
 
     # misc
     def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
-        """Append a history row after everything queued before it (a run step's metrics)."""
+        """Append a row to the history after everything queued before it (e.g. a run step's metrics).
+        Metrics named like the history's own columns (`step`, `op`, `model`, `time`) or not numbers
+        raise ValueError here, before anything is queued."""
 
     def close(self) -> None:
-        """Finish the queued operations and free the models; safe to call again."""
+        """Finish the queued operations, then free the models; safe to call again, also after an
+        interrupted call."""
 
 
 _DEPRECATED = {"RunStatus": "ModelStatus"}

@@ -61,7 +61,7 @@ from workbench.notebook.triggers import PauseIf
 from workbench.sdk_conversion import to_lora_config
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
-from workbench.storage.model_folders import new_model_id, runs_root
+from workbench.storage.model_folders import models_root, new_model_id
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
 from workbench.types import ForwardBackwardOutput, LoadWeightsResponse, LoraConfig
@@ -159,7 +159,7 @@ class Session:
             threads=threads,
         )
         folder = (
-            Path(model_dir) if model_dir is not None else runs_root() / new_model_id(base_model)
+            Path(model_dir) if model_dir is not None else models_root() / new_model_id(base_model)
         ).absolute()
         try:
             model_id = engine.create_model(
@@ -205,7 +205,7 @@ class Session:
                 session's repr and its config in the history.
             api_key: The service's key; default `$TINKER_API_KEY` (read by the SDK).
             seed: Seeds the adapter's initialisation unless `lora.seed` is set.
-            model_dir: The local folder for the history and W&B files; default `<runs root>/<run id>`.
+            model_dir: The local folder for the history and W&B files; default `<models root>/<model id>`.
             wandb: As for `Session(...)`.
             probe_interval_s: How long an operation waits before checking that the service answers.
         """
@@ -217,7 +217,7 @@ class Session:
         # no adapter named: the one the service builds (an explicit one it would not honour is refused)
         lora_config = to_lora_config(lora) if lora is not None else engine.default_lora()
         folder = (
-            Path(model_dir) if model_dir is not None else runs_root() / new_model_id(base_model)
+            Path(model_dir) if model_dir is not None else models_root() / new_model_id(base_model)
         ).absolute()
         try:
             model_id = engine.create_model(
@@ -289,8 +289,8 @@ class Session:
         optimizer state, counters, weight versions and RNG states.
 
         It continues in the checkpoint's model folder (`<model_dir>` for a checkpoint at
-        `<model_dir>/checkpoints/<name>`) when that folder's name is the saved run id, else in
-        `<runs root>/<run id>`; the run id stays the same, so the W&B run resumes too. `device` (and with
+        `<model_dir>/checkpoints/<name>`) when that folder's name is the saved model id, else in
+        `<models root>/<model id>`; the model id stays the same, so the W&B run resumes too. `device` (and with
         it the sampler) follows this machine unless given; `model_dir` and `wandb` as for `Session(...)`.
         """
         model_dir = _model_dir_from(model_dir, run_dir)
@@ -301,8 +301,8 @@ class Session:
             own = probe.absolute().parent.parent
             model_dir = (
                 own
-                if probe.absolute().parent.name == STATE_DIR and own.name == saved.run_id
-                else runs_root() / saved.run_id
+                if probe.absolute().parent.name == STATE_DIR and own.name == saved.model_id
+                else models_root() / saved.model_id
             )
         engine = Engine(
             arguments["base_model"],
@@ -314,7 +314,7 @@ class Session:
         )
         try:
             model_id = engine.create_model_from_state(
-                probe, restore=Restore.EVERYTHING, model_id=saved.run_id, model_dir=model_dir
+                probe, restore=Restore.EVERYTHING, model_id=saved.model_id, model_dir=model_dir
             ).result()
         except BaseException:
             engine.close()

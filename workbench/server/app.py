@@ -19,6 +19,10 @@ a URL of this server signed for 15 minutes (HMAC with a per-server secret), so t
 needs no API key; the file is the checkpoint folder as `workbench.export_archive` writes it. External
 weights (`save_weights_external`) are downloaded the same way, file by file: `external_weights_urls`
 answers a URL of this server per file, signed with the same key for the same 15 minutes.
+
+`create_app` is the route table. A JSON endpoint that answers at once goes straight to the service (or
+to `ModelListings`); the others are methods of `TinkerRoutes`, which also holds what every route goes
+through: the key check and error answer (`guarded`) and the seq_id rule of ordered operations (`ordered`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workbench.server import anthropic_api, openai_api, schemas, wire
 from workbench.server.errors import ENVELOPE_BYTES, BodyTooLarge, RequestError, error_body
+from workbench.server.model_listings import ModelListings
 from workbench.server.served_weights import ServedWeights
 from workbench.server.service import SampleResult, TinkerService
 from workbench.storage.archive import export_archive
@@ -53,6 +58,89 @@ from workbench.types import ForwardBackwardOutput
 
 ARCHIVE_URL_LIFETIME_S = 900
 Route = Callable[..., Awaitable[Response]]
+
+
+def create_app(service: TinkerService) -> FastAPI:
+    """The ASGI app serving `service`: the Tinker API's routes, then OpenAI's and Anthropic's."""
+    app = FastAPI(title="workbench Tinker server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.exception_handler(RequestValidationError)(invalid_request)
+    app.exception_handler(StarletteHTTPException)(http_error)
+    listings = ModelListings(service)
+    tinker = TinkerRoutes(service, listings)
+    guarded, ordered = tinker.guarded, tinker.ordered
+    post = functools.partial(tinker.add_json_post, app)
+
+    # ------------------------------------------------------------------------------------------ sessions
+
+    post("/api/v1/client/config", schemas.ClientConfigRequest, lambda _r, _b: service.client_config())
+    post("/api/v1/client/dynamic_config", schemas.ClientConfigRequest, lambda _r, _b: {})
+    post("/api/v1/create_session", schemas.CreateSessionRequest, lambda r, _b: service.create_session(r))
+    post("/api/v1/session_heartbeat", schemas.SessionHeartbeatRequest, lambda r, _b: service.heartbeat(r))
+    app.post("/api/v1/sessions/{session_id}/finish")(guarded(tinker.finish_session))
+    app.post("/api/v1/telemetry")(guarded(tinker.telemetry))
+
+    # ------------------------------------------------------------------------------------------ models and ops
+
+    post("/api/v1/create_model", schemas.CreateModelRequest, service.create_model)
+    post("/api/v1/get_info", schemas.GetInfoRequest, lambda r, _b: service.get_info(r))
+    post("/api/v1/optim_step", schemas.OptimStepRequest, service.optim_step, in_order=True)
+    post("/api/v1/save_weights", schemas.SaveWeightsRequest, service.save_weights, in_order=True)
+    post(
+        "/api/v1/save_weights_for_sampler",
+        schemas.SaveWeightsForSamplerRequest,
+        service.save_weights_for_sampler,
+        in_order=True,
+    )
+    post(
+        "/api/v1/save_weights_external",
+        schemas.SaveWeightsExternalRequest,
+        service.save_weights_external,
+        in_order=True,
+    )
+    post("/api/v1/load_weights", schemas.LoadWeightsRequest, service.load_weights, in_order=True)
+    post("/api/v1/weights_info", schemas.WeightsInfoRequest, lambda r, _b: listings.weights_info(r))
+    post(
+        "/api/v1/create_sampling_session",
+        schemas.CreateSamplingSessionRequest,
+        lambda r, _b: service.create_sampling_session(r),
+    )
+    post("/api/v1/asample", schemas.SampleRequestBody, service.asample)
+    app.post("/api/v1/forward_backward")(guarded(ordered(tinker.forward_backward)))
+    app.post("/api/v1/retrieve_future")(guarded(tinker.retrieve_future))
+
+    # ------------------------------------------------------------------------------------------ reads
+
+    app.get("/api/v1/healthz")(guarded(tinker.healthz))
+    app.get("/api/v1/get_server_capabilities")(guarded(tinker.capabilities))
+    app.get("/api/v1/samplers/{sampler_id}")(guarded(tinker.get_sampler))
+    app.get("/api/v1/training_runs")(guarded(tinker.training_runs))
+    app.get("/api/v1/training_runs/{training_run_id}")(guarded(tinker.training_run))
+    app.get("/api/v1/training_runs/{training_run_id}/checkpoints")(guarded(tinker.checkpoints))
+    app.get("/api/v1/checkpoints")(guarded(tinker.user_checkpoints))
+    app.delete("/api/v1/training_runs/{training_run_id}/checkpoints/{segment}/{name}")(
+        guarded(tinker.delete_checkpoint)
+    )
+
+    # ------------------------------------------------------------------------------------------ downloads
+
+    app.get("/api/v1/training_runs/{training_run_id}/checkpoints/{segment}/{name}/archive")(
+        guarded(tinker.archive_url)
+    )
+    app.get("/api/v1/training_runs/{training_run_id}/checkpoints/{segment}/{name}/external_weights_urls")(
+        guarded(tinker.external_weights_urls)
+    )
+    # the signed URLs those two answer: the signature stands in for the API key
+    app.get("/api/v1/archives/{model_id}/{segment}/{name}")(tinker.archive_download)
+    app.get("/api/v1/external_weights/{model_id}/{name}/{file}")(tinker.external_weights_download)
+
+    # ------------------------------------------------------------------------------------------ compatible APIs
+
+    # OpenAI's and Anthropic's APIs on the same engine, key and port (`app.state.served_weights.release_all()`
+    # lets go of the weights they keep loaded)
+    app.state.served_weights = weights = ServedWeights(service, listings)
+    app.include_router(openai_api.openai_router(service, weights), prefix=openai_api.PREFIX)
+    app.include_router(anthropic_api.anthropic_router(service, weights), prefix=anthropic_api.PREFIX)
+    return app
 
 
 class TinkerJSONResponse(JSONResponse):
@@ -78,106 +166,130 @@ def _query_int(request: Request, name: str, default: int) -> int:
     return int(text)
 
 
-def create_app(service: TinkerService) -> FastAPI:
-    """The ASGI app serving `service`."""
-    config = service.config
-    secret = secrets.token_bytes(32)
-    app = FastAPI(title="workbench Tinker server", docs_url=None, redoc_url=None, openapi_url=None)
+async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+    """Parameters FastAPI could not read. Routes read their own parameters after the key check, so this
+    answers only what slips past them, and says no more than that (a key-less caller learns nothing)."""
+    return _json({"error": "invalid request parameters", "category": "user"}, 400)
 
-    def answer_for(error: BaseException) -> dict[str, str]:
+
+async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route, method not allowed) in the error body every route uses."""
+    return _json({"error": str(error.detail), "category": "user"}, error.status_code)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, decompressed, within `max_bytes`. A body over the limit is refused with
+    `BodyTooLarge`, which keeps its beginning (it names the request's model and seq_id)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(
+            f"the request body ({declared} bytes) exceeds the limit of {max_bytes}", await _head_of(request)
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        chunks.append(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(f"the request body exceeds the limit of {max_bytes} bytes", b"".join(chunks))
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding == "zstd":
+        return wire.decompress(body, max_bytes)
+    if encoding != "identity":
+        raise RequestError(f"unsupported Content-Encoding {encoding!r} (zstd or none)", 415)
+    return body
+
+
+async def _head_of(request: Request) -> bytes:
+    """The first `ENVELOPE_BYTES` of a body that will be refused."""
+    head = b""
+    async for chunk in request.stream():
+        head += chunk
+        if len(head) >= ENVELOPE_BYTES:
+            break
+    return head[:ENVELOPE_BYTES]
+
+
+class TinkerRoutes:
+    """The Tinker API's handlers over `service`, and the wrappers every route goes through.
+
+    Each app has its own, with its own secret: the download links it signs are good on that app only.
+
+    Args:
+        service: The service whose endpoints the routes call.
+        listings: The listings of its models and checkpoints.
+    """
+
+    def __init__(self, service: TinkerService, listings: ModelListings):
+        self.service = service
+        self.listings = listings
+        self.config = service.config
+        self._secret = secrets.token_bytes(32)
+
+    # ------------------------------------------------------------------------------------------ wrappers
+
+    def answer_for(self, error: BaseException) -> dict[str, str]:
+        """The error body a client reads: no folder of this machine named in it."""
         body = error_body(error)
-        return {**body, "error": service.client_message(body["error"])}
+        return {**body, "error": self.service.client_message(body["error"])}
 
-    def _refusal(error: BaseException) -> JSONResponse:
+    def refusal(self, error: BaseException) -> JSONResponse:
+        """The response to a refused or failed request: its status (400 for an unexpected failure)."""
         status = error.status if isinstance(error, RequestError) else 400
-        return _json(answer_for(error), status)
+        return _json(self.answer_for(error), status)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
-        # routes read their own parameters after the key check; this answers whatever slips past
-        return _json({"error": "invalid request parameters", "category": "user"}, 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _json({"error": str(error.detail), "category": "user"}, error.status_code)
-
-    def guarded(route: Route) -> Route:
+    def guarded(self, route: Route) -> Route:
         """Check the API key, then run the route; a refusal or a failure becomes an error response."""
 
         @functools.wraps(route)
         async def run(request: Request, *args: Any, **kwargs: Any) -> Response:
             try:
-                if config.api_key is not None:
-                    given = request.headers.get("x-api-key", "")
-                    if not hmac.compare_digest(given.encode(), config.api_key.encode()):
-                        raise RequestError(
-                            "missing or wrong API key (X-API-Key; TINKER_API_KEY in the SDK)", 401
-                        )
+                self._check_key(request)
                 return await route(request, *args, **kwargs)
             except Exception as error:  # every failure is answered with its message, never a traceback
-                return _refusal(error)
+                return self.refusal(error)
 
         return run
 
-    async def body_of(request: Request) -> bytes:
-        """The request body, decompressed, within the size limit. A body over the limit is refused with
-        `BodyTooLarge`, which keeps its beginning (it names the request's model and seq_id)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise BodyTooLarge(
-                f"the request body ({declared} bytes) exceeds the limit of {config.max_body_bytes}",
-                await head_of(request),
-            )
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            chunks.append(chunk)
-            if size > config.max_body_bytes:
-                raise BodyTooLarge(
-                    f"the request body exceeds the limit of {config.max_body_bytes} bytes",
-                    b"".join(chunks),
-                )
-        body = b"".join(chunks)
-        encoding = request.headers.get("content-encoding", "identity").lower()
-        if encoding == "zstd":
-            return wire.decompress(body, config.max_body_bytes)
-        if encoding != "identity":
-            raise RequestError(f"unsupported Content-Encoding {encoding!r} (zstd or none)", 415)
-        return body
+    def _check_key(self, request: Request) -> None:
+        """Refuse (401) a request without the server's key, compared in constant time."""
+        if self.config.api_key is None:
+            return
+        given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), self.config.api_key.encode()):
+            raise RequestError("missing or wrong API key (X-API-Key; TINKER_API_KEY in the SDK)", 401)
 
-    async def head_of(request: Request) -> bytes:
-        """The first `ENVELOPE_BYTES` of a body that will be refused."""
-        head = b""
-        async for chunk in request.stream():
-            head += chunk
-            if len(head) >= ENVELOPE_BYTES:
-                break
-        return head[:ENVELOPE_BYTES]
-
-    def ordered(route: Callable[[Request, bytes], Awaitable[Response]]) -> Route:
+    def ordered(self, route: Callable[[Request, bytes], Awaitable[Response]]) -> Route:
         """A route of a model's ordered operations: a request refused before its seq_id was taken still
         takes it (`TinkerService.refused`), since the client counted it."""
 
         async def run(request: Request) -> Response:
             raw = b""
             try:
-                raw = await body_of(request)
+                raw = await self.body_of(request)
                 return await route(request, raw)
             except Exception as error:
-                service.refused(error.head if isinstance(error, BodyTooLarge) else raw, error)
+                self.service.refused(error.head if isinstance(error, BodyTooLarge) else raw, error)
                 raise
 
         run.__name__ = route.__name__
         return run
 
-    def post(
+    async def body_of(self, request: Request) -> bytes:
+        """The request body within the server's `max_body_bytes` (`read_body`)."""
+        return await read_body(request, self.config.max_body_bytes)
+
+    def add_json_post(
+        self,
+        app: FastAPI,
         path: str,
         schema: type[schemas.StrictBody],
         handle: Callable[[Any, bytes], Any],
         in_order: bool = False,
     ) -> None:
-        """A JSON POST endpoint whose handler answers at once; `in_order` for a model's ordered ops."""
+        """A JSON POST endpoint whose handler answers at once (its body parsed against `schema`, the raw
+        body beside it); `in_order` for a model's ordered operations."""
 
         async def parsed(request: Request, raw: bytes) -> Response:
             result = handle(schemas.parse_body(schema, raw), raw)
@@ -186,85 +298,45 @@ def create_app(service: TinkerService) -> FastAPI:
             return _json(result if result is not None else {})
 
         async def route(request: Request) -> Response:
-            return await parsed(request, await body_of(request))
+            return await parsed(request, await self.body_of(request))
 
-        chosen = ordered(parsed) if in_order else route
+        chosen = self.ordered(parsed) if in_order else route
         chosen.__name__ = path.rsplit("/", 1)[-1]
-        app.post(path)(guarded(chosen))
+        app.post(path)(self.guarded(chosen))
 
-    # ------------------------------------------------------------------------------------------ sessions
+    # ------------------------------------------------------------------------------------------ sessions and ops
 
-    post("/api/v1/client/config", schemas.ClientConfigRequest, lambda _r, _b: service.client_config())
-    post("/api/v1/client/dynamic_config", schemas.ClientConfigRequest, lambda _r, _b: {})
-    post("/api/v1/create_session", schemas.CreateSessionRequest, lambda r, _b: service.create_session(r))
-    post("/api/v1/session_heartbeat", schemas.SessionHeartbeatRequest, lambda r, _b: service.heartbeat(r))
-
-    @app.post("/api/v1/sessions/{session_id}/finish")
-    @guarded
-    async def finish_session(request: Request, session_id: str) -> Response:
-        body = schemas.parse_body(schemas.FinishSessionRequest, await body_of(request))
-        await service.finish_session(session_id, body)
+    async def finish_session(self, request: Request, session_id: str) -> Response:
+        body = schemas.parse_body(schemas.FinishSessionRequest, await self.body_of(request))
+        await self.service.finish_session(session_id, body)
         return _json({})
 
-    @app.post("/api/v1/telemetry")
-    @guarded
-    async def telemetry(request: Request) -> Response:
-        await body_of(request)  # read (and size-limited), not kept
+    async def telemetry(self, request: Request) -> Response:
+        await self.body_of(request)  # read (and size-limited), not kept
         return _json({"status": "accepted"})
 
-    # ------------------------------------------------------------------------------------------ models and ops
-
-    post("/api/v1/create_model", schemas.CreateModelRequest, service.create_model)
-    post("/api/v1/get_info", schemas.GetInfoRequest, lambda r, _b: service.get_info(r))
-    post("/api/v1/optim_step", schemas.OptimStepRequest, service.optim_step, in_order=True)
-    post("/api/v1/save_weights", schemas.SaveWeightsRequest, service.save_weights, in_order=True)
-    post(
-        "/api/v1/save_weights_for_sampler",
-        schemas.SaveWeightsForSamplerRequest,
-        service.save_weights_for_sampler,
-        in_order=True,
-    )
-    post(
-        "/api/v1/save_weights_external",
-        schemas.SaveWeightsExternalRequest,
-        service.save_weights_external,
-        in_order=True,
-    )
-    post("/api/v1/load_weights", schemas.LoadWeightsRequest, service.load_weights, in_order=True)
-    post("/api/v1/weights_info", schemas.WeightsInfoRequest, lambda r, _b: service.weights_info(r))
-    post(
-        "/api/v1/create_sampling_session",
-        schemas.CreateSamplingSessionRequest,
-        lambda r, _b: service.create_sampling_session(r),
-    )
-    post("/api/v1/asample", schemas.SampleRequest, service.asample)
-
-    @app.post("/api/v1/forward_backward")
-    @guarded
-    @ordered
-    async def forward_backward(request: Request, raw: bytes) -> Response:
+    async def forward_backward(self, request: Request, raw: bytes) -> Response:
         if wire.PROTOBUF not in request.headers.get("content-type", ""):
             raise RequestError(
                 "forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: application/x-protobuf), "
                 "as tinker SDK 0.25 and later send it",
                 415,
             )
-        return _json(service.forward_backward(wire.parse_forward_backward(raw), raw))
+        return _json(self.service.forward_backward(wire.parse_forward_backward(raw), raw))
 
-    @app.post("/api/v1/retrieve_future")
-    @guarded
-    async def retrieve_future(request: Request) -> Response:
-        body = schemas.parse_body(schemas.RetrieveFutureRequest, await body_of(request))
-        entry = service.futures.get(body.request_id)
+    async def retrieve_future(self, request: Request) -> Response:
+        """An operation's result, long-polled: `try_again` while it runs; protobuf when accepted."""
+        body = schemas.parse_body(schemas.RetrieveFutureRequest, await self.body_of(request))
+        entry = self.service.futures.get(body.request_id)
         if entry is None:
             raise RequestError(
                 f"no request {body.request_id!r} on this server (or it finished over an hour ago)", 404
             )
-        if not await service.futures.wait(entry, config.long_poll_s):
+        if not await self.service.futures.wait(entry, self.config.long_poll_s):
             return _json({"type": "try_again", "request_id": entry.request_id, "queue_state": "active"})
         entry.retrieved_at = time.monotonic()
         if entry.error is not None:
-            return _json(answer_for(entry.error))
+            return _json(self.answer_for(entry.error))
         proto = wire.PROTOBUF in request.headers.get("accept", "")
         result = entry.result
         if isinstance(result, ForwardBackwardOutput):
@@ -282,116 +354,90 @@ def create_app(service: TinkerService) -> FastAPI:
 
     # ------------------------------------------------------------------------------------------ reads
 
-    @app.get("/api/v1/healthz")
-    @guarded
-    async def healthz(request: Request) -> Response:
+    async def healthz(self, request: Request) -> Response:
         return _json({"status": "ok"})
 
-    @app.get("/api/v1/get_server_capabilities")
-    @guarded
-    async def capabilities(request: Request) -> Response:
-        return _json(service.capabilities())
+    async def capabilities(self, request: Request) -> Response:
+        return _json(self.service.capabilities())
 
-    @app.get("/api/v1/samplers/{sampler_id}")
-    @guarded
-    async def get_sampler(request: Request, sampler_id: str) -> Response:
-        return _json(service.get_sampler(sampler_id))
+    async def get_sampler(self, request: Request, sampler_id: str) -> Response:
+        return _json(self.service.get_sampler(sampler_id))
 
-    @app.get("/api/v1/training_runs")
-    @guarded
-    async def training_runs(request: Request) -> Response:
+    async def training_runs(self, request: Request) -> Response:
         limit, offset = _query_int(request, "limit", 20), _query_int(request, "offset", 0)
-        return _json(service.training_runs(limit, offset))
+        return _json(self.listings.training_runs(limit, offset))
 
-    @app.get("/api/v1/training_runs/{run_id}")
-    @guarded
-    async def training_run(request: Request, run_id: str) -> Response:
-        return _json(service.training_run(run_id))
+    async def training_run(self, request: Request, training_run_id: str) -> Response:
+        return _json(self.listings.training_run(training_run_id))
 
-    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
-    @guarded
-    async def checkpoints(request: Request, run_id: str) -> Response:
-        return _json(service.checkpoints(run_id))
+    async def checkpoints(self, request: Request, training_run_id: str) -> Response:
+        return _json(self.listings.checkpoints(training_run_id))
 
-    @app.get("/api/v1/checkpoints")
-    @guarded
-    async def user_checkpoints(request: Request) -> Response:
+    async def user_checkpoints(self, request: Request) -> Response:
         limit, offset = _query_int(request, "limit", 100), _query_int(request, "offset", 0)
-        return _json(service.user_checkpoints(limit, offset))
+        return _json(self.listings.user_checkpoints(limit, offset))
 
-    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}")
-    @guarded
-    async def delete_checkpoint(request: Request, run_id: str, segment: str, name: str) -> Response:
-        await service.delete_checkpoint(run_id, f"{segment}/{name}")
+    async def delete_checkpoint(
+        self, request: Request, training_run_id: str, segment: str, name: str
+    ) -> Response:
+        await self.listings.delete_checkpoint(training_run_id, f"{segment}/{name}")
         return Response(status_code=204)
 
-    # ------------------------------------------------------------------------------------------ archives
+    # ------------------------------------------------------------------------------------------ downloads
 
-    def signature(path: str, expires: int) -> str:
-        return hmac.new(secret, f"{path}|{expires}".encode(), hashlib.sha256).hexdigest()
+    def _signature(self, path: str, expires: int) -> str:
+        return hmac.new(self._secret, f"{path}|{expires}".encode(), hashlib.sha256).hexdigest()
 
-    @app.get("/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}/archive")
-    @guarded
-    async def archive_url(request: Request, run_id: str, segment: str, name: str) -> Response:
-        address = service.checkpoint_address(run_id, f"{segment}/{name}")
-        service.checkpoint_folder(address)
+    def _signed_url(self, request: Request, path: str) -> tuple[str, int]:
         expires = int(time.time()) + ARCHIVE_URL_LIFETIME_S
-        path = f"api/v1/archives/{address.run_id}/{segment}/{address.name}"
-        url = f"{request.base_url}{path}?expires={expires}&signature={signature(path, expires)}"
+        return (
+            f"{request.base_url}{path}?expires={expires}&signature={self._signature(path, expires)}",
+            expires,
+        )
+
+    def _check_signature(self, request: Request, path: str, what: str) -> None:
+        expires = _query_int(request, "expires", 0)
+        given = request.query_params.get("signature", "")
+        if expires < time.time() or not hmac.compare_digest(given, self._signature(path, expires)):
+            raise RequestError(f"this {what} link is invalid or has expired; ask for a new one", 403)
+
+    async def archive_url(self, request: Request, training_run_id: str, segment: str, name: str) -> Response:
+        """The SDK's archive endpoint: 302 to a signed URL of this server for the checkpoint's archive."""
+        address = self.listings.checkpoint_address(training_run_id, f"{segment}/{name}")
+        self.listings.checkpoint_folder(address)
+        url, expires = self._signed_url(
+            request, f"api/v1/archives/{address.model_id}/{segment}/{address.name}"
+        )
         return Response(
             status_code=302, headers={"Location": url, "Expires": formatdate(expires, usegmt=True)}
         )
 
-    def signed_url(request: Request, path: str) -> tuple[str, int]:
-        expires = int(time.time()) + ARCHIVE_URL_LIFETIME_S
-        return f"{request.base_url}{path}?expires={expires}&signature={signature(path, expires)}", expires
-
-    def check_signature(request: Request, path: str) -> None:
-        expires = _query_int(request, "expires", 0)
-        given = request.query_params.get("signature", "")
-        if expires < time.time() or not hmac.compare_digest(given, signature(path, expires)):
-            raise RequestError("this download link is invalid or has expired; ask for a new one", 403)
-
-    @app.get("/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}/external_weights_urls")
-    @guarded
-    async def external_weights_urls(request: Request, run_id: str, segment: str, name: str) -> Response:
-        address = service.checkpoint_address(run_id, f"{segment}/{name}")
-        _, files = service.external_files(address)
+    async def external_weights_urls(
+        self, request: Request, training_run_id: str, segment: str, name: str
+    ) -> Response:
+        """A signed URL of this server for each file of an external weights checkpoint."""
+        address = self.listings.checkpoint_address(training_run_id, f"{segment}/{name}")
+        _, files = self.listings.external_files(address)
         urls: dict[str, str] = {}
         expires = 0
         for file in files:
-            urls[file], expires = signed_url(
-                request, f"api/v1/external_weights/{address.run_id}/{address.name}/{file}"
+            urls[file], expires = self._signed_url(
+                request, f"api/v1/external_weights/{address.model_id}/{address.name}/{file}"
             )
         expires = expires or int(time.time()) + ARCHIVE_URL_LIFETIME_S
         return _json({"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()})
 
-    @app.get("/api/v1/external_weights/{run_id}/{name}/{file}")
-    async def external_weights_download(request: Request, run_id: str, name: str, file: str) -> Response:
+    async def archive_download(self, request: Request, model_id: str, segment: str, name: str) -> Response:
+        """A checkpoint's archive, at the URL `archive_url` signed; made in a scratch folder that goes
+        once the file is sent."""
         try:
-            check_signature(request, f"api/v1/external_weights/{run_id}/{name}/{file}")
-            address = service.checkpoint_address(run_id, f"external_weights/{name}")
-            folder, files = service.external_files(address)
-            if file not in files:
-                raise RequestError(f"{address.tinker_path} has no file {file!r}", 404)
-        except Exception as error:
-            return _refusal(error)
-        return FileResponse(folder / file, media_type="application/octet-stream", filename=file)
-
-    @app.get("/api/v1/archives/{run_id}/{segment}/{name}")
-    async def archive_download(request: Request, run_id: str, segment: str, name: str) -> Response:
-        try:
-            expires = _query_int(request, "expires", 0)
-            path = f"api/v1/archives/{run_id}/{segment}/{name}"
-            given = request.query_params.get("signature", "")
-            if expires < time.time() or not hmac.compare_digest(given, signature(path, expires)):
-                raise RequestError("this archive link is invalid or has expired; ask for a new one", 403)
-            address = service.checkpoint_address(run_id, f"{segment}/{name}")
-            folder = service.checkpoint_folder(address)
+            self._check_signature(request, f"api/v1/archives/{model_id}/{segment}/{name}", "archive")
+            address = self.listings.checkpoint_address(model_id, f"{segment}/{name}")
+            folder = self.listings.checkpoint_folder(address)
             scratch = Path(tempfile.mkdtemp(prefix="workbench-archive-"))
             tar_path = await asyncio.to_thread(export_archive, folder, scratch / f"{address.name}.tar")
         except Exception as error:
-            return _refusal(error)
+            return self.refusal(error)
         return FileResponse(
             tar_path,
             media_type="application/x-tar",
@@ -399,11 +445,16 @@ def create_app(service: TinkerService) -> FastAPI:
             background=BackgroundTask(shutil.rmtree, scratch, True),
         )
 
-    # ------------------------------------------------------------------------------------------ compatible APIs
-
-    # OpenAI's and Anthropic's APIs on the same engine, key and port (`app.state.served_weights.release_all()`
-    # lets go of the weights they keep loaded)
-    app.state.served_weights = weights = ServedWeights(service)
-    app.include_router(openai_api.openai_router(service, weights), prefix=openai_api.PREFIX)
-    app.include_router(anthropic_api.anthropic_router(service, weights), prefix=anthropic_api.PREFIX)
-    return app
+    async def external_weights_download(
+        self, request: Request, model_id: str, name: str, file: str
+    ) -> Response:
+        """A file of an external weights checkpoint, at the URL `external_weights_urls` signed."""
+        try:
+            self._check_signature(request, f"api/v1/external_weights/{model_id}/{name}/{file}", "download")
+            address = self.listings.checkpoint_address(model_id, f"external_weights/{name}")
+            folder, files = self.listings.external_files(address)
+            if file not in files:
+                raise RequestError(f"{address.tinker_path} has no file {file!r}", 404)
+        except Exception as error:
+            return self.refusal(error)
+        return FileResponse(folder / file, media_type="application/octet-stream", filename=file)

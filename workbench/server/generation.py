@@ -38,6 +38,7 @@ from transformers import PreTrainedTokenizerBase
 from workbench.engine.interface import SamplerPin
 from workbench.engine.local.engine import Engine
 from workbench.engine.samplers.requests import TokenSink, check_width, prepare_request
+from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.futures import APIFuture
 from workbench.types import ModelInput, SampleResponse, SamplingParams, StopReason, TopkEntries
 
@@ -97,6 +98,17 @@ class GenerationCall:
             top_p=self.top_p,
         )
 
+    def sample_request(self) -> SampleRequest:
+        """The engine's request for this call (raises ValueError naming a bad field)."""
+        return SampleRequest(
+            ModelInput.from_ints(self.prompt_ids),
+            self.n,
+            self.sampling_params(),
+            self.prompt_logprobs,
+            topk_prompt_logprobs=self.prompt_top_logprobs,
+            topk_sample_logprobs=self.top_logprobs,
+        )
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -146,7 +158,6 @@ def check_calls(engine: Engine, calls: Sequence[GenerationCall]) -> None:
             f"a request may ask for 1 to {limit} sequences in all (prompts x n, the server's "
             f"max_samples_per_request), this one asks for {total}"
         )
-    vocab_size = engine.base_info.vocab_size
     for index, call in enumerate(calls):
         where = f"prompt {index}: " if len(calls) > 1 else ""
         if call.max_tokens is not None and (
@@ -157,16 +168,10 @@ def check_calls(engine: Engine, calls: Sequence[GenerationCall]) -> None:
         check_width("prompt top_logprobs", call.prompt_top_logprobs, MAX_TOP_LOGPROBS)
         try:
             prepare_request(
-                ModelInput.from_ints(call.prompt_ids),
-                call.n,
-                call.sampling_params(),
-                call.prompt_logprobs,
+                call.sample_request(),
                 tokenizer=engine.tokenizer,
-                vocab_size=vocab_size,
-                max_length=engine.base_info.max_length,
+                base_info=engine.base_info,
                 max_samples_per_request=limit,
-                topk_prompt_logprobs=call.prompt_top_logprobs,
-                topk_sample_logprobs=call.top_logprobs,
             )
         except ValueError as error:
             raise ValueError(f"{where}{error}") from None
@@ -175,16 +180,7 @@ def check_calls(engine: Engine, calls: Sequence[GenerationCall]) -> None:
 def _submit(
     engine: Engine, pin: APIFuture[SamplerPin], call: GenerationCall, token_sink: TokenSink | None = None
 ) -> APIFuture[SampleResponse]:
-    return engine.sample(
-        pin,
-        call.prompt_ids,
-        call.n,
-        call.sampling_params(),
-        call.prompt_logprobs,
-        topk_prompt_logprobs=call.prompt_top_logprobs,
-        topk_sample_logprobs=call.top_logprobs,
-        token_sink=token_sink,
-    )
+    return engine.sample(pin, call.sample_request(), token_sink)
 
 
 async def generate(

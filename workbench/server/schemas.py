@@ -10,11 +10,15 @@ anything but their default. The forward_backward body is protobuf and is read by
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.server.errors import RequestError
+from workbench.types import ModelInput, SamplingParams
 
 Body = TypeVar("Body", bound="StrictBody")
 
@@ -258,7 +262,10 @@ class SamplingParamsBody(StrictBody):
     top_p: float = 1.0
 
 
-class SampleRequest(StrictBody):
+class SampleRequestBody(StrictBody):
+    """The body of `/api/v1/asample`: the SDK's `SampleRequest` as JSON, with the sampling session and
+    `seq_id` that place it among the session's requests."""
+
     num_samples: int = 1
     prompt: ModelInputBody
     sampling_params: SamplingParamsBody
@@ -274,3 +281,23 @@ class SampleRequest(StrictBody):
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool | None = None
     type: Literal["sample"] = "sample"
+
+    def sample_request(
+        self, sequence_ids: Sequence[str], target_prompt_ids: np.ndarray | None
+    ) -> SampleRequest:
+        """The engine's request: this body's fields, the sequence ids the server promised the client,
+        and the target ids `wire.target_ids` read from `target_prompt_logprobs` (the SDK's JSON tensor,
+        dense or sparse). Raises ValueError naming a bad field."""
+        return SampleRequest(
+            ModelInput.from_ints(self.prompt.text_tokens()),
+            self.num_samples,
+            SamplingParams(**self.sampling_params.model_dump()),
+            bool(self.prompt_logprobs),
+            prompt_logprobs_last_n=self.prompt_logprobs_last_n,
+            record_stability_info=bool(self.record_stability_info),
+            sequence_ids=tuple(sequence_ids),
+            topk_prompt_logprobs=self.topk_prompt_logprobs,
+            topk_sample_logprobs=self.topk_sample_logprobs,
+            target_prompt_logprobs=target_prompt_ids,
+            prompt_alt_tokens_k=self.prompt_alt_tokens_k,
+        )

@@ -3,8 +3,8 @@
 A request names its weights as hosted Tinker's compatible APIs take them:
 
 * the base model (its alias, its folder or its hub id): adapters off;
-* a checkpoint's `tinker://<run>/sampler_weights/<name>` path (or a state checkpoint's
-  `tinker://<run>/weights/<name>`): that adapter, loaded once and kept while it is among the
+* a checkpoint's `tinker://<model>/sampler_weights/<name>` path (or a state checkpoint's
+  `tinker://<model>/weights/<name>`): that adapter, loaded once and kept while it is among the
   `CHECKPOINT_PINS_KEPT` most recently used;
 * `"<base>;<path>"`: the same checkpoint, with the base it was trained on named too (checked);
 * a model on the engine by its id (the notebook session's `sess.model_id`, a Tinker client's model):
@@ -26,6 +26,7 @@ from workbench.engine.interface import SamplerPin
 from workbench.engine.local.engine import Engine
 from workbench.futures import APIFuture
 from workbench.server.errors import RequestError
+from workbench.server.model_listings import ModelListings
 from workbench.server.service import TinkerService
 from workbench.storage.model_folders import TINKER_SCHEME
 
@@ -61,10 +62,16 @@ class Named:
 
 class ServedWeights:
     """Resolves `model` names to pinned weights on their base model's engine, keeping each base model's
-    pin and recent checkpoints'."""
+    pin and recent checkpoints'.
 
-    def __init__(self, service: TinkerService):
+    Args:
+        service: The service whose engines and models are named.
+        listings: Its listings, which find the checkpoints named.
+    """
+
+    def __init__(self, service: TinkerService, listings: ModelListings):
         self.service = service
+        self.listings = listings
         self._base_pins: dict[Engine, APIFuture[SamplerPin]] = {}
         self._checkpoints: OrderedDict[str, tuple[Engine, APIFuture[SamplerPin]]] = OrderedDict()
 
@@ -78,16 +85,16 @@ class ServedWeights:
             )
         base, _, path = name.rpartition(";") if ";" in name else ("", "", name)
         if path.startswith(TINKER_SCHEME):
-            run_id, _, checkpoint_id = path[len(TINKER_SCHEME) :].partition("/")
-            address = self.service.checkpoint_address(run_id, checkpoint_id)
-            self.service.checkpoint_folder(address)  # 404 for a checkpoint that is not there
+            model_id, _, checkpoint_id = path[len(TINKER_SCHEME) :].partition("/")
+            address = self.listings.checkpoint_address(model_id, checkpoint_id)
+            self.listings.checkpoint_folder(address)  # 404 for a checkpoint that is not there
             engine = await self._not_served_is_404(
                 self.service.engine_for_checkpoint(address.tinker_path, base or None, "model")
             )
             return Named("checkpoint", address.tinker_path, engine)
         if base:
             raise RequestError(f"model {name!r}: after '<base>;' comes a tinker:// checkpoint path", 404)
-        engine = self.service.engine_of_run(path)
+        engine = self.service.engine_of_model(path)
         if engine is not None:
             return Named("model", path, engine)
         try:
@@ -139,7 +146,7 @@ class ServedWeights:
 
     def listing(self) -> list[dict[str, object]]:
         """`/models`: each base model served, the models on their engines, and every sampler checkpoint
-        of the runs this server knows (OpenAI's model objects, with `root` naming the base)."""
+        of the models this server knows (OpenAI's model objects, with `root` naming the base)."""
         now = int(time.time())
         roots: dict[str, str] = {}
         for engine in self.service.engines():
@@ -149,12 +156,12 @@ class ServedWeights:
                 roots.setdefault(model_id, base)
         for base in self.service.served_names():
             roots.setdefault(base, base)
-        for run in self.service.training_runs(limit=1_000, offset=0)["training_runs"]:
-            base = str(run.get("base_model") or self.service.engine.config.base_model)
-            for checkpoint in self.service.checkpoints(run["training_run_id"])["checkpoints"]:
+        for model in self.listings.training_runs(limit=1_000, offset=0)["training_runs"]:
+            base = str(model.get("base_model") or self.service.engine.config.base_model)
+            for checkpoint in self.listings.checkpoints(model["training_run_id"])["checkpoints"]:
                 if checkpoint["checkpoint_type"] == "sampler":
                     roots.setdefault(
-                        f"{TINKER_SCHEME}{run['training_run_id']}/{checkpoint['checkpoint_id']}", base
+                        f"{TINKER_SCHEME}{model['training_run_id']}/{checkpoint['checkpoint_id']}", base
                     )
         return [
             {"id": name, "object": "model", "created": now, "owned_by": "workbench", "root": root}

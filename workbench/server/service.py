@@ -13,12 +13,15 @@ base model's worker, in its model's order, and the ordering, limits and hostile-
 model as with one base. A request naming a base model not yet loaded loads it when the server allows it
 (`ServerConfig.allowed_base_models`), within the memory budget; others are refused.
 
-Models: a client's `create_model` adds a run to its base model's engine (a LoRA policy sharing the base, up to the
+Models: a client's `create_model` adds a model to its base model's engine (a LoRA policy sharing the base, up to the
 engine's `max_models`), under the id the SDK itself derives for `create_training_client_from_state`,
 `"<session id>:train:<model_seq_id>"`. With SkyRL's `model_role: "critic"` it becomes the critic of the
-session's latest policy run instead. A sampling session pins weights on the engine: the base model, a
+session's latest policy instead. A sampling session pins weights on the engine: the base model, a
 sampler checkpoint, or (`save_weights_and_get_sampling_client`) a model's current weights; a model
 keeps its `EPHEMERAL_SAMPLERS_KEPT` newest ephemeral samplers and releases older ones.
+
+The models and checkpoints the REST endpoints list, describe and delete are `ModelListings`'
+(`model_listings.py`), over this service's tables and the model folders.
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import re
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,27 +51,20 @@ from workbench.server.future_table import FutureTable, PendingResult
 from workbench.server.ordering import Sequencer, digest_of
 from workbench.server.sessions import ClientSession, ServedModel, ServedSampler, SessionTable
 from workbench.server.wire import ForwardBackwardCall
-from workbench.storage import checkpoint_store, external_weights
-from workbench.storage.checkpoint_store import CheckpointError, CheckpointInfo, CheckpointKind
+from workbench.storage import checkpoint_store
+from workbench.storage.checkpoint_store import CheckpointError
 from workbench.storage.model_folders import (
     TINKER_SCHEME,
-    CheckpointAddress,
-    check_model_id,
-    model_folders,
-    read_model_info,
-    runs_root,
+    models_root,
 )
-from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse, SamplingParams, check_text
+from workbench.types import ForwardBackwardOutput, LoraConfig, SampleResponse
 
 RELEASED_SAMPLERS_KEPT = 10_000
 """Released sampler ids remembered (for a clearer error than 'no such sampler')."""
 
-CLIENT_RUNS_KEPT = 10_000
-"""Runs remembered as made by a client (their checkpoints stay deletable over HTTP); older ones count as
-the host's, so the table has a bound however many sessions come and go."""
-
-HOST_OWNER = "workbench"
-"""The owner the training-run endpoints give the serving session's own runs (and runs found on disk)."""
+CLIENT_MODELS_KEPT = 10_000
+"""Models remembered as made by a client (their checkpoints stay deletable over HTTP); older ones count
+as the host's, so the table has a bound however many sessions come and go."""
 
 EPHEMERAL_SAMPLERS_KEPT = 4
 """Ephemeral samplers (`save_weights_and_get_sampling_client`) a model keeps; older ones are released,
@@ -86,30 +80,6 @@ class SampleResult:
     response: SampleResponse
     sequence_ids: list[str]
     target_layout: wire.SparseLayout | None = None  # a sparse target_prompt_logprobs request's layout
-
-
-@dataclasses.dataclass(frozen=True)
-class RunRecord:
-    """A run as the training-run endpoints describe it (kept for runs whose session ended)."""
-
-    model_dir: Path
-    base_model: str
-    owner: str  # the client session that made it ("workbench": the serving session's own)
-    lora_rank: int
-    last_request: float
-    created_at: float
-    user_metadata: dict[str, str]
-
-
-CHECKPOINT_TYPES: dict[CheckpointKind, str] = {
-    "state": "training",
-    "sampler": "sampler",
-    "external": "external",
-}
-
-
-def _iso(seconds: float | None) -> str | None:
-    return None if seconds is None else datetime.fromtimestamp(seconds, UTC).isoformat()
 
 
 def _string_metadata(metadata: dict[str, Any] | None, where: str) -> dict[str, str] | None:
@@ -161,9 +131,9 @@ class TinkerService:
         self.models: dict[str, ServedModel] = {}
         self.samplers: dict[str, ServedSampler] = {}
         self.released_samplers: dict[str, None] = {}  # newest last, at most RELEASED_SAMPLERS_KEPT
-        # run id -> the client session that made it, newest last (at most CLIENT_RUNS_KEPT): what a client
-        # may delete over HTTP. The runs themselves are described from their folders once off the engine.
-        self.client_runs: dict[str, str] = {}
+        # engine model id -> the client session that made it, newest last (at most CLIENT_MODELS_KEPT): what
+        # a client may delete over HTTP (`ModelListings`). Models off the engines are described from their folders.
+        self.client_models: dict[str, str] = {}
         self._creations: dict[str, tuple[str, PendingResult]] = {}  # model id -> (request digest, entry)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -196,19 +166,23 @@ class TinkerService:
         except (ValueError, OSError) as error:
             raise RequestError(f"{where}: {message_of(error)}") from None
 
-    def engine_of_run(self, run_id: str) -> Engine | None:
-        """The engine a run is live on, if any."""
-        return next((e for e in self.engines() if run_id in e.model_ids()), None)
+    def engine_of_model(self, model_id: str) -> Engine | None:
+        """The engine a model is live on, if any."""
+        return next((e for e in self.engines() if model_id in e.model_ids()), None)
 
-    def live_runs(self) -> dict[str, Engine]:
-        return {run_id: engine for engine in self.engines() for run_id in engine.model_ids()}
+    def live_models(self) -> dict[str, Engine]:
+        """Every model on an engine, with its engine."""
+        return {model_id: engine for engine in self.engines() for model_id in engine.model_ids()}
 
     def client_message(self, text: str) -> str:
         """An error message as a client may read it: a checkpoint's folder named by its tinker:// path,
-        a run's folder by its run, and the runs root, the base model's folder and the home folder by what
-        they are, so that no answer tells a client where things are on this machine."""
-        runs = {run_id: engine.model_status(run_id).model_dir for run_id, engine in self.live_runs().items()}
-        root = str(runs_root())
+        a model's folder by its model id, and the models root, the base model's folder and the home
+        folder by what they are, so that no answer tells a client where things are on this machine."""
+        folders = {
+            model_id: engine.model_status(model_id).model_dir
+            for model_id, engine in self.live_models().items()
+        }
+        root = str(models_root())
         for kind, segment in (("state", "weights"), ("sampler", "sampler_weights")):
             folder = (
                 re.escape(root)
@@ -217,17 +191,19 @@ class TinkerService:
             )
             text = re.sub(folder + r"/([A-Za-z0-9._-]+)", rf"tinker://\1/{segment}/\2", text)
         text = re.sub(re.escape(root) + r"/([A-Za-z0-9][A-Za-z0-9._:-]*)", r"tinker://\1", text)
-        for run_id, model_dir in sorted(runs.items(), key=lambda item: -len(str(item[1]))):
+        for model_id, model_dir in sorted(folders.items(), key=lambda item: -len(str(item[1]))):
             for kind, segment in (("state", "weights"), ("sampler", "sampler_weights")):
                 folder = re.escape(str(checkpoint_store.kind_dir(model_dir, kind)))
                 text = re.sub(
                     folder + r"/([A-Za-z0-9._-]+)",
-                    lambda found, segment=segment, run_id=run_id: f"tinker://{run_id}/{segment}/{found[1]}",
+                    lambda found, segment=segment, model_id=model_id: (
+                        f"tinker://{model_id}/{segment}/{found[1]}"
+                    ),
                     text,
                 )
-            text = text.replace(str(model_dir), f"tinker://{run_id}")
+            text = text.replace(str(model_dir), f"tinker://{model_id}")
         base_folders = [(e.base_info.path, e.config.base_model) for e in self.engines()]
-        for folder, name in [(str(runs_root()), "<runs folder>"), *base_folders, (str(Path.home()), "~")]:
+        for folder, name in [(str(models_root()), "<runs folder>"), *base_folders, (str(Path.home()), "~")]:
             text = text.replace(folder, name)
         return text
 
@@ -268,7 +244,7 @@ class TinkerService:
         return {"type": "session_heartbeat"}
 
     def end_session(self, session: ClientSession, why: str) -> list[APIFuture[None]]:
-        """Free what a session created: its samplers' pins, its critics, then its runs. Returns the
+        """Free what a session created: its samplers' pins, its critics, then its models. Returns the
         engine's removals (they run after the operations already queued)."""
         if session.ended is not None:
             return []
@@ -281,13 +257,13 @@ class TinkerService:
                 start()
         for model_id in [m for m in self._creations if m.startswith(f"{session.session_id}:")]:
             del self._creations[model_id]
-        policy_runs = {m.run_id for m in served if m.role is Role.POLICY}
+        policies = {m.engine_model_id for m in served if m.role is Role.POLICY}
         removals = [
-            m.engine.delete_critic(m.run_id)
+            m.engine.delete_critic(m.engine_model_id)
             for m in served
-            if m.role is Role.CRITIC and m.run_id not in policy_runs
+            if m.role is Role.CRITIC and m.engine_model_id not in policies
         ]
-        removals += [m.engine.delete_model(m.run_id) for m in served if m.role is Role.POLICY]
+        removals += [m.engine.delete_model(m.engine_model_id) for m in served if m.role is Role.POLICY]
         log.info("session %s ended (%s): freeing %d model(s)", session.session_id, why, len(served))
         return removals
 
@@ -297,7 +273,7 @@ class TinkerService:
         session = self.sessions.find(session_id)
         reason = (request.reason or {}).get("type", "finished")
         for removal in self.end_session(session, f"finished: {reason}"):
-            with contextlib.suppress(ValueError):  # gone already (a critic with its run)
+            with contextlib.suppress(ValueError):  # gone already (a critic with its policy)
                 await asyncio.wrap_future(removal.future())
 
     def expire_silent_sessions(self) -> None:
@@ -336,7 +312,7 @@ class TinkerService:
         self._creations[model_id] = (digest_of(payload), entry)
         try:
             if request.model_role == "critic":
-                run_id, engine = self._critic_run(session)
+                engine_model_id, engine = self._policy_of(session)
                 critic = LoraConfig(
                     rank=body.rank,
                     seed=body.seed,
@@ -344,26 +320,27 @@ class TinkerService:
                     train_mlp=body.train_mlp,
                     train_attn=body.train_attn,
                 )
-                future: APIFuture[Any] = engine.create_critic(run_id, critic)
+                future: APIFuture[Any] = engine.create_critic(engine_model_id, critic)
                 role = Role.CRITIC
             else:
                 lora = LoraConfig(**body.model_dump())
                 future = engine.create_model(
                     lora, seed=engine.config.seed, model_id=model_id, user_metadata=metadata
                 )
-                run_id, role = model_id, Role.POLICY
+                engine_model_id, role = model_id, Role.POLICY
         except (ValueError, TypeError) as error:
             self.futures.fail(entry, error)
             return {"request_id": entry.request_id, "model_id": model_id}
 
         def created(_: Any) -> dict[str, Any]:
-            self._register(ServedModel(model_id, run_id, role, session.session_id, engine), session)
+            self._register(ServedModel(model_id, engine_model_id, role, session.session_id, engine), session)
             return {"type": "create_model", "model_id": model_id}
 
         self.futures.resolve_with(entry, future.future(), created)
         return {"request_id": entry.request_id, "model_id": model_id}
 
-    def _critic_run(self, session: ClientSession) -> tuple[str, Engine]:
+    def _policy_of(self, session: ClientSession) -> tuple[str, Engine]:
+        """The engine model a critic created in `session` joins: the session's latest policy."""
         policies = [m for m in session.models if m in self.models and self.models[m].role is Role.POLICY]
         if not policies:
             raise ValueError(
@@ -371,27 +348,27 @@ class TinkerService:
                 "create_lora_training_client in this session first"
             )
         policy = self.models[policies[-1]]
-        return policy.run_id, policy.engine
+        return policy.engine_model_id, policy.engine
 
     def _register(self, model: ServedModel, session: ClientSession) -> None:
         if session.ended is not None:  # the session ended while the model was being made
             (model.engine.delete_critic if model.role is Role.CRITIC else model.engine.delete_model)(
-                model.run_id
+                model.engine_model_id
             )
             return
         self.models[model.model_id] = model
         session.models.append(model.model_id)
         if model.role is Role.POLICY:
-            self.client_runs[model.run_id] = session.session_id
-            for old in list(self.client_runs)[:-CLIENT_RUNS_KEPT]:
-                del self.client_runs[old]
+            self.client_models[model.engine_model_id] = session.session_id
+            for old in list(self.client_models)[:-CLIENT_MODELS_KEPT]:
+                del self.client_models[old]
 
     def get_info(self, request: schemas.GetInfoRequest) -> dict[str, Any]:
         try:
             model = self.served(request.model_id)
         except ValueError as error:
             raise RequestError(str(error), 404) from None
-        status = model.engine.model_status(model.run_id)
+        status = model.engine.model_status(model.engine_model_id)
         lora = status.critic_lora if model.role is Role.CRITIC else status.lora
         folder = model.engine.base_info.path  # what clients load a tokenizer from
         return {
@@ -453,8 +430,10 @@ class TinkerService:
 
     def forward_backward(self, call: ForwardBackwardCall, payload: bytes) -> dict[str, Any]:
         def submit(model: ServedModel) -> tuple[APIFuture[ForwardBackwardOutput], Callable[[Any], Any]]:
-            run = model.engine.forward if call.forward_only else model.engine.forward_backward
-            return run(model.run_id, model.role, call.data(), call.loss_fn, call.loss_fn_config()), _same
+            operation = model.engine.forward if call.forward_only else model.engine.forward_backward
+            return operation(
+                model.engine_model_id, model.role, call.data(), call.loss_fn, call.loss_fn_config()
+            ), _same
 
         op = "forward" if call.forward_only else "forward_backward"
         return self._ordered(op, call.model_id, call.seq_id, payload, submit)
@@ -466,7 +445,7 @@ class TinkerService:
                     f"optimizer_params {request.optimizer_params.get('type')!r}: this server trains with AdamW (adam_params)"
                 )
             params = (request.adam_params or schemas.AdamParamsBody()).model_dump(exclude={"type"})
-            future = model.engine.optim_step(model.run_id, model.role, params)
+            future = model.engine.optim_step(model.engine_model_id, model.role, params)
             return future, lambda response: {"type": "optim_step", "metrics": dict(response.metrics)}
 
         return self._ordered("optim_step", request.model_id, request.seq_id, payload, submit)
@@ -476,7 +455,7 @@ class TinkerService:
             if request.path is None:
                 raise ValueError("save_weights needs a checkpoint name (path)")
             future = model.engine.save_state(
-                model.run_id,
+                model.engine_model_id,
                 request.path,
                 overwrite=request.overwrite,
                 ttl_seconds=request.ttl_seconds,
@@ -498,7 +477,7 @@ class TinkerService:
                 )
             if request.path is not None:
                 future = model.engine.save_weights_for_sampler(
-                    model.run_id,
+                    model.engine_model_id,
                     request.path,
                     ttl_seconds=request.ttl_seconds,
                     user_metadata=request.user_metadata,
@@ -507,7 +486,7 @@ class TinkerService:
             if request.sampling_session_seq_id is None:
                 raise ValueError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
             sampler_id = f"{model.session_id}:sample:{request.sampling_session_seq_id}"
-            pin = model.engine.pin_sampler(model.run_id)
+            pin = model.engine.pin_sampler(model.engine_model_id)
             self._add_sampler(
                 ServedSampler(sampler_id, pin, model.session_id, None, model.model_id, model.engine)
             )
@@ -526,7 +505,7 @@ class TinkerService:
             if model.role is not Role.POLICY:
                 raise ValueError(f"{model.model_id} is a critic: only a policy has weights to export")
             future = model.engine.save_weights_external(
-                model.run_id,
+                model.engine_model_id,
                 request.path,
                 ttl_seconds=request.ttl_seconds,
                 age_encryption_recipients=request.age_encryption_recipients,
@@ -539,16 +518,6 @@ class TinkerService:
 
         return self._ordered("save_weights_external", request.model_id, request.seq_id, payload, submit)
 
-    def external_files(self, address: CheckpointAddress) -> tuple[Path, list[str]]:
-        """An external weights checkpoint's folder and the files a client downloads from it."""
-        if address.kind != "external":
-            raise RequestError(
-                f"{address.tinker_path} is not external weights: only tinker://<run>/external_weights/<name> "
-                "checkpoints (save_weights_external) are downloaded file by file"
-            )
-        folder = self.checkpoint_folder(address)
-        return folder, external_weights.downloadable_files(folder)
-
     async def load_weights(self, request: schemas.LoadWeightsRequest, payload: bytes) -> dict[str, Any]:
         restore = Restore.WITH_OPTIMIZER if request.optimizer else Restore.WEIGHTS
         _checkpoint_path(request.path, "load_weights.path")
@@ -560,7 +529,7 @@ class TinkerService:
             raise RequestError("load_weights into a model needs its seq_id")
 
         def submit(model: ServedModel) -> tuple[APIFuture[Any], Callable[[Any], Any]]:
-            future = model.engine.load_state(model.run_id, request.path, restore)
+            future = model.engine.load_state(model.engine_model_id, request.path, restore)
             return future, lambda response: {"type": "load_weights", "path": response.path}
 
         return self._ordered("load_weights", request.model_id, request.seq_id, payload, submit)
@@ -682,7 +651,7 @@ class TinkerService:
             "model_path": sampler.model_path,
         }
 
-    def asample(self, request: schemas.SampleRequest, payload: bytes) -> dict[str, Any]:
+    def asample(self, request: schemas.SampleRequestBody, payload: bytes) -> dict[str, Any]:
         if request.sampling_session_id is None:
             raise RequestError("asample needs a sampling_session_id (create_sampling_session)")
         if request.seq_id is None:
@@ -695,23 +664,9 @@ class TinkerService:
                 if request.target_prompt_logprobs is not None:
                     target_ids, layout = wire.target_ids(request.target_prompt_logprobs)
                 sampler = self.sampler(request.sampling_session_id or "")
-                params = SamplingParams(**request.sampling_params.model_dump())
                 check_num_samples(request.num_samples, sampler.engine.config.max_samples_per_request)
                 ids = _sequence_ids(entry.request_id, request.num_samples)
-                future = sampler.engine.sample(
-                    sampler.pin,
-                    request.prompt.text_tokens(),
-                    request.num_samples,
-                    params,
-                    bool(request.prompt_logprobs),
-                    prompt_logprobs_last_n=request.prompt_logprobs_last_n,
-                    record_stability_info=bool(request.record_stability_info),
-                    sequence_ids=ids,
-                    topk_prompt_logprobs=request.topk_prompt_logprobs,
-                    topk_sample_logprobs=request.topk_sample_logprobs,
-                    target_prompt_logprobs=target_ids,
-                    prompt_alt_tokens_k=request.prompt_alt_tokens_k,
-                )
+                future = sampler.engine.sample(sampler.pin, request.sample_request(ids, target_ids))
             except BaseException as error:
                 self.futures.fail(entry, error)
                 return
@@ -736,235 +691,15 @@ class TinkerService:
             "sample_sequence_ids": _sequence_ids(request_id, request.num_samples) if counted else [],
         }
 
-    # ------------------------------------------------------------------------------------------ runs and checkpoints
-
-    def _live_run(self, training_run_id: str) -> str | None:
-        """The engine run a training run id (or a served model id) names, if it is on the engine."""
-        model = self.models.get(training_run_id)
-        run_id = model.run_id if model is not None else training_run_id
-        return run_id if self.engine_of_run(run_id) is not None else None
-
-    def _stored_run(self, run_id: str) -> RunRecord | None:
-        """A run off the engine, described by its folder under the runs root (its run.json): a run whose
-        session ended, or one from before this server started. The runs folder is the record, so the
-        listings survive a restart and hold nothing in memory per ended run."""
-        try:
-            model_dir = runs_root() / check_model_id(run_id)
-        except ValueError:
-            return None  # not a run id: no folder to look at
-        try:
-            info = read_model_info(model_dir)
-            if info is None:
-                return None
-            metadata = info.get("user_metadata") or {}
-            return RunRecord(
-                model_dir=model_dir,
-                base_model=str(info.get("base_model", "")),
-                owner=self.client_runs.get(run_id, HOST_OWNER),
-                lora_rank=int(info["lora"]["rank"]),
-                last_request=float(info["created_at"]),
-                created_at=float(info["created_at"]),
-                user_metadata={
-                    check_text(str(k), "key"): check_text(str(v), "value") for k, v in metadata.items()
-                },
-            )
-        except (CheckpointError, OSError, KeyError, TypeError, ValueError, AttributeError) as error:
-            log.warning("model folder %s cannot be described: %s", run_id, error)
-            return None
-
-    def _known_run(self, training_run_id: str) -> str:
-        """A run on the engine, or one in the runs folder (its files stay); 404 otherwise."""
-        run_id = self._live_run(training_run_id)
-        if run_id is not None:
-            return run_id
-        if self._stored_run(training_run_id) is not None:
-            return training_run_id
-        raise RequestError(f"no training run {training_run_id!r} on this server", 404)
-
-    def _run_checkpoints(self, run_id: str) -> list[CheckpointInfo]:
-        engine = self.engine_of_run(run_id)
-        if engine is not None:
-            return engine.list_checkpoints(run_id)
-        stored = self._stored_run(run_id)
-        return [] if stored is None else checkpoint_store.list_checkpoints(stored.model_dir)
-
-    def _base_model_of_run(self, run_id: str) -> str | None:
-        engine = self.engine_of_run(run_id)
-        if engine is not None:
-            return engine.config.base_model
-        stored = self._stored_run(run_id)
-        return None if stored is None else stored.base_model
-
-    def checkpoint_json(self, run_id: str, info: CheckpointInfo) -> dict[str, Any]:
-        address = CheckpointAddress(run_id, info.kind, info.name)
-        return {
-            "checkpoint_id": address.checkpoint_id,
-            "checkpoint_type": CHECKPOINT_TYPES[info.kind],
-            "base_model": self._base_model_of_run(run_id),  # SDK 0.39 reads it; 0.38 ignores it
-            "time": _iso(info.time),
-            "tinker_path": address.tinker_path,
-            "size_bytes": info.size_bytes,
-            "public": False,
-            "user_metadata": dict(info.user_metadata or {}),
-            "expires_at": _iso(info.expires_at),
-        }
-
-    def _run_record(self, run_id: str, owner: str | None = None) -> RunRecord:
-        """What a run on the engine is, as the training-run endpoints describe it; `owner` for a run
-        whose model has already left the table (its session ending)."""
-        engine = self.engine_of_run(run_id)
-        assert engine is not None
-        status = engine.model_status(run_id)
-        model = self.models.get(run_id)
-        times = [m.last_request for m in self.models.values() if m.run_id == run_id]
-        if owner is None:
-            owner = model.session_id if model is not None else HOST_OWNER
-        return RunRecord(
-            model_dir=status.model_dir,
-            base_model=engine.config.base_model,
-            owner=owner,
-            lora_rank=status.lora.rank,
-            last_request=max(times, default=status.created_at),
-            created_at=status.created_at,
-            user_metadata=status.user_metadata,
-        )
-
-    def training_run(self, training_run_id: str) -> dict[str, Any]:
-        run_id = self._known_run(training_run_id)
-        engine = self.engine_of_run(run_id)
-        record = self._run_record(run_id) if engine is not None else self._stored_run(run_id)
-        if record is None:
-            raise RequestError(f"no training run {training_run_id!r} on this server", 404)
-        checkpoints = self._run_checkpoints(run_id)
-        last = {kind: [c for c in checkpoints if c.kind == kind] for kind in ("state", "sampler")}
-        return {
-            "training_run_id": run_id,
-            "base_model": engine.config.base_model if engine is not None else record.base_model,
-            "model_owner": record.owner,
-            "is_lora": True,
-            "corrupted": False,
-            "lora_rank": record.lora_rank,
-            "last_request_time": _iso(record.last_request),
-            "last_checkpoint": self.checkpoint_json(run_id, last["state"][-1]) if last["state"] else None,
-            "last_sampler_checkpoint": (
-                self.checkpoint_json(run_id, last["sampler"][-1]) if last["sampler"] else None
-            ),
-            "user_metadata": dict(record.user_metadata),
-        }
-
-    def _all_runs(self) -> list[str]:
-        """Every run the server knows, newest first."""
-        created = {
-            run_id: engine.model_status(run_id).created_at for run_id, engine in self.live_runs().items()
-        }
-        for run_id in model_folders({}):
-            stored = None if run_id in created else self._stored_run(run_id)
-            if stored is not None:
-                created[run_id] = stored.created_at
-        return sorted(created, key=created.__getitem__, reverse=True)
-
-    def _listed_run(self, run_id: str) -> dict[str, Any] | None:
-        """A run as a listing shows it, or None (with a warning in the log) when it cannot be read: one
-        run's bad files must not break the listing for everyone."""
-        try:
-            return self.training_run(run_id)
-        except (OSError, ValueError, KeyError, TypeError, OverflowError) as error:
-            log.warning("listing leaves out run %s: %s", run_id, error)
-            return None
-
-    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
-        run_ids = self._all_runs()
-        listed = [self._listed_run(run_id) for run_id in run_ids[offset : offset + limit]]
-        return {
-            "training_runs": [run for run in listed if run is not None],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(run_ids)},
-        }
-
-    def checkpoints(self, training_run_id: str) -> dict[str, Any]:
-        run_id = self._known_run(training_run_id)
-        return {"checkpoints": [self.checkpoint_json(run_id, c) for c in self._run_checkpoints(run_id)]}
-
-    def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
-        every = [(run_id, c) for run_id in self._all_runs() for c in self._run_checkpoints(run_id)]
-        every.sort(key=lambda item: item[1].time, reverse=True)
-        return {
-            "checkpoints": [self.checkpoint_json(run_id, c) for run_id, c in every[offset : offset + limit]],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(every)},
-        }
-
-    def checkpoint_address(self, training_run_id: str, checkpoint_id: str) -> CheckpointAddress:
-        """The checkpoint `<weights|sampler_weights>/<name>` of a known run, checked (a name that could
-        leave the run's folder is refused)."""
-        run_id = self._known_run(training_run_id)
-        try:
-            return CheckpointAddress.parse(f"tinker://{run_id}/{checkpoint_id}")
-        except CheckpointError as error:
-            raise RequestError(str(error)) from None
-
-    def checkpoint_folder(self, address: CheckpointAddress) -> Path:
-        engine = self.engine_of_run(address.run_id)
-        known = None if engine is not None else self._stored_run(address.run_id)
-        try:
-            if known is not None:
-                return checkpoint_store.require_checkpoint_folder(
-                    checkpoint_store.kind_dir(known.model_dir, address.kind) / address.name
-                )
-            return (engine or self.engine).checkpoint_folder(address.tinker_path, address.kind)
-        except CheckpointError as error:
-            raise RequestError(str(error), 404) from None
-
-    def _made_by_a_client(self, run_id: str) -> bool:
-        """Whether a client session made the run (over HTTP), rather than this server's own session."""
-        return run_id in self.models or run_id in self.client_runs
-
-    async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> None:
-        """Delete a checkpoint of a run a client session made. Every client holds the same key (one
-        account, as a Tinker API key is), so any of them may delete what any client session made; the
-        checkpoints of the serving session's own runs are read-only over HTTP (the notebook deletes
-        them with `Session.delete_checkpoint`)."""
-        address = self.checkpoint_address(training_run_id, checkpoint_id)
-        self.checkpoint_folder(address)
-        if not self._made_by_a_client(address.run_id):
-            raise RequestError(
-                f"{address.tinker_path} belongs to a run made by this server's own session, not by a "
-                "client: its checkpoints cannot be deleted over HTTP",
-                403,
-            )
-        engine = self.engine_of_run(address.run_id)
-        if engine is None:  # no operation of the run is left to race
-            stored = self._stored_run(address.run_id)
-            if stored is not None:
-                checkpoint_store.delete(stored.model_dir, address.name, address.kind)
-            return
-        removal = engine.delete_checkpoint(address.run_id, address.name, address.kind)
-        await asyncio.wrap_future(removal.future())
-
-    async def weights_info(self, request: schemas.WeightsInfoRequest) -> dict[str, Any]:
-        try:
-            address = CheckpointAddress.parse(request.tinker_path)
-            engine = self.engine_of_run(address.run_id) or self.engine
-            if address.kind == "state":
-                saved = await asyncio.to_thread(engine.read_state, request.tinker_path)
-                lora: LoraConfig = saved.session_arguments["lora"]
-                return {
-                    "base_model": saved.session_arguments["base_model"],
-                    "is_lora": True,
-                    "lora_rank": lora.rank,
-                    "train_unembed": lora.train_unembed,
-                    "train_mlp": lora.train_mlp,
-                    "train_attn": lora.train_attn,
-                }
-            folder = engine.checkpoint_folder(request.tinker_path, "sampler")
-            adapter = json.loads((folder / "adapter_config.json").read_text())
-            base_model = self.saved_base_model(request.tinker_path)
-        except (CheckpointError, ValueError, OSError) as error:
-            raise RequestError(f"weights_info: {message_of(error)}", 404) from None
-        return {"base_model": base_model, "is_lora": True, "lora_rank": adapter.get("r")}
+    # ------------------------------------------------------------------------------------------ checkpoints
 
     def saved_base_model(self, path: str) -> str | None:
         """The base model a checkpoint (`tinker://` path) was saved on, as its engine was made with it;
         None when it cannot be read (the operation that loads it then says why)."""
-        known = {run_id: engine.model_status(run_id).model_dir for run_id, engine in self.live_runs().items()}
+        known = {
+            model_id: engine.model_status(model_id).model_dir
+            for model_id, engine in self.live_models().items()
+        }
         try:
             return Engine.checkpoint_base_model(path, known)
         except (CheckpointError, ValueError, OSError):

@@ -24,10 +24,10 @@ from workbench.storage.model_folders import new_model_id
 
 @dataclass
 class ServedModel:
-    """A model a client created: a run's policy, or a run's critic (SkyRL's `model_role: "critic"`)."""
+    """A model a client created: a policy on the engine, or the critic of one (SkyRL's `model_role: "critic"`)."""
 
     model_id: str  # the client's id for it: "<session id>:train:<model_seq_id>"
-    run_id: str  # the engine's run (for a policy, the same id)
+    engine_model_id: str  # the engine's model it trains (a policy's own id; a critic's, its policy's)
     role: Role
     session_id: str
     engine: Engine  # its base model's

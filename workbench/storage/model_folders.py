@@ -1,18 +1,18 @@
-"""Where a training run's files live, and how `tinker://` paths name its checkpoints.
+"""Where a model's files live, and how `tinker://` paths name its checkpoints.
 
-A run is a folder under the runs root (`$WORKBENCH_RUNS`, default `./runs`) named by its id, which is
-also its Tinker model id and training run id and its W&B run id. Inside it, `checkpoints/<name>` holds
-state checkpoints (`save_state`) and `sampler_weights/<name>` sampler checkpoints
+A model is a folder under the models root (`$WORKBENCH_RUNS`, default `./runs`) named by its id, which
+is also its Tinker model id and training run id and its W&B run id. Inside it, `checkpoints/<name>`
+holds state checkpoints (`save_state`) and `sampler_weights/<name>` sampler checkpoints
 (`save_weights_for_sampler`), so the Tinker paths map onto folders one to one:
 
-    tinker://<run id>/weights/<name>          ->  <runs root>/<run id>/checkpoints/<name>
-    tinker://<run id>/sampler_weights/<name>  ->  <runs root>/<run id>/sampler_weights/<name>
+    tinker://<model id>/weights/<name>          ->  <models root>/<model id>/checkpoints/<name>
+    tinker://<model id>/sampler_weights/<name>  ->  <models root>/<model id>/sampler_weights/<name>
 
-A run living in a folder outside the runs root (`Session(model_dir=...)`) is found through the runs the
-caller knows (`known_runs`); in another process, name its folder instead.
+A model living in a folder outside the models root (`Session(model_dir=...)`) is found through the
+models the caller knows (`known_models`); in another process, name its folder instead.
 
-`run.json` in the folder says what the run is (base model, adapter, user metadata, creation time), so
-a run can be described (Tinker's `RestClient.get_training_run`) after the process that trained it ended.
+`run.json` in the folder says what the model is (base model, adapter, user metadata, creation time), so
+a model can be described (Tinker's `RestClient.get_training_run`) after the process that trained it ended.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from workbench.storage.checkpoint_store import (
     write_file,
 )
 
-RUNS_ENV = "WORKBENCH_RUNS"
+MODELS_ROOT_ENV = "WORKBENCH_RUNS"
+"""The environment variable naming the models root."""
 MODEL_INFO = "run.json"
 TINKER_SCHEME = "tinker://"
 SEGMENTS: dict[CheckpointKind, str] = {
@@ -47,7 +48,7 @@ SEGMENTS: dict[CheckpointKind, str] = {
     "external": "external_weights",
 }
 
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 
 
 IN_USE = ".in-use"
@@ -79,9 +80,9 @@ def release_model_folder(model_dir: Path) -> None:
         handle.close()
 
 
-def runs_root() -> Path:
+def models_root() -> Path:
     """Where model folders go: `$WORKBENCH_RUNS`, default `./runs`, as an absolute path."""
-    return Path(os.environ.get(RUNS_ENV, "runs")).absolute()
+    return Path(os.environ.get(MODELS_ROOT_ENV, "runs")).absolute()
 
 
 def new_model_id(base_model: str) -> str:
@@ -91,23 +92,24 @@ def new_model_id(base_model: str) -> str:
     return f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def check_model_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id) or ".." in run_id:
-        raise ValueError(f"invalid run id {run_id!r}: use letters, digits, '.', '_', ':' and '-'")
-    return run_id
+def check_model_id(model_id: str) -> str:
+    """`model_id` when it is safe as a folder name and a `tinker://` path component; ValueError otherwise."""
+    if not isinstance(model_id, str) or not _MODEL_ID.fullmatch(model_id) or ".." in model_id:
+        raise ValueError(f"invalid model id {model_id!r}: use letters, digits, '.', '_', ':' and '-'")
+    return model_id
 
 
 @dataclass(frozen=True)
 class CheckpointAddress:
-    """A checkpoint named the Tinker way: the run, the kind (`weights` / `sampler_weights`), the name."""
+    """A checkpoint named the Tinker way: the model, the kind (`weights` / `sampler_weights`), the name."""
 
-    run_id: str
+    model_id: str
     kind: CheckpointKind
     name: str
 
     @property
     def tinker_path(self) -> str:
-        return f"{TINKER_SCHEME}{self.run_id}/{SEGMENTS[self.kind]}/{self.name}"
+        return f"{TINKER_SCHEME}{self.model_id}/{SEGMENTS[self.kind]}/{self.name}"
 
     @property
     def checkpoint_id(self) -> str:
@@ -116,15 +118,15 @@ class CheckpointAddress:
 
     @classmethod
     def parse(cls, path: str) -> CheckpointAddress:
-        """Parse `tinker://<run id>/<weights|sampler_weights>/<name>`; a clear error for anything else."""
+        """Parse `tinker://<model id>/<weights|sampler_weights>/<name>`; a clear error for anything else."""
         if not path.startswith(TINKER_SCHEME):
             raise CheckpointError(f"{path!r} is not a tinker:// path")
         parts = path[len(TINKER_SCHEME) :].split("/")
         kinds = {segment: kind for kind, segment in SEGMENTS.items()}
         if len(parts) != 3 or parts[1] not in kinds:
             raise CheckpointError(
-                f"{path!r} is not a checkpoint path: expected tinker://<run id>/weights/<name> or "
-                "tinker://<run id>/sampler_weights/<name> (or external_weights/<name>)"
+                f"{path!r} is not a checkpoint path: expected tinker://<model id>/weights/<name> or "
+                "tinker://<model id>/sampler_weights/<name> (or external_weights/<name>)"
             )
         try:
             check_model_id(parts[0])
@@ -132,32 +134,35 @@ class CheckpointAddress:
             raise CheckpointError(f"{path!r}: {error}") from None
         return cls(parts[0], kinds[parts[1]], check_name(parts[2]))
 
-    def folder(self, known_runs: Mapping[str, Path]) -> Path:
-        """The checkpoint's folder: under the run's folder if the caller knows it, else under the runs root."""
-        model_dir = known_runs.get(self.run_id, runs_root() / self.run_id)
+    def folder(self, known_models: Mapping[str, Path]) -> Path:
+        """The checkpoint's folder: under the model's folder if the caller knows it, else under the models root."""
+        model_dir = known_models.get(self.model_id, models_root() / self.model_id)
         return kind_dir(model_dir, self.kind) / self.name
 
 
 def address_of(folder: Path) -> CheckpointAddress:
-    """The Tinker address of a checkpoint folder `<run dir>/<checkpoints|sampler_weights>/<name>`."""
+    """The Tinker address of a checkpoint folder `<model dir>/<checkpoints|sampler_weights>/<name>`."""
     folder = folder.absolute()
     for kind in SEGMENTS:
         if folder.parent == kind_dir(folder.parent.parent, kind):
             return CheckpointAddress(folder.parent.parent.name, kind, folder.name)
-    raise CheckpointError(f"{folder} is not inside a run's checkpoint folders")
+    raise CheckpointError(f"{folder} is not inside a model's checkpoint folders")
 
 
 def checkpoint_folder(path: str | Path) -> Path:
-    """The folder a `tinker://` checkpoint path (of either kind, under the runs root) or a folder path names."""
+    """The folder a `tinker://` checkpoint path (of either kind, under the models root) or a folder path names."""
     if isinstance(path, str) and path.startswith(TINKER_SCHEME):
         return CheckpointAddress.parse(path).folder({})
     return Path(path).expanduser()
 
 
 def resolve_checkpoint(
-    path_or_name: str | Path, kind: CheckpointKind, own_model_dir: Path | None, known_runs: Mapping[str, Path]
+    path_or_name: str | Path,
+    kind: CheckpointKind,
+    own_model_dir: Path | None,
+    known_models: Mapping[str, Path],
 ) -> Path:
-    """The folder a user means: a `tinker://` path, a checkpoint name of their own run, or a folder.
+    """The folder a user means: a `tinker://` path, a checkpoint name of their own model, or a folder.
 
     Raises:
         CheckpointError: the path names another kind of checkpoint, or nothing that exists.
@@ -171,7 +176,7 @@ def resolve_checkpoint(
                 "external": "external weights (tinker://<run>/external_weights/<name>)",
             }[kind]
             raise CheckpointError(f"{path_or_name} is not {wanted}")
-        folder = address.folder(known_runs)
+        folder = address.folder(known_models)
         if not folder.is_dir():
             raise CheckpointError(f"Can't find a valid checkpoint at {path_or_name}: no folder {folder}")
         return folder
@@ -189,14 +194,14 @@ def resolve_checkpoint(
 
 
 def write_model_info(model_dir: Path, info: Mapping[str, Any]) -> None:
-    """Write `run.json` (what the run is) atomically: a reader sees the old file or the new one."""
+    """Write `run.json` (what the model is) atomically: a reader sees the old file or the new one."""
     temporary = model_dir / f".{MODEL_INFO}.tmp-{secrets.token_hex(4)}"
     write_file(temporary, json_bytes(dict(info)))
     os.replace(temporary, model_dir / MODEL_INFO)
 
 
 def read_model_info(model_dir: Path) -> dict[str, Any] | None:
-    """The run's `run.json`, or None for a folder without one (not a run, or made before it existed)."""
+    """The model's `run.json`, or None for a folder without one (not a model's, or made before it existed)."""
     path = model_dir / MODEL_INFO
     if not path.is_file():
         return None
@@ -205,16 +210,16 @@ def read_model_info(model_dir: Path) -> dict[str, Any] | None:
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}") from None
     if not isinstance(info, dict):
-        raise CheckpointError(f"{path} does not describe a run")
+        raise CheckpointError(f"{path} does not describe a model")
     return info
 
 
-def model_folders(known_runs: Mapping[str, Path]) -> dict[str, Path]:
-    """Every model folder by run id: those under the runs root that hold a `run.json`, and the known ones."""
-    root = runs_root()
+def model_folders(known_models: Mapping[str, Path]) -> dict[str, Path]:
+    """Every model folder by model id: those under the models root that hold a `run.json`, and the known ones."""
+    root = models_root()
     found = (
         {folder.name: folder for folder in root.iterdir() if (folder / MODEL_INFO).is_file()}
         if root.is_dir()
         else {}
     )
-    return {**found, **known_runs}
+    return {**found, **known_models}

@@ -17,6 +17,7 @@ queued. The deliberate gaps are listed in docs/tinker-parity.md.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,8 +27,9 @@ from transformers import PreTrainedTokenizerBase
 
 from workbench.engine.interface import CustomLossFn, EngineInterface, Restore, SamplerPin
 from workbench.engine.roles import Role
+from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.futures import APIFuture
-from workbench.storage.model_folders import runs_root
+from workbench.storage.model_folders import models_root
 from workbench.types import (
     ForwardBackwardOutput,
     GetInfoResponse,
@@ -73,7 +75,7 @@ def check_sampling_kind(kind: str) -> None:
 
 def console_url() -> str:
     """Where this process's runs are: the local stand-in for the Tinker Console."""
-    return runs_root().as_uri()
+    return models_root().as_uri()
 
 
 class TrainingClient:
@@ -355,9 +357,9 @@ class TrainingClient:
     def create_sampling_client(
         self, model_path: str | Path, retry_config: Any = None, record_stability_info: bool = False
     ) -> ClientFuture[SamplingClient]:
-        """A sampling client of saved weights: sampler weights (`tinker://<run>/sampler_weights/<name>`)
-        or a state checkpoint's policy (`tinker://<run>/weights/<name>`), or their folders. It samples
-        those weights, whatever the live runs do afterwards. `record_stability_info` and
+        """A sampling client of saved weights: sampler weights (`tinker://<model>/sampler_weights/<name>`)
+        or a state checkpoint's policy (`tinker://<model>/weights/<name>`), or their folders. It samples
+        those weights, whatever the live models do afterwards. `record_stability_info` and
         `retry_config` as for `save_weights_and_get_sampling_client`."""
         client = SamplingClient(
             self._engine,
@@ -408,7 +410,7 @@ class TrainingClient:
         return None
 
     def get_console_url(self) -> str:
-        """The runs folder, where the Tinker Console would be."""
+        """The models root, where the Tinker Console would be."""
         return console_url()
 
 
@@ -485,10 +487,11 @@ class SamplingClient:
         prompt position after the first (`response.prompt_alt_tokens`). k is capped by the vocabulary
         only. Sampled tokens' logprobs follow the temperature rule of `workbench.types.SampledSequence`
         (the tempered distribution they were drawn from); prompt scores and `compute_logprobs` are the
-        model's own (τ = 1). Concurrent calls are generated together.
+        model's own (τ = 1). Concurrent calls are generated together. A bad argument raises a
+        ValueError naming it before anything is queued (as the `SampleRequest` is built, or as the engine
+        checks it against the model).
         """
-        return self._engine.sample(
-            self._pin,
+        request = SampleRequest(
             prompt,
             num_samples,
             sampling_params,
@@ -500,31 +503,16 @@ class SamplingClient:
             target_prompt_logprobs=target_prompt_logprobs,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
+        return self._engine.sample(self._pin, request)
 
-    async def sample_async(
-        self,
-        prompt: ModelInput | Sequence[int],
-        num_samples: int,
-        sampling_params: SamplingParams | Mapping[str, Any],
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-        target_prompt_logprobs: Any = None,
-        prompt_alt_tokens_k: int = 0,
-        prompt_logprobs_last_n: int | None = None,
-    ) -> SampleResponse:
-        """The SDK's deprecated twin: the `SampleResponse` itself."""
-        return await self.sample(
-            prompt,
-            num_samples,
-            sampling_params,
-            include_prompt_logprobs,
-            topk_prompt_logprobs,
-            topk_sample_logprobs,
-            target_prompt_logprobs,
-            prompt_alt_tokens_k,
-            prompt_logprobs_last_n,
-        )
+    async def sample_async(self, *args: Any, **kwargs: Any) -> SampleResponse:
+        """The SDK's deprecated twin of `sample`, with its parameters: the `SampleResponse` itself."""
+        return await self.sample(*args, **kwargs)
+
+    # what `help()`, `inspect` and a notebook's completion show: `sample`'s parameters
+    sample_async.__signature__ = inspect.signature(sample).replace(  # type: ignore[attr-defined]
+        return_annotation="SampleResponse"
+    )
 
     def compute_logprobs(
         self, prompt: ModelInput | Sequence[int], prompt_logprobs_last_n: int | None = None

@@ -1,10 +1,10 @@
 """Tinker's `RestClient` over local model folders: training runs, their checkpoints, the models on offer.
 
-A run is a folder (`workbench.storage.model_folders`): its `run.json` says what it is (base model, adapter, user
-metadata), and its checkpoint folders are listed by `workbench.storage.checkpoint_store`. So runs trained by an
-earlier process (under the runs root, `$WORKBENCH_RUNS`) are found as well as the live runs of the
-engines this client was given; deleting a live run's checkpoint is ordered with its saves (it goes
-through the engine), deleting one of a finished run's is immediate. Every method returns an `APIFuture`
+A training run is a model, and a model is a folder (`workbench.storage.model_folders`): its `run.json` says what it
+is (base model, adapter, user metadata), and its checkpoint folders are listed by `workbench.storage.checkpoint_store`.
+So models trained by an earlier process (under the models root, `$WORKBENCH_RUNS`) are found as well as the live
+models of the engines this client was given; deleting a live model's checkpoint is ordered with its saves (it goes
+through the engine), deleting one of a model off the engines is immediate. Every method returns an `APIFuture`
 (resolved already: reading folders takes no queue), and has the SDK's `*_async` twin where the SDK has
 one. Responses have the SDK's shapes (`TrainingRun`, `Checkpoint`, `CheckpointsListResponse`, ...).
 
@@ -36,8 +36,8 @@ from workbench.storage.model_folders import (
     CheckpointAddress,
     address_of,
     model_folders,
+    models_root,
     read_model_info,
-    runs_root,
 )
 from workbench.types import ExternalWeightsUrlsResponse
 
@@ -179,9 +179,9 @@ class RestClient:
 
     Args:
         base_url, api_key: Tinker's connection arguments; there is no server to connect to.
-        base_models: The base models whose live runs this client describes (and whose checkpoint
+        base_models: The base models whose live models this client describes (and whose checkpoint
             deletions go through their engines, in order); `ServiceClient.create_rest_client()` passes
-            its own. None: only the folders under the runs root.
+            its own. None: only the folders under the models root.
     """
 
     def __init__(
@@ -197,10 +197,10 @@ class RestClient:
     def _engines(self) -> list[Engine]:
         return [] if self._base_models is None else self._base_models.engines()
 
-    # ------------------------------------------------------------------------------------------ runs
+    # ------------------------------------------------------------------------------------------ models
 
     def _live(self) -> dict[str, tuple[Engine, Path]]:
-        """The live runs by id: their engine and folder."""
+        """The live models by id: their engine and folder."""
         return {
             model_id: (engine, engine.model_status(model_id).model_dir)
             for engine in self._engines
@@ -211,11 +211,11 @@ class RestClient:
     def _folders(self) -> dict[str, Path]:
         return model_folders({model_id: folder for model_id, (_, folder) in self._live().items()})
 
-    def _run_folder(self, training_run_id: str) -> Path:
+    def _model_folder(self, training_run_id: str) -> Path:
         live = self._live()
         if training_run_id in live:
             return live[training_run_id][1]
-        folder = runs_root() / training_run_id
+        folder = models_root() / training_run_id
         if read_model_info(folder) is None:
             raise CheckpointError(
                 f"no training run {training_run_id!r}: not live on this client's engines and no {folder}/run.json"
@@ -229,7 +229,7 @@ class RestClient:
         return checkpoint_store.list_checkpoints(folder)
 
     def _training_run(self, training_run_id: str) -> TrainingRun:
-        folder = self._run_folder(training_run_id)
+        folder = self._model_folder(training_run_id)
         info = read_model_info(folder)
         if info is None:
             raise CheckpointError(f"{folder} has no run.json: it was made before runs described themselves")
@@ -266,7 +266,7 @@ class RestClient:
         self, tinker_path: str, access_scope: Literal["owned", "accessible"] = "owned"
     ) -> APIFuture[TrainingRun]:
         """The run a checkpoint path belongs to, its `user_metadata` included."""
-        return _done(self._training_run(CheckpointAddress.parse(tinker_path).run_id))
+        return _done(self._training_run(CheckpointAddress.parse(tinker_path).model_id))
 
     async def get_training_run_by_tinker_path_async(
         self, tinker_path: str, access_scope: Literal["owned", "accessible"] = "owned"
@@ -280,9 +280,9 @@ class RestClient:
         access_scope: Literal["owned", "accessible"] = "owned",
         project_id: str | None = None,
     ) -> APIFuture[TrainingRunsResponse]:
-        """Every run (live, or a folder with a `run.json` under the runs root), newest first."""
+        """Every model (live, or a folder with a `run.json` under the models root), newest first."""
         runs = sorted(
-            (self._training_run(run_id) for run_id in self._folders()),
+            (self._training_run(model_id) for model_id in self._folders()),
             key=lambda run: run.last_request_time,
             reverse=True,
         )
@@ -302,7 +302,7 @@ class RestClient:
 
     def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
         """The run's complete, unexpired checkpoints (state and sampler), oldest first."""
-        folder = self._run_folder(training_run_id)
+        folder = self._model_folder(training_run_id)
         base_model = _base_model_of(folder)
         return _done(
             CheckpointsListResponse([_checkpoint(c, base_model) for c in self._list(training_run_id, folder)])
@@ -316,8 +316,8 @@ class RestClient:
         every = sorted(
             (
                 _checkpoint(info, _base_model_of(folder))
-                for run_id, folder in self._folders().items()
-                for info in self._list(run_id, folder)
+                for model_id, folder in self._folders().items()
+                for info in self._list(model_id, folder)
             ),
             key=lambda checkpoint: checkpoint.time,
             reverse=True,
@@ -342,10 +342,10 @@ class RestClient:
         a finished run's now."""
         address = CheckpointAddress.parse(tinker_path)
         live = self._live()
-        if address.run_id in live:
-            engine, _ = live[address.run_id]
-            return engine.delete_checkpoint(address.run_id, address.name, address.kind)
-        checkpoint_store.delete(self._run_folder(address.run_id), address.name, address.kind)
+        if address.model_id in live:
+            engine, _ = live[address.model_id]
+            return engine.delete_checkpoint(address.model_id, address.name, address.kind)
+        checkpoint_store.delete(self._model_folder(address.model_id), address.name, address.kind)
         return _done(None)
 
     async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
@@ -354,9 +354,9 @@ class RestClient:
     def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
         """The base model and adapter a checkpoint needs."""
         address = CheckpointAddress.parse(tinker_path)
-        folder = self._run_folder(address.run_id)
+        folder = self._model_folder(address.model_id)
         if not (checkpoint_store.kind_dir(folder, address.kind) / address.name).is_dir():
-            raise CheckpointError(f"no checkpoint {address.checkpoint_id!r} in run {address.run_id!r}")
+            raise CheckpointError(f"no checkpoint {address.checkpoint_id!r} in run {address.model_id!r}")
         info = read_model_info(folder) or {}
         lora: dict[str, Any] = info.get("lora") or {}
         return _done(
@@ -381,7 +381,7 @@ class RestClient:
                 f"(tinker://<training_run_id>/external_weights/<name>), got {tinker_path!r}"
             )
         folder = checkpoint_store.require_checkpoint_folder(
-            checkpoint_store.kind_dir(self._run_folder(address.run_id), "external") / address.name
+            checkpoint_store.kind_dir(self._model_folder(address.model_id), "external") / address.name
         )
         urls = {name: (folder / name).as_uri() for name in external_weights.downloadable_files(folder)}
         expires = _datetime(time.time() + EXTERNAL_URL_LIFETIME_S)

@@ -97,7 +97,7 @@ class ServiceClient:
         """The engines of the base models loaded (this client's, or its session's)."""
         return self.base_models.engines()
 
-    def _known_runs(self) -> dict[str, Path]:
+    def _known_models(self) -> dict[str, Path]:
         return {
             model_id: engine.model_status(model_id).model_dir
             for engine in self.engines()
@@ -107,7 +107,7 @@ class ServiceClient:
     def _engine_for_checkpoint(self, path: str | Path, base_model: str | None) -> Engine:
         """The engine a checkpoint loads on: the one for its base model, which `base_model` (when
         given) must name as well."""
-        saved = Engine.checkpoint_base_model(path, self._known_runs())
+        saved = Engine.checkpoint_base_model(path, self._known_models())
         if base_model is not None and resolve_model_path(base_model) != resolve_model_path(saved):
             raise ValueError(f"{path} was saved on base model {saved!r}, not {base_model!r}")
         return self.engine(saved)
@@ -256,7 +256,7 @@ class ServiceClient:
     # ------------------------------------------------------------------------------------------ the rest
 
     def create_rest_client(self) -> RestClient:
-        """A `RestClient` that sees this client's live runs as well as the model folders on disk."""
+        """A `RestClient` that sees this client's live models as well as the model folders on disk."""
         self._check_open()
         return RestClient(base_models=self.base_models)
 
@@ -269,7 +269,7 @@ class ServiceClient:
         return self.get_server_capabilities()
 
     def get_console_url(self) -> str:
-        """The runs folder, where the Tinker Console would be."""
+        """The models root, where the Tinker Console would be."""
         return console_url()
 
     def get_telemetry(self) -> None:

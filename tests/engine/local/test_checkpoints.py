@@ -201,7 +201,7 @@ def test_from_checkpoint_restores_everything_exactly(sess: wb.Session, tmp_path:
         assert resumed.state_digest() == digest_after_step
 
 
-def test_from_checkpoint_outside_its_run_folder_continues_the_saved_run_id(
+def test_from_checkpoint_outside_its_model_folder_continues_the_saved_model_id(
     sess: wb.Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = Path(sess.policy.save_state("c").result().folder)

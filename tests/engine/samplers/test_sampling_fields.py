@@ -21,6 +21,8 @@ from tinker import types
 import workbench as wb
 from tests.datums import ce_datum
 from workbench.engine.model import logprobs as logprobs_module
+from workbench.engine.samplers.requests import prepare_request
+from workbench.engine.samplers.sample_request import SampleRequest
 
 PROMPT = [5, 17, 42, 99, 100, 7, 8, 250, 31, 64]
 # Logprobs against the brute-force log-softmax, in float32. Measured on one CPU with the trained adapter:
@@ -312,12 +314,14 @@ def test_every_field_over_http_with_the_sdk(sess: wb.Session) -> None:
             # the same request in-process gives the same numbers (same seed, same engine)
             local = sess.engine.sample(
                 sess.engine.pin_sampler(None),
-                PROMPT,
-                2,
-                wb.SamplingParams(max_tokens=4, temperature=0.5, seed=5),
-                True,
-                prompt_logprobs_last_n=7,
-                topk_sample_logprobs=3,
+                SampleRequest(
+                    PROMPT,
+                    2,
+                    wb.SamplingParams(max_tokens=4, temperature=0.5, seed=5),
+                    True,
+                    prompt_logprobs_last_n=7,
+                    topk_sample_logprobs=3,
+                ),
             ).result()
             for remote_sequence, local_sequence in zip(response.sequences, local.sequences, strict=True):
                 assert remote_sequence.tokens == local_sequence.tokens
@@ -391,23 +395,16 @@ def test_sequences_rescored_by_the_training_model_follow_the_temperature_rule(
 ) -> None:
     """What the vLLM path does at a temperature other than 1 (vLLM reports raw logprobs): score the
     sampled tokens again with the training model; here checked against the HF sampler's own numbers."""
-    from workbench.engine.samplers.requests import prepare_request
-
     sess = tiny_no_wandb
 
     state = sess.engine._state
     params = wb.SamplingParams(max_tokens=6, temperature=0.6, seed=2)
     sampled = sess.sampling_client().sample(PROMPT, 1, params, topk_sample_logprobs=5).result()
     request = prepare_request(
-        wb.ModelInput.from_ints(PROMPT),
-        1,
-        params,
-        False,
+        SampleRequest(PROMPT, 1, params, topk_sample_logprobs=5),
         tokenizer=state.tokenizer,
-        vocab_size=sess.base_info.vocab_size,
-        max_length=sess.base_info.max_length,
+        base_info=sess.base_info,
         max_samples_per_request=8,
-        topk_sample_logprobs=5,
     )
     sequence = sampled.sequences[0]
     raw = wb.SampledSequence(sequence.tokens, [0.0] * len(sequence.tokens), sequence.stop_reason)

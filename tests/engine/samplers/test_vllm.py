@@ -21,6 +21,7 @@ import workbench as wb
 from tests.conftest import build_tiny_twin
 from workbench.engine.local.base_models import BaseModels, MemoryBudgetError, base_model_bytes
 from workbench.engine.samplers.requests import SamplingInterrupted
+from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.engine.samplers.vllm import CPU_KV_CACHE_BYTES, ENGINE_PROCESS_PREFIX, MAX_LORAS
 
 pytestmark = pytest.mark.vllm
@@ -203,7 +204,7 @@ def test_a_token_sink_hears_each_sequence_as_vllm_draws_it(tiny_for_vllm: str) -
         for temperature in (1.0, 0.0):
             sink = HeldSink(at=8)
             params = wb.SamplingParams(max_tokens=24, temperature=temperature, seed=3, stop=[])
-            response = engine.sample(pin, [5, 17, 33, 48], 2, params, token_sink=sink)
+            response = engine.sample(pin, SampleRequest([5, 17, 33, 48], 2, params), token_sink=sink)
             assert sink.reached.wait(HOLD_LIMIT_S)
             assert not response.done()  # eight tokens heard while the sample goes on
             sink.let_go.set()
@@ -221,7 +222,7 @@ def test_an_interrupt_aborts_vllm_generation_in_flight_and_every_later_sample(ti
         sink = HeldSink(at=8)
         params = wb.SamplingParams(max_tokens=400, temperature=1.0, seed=3, stop=[])
         pin = engine.pin_sampler(sess.model_id)
-        long_sample = engine.sample(pin, [5, 17, 33, 48], 2, params, token_sink=sink)
+        long_sample = engine.sample(pin, SampleRequest([5, 17, 33, 48], 2, params), token_sink=sink)
         assert sink.reached.wait(HOLD_LIMIT_S)
         engine.interrupt_sampling()
         sink.let_go.set()
@@ -230,7 +231,7 @@ def test_an_interrupt_aborts_vllm_generation_in_flight_and_every_later_sample(ti
         assert sum(map(len, sink.heard.values())) <= 8 + 2  # the step in progress ends; no other runs
         assert not engine._state.vllm._llm.llm_engine.has_unfinished_requests()
         with pytest.raises(SamplingInterrupted):
-            engine.sample(pin, [5, 17], 1, params).result()
+            engine.sample(pin, SampleRequest([5, 17], 1, params)).result()
         _train_one_step(sess)
 
 
@@ -263,7 +264,7 @@ def test_each_base_model_gets_its_own_vllm_engine_within_a_budget_that_counts_th
         tokens = []
         for engine in (first, second):
             pin = engine.pin_sampler(None)
-            tokens.append(_tokens(engine.sample(pin, [5, 17, 33, 48], 1, params).result()))
+            tokens.append(_tokens(engine.sample(pin, SampleRequest([5, 17, 33, 48], 1, params)).result()))
             engine.release_sampler(pin)
         assert tokens[0] != tokens[1]  # each base model's own weights
         processes = [engine._state.vllm.engine_processes for engine in (first, second)]

@@ -41,6 +41,7 @@ generator, so a training loop that draws from them continues as the uninterrupte
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,7 +190,7 @@ class SavedState:
 
     folder: Path
     name: str
-    run_id: str
+    model_id: str  # the model it was saved from (its config.json keeps the key "run_id")
     base_identity: dict[str, Any]
     # The Session arguments that rebuild the saved run; the device and the sampler kind follow the
     # machine it is rebuilt on.
@@ -198,6 +199,12 @@ class SavedState:
     rng: RngStates
     user_metadata: dict[str, str]
     expires_at: float | None
+
+    @property
+    def run_id(self) -> str:
+        """Deprecated: `model_id`."""
+        warnings.warn("SavedState.run_id is now SavedState.model_id", DeprecationWarning, stacklevel=2)
+        return self.model_id
 
 
 def _tensors(folder: Path, files: Mapping[str, bytes], rel: str) -> dict[str, Tensor]:
@@ -286,7 +293,7 @@ def read(folder: Path) -> SavedState:
         return SavedState(
             folder=folder,
             name=str(config["name"]),
-            run_id=str(config["run_id"]),
+            model_id=str(config["run_id"]),
             base_identity=dict(config["base_model"]),
             session_arguments=arguments,
             adapters=adapters,

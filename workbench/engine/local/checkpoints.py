@@ -50,8 +50,8 @@ from workbench.types import (
 SAMPLER_INFO = "sampler.json"
 
 
-def known_runs(state: EngineState) -> dict[str, Path]:
-    """The engine's runs by id, for resolving `tinker://` paths to folders."""
+def known_models(state: EngineState) -> dict[str, Path]:
+    """The engine's model folders by model id, for resolving `tinker://` paths to folders."""
     return {model_id: lora_model.model_dir for model_id, lora_model in list(state.lora_models.items())}
 
 
@@ -252,7 +252,7 @@ def resolve(
 ) -> Path:
     """The checkpoint folder a user means (a `tinker://` path, a name of the run's own, or a folder)."""
     own = state.lora_model(model_id).model_dir if model_id is not None else None
-    folder = resolve_checkpoint(path_or_name, kind, own, known_runs(state))
+    folder = resolve_checkpoint(path_or_name, kind, own, known_models(state))
     return checkpoint_store.require_checkpoint_folder(folder)
 
 

@@ -43,8 +43,8 @@ from workbench.engine.local import (
     merged_export,
     model_lifecycle,
     optim_step,
+    sample,
 )
-from workbench.engine.local import sample as sampling
 from workbench.engine.local.checkpoint_files import SavedState, model_config
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import AdaptedModel
@@ -59,6 +59,7 @@ from workbench.engine.samplers import (
 )
 from workbench.engine.samplers.prefix_cache import PromptPrefixCache
 from workbench.engine.samplers.requests import TokenSink
+from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.engine.threads import ThreadPolicy, ThreadUse
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
@@ -66,11 +67,11 @@ from workbench.metrics import MetricsHistory, metric_values
 from workbench.storage import checkpoint_store
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
 from workbench.storage.model_folders import (
+    models_root,
     new_model_id,
     read_model_info,
     release_model_folder,
     resolve_checkpoint,
-    runs_root,
 )
 from workbench.types import (
     ForwardBackwardOutput,
@@ -79,7 +80,6 @@ from workbench.types import (
     ModelInput,
     OptimStepResponse,
     SampleResponse,
-    SamplingParams,
     SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
@@ -104,7 +104,7 @@ def _close_sinks(history: MetricsHistory) -> None:
 def _close_sinks_and_vllm(state: EngineState) -> None:
     _close_sinks(state.history)
     with contextlib.suppress(Exception):
-        sampling.stop_vllm(state)
+        sample.stop_vllm(state)
 
 
 def _shutdown(state: EngineState) -> None:
@@ -198,7 +198,6 @@ class Engine:
 
     @property
     def endpoint(self) -> None:
-        """Where the model runs: in this process (a `RemoteEngine` gives its service's URL)."""
         return None
 
     @property
@@ -228,7 +227,6 @@ class Engine:
 
     @property
     def history(self) -> MetricsHistory:
-        """Every operation's metrics, in the order they ran (all models; the `model` column says which)."""
         return self._state.history
 
     @property
@@ -236,7 +234,6 @@ class Engine:
         return self._state.closed
 
     def check_open(self) -> None:
-        """Raise `SessionClosedError` once the engine is closed."""
         self._state.check_open()
 
     # ------------------------------------------------------------------------------------------ models
@@ -250,10 +247,9 @@ class Engine:
         model_dir: str | Path | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[str]:
-        """Add a model with a new LoRA policy; resolves to its model id (default: a fresh model id, whose
-        folder is `<runs root>/<model id>` unless `model_dir` says otherwise)."""
+        """The model's checkpoints are saved in its folder too."""
         model_id = model_id or new_model_id(self.config.base_model)
-        folder = (Path(model_dir) if model_dir is not None else runs_root() / model_id).absolute()
+        folder = (Path(model_dir) if model_dir is not None else models_root() / model_id).absolute()
         future = model_lifecycle.create_model(
             self._state, lora, seed=seed, model_id=model_id, model_dir=folder, user_metadata=user_metadata
         )
@@ -281,7 +277,7 @@ class Engine:
             folder = checkpoints.resolve(state, None, path)
             saved = checkpoints.read_state(folder)
             new_id = model_id or new_model_id(self.config.base_model)
-            folder_for_model = Path(model_dir).absolute() if model_dir is not None else runs_root() / new_id
+            folder_for_model = Path(model_dir).absolute() if model_dir is not None else models_root() / new_id
             arguments = saved.session_arguments
             if user_metadata is not None:
                 metadata = model_lifecycle.check_metadata(user_metadata)
@@ -381,7 +377,6 @@ class Engine:
         return state.submit(copy).result()
 
     def model_config(self, model_id: str) -> ModelConfig:
-        """What defines the run on this engine (what its checkpoints record)."""
         return model_config(self._state, self._state.lora_model(model_id))
 
     # ------------------------------------------------------------------------------------------ training
@@ -394,7 +389,6 @@ class Engine:
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """The loss and per-datum outputs, without touching gradients."""
         return forward_backward.submit(
             self._state, model_id, role, data, loss_fn, loss_fn_config, backward=False
         )
@@ -407,7 +401,6 @@ class Engine:
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """The loss and outputs; its gradient is added to the accumulated one (applied by `optim_step`)."""
         return forward_backward.submit(
             self._state, model_id, role, data, loss_fn, loss_fn_config, backward=True
         )
@@ -415,35 +408,28 @@ class Engine:
     def forward_backward_custom(
         self, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
     ) -> APIFuture[ForwardBackwardOutput]:
-        """Train on any differentiable function of the per-datum logprobs."""
         return forward_backward.submit_custom(self._state, model_id, role, data, loss_fn)
 
     def optim_step(self, model_id: str, role: Role, adam_params: Any = None) -> APIFuture[OptimStepResponse]:
-        """Apply the accumulated gradient with AdamW and every `AdamParams` field."""
         return optim_step.submit(self._state, model_id, role, adam_params)
 
     # ------------------------------------------------------------------------------------------ sampling
 
     def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
-        """Pin the weights a sampling client samples: the model's policy at `version` (default: the weights
-        the operations queued before this call leave), or the base model (`model_id=None`). Release it
-        with `release_sampler`."""
-        return sampling.pin(self._state, model_id, version)
+        """Any version the model's sampling clients still hold can be pinned again (`live_versions`)."""
+        return sample.pin(self._state, model_id, version)
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
-        """Pin the weights of a checkpoint, loaded as an inference adapter: sampler weights
-        (`tinker://<model id>/sampler_weights/<name>` or their folder) or the policy of a state checkpoint
-        (`tinker://<model id>/weights/<name>` or its folder). The live models do not change it."""
+        """The checkpoint may also be named by its folder; its weights load as an inference adapter."""
         state = self._state
         checkpoints.check_path(path, "model_path")
-        return sampling.pin_checkpoint(state, lambda: checkpoints.adapter_folder(state, path))
+        return sample.pin_checkpoint(state, lambda: checkpoints.adapter_folder(state, path))
 
     def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None:
-        """Release a pin after everything queued before; takes no lock, so a finalizer may call it.
-        With `wait` (never from a finalizer), return once it is released; on the worker thread itself it
-        is released right after the running operation."""
+        """On the worker thread itself, `wait` returns at once: the weights go right after the running
+        operation."""
         if not self.closed:
-            sampling.release(self._state, pin)
+            sample.release(self._state, pin)
             if wait and threading.current_thread() is not self._state.worker.thread:
                 with contextlib.suppress(
                     SessionClosedError
@@ -451,53 +437,11 @@ class Engine:
                     self._state.submit(lambda: None).result()
 
     def sample(
-        self,
-        pin: APIFuture[SamplerPin],
-        prompt: ModelInput | Sequence[int],
-        num_samples: int,
-        sampling_params: SamplingParams | Mapping[str, Any],
-        include_prompt_logprobs: bool = False,
-        *,
-        prompt_logprobs_last_n: int | None = None,
-        record_stability_info: bool = False,
-        sequence_ids: Sequence[str] | None = None,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-        target_prompt_logprobs: Any = None,
-        prompt_alt_tokens_k: int = 0,
-        token_sink: TokenSink | None = None,
+        self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
     ) -> APIFuture[SampleResponse]:
-        """Sample `num_samples` continuations of `prompt` from the pinned weights, with logprobs.
-
-        Every sequence gets a `sequence_id` unique in this engine; a caller that must know the ids before
-        the sequences exist (the REST server promises them with the request) names them, one per sample,
-        in `sequence_ids`, and keeps them unique. With `prompt_logprobs_last_n`, only
-        the prompt's last N tokens are scored (earlier entries None). With `record_stability_info`, the
-        engine keeps each sequence (prompt, tokens, the sampler's logprobs, the weights) for a day, for
-        `stable_reinforce` training data that names it. The SDK's other fields (top-k prompt and sample
-        logprobs, target ids' prompt logprobs, prompt draws) are as `workbench.types.SampleResponse` says;
-        K is capped by the vocabulary only.
-
-        `token_sink` (this engine's own, not the SDK's: the compatible APIs' streams use it) is told each
-        sequence's tokens as the sampler (HF or vLLM) draws them, from the worker thread
-        (`requests.TokenSink`).
-        """
-        return sampling.submit_sample(
-            self._state,
-            pin,
-            prompt,
-            num_samples,
-            sampling_params,
-            include_prompt_logprobs,
-            prompt_logprobs_last_n,
-            record_stability_info,
-            sequence_ids,
-            topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs,
-            target_prompt_logprobs=target_prompt_logprobs,
-            prompt_alt_tokens_k=prompt_alt_tokens_k,
-            token_sink=token_sink,
-        )
+        """The request is checked against the model in the caller's thread (`requests.prepare_request`),
+        and `token_sink` is told each sequence's tokens as the sampler (HF or vLLM) draws them."""
+        return sample.submit_sample(self._state, pin, request, token_sink)
 
     def compute_logprobs(
         self,
@@ -506,9 +450,7 @@ class Engine:
         *,
         prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[list[float | None]]:
-        """The logprob of every token of `prompt` given the ones before it (first entry None; with
-        `prompt_logprobs_last_n`, every entry before the last N)."""
-        return sampling.submit_compute_logprobs(self._state, pin, prompt, prompt_logprobs_last_n)
+        return sample.submit_compute_logprobs(self._state, pin, prompt, prompt_logprobs_last_n)
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
@@ -521,6 +463,8 @@ class Engine:
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
+        """The state is all of the model's: the critic, the counters and every RNG too, for an exact
+        resume; it is written to `<model folder>/checkpoints/<name>` (`.folder`)."""
         return checkpoints.save_state(
             self._state,
             model_id,
@@ -539,6 +483,8 @@ class Engine:
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """Written in peft's format to `<model folder>/sampler_weights/<name>` (`.folder`), which vLLM and
+        `PeftModel.from_pretrained` load too."""
         return checkpoints.save_weights_for_sampler(
             self._state,
             model_id,
@@ -556,6 +502,7 @@ class Engine:
         ttl_seconds: int | None = None,
         age_encryption_recipients: Sequence[str] | None = None,
     ) -> APIFuture[SaveWeightsExternalResponse]:
+        """Written to `<model folder>/external_weights/<name>` (`.folder`)."""
         return checkpoints.save_weights_external(
             self._state,
             model_id,
@@ -565,6 +512,10 @@ class Engine:
         )
 
     def load_state(self, model_id: str, path: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
+        """The checkpoint may also be named by its folder or by a name of the model's own;
+        `Restore.EVERYTHING` puts back every RNG as well, for an exact resume. Every file is verified
+        against the model before anything changes (`checkpoint_files.restore` says what each level
+        puts back)."""
         return checkpoints.load_state(self._state, model_id, path, restore)
 
     def checkpoint_folder(
@@ -579,16 +530,16 @@ class Engine:
 
     @staticmethod
     def folder_of_checkpoint(path: str | Path, kind: CheckpointKind = "state") -> Path:
-        """The folder of a checkpoint named by a `tinker://` path (under the runs root) or a folder, for
+        """The folder of a checkpoint named by a `tinker://` path (under the models root) or a folder, for
         callers without an engine yet (`Session.from_checkpoint`)."""
         return checkpoint_store.require_checkpoint_folder(resolve_checkpoint(path, kind, None, {}))
 
     @staticmethod
-    def checkpoint_base_model(path: str | Path, known_runs: Mapping[str, Path] | None = None) -> str:
+    def checkpoint_base_model(path: str | Path, known_models: Mapping[str, Path] | None = None) -> str:
         """The base model a checkpoint (state or sampler; a `tinker://` path or a folder) was saved on,
-        as its engine was created with it, for callers choosing the engine to load it on. `known_runs`
-        maps run ids to folders outside the runs root."""
-        return checkpoints.saved_base_model(path, known_runs or {})
+        as its engine was created with it, for callers choosing the engine to load it on. `known_models`
+        maps model ids to folders outside the models root."""
+        return checkpoints.saved_base_model(path, known_models or {})
 
     @staticmethod
     def parse_checkpoint(folder: Path) -> SavedState:
@@ -596,11 +547,9 @@ class Engine:
         return checkpoints.read_state(folder)
 
     def list_checkpoints(self, model_id: str) -> list[CheckpointInfo]:
-        """The model's complete, unexpired checkpoints, oldest first."""
         return checkpoint_store.list_checkpoints(self._state.lora_model(model_id).model_dir)
 
     def delete_checkpoint(self, model_id: str, name: str, kind: CheckpointKind = "state") -> APIFuture[None]:
-        """Delete one of the model's checkpoints, between operations (never racing a save)."""
         self.check_open()
         model_dir = self._state.lora_model(model_id).model_dir
         return self._state.submit(lambda: checkpoint_store.delete(model_dir, name, kind))
@@ -618,9 +567,6 @@ class Engine:
     # ------------------------------------------------------------------------------------------ misc
 
     def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
-        """Append a row to the history after everything queued before it (e.g. a run step's metrics).
-        Metrics named like the history's own columns (`step`, `op`, `model`, `time`) or not numbers
-        raise ValueError here, before anything is queued."""
         self.check_open()
         history = self._state.history
         values = metric_values(metrics)
@@ -663,8 +609,7 @@ class Engine:
         self._state.sampling_interrupted.set()
 
     def close(self) -> None:
-        """Finish queued work, then free the model and optimizer memory. Safe to call again, also after
-        an interrupted call."""
+        """The memory freed is the base model's, the adapters' and the optimizers'."""
         state = self._state
         state.worker.close()
         if not self._finalizer.alive:  # freed by an earlier call
@@ -672,7 +617,7 @@ class Engine:
         for sink in list(state.history.sinks):
             sink.close()
         state.history.sinks.clear()
-        sampling.stop_vllm(state)
+        sample.stop_vllm(state)
         for lora_model in state.lora_models.values():
             release_model_folder(lora_model.model_dir)
         state.lora_models.clear()

@@ -8,15 +8,15 @@ released on the worker too (`release`, safe from a finalizer), so nothing can dr
 was promised. A pin can also name the base model (adapters off) or a sampler checkpoint, loaded as an
 inference-only adapter shared by the clients of the same folder.
 
-**Requests are batched.** A sample request is validated in the caller's thread
-(`requests.prepare_request`: bad input raises and changes nothing) and queued as a batchable operation,
-so requests that queue up together run as one engine call per set of weights. On the worker each
-request without a seed draws one from the engine's sampling generator, in order; the engine samples
-under the pinned weights (the HF sampler with the right adapter active and, for a past version, its
-snapshot swapped in; vLLM with those weights as a LoRA adapter). A group whose engine call fails is
-retried one request at a time, so a request that fails on the worker fails alone. Every request gets
-its own response and history row (op "sample": tokens, logprob mean, weight version, staleness, and the
-engine's sync time).
+**Requests are batched.** A `SampleRequest`, checked as it was built, is checked against the model in
+the caller's thread (`requests.prepare_request`: bad input raises and changes nothing) and queued as a
+batchable operation, so requests that queue up together run as one engine call per set of weights. On
+the worker each request without a seed draws one from the engine's sampling generator, in order; the
+engine samples under the pinned weights (the HF sampler with the right adapter active and, for a past
+version, its snapshot swapped in; vLLM with those weights as a LoRA adapter). A group whose engine call
+fails is retried one request at a time, so a request that fails on the worker fails alone. Every request
+gets its own response and history row (op "sample": tokens, logprob mean, weight version, staleness,
+and the engine's sync time).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from workbench.engine.model.batching import prepare_batch
 from workbench.engine.samplers import notice_fallback
 from workbench.engine.samplers.requests import (
     INTERRUPTED_MESSAGE,
+    PreparedRequest,
     RequestResult,
-    SampleRequest,
     SamplingInterrupted,
     TokenSink,
-    check_prompt_logprobs_last_n,
     keep_last_logprobs,
     prepare_request,
 )
+from workbench.engine.samplers.sample_request import SampleRequest, check_prompt_logprobs_last_n
 from workbench.engine.samplers.vllm import VLLMSampler
 from workbench.futures import APIFuture
 from workbench.sdk_conversion import to_model_input
@@ -177,41 +177,19 @@ def pinned_weights(state: EngineState, held: SamplerPin) -> Iterator[None]:
 def submit_sample(
     state: EngineState,
     pin_future: APIFuture[SamplerPin],
-    prompt: ModelInput | Sequence[int],
-    num_samples: int,
-    sampling_params: SamplingParams | Mapping[str, Any],
-    include_prompt_logprobs: bool,
-    prompt_logprobs_last_n: int | None = None,
-    record_stability_info: bool = False,
-    sequence_ids: Sequence[str] | None = None,
-    *,
-    topk_prompt_logprobs: int = 0,
-    topk_sample_logprobs: int = 0,
-    target_prompt_logprobs: Any = None,
-    prompt_alt_tokens_k: int = 0,
+    request: SampleRequest,
     token_sink: TokenSink | None = None,
 ) -> APIFuture[SampleResponse]:
     state.check_open()
-    request = prepare_request(
-        prompt,
-        num_samples,
-        sampling_params,
-        include_prompt_logprobs,
+    prepared = prepare_request(
+        request,
         tokenizer=state.tokenizer,
-        vocab_size=state.base_info.vocab_size,
-        max_length=state.base_info.max_length,
+        base_info=state.base_info,
         max_samples_per_request=state.config.max_samples_per_request,
-        prompt_logprobs_last_n=prompt_logprobs_last_n,
-        record_stability_info=record_stability_info,
-        sequence_ids=sequence_ids,
-        topk_prompt_logprobs=topk_prompt_logprobs,
-        topk_sample_logprobs=topk_sample_logprobs,
-        target_prompt_logprobs=target_prompt_logprobs,
-        prompt_alt_tokens_k=prompt_alt_tokens_k,
         token_sink=token_sink,
     )
     return state.submit_batchable(
-        "sample", (pin_future, request), lambda items: run_sample_batch(state, items)
+        "sample", (pin_future, prepared), lambda items: run_sample_batch(state, items)
     )
 
 
@@ -237,15 +215,14 @@ def submit_compute_logprobs(
         held = pin_future.result()
         if vllm_engine(state) is not None and len(tokens) < info.max_length:
             # the sampler's own numbers, as `sample(..., include_prompt_logprobs=True)` gives them
-            request = SampleRequest(
+            greedy = SamplingParams(max_tokens=1, temperature=0.0)
+            request = PreparedRequest(
+                asked=SampleRequest(ModelInput.from_ints(tokens), 1, greedy, include_prompt_logprobs=True),
                 prompt_tokens=tokens,
-                num_samples=1,
-                params=SamplingParams(max_tokens=1, temperature=0.0),
                 seed=0,
                 max_tokens=1,
                 stop_token_ids=frozenset(),
                 stop_strings=(),
-                include_prompt_logprobs=True,
             )
             logprobs = _generate(state, held, [request])[0].prompt_logprobs
             assert logprobs is not None
@@ -307,7 +284,7 @@ def _live_weights(state: EngineState) -> set[tuple[str | None, int | None, str |
     return live
 
 
-def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest]) -> list[RequestResult]:
+def _generate(state: EngineState, held: SamplerPin, requests: list[PreparedRequest]) -> list[RequestResult]:
     vllm = vllm_engine(state)
     if vllm is not None:
         vllm.keep_only(_live_weights(state))  # weights no client can sample any more leave vLLM
@@ -338,32 +315,32 @@ def _generate(state: EngineState, held: SamplerPin, requests: list[SampleRequest
         return state.hf_sampler.generate(requests, held.weights_key)
 
 
-def _needs_training_model(request: SampleRequest) -> bool:
-    return request.scores_prompt or request.params.temperature not in (0.0, 1.0)
+def _needs_training_model(request: PreparedRequest) -> bool:
+    return request.asked.scores_prompt or request.params.temperature not in (0.0, 1.0)
 
 
-def _complete(state: EngineState, request: SampleRequest, result: RequestResult) -> RequestResult:
+def _complete(state: EngineState, request: PreparedRequest, result: RequestResult) -> RequestResult:
     """A vLLM result with its sequences' logprobs under the temperature rule and the prompt's scores
     (with its logprobs, when asked, from the same pass: vLLM leaves them out of such a request)."""
     sequences = result.sequences
     if request.params.temperature not in (0.0, 1.0):
         sequences = [state.hf_sampler.rescore_sequence(request, sequence) for sequence in sequences]
     prompt_logprobs, scores = result.prompt_logprobs, result.prompt_scores
-    if request.scores_prompt:
+    if request.asked.scores_prompt:
         logprobs, scores = state.hf_sampler.score_prompt(request)
-        prompt_logprobs = logprobs if request.include_prompt_logprobs else None
+        prompt_logprobs = logprobs if request.asked.include_prompt_logprobs else None
     return dataclasses.replace(
         result, sequences=sequences, prompt_logprobs=prompt_logprobs, prompt_scores=scores
     )
 
 
 def run_sample_batch(
-    state: EngineState, items: Sequence[tuple[APIFuture[SamplerPin], SampleRequest]]
+    state: EngineState, items: Sequence[tuple[APIFuture[SamplerPin], PreparedRequest]]
 ) -> list[SampleResponse | BaseException]:
     """The queued requests, one engine call per set of weights (worker thread)."""
     results: list[SampleResponse | BaseException | None] = [None] * len(items)
     groups: dict[tuple[str | None, int | None, str | None], tuple[SamplerPin, list[int]]] = {}
-    requests: list[SampleRequest | None] = [None] * len(items)
+    requests: list[PreparedRequest | None] = [None] * len(items)
     for index, (pin_future, request) in enumerate(items):
         try:
             held = pin_future.result()
@@ -382,7 +359,7 @@ def run_sample_batch(
 
 
 def _sample_group(
-    state: EngineState, held: SamplerPin, requests: list[SampleRequest]
+    state: EngineState, held: SamplerPin, requests: list[PreparedRequest]
 ) -> list[SampleResponse | BaseException]:
     """One engine call for requests on the same weights; if it fails, each request again on its own.
     A retried request has told its token sink the tokens of the failed call already: the retry tells it
@@ -409,19 +386,19 @@ def _sample_group(
 def sample_response(
     state: EngineState,
     held: SamplerPin,
-    request: SampleRequest,
+    request: PreparedRequest,
     result: RequestResult,
     batch_seconds: float,
     batch_tokens: int,
 ) -> SampleResponse:
     """The response to one request (each sequence given its id, and recorded when the request asks),
     and its history row."""
-    ids = request.sequence_ids or [state.next_sequence_id() for _ in result.sequences]
+    ids = request.asked.sequence_ids or [state.next_sequence_id() for _ in result.sequences]
     sequences = [
         dataclasses.replace(sequence, sequence_id=sequence_id)
         for sequence, sequence_id in zip(result.sequences, ids, strict=True)
     ]
-    if request.record_stability_info:
+    if request.asked.record_stability_info:
         for sequence in sequences:
             state.stability_records.add(
                 sequence.sequence_id,
@@ -435,7 +412,7 @@ def sample_response(
             )
     tokens = sum(len(s.tokens) for s in sequences)
     metrics = {
-        "num_samples:sum": float(request.num_samples),
+        "num_samples:sum": float(request.asked.num_samples),
         "num_tokens:sum": float(tokens),
         "stop_fraction:mean": sum(s.stop_reason == "stop" for s in sequences) / len(sequences),
         "sample_seconds": batch_seconds,
@@ -463,7 +440,7 @@ def sample_response(
         weights_version=held.version,
         prompt_logprobs=None
         if result.prompt_logprobs is None
-        else keep_last_logprobs(result.prompt_logprobs, request.prompt_logprobs_last_n),
+        else keep_last_logprobs(result.prompt_logprobs, request.asked.prompt_logprobs_last_n),
         sync_ms=sync_ms,
         topk_prompt_logprobs=result.prompt_scores.topk_prompt_logprobs,
         target_prompt_logprobs=result.prompt_scores.target_prompt_logprobs,

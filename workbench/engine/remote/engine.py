@@ -57,6 +57,7 @@ from workbench.engine.remote.sequence_id_relay import SequenceIdRelay
 from workbench.engine.remote.server_profiles import identify_server
 from workbench.engine.roles import Role
 from workbench.engine.samplers.requests import TokenSink
+from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory, metric_values
@@ -67,7 +68,6 @@ from workbench.sdk_conversion import (
     to_adam_params,
     to_datum,
     to_model_input,
-    to_sampling_params,
     to_sdk_adam_params,
     to_sdk_datum,
     to_sdk_model_input,
@@ -75,7 +75,7 @@ from workbench.sdk_conversion import (
     to_sdk_token_ids,
 )
 from workbench.storage.checkpoint_store import CheckpointInfo, CheckpointKind
-from workbench.storage.model_folders import new_model_id, runs_root
+from workbench.storage.model_folders import models_root, new_model_id
 from workbench.types import (
     ForwardBackwardOutput,
     LoadWeightsResponse,
@@ -84,7 +84,6 @@ from workbench.types import (
     OptimStepResponse,
     SampledSequence,
     SampleResponse,
-    SamplingParams,
     SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
@@ -208,7 +207,6 @@ class RemoteEngine:
 
     @property
     def endpoint(self) -> str:
-        """The service's URL."""
         return self._url
 
     @property
@@ -252,7 +250,7 @@ class RemoteEngine:
 
     @property
     def history(self) -> MetricsHistory:
-        """Every completed operation's metrics, in submission order, recorded in this process."""
+        """Recorded in this process as the service's answers arrive."""
         return self._history
 
     @property
@@ -350,8 +348,8 @@ class RemoteEngine:
         model_dir: str | Path | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[str]:
-        """Add a LoRA model on the service; resolves to this engine's id for it (default: a fresh
-        run id, whose local folder, for the history and W&B files, is `<runs root>/<model id>`)."""
+        """The model id is this engine's (`remote_model_id` gives the service's); a `LoraConfig` that the
+        service would build otherwise is refused with `RemoteUnsupportedError`."""
         model_id = model_id or new_model_id(self._config.base_model)
         layout = self._profile.adapter_layout
         ignored = [] if layout is None else layout.differences(lora)
@@ -362,7 +360,7 @@ class RemoteEngine:
             )
         if model_id in self._models:
             raise ValueError(f"a model {model_id!r} already exists on this engine")
-        folder = (Path(model_dir) if model_dir is not None else runs_root() / model_id).absolute()
+        folder = (Path(model_dir) if model_dir is not None else models_root() / model_id).absolute()
         metadata = {str(k): str(v) for k, v in (user_metadata or {}).items()}
         init_seed = lora.seed if lora.seed is not None else seed
 
@@ -478,7 +476,6 @@ class RemoteEngine:
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """The loss and per-datum outputs, without touching gradients."""
         return self._forward("forward", model_id, role, data, loss_fn, loss_fn_config)
 
     def forward_backward(
@@ -489,14 +486,13 @@ class RemoteEngine:
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """The loss and outputs; the service accumulates the gradient for `optim_step`."""
         return self._forward("forward_backward", model_id, role, data, loss_fn, loss_fn_config)
 
     def forward_backward_custom(
         self, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
     ) -> APIFuture[ForwardBackwardOutput]:
-        """The SDK's custom loss: a forward pass on the service, the loss and its gradient with respect
-        to the logprobs here, and a backward pass on the service with that gradient as weights."""
+        """As the SDK runs it: a forward pass on the service, the loss and its gradient with respect to
+        the logprobs here, and a backward pass on the service with that gradient as weights."""
         lora_model = self._policy(model_id, role, "forward_backward_custom")
         datums = [to_sdk_datum(to_datum(d)) for d in data]
 
@@ -509,8 +505,7 @@ class RemoteEngine:
         return self._submit(lambda: lora_model.client.forward_backward_custom(datums, loss_fn), finish)
 
     def optim_step(self, model_id: str, role: Role, adam_params: Any = None) -> APIFuture[OptimStepResponse]:
-        """Apply the accumulated gradient with AdamW on the service; the step and weights version are
-        counted here when it completes."""
+        """The step and the weights version are counted here, when the service's answer arrives."""
         lora_model = self._policy(model_id, role, "optim_step")
         params = to_adam_params(adam_params)
         sdk_params = to_sdk_adam_params(params)
@@ -549,9 +544,8 @@ class RemoteEngine:
         return future
 
     def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
-        """A sampling client on the service for the model's current weights (as the operations queued
-        before leave them), or the base model (`model_id=None`). Past versions live on the service only
-        as saved checkpoints: `version` must be None or the version the queued operations reach."""
+        """Past versions live on the service only as saved checkpoints: `version` must be None or the
+        version the queued operations reach."""
         if model_id is None:
             if version is not None:
                 raise ValueError("the base model has no version")
@@ -571,7 +565,6 @@ class RemoteEngine:
         )
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
-        """A sampling client on the service for saved weights, named by their `tinker://` path."""
         tinker_path = self._tinker_path(path, "a sampling client")
         return self._pin(
             lambda: self._service.create_sampling_client(model_path=tinker_path),
@@ -579,7 +572,8 @@ class RemoteEngine:
         )
 
     def release_sampler(self, pin: APIFuture[SamplerPin], wait: bool = False) -> None:
-        """Forget the sampling client (the service frees it with the SDK client); takes no lock."""
+        """The sampling client is forgotten at once (the service frees it with the SDK client): nothing
+        is queued, so there is nothing to `wait` for."""
         with contextlib.suppress(KeyError, TypeError):
             del self._samplers[pin.future()]
 
@@ -593,47 +587,34 @@ class RemoteEngine:
         return get
 
     def sample(
-        self,
-        pin: APIFuture[SamplerPin],
-        prompt: ModelInput | Sequence[int],
-        num_samples: int,
-        sampling_params: SamplingParams | Mapping[str, Any],
-        include_prompt_logprobs: bool = False,
-        *,
-        prompt_logprobs_last_n: int | None = None,
-        record_stability_info: bool = False,
-        sequence_ids: Sequence[str] | None = None,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-        target_prompt_logprobs: Any = None,
-        prompt_alt_tokens_k: int = 0,
-        token_sink: TokenSink | None = None,
+        self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
     ) -> APIFuture[SampleResponse]:
-        """Sample on the service; the response reports the weights version its client pinned. The SDK's
-        top-k, target-id and prompt-draw fields go to the service as they are. The service answers a
-        request whole: `token_sink` is told nothing, and its caller has the tokens with the response."""
-        if record_stability_info or sequence_ids is not None:
+        """Sample on the service, which checks what needs the model; the response reports the weights
+        version its client pinned. The service answers a request whole: `token_sink` is told nothing, and
+        its caller has the tokens with the response."""
+        if request.record_stability_info or request.sequence_ids is not None:
             raise RemoteUnsupportedError(
                 "stability records and caller-chosen sequence ids are kept by a local engine only"
             )
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
-        model_input = to_sdk_model_input(to_model_input(prompt))
-        params = to_sdk_sampling_params(to_sampling_params(sampling_params))
-        targets = None if target_prompt_logprobs is None else to_sdk_token_ids(target_prompt_logprobs)
+        if request.num_samples < 1:
+            raise ValueError(f"num_samples must be a positive integer, got {request.num_samples!r}")
+        model_input = to_sdk_model_input(request.prompt)
+        params = to_sdk_sampling_params(request.sampling_params)
+        targets = request.target_prompt_logprobs
+        sdk_targets = None if targets is None else to_sdk_token_ids(targets)
         sampler = self._sampler(pin)
 
         def send_with(held: _Sampler) -> tuple[_Sampler, Any, float]:
             sent = held.client.sample(
                 model_input,
-                num_samples,
+                request.num_samples,
                 params,
-                include_prompt_logprobs=include_prompt_logprobs,
-                prompt_logprobs_last_n=prompt_logprobs_last_n,
-                topk_prompt_logprobs=topk_prompt_logprobs,
-                topk_sample_logprobs=topk_sample_logprobs,
-                target_prompt_logprobs=targets,
-                prompt_alt_tokens_k=prompt_alt_tokens_k,
+                include_prompt_logprobs=request.include_prompt_logprobs,
+                prompt_logprobs_last_n=request.prompt_logprobs_last_n,
+                topk_prompt_logprobs=request.topk_prompt_logprobs,
+                topk_sample_logprobs=request.topk_sample_logprobs,
+                target_prompt_logprobs=sdk_targets,
+                prompt_alt_tokens_k=request.prompt_alt_tokens_k,
             )
             return held, sent, time.perf_counter()
 
@@ -653,7 +634,7 @@ class RemoteEngine:
                 weights_version=held.pin.version,
                 prompt_logprobs=(
                     self._profile.aligned_prompt_logprobs(response.prompt_logprobs, model_input.length)
-                    if include_prompt_logprobs
+                    if request.include_prompt_logprobs
                     else None
                 ),
                 topk_prompt_logprobs=response.topk_prompt_logprobs,
@@ -691,7 +672,6 @@ class RemoteEngine:
         *,
         prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[list[float | None]]:
-        """The logprob of every prompt token given the ones before it, computed on the service."""
         model_input = to_sdk_model_input(to_model_input(prompt))
         sampler = self._sampler(pin)
 
@@ -724,7 +704,7 @@ class RemoteEngine:
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
-        """Save the model's state on the service; `.path` is its `tinker://` path (no local folder)."""
+        """Saved on the service, as much as it saves: `.path` only, no local folder."""
         lora_model = self._model(model_id)
         metadata = None if user_metadata is None else {str(k): str(v) for k, v in user_metadata.items()}
 
@@ -753,7 +733,8 @@ class RemoteEngine:
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """Save the policy's adapter for sampling on the service; `.path` is its `tinker://` path."""
+        """Saved on the service; the SDK has no `overwrite` here, so asking for one raises
+        `RemoteUnsupportedError`."""
         lora_model = self._model(model_id)
         if overwrite:
             raise RemoteUnsupportedError("the tinker SDK's save_weights_for_sampler has no overwrite")
@@ -783,8 +764,7 @@ class RemoteEngine:
         ttl_seconds: int | None = None,
         age_encryption_recipients: Sequence[str] | None = None,
     ) -> APIFuture[SaveWeightsExternalResponse]:
-        """Save the policy's adapter as external weights on the service; `.path` is its `tinker://`
-        path (`RestClient.get_external_weights_urls` signs its files' URLs there)."""
+        """Saved on the service; `RestClient.get_external_weights_urls` signs its files' URLs there."""
         lora_model = self._model(model_id)
         recipients = None if age_encryption_recipients is None else list(age_encryption_recipients)
 
@@ -804,9 +784,9 @@ class RemoteEngine:
         )
 
     def load_state(self, model_id: str, path: str | Path, restore: Restore) -> APIFuture[LoadWeightsResponse]:
-        """Load a `tinker://` state checkpoint into a new model on the service, which the run continues
-        on: the weights (`Restore.WEIGHTS`, with a fresh optimizer state), or the weights and optimizer
-        state (otherwise). Tinker services accept a load only as a model's first request (SkyRL,
+        """The checkpoint loads into a new model on the service, which the model continues on;
+        `Restore.EVERYTHING` restores what `Restore.WITH_OPTIMIZER` does (the SDK restores no RNG
+        state). Tinker services accept a load only as a model's first request (SkyRL,
         hosted Tinker), so the new model is created and loaded here, in the caller's thread, before
         any later operation is sent; a failed load leaves the run on its model, unchanged. The model it
         was on is freed where the service offers a way, after the operations queued on it. The weights
@@ -937,14 +917,12 @@ class RemoteEngine:
     # ------------------------------------------------------------------------------------------ misc
 
     def record(self, op: str, label: str, step: int, metrics: Mapping[str, float]) -> APIFuture[None]:
-        """Append a row to the history after everything queued before it (e.g. a run step's metrics)."""
         values = metric_values(metrics)
         return self._submit(lambda: None, lambda _: self._record(op, label, step, values))
 
     def close(self) -> None:
-        """Finish the queued operations, free the runs' models where the service offers a way, then
-        end the SDK session (a service that frees its models with the session does so then). Safe to
-        call again."""
+        """The models are freed where the service offers a way, then the SDK session ends (a service that
+        frees its models with the session does so then)."""
         if self._worker.closed:
             return
         self._worker.close()

@@ -48,9 +48,9 @@ from workbench.engine.model.shared_prefix import common_prefix_length
 from workbench.engine.samplers.prefix_cache import LayerKeyValues, PromptPrefixCache
 from workbench.engine.samplers.requests import (
     INTERRUPTED_MESSAGE,
+    PreparedRequest,
     PromptScores,
     RequestResult,
-    SampleRequest,
     SamplingInterrupted,
     TokenSink,
 )
@@ -225,7 +225,7 @@ class _RowStops(StoppingCriteria):
 
     def __init__(
         self,
-        row_requests: list[SampleRequest],
+        row_requests: list[PreparedRequest],
         chooser: _ChooseTokens,
         tokenizer: PreTrainedTokenizerBase,
         interrupted: threading.Event,
@@ -259,7 +259,7 @@ class _RowStops(StoppingCriteria):
         done = [end is not None for end in self.ended]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
-    def _stop_string_seen(self, row: int, request: SampleRequest, step: int) -> bool:
+    def _stop_string_seen(self, row: int, request: PreparedRequest, step: int) -> bool:
         tail_tokens = _STOP_STRING_TAIL_TOKENS + max(len(s) for s in request.stop_strings)
         first = max(0, step - tail_tokens)
         tail = [int(self.chooser.tokens[t][row]) for t in range(first, step)]
@@ -289,15 +289,19 @@ class HFSampler:
         next decoding step, and every later one at once, with `SamplingInterrupted`."""
         self.prefix_cache = PromptPrefixCache()
 
-    def generate(self, requests: Sequence[SampleRequest], weights: Hashable) -> list[RequestResult]:
+    def generate(self, requests: Sequence[PreparedRequest], weights: Hashable) -> list[RequestResult]:
         """Sample every request with the model as it is now, whose weights `weights` names (the key of
         the prompt cache's entries)."""
         if self.interrupted.is_set():
             raise SamplingInterrupted(INTERRUPTED_MESSAGE)
         results: list[RequestResult] = []
-        chunk: list[SampleRequest] = []
+        chunk: list[PreparedRequest] = []
         for request in requests:
-            if chunk and sum(r.num_samples for r in chunk) + request.num_samples > MAX_ROWS_PER_GENERATE:
+            if (
+                chunk
+                and sum(r.asked.num_samples for r in chunk) + request.asked.num_samples
+                > MAX_ROWS_PER_GENERATE
+            ):
                 results.extend(self._generate_chunk(chunk, weights))
                 chunk = []
             chunk.append(request)
@@ -306,26 +310,26 @@ class HFSampler:
         return results
 
     @torch.no_grad()
-    def _generate_chunk(self, requests: list[SampleRequest], weights: Hashable) -> list[RequestResult]:
-        row_requests = [request for request in requests for _ in range(request.num_samples)]
+    def _generate_chunk(self, requests: list[PreparedRequest], weights: Hashable) -> list[RequestResult]:
+        row_requests = [request for request in requests for _ in range(request.asked.num_samples)]
         pad = int(self.tokenizer.pad_token_id)
         input_ids_R_P, attention_mask_R_P = self._left_padded(requests)
         request_of_row_N = torch.repeat_interleave(
-            torch.arange(len(requests)), torch.tensor([request.num_samples for request in requests])
+            torch.arange(len(requests)), torch.tensor([request.asked.num_samples for request in requests])
         ).to(self.device)
         groups = []
         topk_widths: dict[int, int] = {}
         start = 0
         for request in requests:
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
-            groups.append((slice(start, start + request.num_samples), request.params, generator))
-            topk_widths[start] = request.topk_sample_logprobs
-            start += request.num_samples
+            groups.append((slice(start, start + request.asked.num_samples), request.params, generator))
+            topk_widths[start] = request.asked.topk_sample_logprobs
+            start += request.asked.num_samples
         chooser = _ChooseTokens(groups, self.device, topk_widths)
         sinks = [
             None if request.token_sink is None else (request.token_sink, sequence)
             for request in requests
-            for sequence in range(request.num_samples)
+            for sequence in range(request.asked.num_samples)
         ]
         stops = _RowStops(row_requests, chooser, self.tokenizer, self.interrupted, sinks)
         config = GenerationConfig(
@@ -353,9 +357,9 @@ class HFSampler:
             end = stops.ended[row] or (tokens_S_N.shape[0], "length")
             length, reason = end
             topk = None
-            if request.topk_sample_logprobs:
+            if request.asked.topk_sample_logprobs:
                 assert topk_ids_S_N_K is not None and topk_logprobs_S_N_K is not None
-                k = request.topk_sample_logprobs
+                k = request.asked.topk_sample_logprobs
                 topk = topk_entries(topk_ids_S_N_K[:length, row, :k], topk_logprobs_S_N_K[:length, row, :k])
             rows.append(
                 SampledSequence(
@@ -365,31 +369,31 @@ class HFSampler:
                     topk_logprobs=topk,
                 )
             )
-        plain = [r for r in requests if r.include_prompt_logprobs and not r.scores_prompt]
+        plain = [r for r in requests if r.asked.include_prompt_logprobs and not r.asked.scores_prompt]
         prompt_logprobs = self.prompt_logprobs([r.prompt_tokens for r in plain])
         results = []
         start = 0
         for request, cached in zip(requests, cached_tokens, strict=True):
             scores = PromptScores()
             logprobs: list[float | None] | None = None
-            if request.scores_prompt:
+            if request.asked.scores_prompt:
                 logprobs, scores = self.score_prompt(request)
-            elif request.include_prompt_logprobs:
+            elif request.asked.include_prompt_logprobs:
                 logprobs = prompt_logprobs.pop(0)
             results.append(
                 RequestResult(
-                    sequences=rows[start : start + request.num_samples],
-                    prompt_logprobs=logprobs if request.include_prompt_logprobs else None,
+                    sequences=rows[start : start + request.asked.num_samples],
+                    prompt_logprobs=logprobs if request.asked.include_prompt_logprobs else None,
                     prompt_scores=scores,
                     prefill_tokens=request.prompt_length - 1,
                     prefill_cached_tokens=cached,
                 )
             )
-            start += request.num_samples
+            start += request.asked.num_samples
         return results
 
     @torch.no_grad()
-    def rescore_sequence(self, request: SampleRequest, sequence: SampledSequence) -> SampledSequence:
+    def rescore_sequence(self, request: PreparedRequest, sequence: SampledSequence) -> SampledSequence:
         """`sequence` with its logprobs (and, when the request asks, top-k) computed here under the
         temperature rule: for an engine that reports the model's raw logprobs (vLLM) where the rule wants
         the tempered distribution's, or has no top-k of that distribution. One pass of the model over
@@ -409,7 +413,7 @@ class HFSampler:
             output_layer,
             full[start + 1 :],
             vocab_size=self.vocab_size,
-            topk=request.topk_sample_logprobs,
+            topk=request.asked.topk_sample_logprobs,
             temperature=request.params.temperature or 1.0,
             scores_at_temperature=True,
         )
@@ -419,7 +423,7 @@ class HFSampler:
         return dataclasses.replace(sequence, logprobs=scores.logprobs_T.tolist(), topk_logprobs=topk)
 
     @torch.no_grad()
-    def score_prompt(self, request: SampleRequest) -> tuple[list[float | None], PromptScores]:
+    def score_prompt(self, request: PreparedRequest) -> tuple[list[float | None], PromptScores]:
         """The prompt's logprobs and what else the request asks of its positions after the first: top-k
         (model's distribution; None before `prompt_logprobs_last_n`'s last N), the requested ids' logprobs,
         and `prompt_alt_tokens_k` draws at the request's temperature (from a generator seeded by the
@@ -433,7 +437,7 @@ class HFSampler:
             logits_from_hidden_states=self.logits_from_hidden_states,
         )
         generator = None
-        if request.prompt_alt_tokens_k and request.params.temperature > 0:
+        if request.asked.prompt_alt_tokens_k and request.params.temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(
                 (request.seed or 0) ^ PROMPT_DRAWS_SEED_OFFSET
             )
@@ -442,16 +446,16 @@ class HFSampler:
             output_layer,
             tokens[1:],
             vocab_size=self.vocab_size,
-            topk=request.topk_prompt_logprobs,
+            topk=request.asked.topk_prompt_logprobs,
             chosen_ids_T_J=request.target_prompt_ids,
-            draws=request.prompt_alt_tokens_k,
+            draws=request.asked.prompt_alt_tokens_k,
             temperature=request.params.temperature,
             generator=generator,
         )
         topk = None
         if scores.topk_ids_T_K is not None and scores.topk_logprobs_T_K is not None:
             scored = topk_entries(scores.topk_ids_T_K, scores.topk_logprobs_T_K)
-            last_n = request.prompt_logprobs_last_n or len(scored)
+            last_n = request.asked.prompt_logprobs_last_n or len(scored)
             topk = [None] * (len(scored) + 1 - last_n) + scored[len(scored) - last_n :]
         return [None, *scores.logprobs_T.tolist()], PromptScores(
             topk_prompt_logprobs=topk,
@@ -466,7 +470,7 @@ class HFSampler:
             ),
         )
 
-    def _left_padded(self, requests: list[SampleRequest]) -> tuple[Tensor, Tensor]:
+    def _left_padded(self, requests: list[PreparedRequest]) -> tuple[Tensor, Tensor]:
         """Each request's prompt once, left-padded to the longest (HF derives position ids from the mask):
         (R, P) token ids and attention mask on the device."""
         longest = max(request.prompt_length for request in requests)
@@ -480,7 +484,7 @@ class HFSampler:
         return input_ids_R_P.to(self.device), attention_mask_R_P.to(self.device)
 
     def _prompt_cache(
-        self, requests: list[SampleRequest], weights: Hashable, request_of_row_N: Tensor
+        self, requests: list[PreparedRequest], weights: Hashable, request_of_row_N: Tensor
     ) -> tuple[DynamicCache | None, list[int]]:
         """The KV cache of every prompt but its last token, computed once per request and repeated for
         each of its samples; `generate` then starts from each row's last prompt token.

@@ -59,8 +59,8 @@ import torch
 
 from workbench.engine.samplers.requests import (
     INTERRUPTED_MESSAGE,
+    PreparedRequest,
     RequestResult,
-    SampleRequest,
     SamplingInterrupted,
     TokenSink,
 )
@@ -247,7 +247,7 @@ class VLLMSampler:
             self.forget(key)
 
     def generate(
-        self, requests: Sequence[SampleRequest], key: Hashable | None, write_adapter: WriteAdapter
+        self, requests: Sequence[PreparedRequest], key: Hashable | None, write_adapter: WriteAdapter
     ) -> list[RequestResult]:
         """Sample every request with the weights `key` names (None: the base model), telling each
         request's `token_sink` its tokens as they are drawn."""
@@ -266,7 +266,7 @@ class VLLMSampler:
             # a request that scores its prompt (top-k, target ids, draws) gets all its prompt numbers
             # from one pass of the training model (`workbench.engine.local.sample`), as the HF sampler
             # gives them: its prompt logprobs then equal its target and top-k logprobs of the same ids
-            if request.include_prompt_logprobs and not request.scores_prompt:
+            if request.asked.include_prompt_logprobs and not request.asked.scores_prompt:
                 # vLLM 0.32 applies an adapter on the output embedding to prompt positions with one
                 # adapter index per sampled row (an einsum shape error unless there is one row): the
                 # prompt's logprobs come from a call of their own, with one row
@@ -336,15 +336,15 @@ class VLLMSampler:
             raise
         return [finished[i] for i in ids]
 
-    def _sink(self, request: SampleRequest) -> TokenSink | None:
+    def _sink(self, request: PreparedRequest) -> TokenSink | None:
         """The request's sink as vLLM's sequences call it: a greedy request samples one row (`_params`),
         which is each of its samples."""
         sink = request.token_sink
-        if sink is None or request.params.temperature != 0 or request.num_samples == 1:
+        if sink is None or request.params.temperature != 0 or request.asked.num_samples == 1:
             return sink
 
         def every_sample(_sequence: int, token: int) -> None:
-            for sequence in range(request.num_samples):
+            for sequence in range(request.asked.num_samples):
                 sink(sequence, token)
 
         return every_sample
@@ -352,10 +352,12 @@ class VLLMSampler:
     def _prompt_logprob_params(self) -> object:
         return self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
 
-    def _params(self, request: SampleRequest) -> object:
+    def _params(self, request: PreparedRequest) -> object:
         p = request.params
         return self._vllm.SamplingParams(
-            n=1 if p.temperature == 0 else request.num_samples,  # vLLM takes one row for greedy sampling
+            n=1
+            if p.temperature == 0
+            else request.asked.num_samples,  # vLLM takes one row for greedy sampling
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k if p.top_k > 0 else -1,
@@ -365,12 +367,12 @@ class VLLMSampler:
             stop_token_ids=sorted(request.stop_token_ids) or None,
             ignore_eos=not request.stop_token_ids and not request.stop_strings,
             include_stop_str_in_output=True,
-            logprobs=request.topk_sample_logprobs,
+            logprobs=request.asked.topk_sample_logprobs,
             detokenize=bool(request.stop_strings),
         )
 
     @staticmethod
-    def _sequences(request: SampleRequest, output: _Finished) -> list[SampledSequence]:
+    def _sequences(request: PreparedRequest, output: _Finished) -> list[SampledSequence]:
         """The request's sampled sequences; a greedy request's one row, repeated for each sample."""
         rows = []
         for completion in output.outputs:
@@ -379,12 +381,14 @@ class VLLMSampler:
                 position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)
             ]
             topk = None
-            if request.topk_sample_logprobs:  # vLLM adds the sampled token to its top-k: keep the k best
+            if (
+                request.asked.topk_sample_logprobs
+            ):  # vLLM adds the sampled token to its top-k: keep the k best
                 topk = [
                     [
                         (int(token), float(entry.logprob))
                         for token, entry in sorted(position.items(), key=lambda item: -item[1].logprob)
-                    ][: request.topk_sample_logprobs]
+                    ][: request.asked.topk_sample_logprobs]
                     for position in completion.logprobs
                 ]
             rows.append(
@@ -395,8 +399,8 @@ class VLLMSampler:
                     topk_logprobs=topk,
                 )
             )
-        if len(rows) == 1 and request.num_samples > 1:  # each sample its own copy, its top-k included
-            rows = [copy.deepcopy(rows[0]) for _ in range(request.num_samples)]
+        if len(rows) == 1 and request.asked.num_samples > 1:  # each sample its own copy, its top-k included
+            rows = [copy.deepcopy(rows[0]) for _ in range(request.asked.num_samples)]
         return rows
 
     def close(self) -> None:
