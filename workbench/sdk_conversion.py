@@ -88,6 +88,22 @@ def to_provenance_span(value: Any) -> ProvenanceSpan:
     return as_provenance_span(value)
 
 
+def to_target_ids(value: Any) -> np.ndarray:
+    """`target_prompt_logprobs` (ours or the SDK's `TensorData`, dense or the SDK's sparse CSR, a torch
+    tensor, a numpy array or nested lists) as a numpy array: the SDK's unlisted cells are −1 (nothing
+    asked), since 0 is a token id."""
+    tinker_tensor_data = _tinker_class("TensorData")
+    if tinker_tensor_data is not None and isinstance(value, tinker_tensor_data):
+        if value.dtype != "int64":
+            raise ValueError(f"target_prompt_logprobs must be int64 token ids, got {value.dtype}")
+        return value.to_numpy(pad_value=-1)
+    if isinstance(value, TensorData):
+        return value.to_numpy()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
 def _spans(spans: Any) -> tuple[ProvenanceSpan, ...] | None:
     return None if spans is None else tuple(to_provenance_span(span) for span in spans)
 

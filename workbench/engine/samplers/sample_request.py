@@ -19,15 +19,13 @@ within the context, widths capped by the vocabulary, `num_samples` within the en
 
 from __future__ import annotations
 
-import sys
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from workbench.sdk_conversion import to_model_input, to_sampling_params
-from workbench.types import ModelInput, SamplingParams, TensorData
+from workbench.sdk_conversion import to_model_input, to_sampling_params, to_target_ids
+from workbench.types import ModelInput, SamplingParams
 
 TOKEN_WIDTH_FIELDS = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
 """The fields that ask for a number of tokens at every position (0: none): capped by the vocabulary only,
@@ -141,17 +139,7 @@ def target_ids_array(value: Any, prompt_length: int) -> np.ndarray:
 
     Row i is scored at prompt position i + 1. Whether the ids are within the vocabulary is for the
     engine, which knows it (`requests.prepare_request`)."""
-    sdk = sys.modules.get("tinker")
-    if sdk is not None and isinstance(value, sdk.TensorData):
-        if value.dtype != "int64":
-            raise ValueError(f"target_prompt_logprobs must be int64 token ids, got {value.dtype}")
-        array = value.to_numpy(pad_value=-1)
-    elif isinstance(value, TensorData):
-        array = value.to_numpy()
-    elif isinstance(value, torch.Tensor):
-        array = value.detach().cpu().numpy()
-    else:
-        array = np.asarray(value)
+    array = to_target_ids(value)
     if array.dtype.kind not in "iu":
         raise ValueError(f"target_prompt_logprobs must hold integer token ids, got {array.dtype} values")
     rows = prompt_length - 1
