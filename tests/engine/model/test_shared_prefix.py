@@ -345,7 +345,6 @@ def test_streams_and_activation_checkpointing_give_the_plain_pass_results(
     _assert_same(plain, shared)
 
 
-@pytest.mark.integration
 def _trained_a_step_then_both_ways(
     sess: wb.Session, warm: list[wb.Datum], data: list[wb.Datum], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -362,6 +361,7 @@ def _trained_a_step_then_both_ways(
     _assert_same(plain, shared)
 
 
+@pytest.mark.integration
 def test_smollm2_gives_the_plain_pass_results(monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2-135M (GQA, 30 layers): two groups of 4 with prefixes up to 512 tokens, importance sampling
     with advantages on the prefix positions too."""

@@ -33,6 +33,7 @@ from workbench.engine.model.activation_checkpointing import (
 )
 from workbench.engine.model.base_model import BaseModelInfo, adapter_parameters, add_lora_adapter, attach_lora
 from workbench.engine.model.batching import MicroBatch
+from workbench.engine.model.grouped_attention import use_grouped_attention
 from workbench.engine.model.logprobs import feature_forward, language_model_logprobs, target_logprobs
 from workbench.engine.model.prefix_attention import shared_prefix_pass
 from workbench.engine.model.shared_prefix import SharedPrefixMicroBatch
@@ -56,6 +57,8 @@ class AdaptedModel:
         self.base = base
         self.info = info
         self.device = device
+        if device.type == "cpu":
+            use_grouped_attention(base)
         self.peft_model: peft.PeftModel | None = None
         self.decoder_layers = decoder_layers(base.get_decoder())
         # F of `workbench.engine.model.activation_checkpointing`'s rule for this model
