@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import workbench as wb
 from workbench.engine.model.builtin_models import tiny_base_model_dir
-from workbench.engine.model.grouped_attention import GROUPED_SDPA, use_grouped_attention
+from workbench.engine.model.grouped_attention import (
+    GROUPED_SDPA,
+    grouped_sdpa_attention,
+    use_grouped_attention,
+)
 
 
 def _saved_bytes_and_logits(model: torch.nn.Module, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor):
@@ -52,3 +59,26 @@ def test_masked_grouped_heads_give_sdpa_results_without_a_copy_per_query_head() 
 def test_the_engine_runs_grouped_attention_on_a_cpu() -> None:
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False) as sess:
         assert sess.engine._state.model.base.config._attn_implementation == GROUPED_SDPA
+
+
+def test_a_soft_cap_goes_to_sdpa_as_it_is() -> None:
+    """Grouped heads, a mask, on a CPU, and a soft cap: "sdpa" decides (transformers 5.23 refuses it, 5.19
+    drops it), and the call gives what "sdpa" gives, its error or its output."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_model_dir(), dtype=torch.float32)
+    attention = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+    query_B_Hq_T_D = torch.randn(1, 4, 5, 16, generator=generator)
+    key_B_Hk_S_D = torch.randn(1, 2, 5, 16, generator=generator)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+
+    def outcome(function: Any) -> Any:
+        try:
+            return function(attention, query_B_Hq_T_D, key_B_Hk_S_D, key_B_Hk_S_D, mask, softcap=30.0)[0]
+        except ValueError as error:
+            return str(error)
+
+    grouped, sdpa = outcome(grouped_sdpa_attention), outcome(sdpa_attention_forward)
+    if isinstance(sdpa, str):
+        assert grouped == sdpa
+    else:
+        torch.testing.assert_close(grouped, sdpa, rtol=0, atol=0)

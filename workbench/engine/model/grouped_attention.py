@@ -13,8 +13,8 @@ and the pass took 13.3 s with them and 11.3 s without (medians of 3, interleaved
 batch of padded datums without a shared prefix is as fast either way (within 3%).
 
 "grouped_sdpa" is the "sdpa" implementation with that one change: a masked attention over grouped heads
-on a CPU; everything else (no mask, a single query, position biases, a model without grouped heads, a
-tensor off the CPU) goes to "sdpa" as it is.
+on a CPU; everything else (no mask, a single query, a model without grouped heads, a tensor off the CPU,
+a position bias, a paged cache or a soft cap) goes to "sdpa" as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 GROUPED_SDPA = "grouped_sdpa"
+# What "sdpa" acts on besides the heads: a position bias added to the scores, a paged cache it updates,
+# and a logit soft cap, which it refuses. A call with any of them goes to "sdpa" as it is.
+SDPA_OPTIONS = ("position_bias", "cache", "softcap")
 
 
 def grouped_sdpa_attention(
@@ -47,7 +50,7 @@ def grouped_sdpa_attention(
         or query_B_Hq_T_D.shape[1] == key_B_Hk_S_D.shape[1]
         or query_B_Hq_T_D.shape[2] == 1
         or query_B_Hq_T_D.device.type != "cpu"
-        or kwargs.get("position_bias") is not None
+        or any(kwargs.get(name) is not None for name in SDPA_OPTIONS)
     )
     if unchanged:
         return sdpa_attention_forward(
