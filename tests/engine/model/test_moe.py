@@ -191,6 +191,24 @@ def test_sampler_and_trainer_agree_on_trained_experts(twins, family) -> None:
         assert report.num_tokens > 0 and report.max_abs_diff < 1e-4
 
 
+def test_a_model_adapted_through_its_weights_keeps_its_passes_on_the_worker(tmp_path) -> None:
+    """DeepSeek-V3 with dense layers only has no expert stack, but peft's rewrite makes its MLP layers
+    adapted through their weights (`ParamWrapper`), which registers a parametrization on the layer for
+    each call: two streams running the model at once failed in backward ("backward through the graph a
+    second time", in 2 of 5 runs of one test). Its passes run on the worker; a dense model keeps its
+    streams."""
+    folder = save_twin("deepseek_v3", tmp_path / "deepseek-dense", dense=True)
+    with wb.Session(folder, wb.LoraConfig(rank=RANK), seed=0, threads=2) as sess:
+        assert any(isinstance(m, peft.tuners.lora.ParamWrapper) for m in sess.engine.torch_model.modules())
+        assert not any(".experts." in name for name, _ in sess.engine.torch_model.named_parameters())
+        assert sess.threads.streams == 1
+        _train(sess, 3)
+        lora_b = [p for n, p in _live_lora(sess).items() if ".lora_B." in n]
+        assert lora_b and all(float(p.detach().abs().sum()) > 0 for p in lora_b)  # every layer trained
+    with wb.Session(save_twin("mixtral", tmp_path / "mistral", dense=True), threads=2) as sess:
+        assert sess.threads.streams == 2
+
+
 @pytest.mark.parametrize("family", TRAINED)
 def test_resume_is_bit_exact_with_expert_adapters(twins, family, tmp_path) -> None:
     with wb.Session(twins[family], wb.LoraConfig(rank=RANK), seed=3, model_dir=tmp_path / "run") as sess:

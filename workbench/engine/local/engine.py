@@ -48,7 +48,12 @@ from workbench.engine.local import (
 from workbench.engine.local.checkpoint_files import SavedState, model_config
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import AdaptedModel
-from workbench.engine.model.base_model import BaseModelInfo, load_base_model, resolve_device_and_dtype
+from workbench.engine.model.base_model import (
+    BaseModelInfo,
+    adapts_by_parametrization,
+    load_base_model,
+    resolve_device_and_dtype,
+)
 from workbench.engine.model.value_head import default_critic_lora
 from workbench.engine.roles import Role
 from workbench.engine.samplers import (
@@ -181,10 +186,11 @@ class Engine:
                 raise ValueError(f"sampler='vllm' cannot sample {base_model}: {experts_refused}")
             notice_fallback(experts_refused)
             config = dataclasses.replace(config, sampler="hf")
-        # peft adapts a mixture of experts' expert stacks by registering a parametrization on the
-        # experts module for the length of each forward pass (`ParamWrapper`): a pass changes the module,
-        # so passes on such a model cannot share it across streams, and run on the worker's threads
-        if model.info.expert_weights:
+        # peft adapts an expert stack (and a linear layer it targets through its weight) by registering
+        # a parametrization on its layer for the length of each forward call (`ParamWrapper`): a pass
+        # changes the model, so passes on such a model cannot share it across streams, and run on the
+        # worker's threads
+        if adapts_by_parametrization(model.base, model.info):
             thread_policy.keep_passes_on_the_worker()
         self._state = state = EngineState(
             config, model, tokenizer, resolved_device, resolved_dtype, worker, thread_policy.streams

@@ -329,8 +329,9 @@ def lora_target_modules(linear_layers: Mapping[str, str], lora: LoraConfig) -> l
     return chosen
 
 
-def _lora_peft_config(model: nn.Module, info: BaseModelInfo, lora: LoraConfig) -> peft.LoraConfig:
-    """peft's config for `lora` on `model` (the base model, or the peft model holding it).
+def _lora_targets(model: nn.Module, info: BaseModelInfo, lora: LoraConfig) -> tuple[list[str], list[str]]:
+    """What `lora` adapts on `model` (the base model, or the peft model holding it), as peft's
+    `target_modules` and `target_parameters`.
 
     peft rewrites the config of mixture-of-experts models whose layout changed in transformers 5
     (`convert_peft_config_for_transformers`, so that adapters trained on the old per-expert layout
@@ -340,22 +341,9 @@ def _lora_peft_config(model: nn.Module, info: BaseModelInfo, lora: LoraConfig) -
     are targeted through their weight parameter instead (`<layer>.weight`, peft's `ParamWrapper` on a
     2-D parameter: the same `W + (alpha/r)·B·A`, the same file keys), which the rewrite leaves alone.
     """
-    check_lora_fits(info, lora)
     modules = lora_target_modules(info.linear_layers, lora)
     parameters = lora_target_parameters(info.expert_weights, lora)
-
-    def config() -> peft.LoraConfig:
-        return peft.LoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            lora_dropout=0.0,
-            target_modules=modules or None,
-            target_parameters=parameters or None,
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-
-    rewritten = config()
+    rewritten = _peft_config(lora, modules, parameters)
     convert_peft_config_for_transformers(rewritten, model=model, conversions=None)
     dropped = set(modules) - set(rewritten.target_modules or ())
     if dropped:
@@ -369,7 +357,34 @@ def _lora_peft_config(model: nn.Module, info: BaseModelInfo, lora: LoraConfig) -
             }
         )
         modules = [name for name in modules if name not in dropped]
-    return config()
+    return modules, parameters
+
+
+def _peft_config(lora: LoraConfig, modules: list[str], parameters: list[str]) -> peft.LoraConfig:
+    return peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=0.0,
+        target_modules=modules or None,
+        target_parameters=parameters or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def _lora_peft_config(model: nn.Module, info: BaseModelInfo, lora: LoraConfig) -> peft.LoraConfig:
+    """peft's config for `lora` on `model` (the base model, or the peft model holding it)."""
+    check_lora_fits(info, lora)
+    return _peft_config(lora, *_lora_targets(model, info, lora))
+
+
+def adapts_by_parametrization(model: nn.Module, info: BaseModelInfo) -> bool:
+    """Whether an adapter on `model` can adapt a weight through peft's `ParamWrapper` (an expert stack,
+    or a linear layer targeted through its weight, see `_lora_targets`). Such an adapter registers a
+    parametrization on its layer for the length of each forward call and removes it after (the layer's
+    class changes both times), so a forward pass changes the model while it runs: two threads running it
+    at once fail in backward, or one reads the weight without its adapter."""
+    return bool(_lora_targets(model, info, LoraConfig())[1])  # every kind of layer a config can ask for
 
 
 def attach_lora(
