@@ -1,6 +1,7 @@
 """shared_prefix.py and prefix_attention.py: which datums share a prefix, and a shared-prefix pass gives
 what the plain pass gives (losses, `loss_fn_outputs`, every LoRA gradient) for every loss, the critic,
-the reference, custom losses, soft targets, with streams, micro-batches and activation checkpointing.
+the reference, custom losses, soft targets, with streams, micro-batches and activation checkpointing,
+on every attention variant (GQA, sliding windows, sinks, latent attention), experts, and in bf16.
 
 Sharing is decided by a measured cost (`PREFIX_PASS_OVERHEAD_TOKENS`); the tests inject it: 0 makes
 every common prefix shared, infinity none, and the same call runs both ways on the same weights."""
@@ -375,20 +376,14 @@ def test_smollm2_gives_the_plain_pass_results(monkeypatch: pytest.MonkeyPatch) -
         _trained_a_step_then_both_ways(sess, data[:2], data, monkeypatch)
 
 
-@pytest.mark.parametrize(
-    ("family", "dense"),
-    [("mixtral", True), ("gpt_oss", False)],
-    ids=["mistral-sliding-window", "gpt-oss-sliding-layers-and-sinks"],
-)
-def test_sliding_window_attention_gives_the_plain_pass_results_with_prefixes_of_different_lengths(
-    family: str, dense: bool, tmp_path, monkeypatch: pytest.MonkeyPatch
+def _two_groups_on_a_twin(
+    family: str, dense: bool, folder: Any, monkeypatch: pytest.MonkeyPatch, sliding_window: int | None = None
 ) -> None:
-    """A window of 24 tokens, prefixes of 150 and 110 tokens in one pass: each suffix must see the same
-    last 24 keys it sees in its own datum (right-padded prefixes shifted the window by the padding,
-    0.22 nats off on Mistral)."""
+    """Prefixes of 150 and 110 tokens, 4 datums each, in one pass on the `family` twin: the same results
+    as the plain pass."""
     from tests.engine.model.moe_twins import save_twin
 
-    folder = save_twin(family, tmp_path / family, dense=dense, sliding_window=24)
+    model = save_twin(family, folder, dense=dense, sliding_window=sliding_window)
     rng = random.Random(40)
     sequences = [
         prefix + random_tokens(rng, rng.randint(5, 20), VOCAB)
@@ -397,5 +392,69 @@ def test_sliding_window_attention_gives_the_plain_pass_results_with_prefixes_of_
     ]
     data = [_datum(rng, tokens, "importance_sampling") for tokens in sequences]
     warm = [_datum(rng, random_tokens(rng, 30, VOCAB), "importance_sampling") for _ in range(2)]
-    with wb.Session(folder, wb.LoraConfig(rank=4), seed=0, wandb=False, sampler="hf") as sess:
+    with wb.Session(model, wb.LoraConfig(rank=4), seed=0, wandb=False, sampler="hf") as sess:
         _trained_a_step_then_both_ways(sess, warm, data, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("family", "dense"),
+    [("mixtral", True), ("gpt_oss", False)],
+    ids=["mistral-sliding-window", "gpt-oss-sliding-layers-and-sinks"],
+)
+def test_sliding_window_attention_gives_the_plain_pass_results_with_prefixes_of_different_lengths(
+    family: str, dense: bool, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window of 24 tokens: each suffix must see the same last 24 keys it sees in its own datum
+    (right-padded prefixes shifted the window by the padding, 0.22 nats off on Mistral)."""
+    _two_groups_on_a_twin(family, dense, tmp_path / family, monkeypatch, sliding_window=24)
+
+
+@pytest.mark.parametrize(
+    ("family", "dense"),
+    [("deepseek_v3", True), ("deepseek_v3", False), ("qwen3_moe", False)],
+    ids=["deepseek-v3-latent-attention", "deepseek-v3-experts", "qwen3-moe-experts"],
+)
+def test_latent_attention_and_experts_give_the_plain_pass_results(
+    family: str, dense: bool, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Multi-head latent attention (DeepSeek-V3: keys of 24 dimensions, values of 16, the prefix's cached
+    after their projection from the latent) and routed experts with their adapters (each token's
+    experts picked from its own hidden state, so a prefix token picks the same in every datum)."""
+    _two_groups_on_a_twin(family, dense, tmp_path / family, monkeypatch)
+
+
+def test_bfloat16_gives_the_plain_pass_results_within_its_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bf16 (8 bits of mantissa) the shared and the plain pass round differently, so they agree
+    within bf16's rounding, not 1e-5: measured 5e-4 of the largest value on the outputs and 1.5% of
+    the largest gradient; a gradient that missed a suffix's share in the prefix would be off by far more."""
+    rng = random.Random(70)
+    with wb.Session(
+        "tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, dtype="bfloat16", device="cpu"
+    ) as sess:
+        warm = [_datum(rng, random_tokens(rng, 30, VOCAB), "importance_sampling") for _ in range(2)]
+        sess.policy.forward_backward(warm, "importance_sampling").result()
+        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        data = [
+            _datum(rng, tokens, "importance_sampling")
+            for tokens in _random_groups(rng, max_group=8, max_prefix=200)
+        ]
+        plain, shared = _both_ways(
+            sess,
+            wb.Role.POLICY,
+            lambda: sess.policy.forward_backward(data, "importance_sampling").result(),
+            monkeypatch,
+        )
+    (out_plain, grads_plain, row_plain), (out_shared, grads_shared, row_shared) = plain, shared
+    assert row_shared["computed_tokens:sum"] < row_plain["computed_tokens:sum"]
+    for a, b in zip(out_shared.loss_fn_outputs, out_plain.loss_fn_outputs, strict=True):
+        for key in b:
+            expected = b[key].to_torch().float()
+            scale = float(expected.abs().max())
+            torch.testing.assert_close(a[key].to_torch().float(), expected, rtol=0, atol=1e-2 * scale)
+    assert grads_shared.keys() == grads_plain.keys() and grads_plain
+    for name, grad in grads_plain.items():
+        scale = float(grad.float().abs().max())
+        assert scale > 0, name
+        torch.testing.assert_close(
+            grads_shared[name].float(), grad.float(), rtol=0, atol=5e-2 * scale, msg=name
+        )
