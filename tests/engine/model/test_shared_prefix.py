@@ -254,12 +254,21 @@ POLICY_LOSSES = [
 ]
 
 
+def _in_parts(sess: wb.Session, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give the session's model a full-activation limit F of 120 tokens, so that a training pass of one
+    group over F / 2 = 60 computed tokens runs in parts (`prefix_parts`), most of the random groups'."""
+    monkeypatch.setattr(sess.engine._state.model, "full_activation_limit", 120)
+
+
+@pytest.mark.parametrize("in_parts", [False, True])
 @pytest.mark.parametrize("loss", POLICY_LOSSES)
 def test_every_policy_loss_gives_the_plain_pass_results(
-    trained: wb.Session, loss: str, monkeypatch: pytest.MonkeyPatch
+    trained: wb.Session, loss: str, in_parts: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = random.Random(POLICY_LOSSES.index(loss))
     data = [_datum(rng, tokens, loss) for tokens in _random_groups(rng)]
+    if in_parts:
+        _in_parts(trained, monkeypatch)
     name = "cross_entropy" if loss == "soft_cross_entropy" else loss
     plain, shared = _both_ways(
         trained, wb.Role.POLICY, lambda: trained.policy.forward_backward(data, name).result(), monkeypatch
@@ -267,11 +276,14 @@ def test_every_policy_loss_gives_the_plain_pass_results(
     _assert_same(plain, shared)
 
 
+@pytest.mark.parametrize("in_parts", [False, True])
 def test_the_critic_gives_the_plain_pass_results(
-    trained: wb.Session, monkeypatch: pytest.MonkeyPatch
+    trained: wb.Session, in_parts: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = random.Random(20)
     data = [_datum(rng, tokens, "ppo_critic") for tokens in _random_groups(rng)]
+    if in_parts:
+        _in_parts(trained, monkeypatch)
     plain, shared = _both_ways(
         trained,
         wb.Role.CRITIC,
@@ -340,6 +352,35 @@ def test_streams_and_activation_checkpointing_give_the_plain_pass_results(
         sess.policy.forward_backward(data, "ppo").result()
         sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
         sess.engine._state.model.full_activation_limit = 300
+        plain, shared = _both_ways(
+            sess, wb.Role.POLICY, lambda: sess.policy.forward_backward(data, "ppo").result(), monkeypatch
+        )
+    _assert_same(plain, shared)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_group_trains_in_parts_with_part_of_its_prefix_recomputed(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One group of 8 datums, a 100-token prefix and 10-token suffixes (180 computed tokens), with F = 160:
+    over F / 2 = 80, so the pass runs in parts of 2 datums (a quarter of 80 tokens) and checkpoints the
+    first of the 2 layers (what the prefix keeps, 100 · (1 − 1/2) tokens' worth, within 80 − 20). The
+    first layer's MLP runs for the prefix, again in backward, and for each of the 4 parts; the second's
+    for the prefix and each part. The results are the plain pass's."""
+    from tests.engine.model.test_activation_checkpointing import _mlp_calls
+
+    rng = random.Random(70 + threads)
+    prefix = random_tokens(rng, 100, VOCAB)
+    data = [_datum(rng, prefix + random_tokens(rng, 11, VOCAB), "ppo") for _ in range(8)]
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, threads=threads) as sess:
+        sess.policy.forward_backward(data, "ppo").result()
+        sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+        monkeypatch.setattr(sess.engine._state.model, "full_activation_limit", 160)
+        monkeypatch.setattr(shared_prefix, "PREFIX_PASS_OVERHEAD_TOKENS", 0.0)
+        with _mlp_calls(sess) as calls:
+            sess.policy.forward_backward(data, "ppo").result()
+        assert calls == [6, 5]
+        sess.policy.optim_step(wb.AdamParams(learning_rate=0.0)).result()
         plain, shared = _both_ways(
             sess, wb.Role.POLICY, lambda: sess.policy.forward_backward(data, "ppo").result(), monkeypatch
         )

@@ -16,7 +16,10 @@ Datums that start with the same tokens (a group RL prompt's completions) are fou
 (`shared_prefix.groups_for_streams`, where its cost rule says sharing pays, with the call's streams
 kept busy): each such group runs in a
 shared-prefix pass, its prefix computed once (`workbench.engine.model.prefix_attention`), and the other
-datums as above. A group is never split across passes or streams. The history row of the call records
+datums as above. A group is never split across passes or streams; a training pass of one group over
+half the model's full-activation limit runs in parts (`workbench.engine.model.prefix_parts`: the prefix
+once, then a few datums' suffixes at a time, each with its loss and backward), so that it keeps less
+than a plain pass of its datums would. The history row of the call records
 the tokens computed and the tokens submitted (`computed_tokens:sum`, `submitted_tokens:sum`).
 """
 
@@ -45,8 +48,16 @@ from workbench.engine.model.batching import (
     plan_microbatches,
     prepare_batch,
 )
+from workbench.engine.model.prefix_parts import (
+    add_gradients,
+    checkpointed_prefix_layers,
+    kept_tokens,
+    part_members,
+    runs_in_parts,
+)
 from workbench.engine.model.shared_prefix import (
     PrefixGroup,
+    SharedPrefixMicroBatch,
     collate_shared,
     computed_tokens,
     groups_for_streams,
@@ -331,48 +342,46 @@ def run_loss(
         """The datums at `indices` of `batch`, backward when `trains`."""
         part = [batch[index] for index in indices]
         token_limit = state.model.full_activation_limit if trains else None
+        kept = kept_tokens(state.model.full_activation_limit)
         plan = plan_call(state, part, token_limit, streams)
         plans.append(plan)
 
-        def run_chunk(unit: Pass) -> ChunkResult:
+        def run_chunk(unit: Pass) -> list[ChunkResult]:
             micro = collate_pass(state, part, unit)
+            if trains and isinstance(micro, SharedPrefixMicroBatch) and runs_in_parts(micro, kept):
+                return run_in_parts(state, lora_model, role, part, micro, spec, config, parameters, kept)
             mask_B_T = micro.attention_mask_B_T.bool()
             with torch.set_grad_enabled(trains):
                 prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy)
                 if not with_loss:
-                    return ChunkResult(
-                        micro,
-                        {spec.head: prediction_B_T},
-                        torch.zeros_like(prediction_B_T),
-                        mask_B_T,
-                        extra,
-                        None,
-                    )
+                    return [
+                        ChunkResult(
+                            micro,
+                            {spec.head: prediction_B_T},
+                            torch.zeros_like(prediction_B_T),
+                            mask_B_T,
+                            extra,
+                            None,
+                        )
+                    ]
                 result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
                 gradients = (
                     torch.autograd.grad(result.elementwise_loss_B_T.sum(), parameters, allow_unused=True)
                     if trains
                     else None
                 )
-            loss_B_T = result.elementwise_loss_B_T.detach()
-            return ChunkResult(
-                micro,
-                {spec.head: prediction_B_T.detach(), "elementwise_loss": loss_B_T},
-                loss_B_T,
-                result.active_B_T,
-                {name: values.detach() for name, values in {**extra, **result.diagnostics}.items()},
-                gradients,
-            )
+            return [loss_result(micro, spec, prediction_B_T, extra, result, gradients)]
 
         part_outputs: list[dict[str, TensorData]] = [{} for _ in part]
 
-        def take(chunk: ChunkResult) -> None:
+        def take(pieces: list[ChunkResult]) -> None:
             release_freed_memory()  # the chunk's activations
-            totals.add(chunk.elementwise_loss_B_T, chunk.active_B_T, chunk.diagnostics)
-            scatter_outputs(part_outputs, chunk.micro, chunk.per_position)
-            for param, grad in zip(parameters, chunk.gradients or (), strict=False):
-                if grad is not None:
-                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+            for chunk in pieces:
+                totals.add(chunk.elementwise_loss_B_T, chunk.active_B_T, chunk.diagnostics)
+                scatter_outputs(part_outputs, chunk.micro, chunk.per_position)
+                for param, grad in zip(parameters, chunk.gradients or (), strict=False):
+                    if grad is not None:
+                        param.grad = grad if param.grad is None else param.grad.add_(grad)
 
         if plan.chunks is None:
             for unit in plan.passes:
@@ -404,6 +413,83 @@ def run_loss(
     return ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
     )
+
+
+def loss_result(
+    micro: MicroBatch,
+    spec: LossSpec,
+    prediction_B_T: Tensor,
+    extra: Mapping[str, Tensor],
+    result: Any,
+    gradients: Sequence[Tensor | None] | None,
+) -> ChunkResult:
+    """A micro-batch's `ChunkResult` from its prediction and the loss's result (all detached)."""
+    loss_B_T = result.elementwise_loss_B_T.detach()
+    return ChunkResult(
+        micro,
+        {spec.head: prediction_B_T.detach(), "elementwise_loss": loss_B_T},
+        loss_B_T,
+        result.active_B_T,
+        {name: values.detach() for name, values in {**extra, **result.diagnostics}.items()},
+        gradients,
+    )
+
+
+def run_in_parts(
+    state: EngineState,
+    lora_model: LoraModel,
+    role: Role,
+    batch: Sequence[PreparedDatum],
+    micro: SharedPrefixMicroBatch,
+    spec: LossSpec,
+    config: Mapping[str, float],
+    parameters: list[torch.nn.Parameter],
+    kept: int,
+) -> list[ChunkResult]:
+    """A shared pass of one group, trained in parts (`workbench.engine.model.prefix_parts`): the prefix
+    once, each part's suffixes with their loss and backward, then the prefix's backward. One result per
+    part; the last carries the whole pass's gradient."""
+    model = state.model
+    critic = role is Role.CRITIC
+    adapter = lora_model.role_adapter(role)
+    head = adapter.value_head if critic else None
+    group = micro.groups[0]
+    suffix_length = micro.suffix_ids_R_S.shape[1]
+    parts = part_members(len(group.indices), suffix_length, kept)
+    part_tokens = len(parts[0]) * suffix_length
+    prefix_tokens = micro.prefix_ids_P_L.numel()
+    checkpointed = checkpointed_prefix_layers(prefix_tokens, part_tokens, kept, len(model.decoder_layers))
+    with torch.enable_grad():
+        with model.checkpointing_first(checkpointed):
+            stage = model.prefix_stage(
+                adapter.adapter,
+                head,
+                micro,
+                spec.reports_entropy and not critic,
+                kept_positions=max(0, kept - part_tokens),
+                in_parts=True,
+            )
+        totals: list[Tensor | None] = [None] * len(parameters)
+        pieces = []
+        for members in parts:
+            indices = [group.indices[member] for member in members]
+            sub = collate_shared(
+                batch, [PrefixGroup(indices, group.prefix_length)], state.tokenizer.pad_token_id, state.device
+            )
+            prediction_B_T, entropy_B_T = model.suffix_part(
+                adapter.adapter, head, stage, sub, members, kept_positions=sub.suffix_ids_R_S.numel()
+            )
+            extra = {} if entropy_B_T is None else {"entropy": entropy_B_T}
+            result = spec.fn(prediction_B_T, sub.inputs, sub.attention_mask_B_T.bool(), config)
+            gradients = torch.autograd.grad(
+                result.elementwise_loss_B_T.sum(), [*parameters, *stage.leaves], allow_unused=True
+            )
+            add_gradients(totals, gradients[: len(parameters)])
+            add_gradients(stage.leaf_gradients, gradients[len(parameters) :])
+            pieces.append(loss_result(sub, spec, prediction_B_T, extra, result, None))
+        add_gradients(totals, stage.backward(parameters))
+    pieces[-1].gradients = totals
+    return pieces
 
 
 def without_gradient(spec: LossSpec, datum: PreparedDatum) -> bool:

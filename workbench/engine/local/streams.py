@@ -28,8 +28,9 @@ batch, so halving the batch nearly doubles the reads (32 sequences × 16 new tok
 Each chunk's gradient is its own `torch.autograd.grad`, and the chunks' gradients are added in chunk
 order whatever stream finished first, so a pass gives the same bits every time on one machine. The cut
 depends only on the datums' lengths and the stream count, never on the load. Chunks stay within the
-model's full-activation limit, so no chunk patches the layers for activation checkpointing, and the
-coordinating thread activates the adapter before the streams start: the streams only read the model.
+model's full-activation limit; the layers a chunk checkpoints (a long group's prefix, trained in parts:
+`workbench.engine.model.prefix_parts`) are chosen for its own thread only, and the coordinating thread
+activates the adapter before the streams start: the streams only read the model.
 Passes that switch the model's state per micro-batch stay on the worker's threads: the reference
 (adapters off for the pass) and `forward_backward_custom` (the user's loss sees the whole batch).
 """

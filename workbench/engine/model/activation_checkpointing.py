@@ -31,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -94,18 +96,45 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
+class _Selection(threading.local):
+    """The layers that the calling thread's passes checkpoint: each thread its own, since passes run on
+    several streams at once, each with its own choice."""
+
+    def __init__(self) -> None:
+        self.layers: frozenset[nn.Module] = frozenset()
+
+
+_selected = _Selection()
+
+
+def _layer_forward(layer_ref: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
+    """A layer's `forward`: its class's own, checkpointed where the calling thread's `checkpointing`
+    block names the layer."""
+    layer = layer_ref()
+    assert layer is not None
+    forward = type(layer).forward.__get__(layer)
+    if layer in _selected.layers:
+        return _checkpointed(forward, *args, **kwargs)
+    return forward(*args, **kwargs)
+
+
+def install_checkpointing(layers: Sequence[nn.Module]) -> None:
+    """Let `checkpointing` choose, per thread, which of `layers` run under activation checkpointing: each
+    layer's `forward` becomes `_layer_forward` (the module tree, its names and its hooks stay as they
+    are; the layer is held weakly, so the model is freed as before). Once, when the model is loaded."""
+    for layer in layers:
+        layer.forward = functools.partial(_layer_forward, weakref.ref(layer))
+
+
 @contextlib.contextmanager
 def checkpointing(layers: Sequence[nn.Module]) -> Iterator[None]:
-    """Within the block, each of `layers` runs under activation checkpointing.
-
-    Each layer's `forward` is shadowed by a checkpointed call of its class's own `forward` for the
-    duration (the module tree, its names and its hooks stay as they are). The recomputation in backward
-    calls the same function with the same inputs, after the block has ended.
-    """
-    for layer in layers:
-        layer.forward = functools.partial(_checkpointed, type(layer).forward.__get__(layer))
+    """Within the block, the calling thread's passes run each of `layers` (installed by
+    `install_checkpointing`) under activation checkpointing; other threads' passes are unchanged. The
+    recomputation in backward calls the layer's own function with the same inputs, after the block
+    has ended."""
+    previous = _selected.layers
+    _selected.layers = frozenset(layers)
     try:
         yield
     finally:
-        for layer in layers:
-            del layer.forward
+        _selected.layers = previous

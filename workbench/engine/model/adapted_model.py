@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import peft
@@ -30,12 +30,14 @@ from workbench.engine.model.activation_checkpointing import (
     decoder_layers,
     full_activation_limit,
     full_activation_tokens,
+    install_checkpointing,
 )
 from workbench.engine.model.base_model import BaseModelInfo, adapter_parameters, add_lora_adapter, attach_lora
 from workbench.engine.model.batching import MicroBatch
 from workbench.engine.model.grouped_attention import use_grouped_attention
 from workbench.engine.model.logprobs import feature_forward, language_model_logprobs, target_logprobs
-from workbench.engine.model.prefix_attention import shared_prefix_pass
+from workbench.engine.model.prefix_attention import prefix_pass, suffix_pass
+from workbench.engine.model.prefix_parts import PrefixStage
 from workbench.engine.model.shared_prefix import SharedPrefixMicroBatch
 from workbench.engine.model.value_head import ValueHead
 from workbench.storage.checkpoint_store import json_bytes
@@ -61,6 +63,7 @@ class AdaptedModel:
             use_grouped_attention(base)
         self.peft_model: peft.PeftModel | None = None
         self.decoder_layers = decoder_layers(base.get_decoder())
+        install_checkpointing(self.decoder_layers)
         # F of `workbench.engine.model.activation_checkpointing`'s rule for this model
         self.full_activation_limit = full_activation_limit(
             info.hidden_size, info.num_layers, info.vocab_size, base.dtype.itemsize
@@ -168,6 +171,10 @@ class AdaptedModel:
             count = checkpointed_layer_count(
                 computed_tokens(micro), len(self.decoder_layers), self.full_activation_limit
             )
+        return self.checkpointing_first(count)
+
+    def checkpointing_first(self, count: int) -> contextlib.AbstractContextManager[None]:
+        """Checkpoint the first `count` decoder layers within the block (the calling thread's passes)."""
         return checkpointing(self.decoder_layers[:count])
 
     def final_hidden_states(self, micro: MicroBatch) -> Tensor:
@@ -212,48 +219,97 @@ class AdaptedModel:
         and suffixes run once each (`workbench.engine.model.prefix_attention`); a prefix position's
         log-softmax is computed once and read at every datum's target there (as G of the K target
         columns `logprobs.target_logprobs` takes), its entropy once and shared."""
-        targets_R_T_X = micro.inputs["target_tokens"]
         kept = full_activation_tokens(micro.computed_tokens, self.full_activation_limit)
-        with self.using(adapter), self.activation_checkpointing(micro):
-            forward, output_layer = feature_forward(
-                self.base, logits_from_hidden_states=self.info.logits_from_hidden_states
+        with self.activation_checkpointing(micro):
+            stage = self.prefix_stage(adapter, None, micro, with_entropy, kept_positions=kept)
+            return self.suffix_part(
+                adapter,
+                None,
+                stage,
+                micro,
+                list(range(micro.members)),
+                kept_positions=max(0, kept - micro.prefix_ids_P_L.numel()),
             )
-            prefix_P_L_F, suffix_R_S_F = shared_prefix_pass(forward, micro)
-            prefix_targets_P_L_G_X = micro.prefix_values(targets_R_T_X)
+
+    def _forward_and_head(self, head: ValueHead | None) -> tuple[Callable[..., Tensor], nn.Module]:
+        """What a shared pass runs (`feature_forward` for logprobs; the decoder's last hidden states for
+        a critic's `head`) and the output layer (the head itself for a critic)."""
+        if head is not None:
+            decoder = self.base.get_decoder()
+            return lambda **kwargs: decoder(**kwargs).last_hidden_state, head
+        return feature_forward(self.base, logits_from_hidden_states=self.info.logits_from_hidden_states)
+
+    def prefix_stage(
+        self,
+        adapter: str | None,
+        head: ValueHead | None,
+        micro: SharedPrefixMicroBatch,
+        with_entropy: bool,
+        kept_positions: int,
+        in_parts: bool = False,
+    ) -> PrefixStage:
+        """A shared pass's prefixes, once (`workbench.engine.model.prefix_parts`): the targets' logprobs
+        per datum, (P, L_max, G, …), or the critic `head`'s values, (P, L_max); in parts, with leaf
+        copies for the parts."""
+        with self.using(adapter):
+            forward, output_layer = self._forward_and_head(head)
+            prefix_P_L_F, keys_values = prefix_pass(forward, micro)
+            if head is not None:
+                return PrefixStage.of(head(prefix_P_L_F), keys_values, None, in_parts)
+            prefix_targets_P_L_G_X = micro.prefix_values(micro.inputs["target_tokens"])
             groups, length = prefix_targets_P_L_G_X.shape[:2]
-            prefix_logprobs, prefix_entropy = target_logprobs(
+            logprobs, entropy_P_L = target_logprobs(
                 prefix_P_L_F,
                 output_layer,
                 prefix_targets_P_L_G_X.reshape(groups, length, -1),
                 vocab_size=self.info.vocab_size,
-                kept_positions=kept,
+                kept_positions=kept_positions,
                 with_entropy=with_entropy,
             )
+        return PrefixStage.of(
+            logprobs.reshape(prefix_targets_P_L_G_X.shape), keys_values, entropy_P_L, in_parts
+        )
+
+    def suffix_part(
+        self,
+        adapter: str | None,
+        head: ValueHead | None,
+        stage: PrefixStage,
+        micro: SharedPrefixMicroBatch,
+        members: list[int],
+        kept_positions: int,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The (R, T) logprobs (and detached entropy when the stage has it) or values of `micro`'s datums,
+        the members `members` of the stage's groups, their suffixes run against the stage's keys and
+        values; the first `kept_positions` suffix positions keep their log-softmax for backward."""
+        with self.using(adapter):
+            forward, output_layer = self._forward_and_head(head)
+            suffix_R_S_F = suffix_pass(forward, micro, stage.read_keys_values)
+            if head is not None:
+                return micro.per_datum(stage.read_outputs, head(suffix_R_S_F), per_member=False), None
+            with_entropy = stage.entropy_P_L is not None
             suffix_logprobs_R_S_X, suffix_entropy_R_S = target_logprobs(
                 suffix_R_S_F,
                 output_layer,
-                micro.suffix_values(targets_R_T_X),
+                micro.suffix_values(micro.inputs["target_tokens"]),
                 vocab_size=self.info.vocab_size,
-                kept_positions=max(0, kept - prefix_P_L_F.shape[0] * prefix_P_L_F.shape[1]),
+                kept_positions=kept_positions,
                 with_entropy=with_entropy,
             )
-        prefix_logprobs_P_L_G_X = prefix_logprobs.reshape(prefix_targets_P_L_G_X.shape)
+        prefix_logprobs_P_L_G_X = stage.read_outputs[:, :, members]
         logprobs_R_T_X = micro.per_datum(prefix_logprobs_P_L_G_X, suffix_logprobs_R_S_X, per_member=True)
-        if prefix_entropy is None or suffix_entropy_R_S is None:
+        if stage.entropy_P_L is None or suffix_entropy_R_S is None:
             return logprobs_R_T_X, None
-        return logprobs_R_T_X, micro.per_datum(prefix_entropy, suffix_entropy_R_S, per_member=False)
+        return logprobs_R_T_X, micro.per_datum(stage.entropy_P_L, suffix_entropy_R_S, per_member=False)
 
     def values(self, adapter: str, head: ValueHead, micro: MicroBatch) -> Tensor:
         """A critic's V for every position, (B, T): the decoder's last hidden state through the value head.
         The decoder alone runs (no output embedding): the critic needs hidden states, not logits."""
+        if isinstance(micro, SharedPrefixMicroBatch):
+            with self.activation_checkpointing(micro):
+                stage = self.prefix_stage(adapter, head, micro, False, kept_positions=0)
+                return self.suffix_part(adapter, head, stage, micro, [], kept_positions=0)[0]
         with self.using(adapter):
-            if isinstance(micro, SharedPrefixMicroBatch):
-                decoder = self.base.get_decoder()
-                with self.activation_checkpointing(micro):
-                    prefix_P_L_H, suffix_R_S_H = shared_prefix_pass(
-                        lambda **kwargs: decoder(**kwargs).last_hidden_state, micro
-                    )
-                return micro.per_datum(head(prefix_P_L_H), head(suffix_R_S_H), per_member=False)
             return head(self.final_hidden_states(micro))
 
 

@@ -78,14 +78,13 @@ def _left_aligned(states_P_H_L_D: Tensor, order_P_L: Tensor | None) -> Tensor:
     return states_P_H_L_D.gather(2, order_P_L[:, None, :, None].expand(-1, heads, -1, width))
 
 
-def _prefixed_cache(captured: _CapturingCache, row_group_R: Tensor, order_P_L: Tensor | None) -> Cache:
-    """The captured (P, …) keys and values as (R, …), left-aligned by `order_P_L`: each datum's row
-    from its group."""
+def _prefixed_cache(keys_values: list[Tensor], row_group_R: Tensor, order_P_L: Tensor | None) -> Cache:
+    """The prefixes' (P, …) keys and values, [keys, values] per layer, as (R, …), left-aligned by
+    `order_P_L`: each datum's row from its group."""
     rows = row_group_R.shape[0]
     layers = []
-    for layer in captured.layers:
-        assert layer.keys is not None and layer.values is not None
-        keys, values = _left_aligned(layer.keys, order_P_L), _left_aligned(layer.values, order_P_L)
+    for keys, values in zip(keys_values[::2], keys_values[1::2], strict=True):
+        keys, values = _left_aligned(keys, order_P_L), _left_aligned(values, order_P_L)
         if keys.shape[0] == 1:
             keys, values = keys.expand(rows, *keys.shape[1:]), values.expand(rows, *values.shape[1:])
         else:
@@ -106,11 +105,10 @@ def _left_alignment(micro: SharedPrefixMicroBatch) -> Tensor | None:
     return (columns_P_L % longest).to(micro.prefix_ids_P_L.device)
 
 
-def shared_prefix_pass(
-    forward: Callable[..., Tensor], micro: SharedPrefixMicroBatch
-) -> tuple[Tensor, Tensor]:
+def prefix_pass(forward: Callable[..., Tensor], micro: SharedPrefixMicroBatch) -> tuple[Tensor, list[Tensor]]:
     """`forward(**model_kwargs)` (a decoder's final hidden states, or a model's logits) for the
-    prefixes, (P, L_max, F), and for the suffixes after them, (R, S, F)."""
+    prefixes, (P, L_max, F), and every layer's keys and values, [keys, values] per layer, as the layer
+    made them (with their autograd history)."""
     captured = _CapturingCache()
     prefix_P_L_F = forward(
         input_ids=micro.prefix_ids_P_L,
@@ -118,16 +116,36 @@ def shared_prefix_pass(
         past_key_values=captured,
         use_cache=True,
     )
+    keys_values = []
+    for layer in captured.layers:
+        assert layer.keys is not None and layer.values is not None
+        keys_values.extend((layer.keys, layer.values))
+    return prefix_P_L_F, keys_values
+
+
+def suffix_pass(
+    forward: Callable[..., Tensor], micro: SharedPrefixMicroBatch, keys_values: list[Tensor]
+) -> Tensor:
+    """`forward(**model_kwargs)` for the suffixes, (R, S, F), attending to their group's prefix keys and
+    values (`prefix_pass`'s, or tensors equal to them)."""
     rows = micro.row_group_R
     order_P_L = _left_alignment(micro)
     prefix_mask_P_L = (
         micro.prefix_mask_P_L if order_P_L is None else micro.prefix_mask_P_L.gather(1, order_P_L)
     )
-    suffix_R_S_F = forward(
+    return forward(
         input_ids=micro.suffix_ids_R_S,
         attention_mask=torch.cat([prefix_mask_P_L.index_select(0, rows), micro.suffix_mask_R_S], dim=1),
         position_ids=micro.position_ids_R_S,
-        past_key_values=_prefixed_cache(captured, rows, order_P_L),
+        past_key_values=_prefixed_cache(keys_values, rows, order_P_L),
         use_cache=True,
     )
-    return prefix_P_L_F, suffix_R_S_F
+
+
+def shared_prefix_pass(
+    forward: Callable[..., Tensor], micro: SharedPrefixMicroBatch
+) -> tuple[Tensor, Tensor]:
+    """`forward(**model_kwargs)` for the prefixes, (P, L_max, F), and for the suffixes after them,
+    (R, S, F)."""
+    prefix_P_L_F, keys_values = prefix_pass(forward, micro)
+    return prefix_P_L_F, suffix_pass(forward, micro, keys_values)
