@@ -469,6 +469,7 @@ def run_in_parts(
                 kept_positions=max(0, kept - part_tokens),
                 in_parts=True,
             )
+        release_freed_memory()  # what the prefix's pass freed
         totals: list[Tensor | None] = [None] * len(parameters)
         pieces = []
         for members in parts:
@@ -487,6 +488,8 @@ def run_in_parts(
             add_gradients(totals, gradients[: len(parameters)])
             add_gradients(stage.leaf_gradients, gradients[len(parameters) :])
             pieces.append(loss_result(sub, spec, prediction_B_T, extra, result, None))
+            del prediction_B_T, entropy_B_T, extra, result, gradients
+            release_freed_memory()  # the part's activations, before the next part allocates its own
         add_gradients(totals, stage.backward(parameters))
     pieces[-1].gradients = totals
     return pieces

@@ -15,11 +15,12 @@ one group over `kept_tokens` computed tokens runs in parts:
 The gradient is the one pass's, summed in another order (within 5e-6 of it on the long case). The rule:
 a part's suffixes are at most a quarter of `kept_tokens` (at least one datum), and the prefix checkpoints
 the fewest layers that bring what it keeps (L_max · (1 − k / layers) tokens' worth) to `kept_tokens`
-less a part. Measured on that group (SmolLM2-135M, fp32, one thread, resident-memory peak over the
-pass's start, `kept_tokens` = 512: parts of 2 datums, 8 of 30 layers checkpointed): 1.34–1.41 GB
-against 2.5–2.9 GB in one pass and 1.40–1.48 GB for one plain 576-token datum, 5% slower than one pass.
-Parts without checkpointing kept as much as the plain datum (1.42–1.53 GB); more checkpointing kept
-little less (15 layers: 1.30–1.33 GB) for more time.
+less a part. On that group (SmolLM2-135M, fp32, `kept_tokens` = 512: parts of 2 datums, 8 of 30 layers
+checkpointed), one `forward_backward` on one thread peaked 1.19 GB over the loaded model, against 1.75
+GB in parts before the engine handed each part's freed memory back to the system
+(`workbench.engine.local.heap`), 2.5–2.9 GB in one pass, and 1.38–1.44 GB for one plain 576-token datum
+(what a plain stream holds). Parts without checkpointing kept about what the plain datum keeps; more
+checkpointing (15 layers) kept little less for more time.
 """
 
 from __future__ import annotations
