@@ -66,7 +66,7 @@ from workbench.engine.model.shared_prefix import (
 )
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
-from workbench.losses import LossSpec, resolve_loss
+from workbench.losses import LossOutput, LossSpec, resolve_loss
 from workbench.metrics import metric_values
 from workbench.sdk_conversion import to_datum
 from workbench.types import ForwardBackwardOutput, TensorData
@@ -420,7 +420,7 @@ def loss_result(
     spec: LossSpec,
     prediction_B_T: Tensor,
     extra: Mapping[str, Tensor],
-    result: Any,
+    result: LossOutput,
     gradients: Sequence[Tensor | None] | None,
 ) -> ChunkResult:
     """A micro-batch's `ChunkResult` from its prediction and the loss's result (all detached)."""

@@ -140,12 +140,3 @@ def suffix_pass(
         past_key_values=_prefixed_cache(keys_values, rows, order_P_L),
         use_cache=True,
     )
-
-
-def shared_prefix_pass(
-    forward: Callable[..., Tensor], micro: SharedPrefixMicroBatch
-) -> tuple[Tensor, Tensor]:
-    """`forward(**model_kwargs)` for the prefixes, (P, L_max, F), and for the suffixes after them,
-    (R, S, F)."""
-    prefix_P_L_F, keys_values = prefix_pass(forward, micro)
-    return prefix_P_L_F, suffix_pass(forward, micro, keys_values)
