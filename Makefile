@@ -151,3 +151,5 @@ bench: env
 	$(BIN)/python bench/peers.py
 	$(BIN)/python bench/cpu_share.py
 	$(BIN)/python bench/plot_traffic.py
+	$(BIN)/python bench/prefix.py
+	$(BIN)/python bench/gradient_free.py

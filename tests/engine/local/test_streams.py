@@ -44,6 +44,8 @@ def test_the_cut_gives_each_stream_chunks_of_about_512_tokens_within_the_limit()
     ]
     # no chunk over the limit: 3 datums of 10 tokens fit in 35, and the streams take the chunks in turn
     assert stream_chunks([list(range(8))], lengths, 2, 35) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    # one datum is one chunk: the call decides whether its parts make enough chunks for streams
+    assert stream_chunks([[0]], [10], 2, None) == [[0]]
     assert stream_chunks([[5, 6, 7], [0, 1, 2, 3, 4]], [10] * 5 + [30] * 3, 2, 60) == [
         [5, 6],
         [7],
@@ -56,7 +58,6 @@ def test_the_cut_gives_each_stream_chunks_of_about_512_tokens_within_the_limit()
     ("plan", "lengths", "streams", "limit"),
     [
         ([[0, 1, 2, 3]], [10] * 4, 1, None),  # one stream
-        ([[0]], [10], 2, None),  # one datum
         ([[0, 1]], [10, 50], 2, 40),  # a datum alone over the limit
     ],
 )
@@ -132,6 +133,38 @@ def test_a_batch_runs_on_single_threaded_streams_and_one_datum_on_the_worker() -
     assert reference and not any(name.startswith("workbench-stream") for name, _ in reference)
 
 
+def test_forward_only_datums_run_on_the_streams_beside_the_trained_ones() -> None:
+    """A group RL call with one trained datum and one whose advantages are all 0: the two make one
+    chunk each, and the streams run them at once instead of the forward-only one waiting for the
+    other's backward. The gradient is the trained datum's alone."""
+    trained = rl_datum(list(range(5, 40)), 4, [-1.0] * 34, advantage=0.7)
+    forward_only = rl_datum(list(range(100, 130)), 4, [-1.5] * 29, advantage=0.0)
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, threads=2) as sess:
+        seen, hook = _recording_threads(sess)
+        both_started = threading.Barrier(2, timeout=30)
+
+        def wait_for_the_other(module: torch.nn.Module, args: object) -> None:
+            both_started.wait()
+
+        together = sess.engine.torch_model.get_decoder().register_forward_pre_hook(wait_for_the_other)
+        try:
+            both = sess.policy.forward_backward([trained, forward_only], "importance_sampling").result()
+        finally:
+            together.remove()
+            hook.remove()
+        both_grads = _grads(sess)
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, threads=2) as sess:
+        alone = sess.policy.forward_backward([trained], "importance_sampling").result()
+        alone_grads = _grads(sess)
+    assert len(seen) == 2 and all(name.startswith("workbench-stream") for name, _ in seen)
+    assert {threads for _, threads in seen} == {1}
+    assert both.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(
+        alone.loss_fn_outputs[0]["logprobs"].tolist(), abs=1e-5
+    )
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(both_grads[name], grad, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])
 def test_streams_give_one_streams_numbers_and_gradient(loss: str) -> None:
     if loss == "cross_entropy":
@@ -140,7 +173,8 @@ def test_streams_give_one_streams_numbers_and_gradient(loss: str) -> None:
         data = []
         for i in range(7):
             tokens = list(range(5 + i, 20 + 2 * i))
-            data.append(rl_datum(tokens, 4, [-1.0 - 0.1 * i] * (len(tokens) - 1), advantage=0.5 - 0.2 * i))
+            advantage = 0.0 if i in (2, 5) else 0.5 - 0.2 * i  # two forward-only datums beside the rest
+            data.append(rl_datum(tokens, 4, [-1.0 - 0.1 * i] * (len(tokens) - 1), advantage=advantage))
     outputs, grads = [], []
     for threads in (1, 2):
         with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, threads=threads) as sess:

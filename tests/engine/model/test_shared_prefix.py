@@ -20,7 +20,12 @@ import torch
 import workbench as wb
 from tests.datums import random_tokens
 from workbench.engine.model import shared_prefix
-from workbench.engine.model.shared_prefix import PrefixGroup, find_groups, plan_shared_passes
+from workbench.engine.model.shared_prefix import (
+    PrefixGroup,
+    find_groups,
+    plan_shared_passes,
+    spread_shared_passes,
+)
 
 VOCAB = 200  # token ids below the tiny model's vocabulary
 RELATIVE = 1e-5
@@ -136,6 +141,38 @@ def test_passes_hold_whole_groups_within_the_budget() -> None:
     for pass_groups in passes:
         assert shared_prefix.computed_tokens(pass_groups, lengths) <= 250 or len(pass_groups) == 1
     assert len(passes) == 3  # 2 groups of (55 + 4 × 10) computed tokens each fit 250
+
+
+def test_on_streams_the_groups_spread_evenly_over_the_passes() -> None:
+    """Six equal groups on two streams: packed to a 512-token budget they make passes of 4 and 2 groups
+    (one stream idle half the call); spread, 3 and 3."""
+    groups = [PrefixGroup([4 * g + k for k in range(4)], 40) for g in range(6)]
+    lengths = [56] * 24  # each group computes 40 + 4 × 16 = 104 tokens
+    packed = plan_shared_passes(groups, lengths, token_budget=512)
+    assert [len(p) for p in packed] == [4, 2]
+    spread = spread_shared_passes(groups, lengths, count=2, token_budget=1024)
+    assert [len(p) for p in spread] == [3, 3]
+    assert sorted(i for p in spread for group in p for i in group.indices) == list(range(24))
+
+
+def test_spread_passes_put_the_largest_group_first_and_respect_the_budget() -> None:
+    sizes = [8, 5, 4, 3, 2, 2]  # datums per group, each datum 10 tokens after a 20-token prefix
+    groups, lengths, first = [], [], 0
+    for size in sizes:
+        groups.append(PrefixGroup(list(range(first, first + size)), 20))
+        lengths += [30] * size
+        first += size
+    tokens = [shared_prefix.group_tokens(group, lengths) for group in groups]  # 100, 70, 60, 50, 40, 40
+    spread = spread_shared_passes(groups, lengths, count=2, token_budget=1000)
+    loads = [sum(shared_prefix.group_tokens(g, lengths) for g in p) for p in spread]
+    assert sorted(loads, reverse=True) == loads and max(loads) - min(loads) <= max(tokens) - min(tokens)
+    assert sum(loads) == sum(tokens)
+    assert loads == [190, 170]  # 100 + 50 + 40 against 70 + 60 + 40: packed to 1000, all in one
+    # more passes than groups leaves none empty; a budget only the largest group breaks puts it alone
+    assert len(spread_shared_passes(groups[:2], lengths, count=4, token_budget=1000)) == 2
+    tight = spread_shared_passes(groups, lengths, count=2, token_budget=90)
+    assert [groups[0]] in tight
+    assert all(shared_prefix.computed_tokens(p, lengths) <= 90 or len(p) == 1 for p in tight)
 
 
 # ---------------------------------------------------------------------------------------------- the engine

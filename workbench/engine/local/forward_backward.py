@@ -63,6 +63,7 @@ from workbench.engine.model.shared_prefix import (
     groups_for_streams,
     plan_shared_passes,
     saved_tokens,
+    spread_shared_passes,
 )
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
@@ -208,8 +209,9 @@ Pass = list[int] | list[PrefixGroup]
 
 @dataclass
 class CallPlan:
-    """How a call's datums run: its passes, the stream chunks (None: on the worker's threads), and the
-    real tokens it computes against those submitted."""
+    """How a call's datums run: its passes, the chunks for streams (None: on the worker's threads; a
+    single chunk runs there too unless another part of the call runs on streams beside it), and the real
+    tokens it computes against those submitted."""
 
     passes: list[Pass]
     chunks: list[Pass] | None
@@ -220,9 +222,9 @@ class CallPlan:
 def plan_call(
     state: EngineState, batch: Sequence[PreparedDatum], token_limit: int | None, streams: int
 ) -> CallPlan:
-    """Shared-prefix groups first, in passes of at most the micro-batch budget and `token_limit`
-    (and, on `streams` streams, about an equal share of their tokens per stream, at least
-    `CHUNK_TOKENS`); the other datums as length-grouped micro-batches, cut into stream chunks."""
+    """Shared-prefix groups first, in passes of at most the micro-batch budget and `token_limit` (on
+    `streams` streams, spread over as many passes for each stream, of about `CHUNK_TOKENS` or fewer:
+    `spread_shared_passes`); the other datums as length-grouped micro-batches, cut into stream chunks."""
     lengths = [item.length for item in batch]
     groups = groups_for_streams(
         [item.tokens_N for item in batch], shared_prefix.PREFIX_PASS_OVERHEAD_TOKENS, streams
@@ -244,10 +246,13 @@ def plan_call(
         if token_limit is None
         else min(state.config.max_tokens_per_microbatch, token_limit)
     )
+    shared: list[Pass] = []
     if groups and streams >= 2:
         total = sum(computed_tokens([group], lengths) for group in groups)
-        budget = min(budget, max(CHUNK_TOKENS, math.ceil(total / streams)))
-    shared: list[Pass] = list(plan_shared_passes(groups, lengths, budget)) if groups else []
+        per_stream = max(1, math.ceil(total / (streams * CHUNK_TOKENS)))
+        shared = list(spread_shared_passes(groups, lengths, streams * per_stream, budget))
+    elif groups:
+        shared = list(plan_shared_passes(groups, lengths, budget))
     chunks: list[Pass] | None = None
     if streams >= 2:
         plain_chunks = stream_chunks(plan, lengths, streams, token_limit) if plan else []
@@ -255,7 +260,7 @@ def plan_call(
         within_limit = token_limit is None or all(
             _pass_tokens(unit, lengths) <= token_limit for unit in units
         )
-        if len(units) >= 2 and within_limit and (plain_chunks is not None or shared):
+        if within_limit and (plain_chunks is not None or shared):
             chunks = units
     submitted = sum(lengths)
     return CallPlan([*shared, *plan], chunks, submitted - saved_tokens(groups), submitted)
@@ -298,6 +303,21 @@ def predict(
 
 
 @dataclass
+class CallPart:
+    """The datums of a call that run alike (trained, or forward only), their plan, and their outputs as
+    the chunks bring them."""
+
+    indices: list[int]  # into the call's batch
+    batch: list[PreparedDatum]
+    trains: bool
+    plan: CallPlan
+    outputs: list[dict[str, TensorData]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outputs = [{} for _ in self.batch]
+
+
+@dataclass
 class ChunkResult:
     """What one micro-batch (or stream chunk) of a built-in-loss pass gives back: its per-position
     outputs, what the metrics add up, and, when it trains, its gradient per trainable parameter."""
@@ -329,87 +349,107 @@ def run_loss(
     A training call's datums whose loss has no gradient (`without_gradient`: a group RL prompt whose
     completions all got the same reward, so every advantage is 0) are computed forward only, in passes of
     their own: their outputs and metrics are the same, their gradient is 0 and its backward pass (about
-    two thirds of a datum's cost) is skipped.
+    two thirds of a datum's cost) is skipped. On streams those passes run in the same run as the
+    training passes, after them, so a stream that finishes its training passes early takes them up.
+    `bench/peers.py`'s GRPO batch (SmolLM2-135M, 2 cores) with 6 of its 8 groups training took
+    6.1–6.7 s when the forward-only passes waited for every training pass (and the 6 groups went into
+    passes of 4 and 2: `plan_call`), more than the 5.7–5.9 s of all 8 training; it now takes 5.4–5.6 s
+    (4 of 8: 5.5–5.6 s, now 4.6–4.7 s).
     """
     backward = op == "forward_backward"
     outputs: list[dict[str, TensorData]] = [{} for _ in batch]
     totals = MetricTotals()
     parameters = list(lora_model.role_adapter(role).trainable.parameters.values()) if backward else []
     streams = 1 if role is Role.REFERENCE else state.streams
-    plans: list[CallPlan] = []
+    kept = kept_tokens(state.model.full_activation_limit)
 
-    def run_part(indices: list[int], trains: bool) -> None:
-        """The datums at `indices` of `batch`, backward when `trains`."""
+    def plan_part(indices: list[int], trains: bool) -> CallPart:
         part = [batch[index] for index in indices]
         token_limit = state.model.full_activation_limit if trains else None
-        kept = kept_tokens(state.model.full_activation_limit)
-        plan = plan_call(state, part, token_limit, streams)
-        plans.append(plan)
+        return CallPart(indices, part, trains, plan_call(state, part, token_limit, streams))
 
-        def run_chunk(unit: Pass) -> list[ChunkResult]:
-            micro = collate_pass(state, part, unit)
-            if trains and isinstance(micro, SharedPrefixMicroBatch) and runs_in_parts(micro, kept):
-                return run_in_parts(state, lora_model, role, part, micro, spec, config, parameters, kept)
-            mask_B_T = micro.attention_mask_B_T.bool()
-            with torch.set_grad_enabled(trains):
-                prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy)
-                if not with_loss:
-                    return [
-                        ChunkResult(
-                            micro,
-                            {spec.head: prediction_B_T},
-                            torch.zeros_like(prediction_B_T),
-                            mask_B_T,
-                            extra,
-                            None,
-                        )
-                    ]
-                result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
-                gradients = (
-                    torch.autograd.grad(result.elementwise_loss_B_T.sum(), parameters, allow_unused=True)
-                    if trains
-                    else None
-                )
-            return [loss_result(micro, spec, prediction_B_T, extra, result, gradients)]
+    def run_chunk(call_part: CallPart, unit: Pass) -> list[ChunkResult]:
+        part, trains = call_part.batch, call_part.trains
+        micro = collate_pass(state, part, unit)
+        if trains and isinstance(micro, SharedPrefixMicroBatch) and runs_in_parts(micro, kept):
+            return run_in_parts(state, lora_model, role, part, micro, spec, config, parameters, kept)
+        mask_B_T = micro.attention_mask_B_T.bool()
+        with torch.set_grad_enabled(trains):
+            prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy)
+            if not with_loss:
+                return [
+                    ChunkResult(
+                        micro,
+                        {spec.head: prediction_B_T},
+                        torch.zeros_like(prediction_B_T),
+                        mask_B_T,
+                        extra,
+                        None,
+                    )
+                ]
+            result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
+            gradients = (
+                torch.autograd.grad(result.elementwise_loss_B_T.sum(), parameters, allow_unused=True)
+                if trains
+                else None
+            )
+        return [loss_result(micro, spec, prediction_B_T, extra, result, gradients)]
 
-        part_outputs: list[dict[str, TensorData]] = [{} for _ in part]
+    def take(call_part: CallPart, pieces: list[ChunkResult]) -> None:
+        release_freed_memory()  # the chunk's activations
+        for chunk in pieces:
+            totals.add(chunk.elementwise_loss_B_T, chunk.active_B_T, chunk.diagnostics)
+            scatter_outputs(call_part.outputs, chunk.micro, chunk.per_position)
+            for param, grad in zip(parameters, chunk.gradients or (), strict=False):
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
 
-        def take(pieces: list[ChunkResult]) -> None:
-            release_freed_memory()  # the chunk's activations
-            for chunk in pieces:
-                totals.add(chunk.elementwise_loss_B_T, chunk.active_B_T, chunk.diagnostics)
-                scatter_outputs(part_outputs, chunk.micro, chunk.per_position)
-                for param, grad in zip(parameters, chunk.gradients or (), strict=False):
-                    if grad is not None:
-                        param.grad = grad if param.grad is None else param.grad.add_(grad)
-
-        if plan.chunks is None:
-            for unit in plan.passes:
-                take(run_chunk(unit))
-        else:
+    def run(parts: list[CallPart]) -> None:
+        """Every part's passes: those with stream chunks together on the streams (the training part's
+        first, so the streams start on the longest work), where that makes two chunks or more; the
+        rest on the worker's threads."""
+        streamed = [(p, unit) for p in parts if p.plan.chunks is not None for unit in p.plan.chunks]
+        on_streams = len(streamed) >= 2
+        if on_streams:
             with state.model.using(lora_model.role_adapter(role).adapter):  # the streams only read the model
-                run_on_streams(run_chunk, plan.chunks, state.streams, take)
-        for index, output in zip(indices, part_outputs, strict=True):
-            outputs[index] = output
+                run_on_streams(
+                    lambda item: (item[0], run_chunk(*item)),
+                    streamed,
+                    state.streams,
+                    lambda done: take(*done),
+                )
+        for call_part in parts:
+            if call_part.plan.chunks is None or not on_streams:
+                for unit in call_part.plan.passes:
+                    take(call_part, run_chunk(call_part, unit))
 
+    parts: list[CallPart] = []
     if backward:
         gradient_free = [without_gradient(spec, item) for item in batch]
         trained = [index for index, free in enumerate(gradient_free) if not free]
         frozen = [index for index, free in enumerate(gradient_free) if free]
+        parts = [plan_part(trained, trains=True)] if trained else []
+        parts += [plan_part(frozen, trains=False)] if frozen else []
         with lora_model.role_adapter(role).trainable.accumulating(
             f"{op} with {spec.fn.__name__!r} on {state.adapter_label(lora_model, role)}"
         ):
-            if trained:
-                run_part(trained, trains=True)
-            else:  # the gradient the whole call would have given: zero for every parameter
+            if not trained:  # the gradient the whole call would have given: zero for every parameter
                 for param in parameters:
                     param.grad = torch.zeros_like(param)
-            if frozen:
-                run_part(frozen, trains=False)
+            run(parts)
     else:
-        run_part(list(range(len(batch))), trains=False)
+        parts = [plan_part(list(range(len(batch))), trains=False)]
+        run(parts)
+    for call_part in parts:
+        for index, output in zip(call_part.indices, call_part.outputs, strict=True):
+            outputs[index] = output
     metrics = totals.metrics(spec, with_loss)
-    state.record(op, lora_model, state.adapter_label(lora_model, role), {**metrics, **token_counts(*plans)})
+    state.record(
+        op,
+        lora_model,
+        state.adapter_label(lora_model, role),
+        {**metrics, **token_counts(*(p.plan for p in parts))},
+    )
     return ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
     )

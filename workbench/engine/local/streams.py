@@ -46,6 +46,7 @@ from typing import TypeVar
 import torch
 
 R = TypeVar("R")
+C = TypeVar("C")
 
 # The padded tokens a chunk aims at (see the measurements above).
 CHUNK_TOKENS = 512
@@ -57,8 +58,9 @@ def stream_chunks(
     """Cut a micro-batch plan (length-grouped datum indices, longest group first) into chunks for
     `streams` streams: k = ⌈padded tokens / (streams · CHUNK_TOKENS)⌉ chunks per stream, so each group
     into pieces of at most ⌈datums / (streams · k)⌉ datums, and of at most `token_limit` padded tokens.
-    None where streams do not apply: one stream, fewer than two chunks, or a datum alone over
-    `token_limit`."""
+    None where streams do not apply: one stream, or a datum alone over `token_limit`. A single chunk is
+    given back too: a call runs on streams where its parts (the trained datums, the forward-only ones)
+    make two chunks or more together."""
     if streams < 2:
         return None
     longest_of_group = [max(lengths[index] for index in group) for group in plan]
@@ -74,7 +76,7 @@ def stream_chunks(
                 return None
             size = min(size, token_limit // longest)
         chunks.extend(list(group[start : start + size]) for start in range(0, len(group), size))
-    return chunks if len(chunks) >= 2 else None
+    return chunks
 
 
 class ChunkSkipped(Exception):
@@ -82,7 +84,7 @@ class ChunkSkipped(Exception):
 
 
 def run_on_streams(
-    work: Callable[[list[int]], R], chunks: list[list[int]], streams: int, take: Callable[[R], None]
+    work: Callable[[C], R], chunks: Sequence[C], streams: int, take: Callable[[R], None]
 ) -> None:
     """`work(chunk)` for every chunk on `streams` single-threaded streams, and `take(result)` on the
     calling thread in chunk order, each as soon as it and those before it are done (so only results that
@@ -93,7 +95,7 @@ def run_on_streams(
     previous = torch.get_num_threads()
     failed = threading.Event()
 
-    def single_threaded(chunk: list[int]) -> R:
+    def single_threaded(chunk: C) -> R:
         if failed.is_set():
             raise ChunkSkipped
         torch.set_num_threads(1)
