@@ -4,8 +4,10 @@ chunk stops the pass with nothing changed and no stream left running."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,6 +31,22 @@ def _recording_threads(sess: wb.Session) -> tuple[list[tuple[str, int]], torch.u
         seen.append((threading.current_thread().name, torch.get_num_threads()))
 
     return seen, sess.engine.torch_model.get_decoder().register_forward_pre_hook(record)
+
+
+@contextlib.contextmanager
+def _passes_meet(sess: wb.Session) -> Iterator[None]:
+    """Every two passes' forwards wait for each other to start (on one core too): two passes that run on
+    two streams at once get through; passes run one after the other time out."""
+    both_started = threading.Barrier(2, timeout=30)
+
+    def wait_for_the_other(module: torch.nn.Module, args: object) -> None:
+        both_started.wait()
+
+    hook = sess.engine.torch_model.get_decoder().register_forward_pre_hook(wait_for_the_other)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 # ---------------------------------------------------------------------------------------------- the cut
@@ -105,16 +123,9 @@ def test_a_batch_runs_on_single_threaded_streams_and_one_datum_on_the_worker() -
     data = ragged_ce_batch(seed=3, count=8, min_len=10, max_len=40, vocab=900)
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, threads=2) as sess:
         seen, hook = _recording_threads(sess)
-        # both chunks' forwards must be under way at once (on one core too): two streams, not one in turn
-        both_started = threading.Barrier(2, timeout=30)
-
-        def wait_for_the_other(module: torch.nn.Module, args: object) -> None:
-            both_started.wait()
-
-        together = sess.engine.torch_model.get_decoder().register_forward_pre_hook(wait_for_the_other)
         try:
-            sess.policy.forward_backward(data, "cross_entropy").result()
-            together.remove()
+            with _passes_meet(sess):  # both chunks' forwards at once: two streams, not one in turn
+                sess.policy.forward_backward(data, "cross_entropy").result()
             streamed = list(seen)
             seen.clear()
             sess.policy.forward_backward(data[:1], "cross_entropy").result()
@@ -123,7 +134,6 @@ def test_a_batch_runs_on_single_threaded_streams_and_one_datum_on_the_worker() -
             sess.engine.forward(sess.model_id, wb.Role.REFERENCE, data, "cross_entropy").result()
             reference = list(seen)
         finally:
-            together.remove()
             hook.remove()
     assert len(streamed) == 2 and {name.startswith("workbench-stream") for name, _ in streamed} == {True}
     assert {threads for _, threads in streamed} == {1}
@@ -141,16 +151,10 @@ def test_forward_only_datums_run_on_the_streams_beside_the_trained_ones() -> Non
     forward_only = rl_datum(list(range(100, 130)), 4, [-1.5] * 29, advantage=0.0)
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, threads=2) as sess:
         seen, hook = _recording_threads(sess)
-        both_started = threading.Barrier(2, timeout=30)
-
-        def wait_for_the_other(module: torch.nn.Module, args: object) -> None:
-            both_started.wait()
-
-        together = sess.engine.torch_model.get_decoder().register_forward_pre_hook(wait_for_the_other)
         try:
-            both = sess.policy.forward_backward([trained, forward_only], "importance_sampling").result()
+            with _passes_meet(sess):
+                both = sess.policy.forward_backward([trained, forward_only], "importance_sampling").result()
         finally:
-            together.remove()
             hook.remove()
         both_grads = _grads(sess)
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, threads=2) as sess:
