@@ -661,6 +661,60 @@ def test_datums_without_gradient_are_computed_forward_only(
         assert sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm"] == 0.0
 
 
+def _recording_autograd_rows(sess: wb.Session) -> list[int]:
+    """The rows the output layer runs with autograd on, pass by pass, from now on (the session's own)."""
+    rows: list[int] = []
+
+    def record(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            rows.append(args[0].shape[0])
+
+    sess.engine.torch_model.get_output_embeddings().register_forward_hook(record)
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["plain", "shared", "in parts"])
+def test_prompt_positions_run_the_output_layer_without_autograd(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group RL datum's prompt positions have advantage 0, so their logprobs get no gradient: the output
+    layer runs there without autograd (no backward through it), and the call's outputs and gradient are
+    those of the same call with every position run backward (the loss without `gradient_scale`): in
+    plain passes, in shared-prefix passes, and in a shared pass trained in parts."""
+    from dataclasses import replace
+
+    from workbench import losses
+    from workbench.engine.model import shared_prefix
+
+    if layout == "plain":
+        monkeypatch.setattr(shared_prefix, "PREFIX_PASS_OVERHEAD_TOKENS", math.inf)
+    results, gradients, rows = [], [], []
+    for skipping in (True, False):
+        spec = losses.LOSSES["importance_sampling"]
+        monkeypatch.setitem(
+            losses.LOSSES, "importance_sampling", spec if skipping else replace(spec, gradient_scale=None)
+        )
+        with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as sess:
+            if layout == "in parts":
+                monkeypatch.setattr(sess.engine._state.model, "full_activation_limit", 24)
+            data = _group_rl_batch(sess, [[0.5, -0.5, 0.25], [1.0, -1.0, 0.5]])
+            with_autograd = _recording_autograd_rows(sess)
+            results.append(sess.policy.forward_backward(data, "importance_sampling").result())
+            rows.append(sum(with_autograd))
+            gradients.append(_grads(sess))
+    (skipped, full), (skipped_grads, full_grads) = results, gradients
+    prompt_positions = 2 * 8  # each group's 9-token prompt predicts 8 tokens with advantage 0
+    assert rows[0] <= rows[1] - prompt_positions, rows
+    assert skipped.metrics == pytest.approx(full.metrics, rel=1e-5, abs=1e-6)
+    for ours, theirs in zip(skipped.loss_fn_outputs, full.loss_fn_outputs, strict=True):
+        for name in ("logprobs", "elementwise_loss"):
+            torch.testing.assert_close(ours[name].to_torch(), theirs[name].to_torch(), rtol=1e-5, atol=1e-6)
+    assert any(float(gradient.abs().max()) > 0 for gradient in full_grads.values())
+    for name, gradient in full_grads.items():
+        scale = float(gradient.abs().max())
+        torch.testing.assert_close(skipped_grads[name], gradient, rtol=1e-5, atol=1e-5 * scale)
+
+
 def test_cross_entropy_datums_with_zero_weights_are_computed_forward_only(tiny: wb.Session) -> None:
     """Cross-entropy's terms are scaled by the weights: a datum weighted 0 everywhere contributes its
     logprobs and no gradient, computed without a backward pass."""

@@ -50,6 +50,54 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kept", [0, 24])  # every trained position recomputed, none
+def test_untrained_positions_run_the_output_layer_without_autograd_and_change_nothing(
+    kept: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vocab, hidden = 50, 8
+    monkeypatch.setattr(logprobs, "CHUNK_LOGITS_ELEMENTS", 7 * vocab)
+    torch.manual_seed(0)
+    layer = nn.Linear(hidden, vocab)
+    hidden_B_T_H = torch.randn(2, 12, hidden, requires_grad=True)
+    targets_B_T = torch.randint(0, vocab, (2, 12))
+    trained_B_T = torch.zeros(2, 12, dtype=torch.bool)
+    trained_B_T[0, 7:] = True  # a prompt of 7 positions, then a completion
+    trained_B_T[1, 3:9] = True
+    upstream_B_T = torch.randn(2, 12) * trained_B_T  # the loss's gradient: 0 where nothing trains
+    rows_with_autograd: list[int] = []
+    layer.register_forward_hook(
+        lambda _module, args, _out: (
+            rows_with_autograd.append(args[0].shape[0]) if torch.is_grad_enabled() else None
+        )
+    )
+
+    results, computed = [], []
+    for trained in (None, trained_B_T):
+        rows_with_autograd.clear()
+        ours, entropy = target_logprobs(
+            hidden_B_T_H,
+            layer,
+            targets_B_T,
+            vocab_size=vocab,
+            kept_positions=kept,
+            with_entropy=True,
+            trained_B_T=trained,
+        )
+        (ours * upstream_B_T).sum().backward()
+        results.append((ours.detach(), entropy, [hidden_B_T_H.grad, layer.weight.grad, layer.bias.grad]))
+        computed.append(sum(rows_with_autograd))
+        for tensor in (hidden_B_T_H, layer.weight, layer.bias):
+            tensor.grad = None
+    # the layer ran with autograd (in forward, or in backward's recomputation) on the trained rows alone
+    assert computed == [2 * 12, int(trained_B_T.sum())]
+    (all_logprobs, all_entropy, all_grads), (logprobs_B_T, entropy_B_T, grads) = results
+    torch.testing.assert_close(logprobs_B_T, all_logprobs, rtol=0, atol=1e-6)
+    assert entropy_B_T is not None and all_entropy is not None
+    torch.testing.assert_close(entropy_B_T, all_entropy, rtol=0, atol=1e-6)
+    for got, want in zip(grads, all_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_no_position_by_vocabulary_tensor_is_kept_for_backward(tiny: wb.Session) -> None:
     model = tiny.engine.torch_model
     vocab = tiny.base_info.vocab_size

@@ -289,16 +289,22 @@ def token_counts(*plans: CallPlan) -> dict[str, float]:
 
 
 def predict(
-    state: EngineState, lora_model: LoraModel, role: Role, micro: MicroBatch, with_entropy: bool = False
+    state: EngineState,
+    lora_model: LoraModel,
+    role: Role,
+    micro: MicroBatch,
+    with_entropy: bool = False,
+    trained_B_T: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The model's prediction for a micro-batch: the critic's values, or the targets' logprobs for the
-    policy and the reference (and, when asked, the detached entropy of each next-token distribution)."""
+    policy and the reference (and, when asked, the detached entropy of each next-token distribution),
+    with autograd only at the positions `trained_B_T` marks (None: all; `trained_positions`)."""
     if role is Role.CRITIC:
         critic = lora_model.role_adapter(Role.CRITIC)
         assert critic.value_head is not None
         return state.model.values(critic.adapter, critic.value_head, micro), {}
     adapter = None if role is Role.REFERENCE else lora_model.policy.adapter
-    logprobs_B_T, entropy_B_T = state.model.target_logprobs(adapter, micro, with_entropy)
+    logprobs_B_T, entropy_B_T = state.model.target_logprobs(adapter, micro, with_entropy, trained_B_T)
     return logprobs_B_T, {} if entropy_B_T is None else {"entropy": entropy_B_T}
 
 
@@ -375,7 +381,8 @@ def run_loss(
             return run_in_parts(state, lora_model, role, part, micro, spec, config, parameters, kept)
         mask_B_T = micro.attention_mask_B_T.bool()
         with torch.set_grad_enabled(trains):
-            prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy)
+            trained_B_T = trained_positions(spec, micro) if trains else None
+            prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy, trained_B_T)
             if not with_loss:
                 return [
                     ChunkResult(
@@ -507,6 +514,7 @@ def run_in_parts(
                 micro,
                 spec.reports_entropy and not critic,
                 kept_positions=max(0, kept - part_tokens),
+                trained_B_T=None if critic else trained_positions(spec, micro),
                 in_parts=True,
             )
         release_freed_memory()  # what the prefix's pass freed
@@ -518,7 +526,13 @@ def run_in_parts(
                 batch, [PrefixGroup(indices, group.prefix_length)], state.tokenizer.pad_token_id, state.device
             )
             prediction_B_T, entropy_B_T = model.suffix_part(
-                adapter.adapter, head, stage, sub, members, kept_positions=sub.suffix_ids_R_S.numel()
+                adapter.adapter,
+                head,
+                stage,
+                sub,
+                members,
+                kept_positions=sub.suffix_ids_R_S.numel(),
+                trained_B_T=None if critic else trained_positions(spec, sub),
             )
             extra = {} if entropy_B_T is None else {"entropy": entropy_B_T}
             result = spec.fn(prediction_B_T, sub.inputs, sub.attention_mask_B_T.bool(), config)
@@ -533,6 +547,16 @@ def run_in_parts(
         add_gradients(totals, stage.backward(parameters))
     pieces[-1].gradients = totals
     return pieces
+
+
+def trained_positions(spec: LossSpec, micro: MicroBatch) -> Tensor | None:
+    """Where the loss of `spec` can give a micro-batch's logprobs a gradient, (B, T) bool: its
+    `gradient_scale` input is not 0 there (over every target column, for soft targets). None for a loss
+    without such an input: every position."""
+    if spec.gradient_scale is None:
+        return None
+    scale_B_T_X = micro.inputs[spec.gradient_scale]
+    return scale_B_T_X.ne(0).reshape(*scale_B_T_X.shape[:2], -1).any(dim=-1)
 
 
 def without_gradient(spec: LossSpec, datum: PreparedDatum) -> bool:

@@ -187,17 +187,18 @@ class AdaptedModel:
             ).last_hidden_state
 
     def target_logprobs(
-        self, adapter: str | None, micro: MicroBatch, with_entropy: bool
+        self, adapter: str | None, micro: MicroBatch, with_entropy: bool, trained_B_T: Tensor | None
     ) -> tuple[Tensor, Tensor | None]:
         """log p(target_t | prefix) for every position (with autograd when enabled), and the detached
-        next-token entropy when asked.
+        next-token entropy when asked; `trained_B_T` (bool, or None: all) marks the positions whose
+        logprob can have a gradient (`logprobs.target_logprobs`).
 
         What the backward pass needs is kept or recomputed by `workbench.engine.model.activation_checkpointing`'s
         rule; a recomputation runs with the adapter state it finds then, which is this one: the worker
         runs nothing else between a call's forward and its backward.
         """
         if isinstance(micro, SharedPrefixMicroBatch):
-            return self.shared_target_logprobs(adapter, micro, with_entropy)
+            return self.shared_target_logprobs(adapter, micro, with_entropy, trained_B_T)
         with self.using(adapter), self.activation_checkpointing(micro):
             return language_model_logprobs(
                 self.base,
@@ -210,10 +211,15 @@ class AdaptedModel:
                     micro.input_ids_B_T.numel(), self.full_activation_limit
                 ),
                 with_entropy=with_entropy,
+                trained_B_T=trained_B_T,
             )
 
     def shared_target_logprobs(
-        self, adapter: str | None, micro: SharedPrefixMicroBatch, with_entropy: bool
+        self,
+        adapter: str | None,
+        micro: SharedPrefixMicroBatch,
+        with_entropy: bool,
+        trained_B_T: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         """`target_logprobs` of a shared-prefix micro-batch, in its plain (R, T) layout: the prefixes
         and suffixes run once each (`workbench.engine.model.prefix_attention`); a prefix position's
@@ -221,7 +227,7 @@ class AdaptedModel:
         columns `logprobs.target_logprobs` takes), its entropy once and shared."""
         kept = full_activation_tokens(micro.computed_tokens, self.full_activation_limit)
         with self.activation_checkpointing(micro):
-            stage = self.prefix_stage(adapter, None, micro, with_entropy, kept_positions=kept)
+            stage = self.prefix_stage(adapter, None, micro, with_entropy, kept, trained_B_T)
             return self.suffix_part(
                 adapter,
                 None,
@@ -229,6 +235,7 @@ class AdaptedModel:
                 micro,
                 list(range(micro.members)),
                 kept_positions=max(0, kept - micro.prefix_ids_P_L.numel()),
+                trained_B_T=trained_B_T,
             )
 
     def _forward_and_head(self, head: ValueHead | None) -> tuple[Callable[..., Tensor], nn.Module]:
@@ -246,11 +253,13 @@ class AdaptedModel:
         micro: SharedPrefixMicroBatch,
         with_entropy: bool,
         kept_positions: int,
+        trained_B_T: Tensor | None,
         in_parts: bool = False,
     ) -> PrefixStage:
         """A shared pass's prefixes, once (`workbench.engine.model.prefix_parts`): the targets' logprobs
         per datum, (P, L_max, G, …), or the critic `head`'s values, (P, L_max); in parts, with leaf
-        copies for the parts."""
+        copies for the parts. A prefix position's logprobs have autograd where `trained_B_T` (None: all)
+        marks it for any datum of its group."""
         with self.using(adapter):
             forward, output_layer = self._forward_and_head(head)
             prefix_P_L_F, keys_values = prefix_pass(forward, micro)
@@ -258,6 +267,9 @@ class AdaptedModel:
                 return PrefixStage.of(head(prefix_P_L_F), keys_values, None, in_parts)
             prefix_targets_P_L_G_X = micro.prefix_values(micro.inputs["target_tokens"])
             groups, length = prefix_targets_P_L_G_X.shape[:2]
+            trained_P_L = None
+            if trained_B_T is not None:
+                trained_P_L = micro.prefix_values(trained_B_T).reshape(groups, length, -1).any(dim=-1)
             logprobs, entropy_P_L = target_logprobs(
                 prefix_P_L_F,
                 output_layer,
@@ -265,6 +277,7 @@ class AdaptedModel:
                 vocab_size=self.info.vocab_size,
                 kept_positions=kept_positions,
                 with_entropy=with_entropy,
+                trained_B_T=trained_P_L,
             )
         return PrefixStage.of(
             logprobs.reshape(prefix_targets_P_L_G_X.shape), keys_values, entropy_P_L, in_parts
@@ -278,10 +291,12 @@ class AdaptedModel:
         micro: SharedPrefixMicroBatch,
         members: list[int],
         kept_positions: int,
+        trained_B_T: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         """The (R, T) logprobs (and detached entropy when the stage has it) or values of `micro`'s datums,
         the members `members` of the stage's groups, their suffixes run against the stage's keys and
-        values; the first `kept_positions` suffix positions keep their log-softmax for backward."""
+        values; the first `kept_positions` suffix positions keep their log-softmax for backward, and
+        those `trained_B_T` (None: all) marks have autograd."""
         with self.using(adapter):
             forward, output_layer = self._forward_and_head(head)
             suffix_R_S_F = suffix_pass(forward, micro, stage.read_keys_values)
@@ -295,6 +310,7 @@ class AdaptedModel:
                 vocab_size=self.info.vocab_size,
                 kept_positions=kept_positions,
                 with_entropy=with_entropy,
+                trained_B_T=None if trained_B_T is None else micro.suffix_values(trained_B_T),
             )
         prefix_logprobs_P_L_G_X = stage.read_outputs[:, :, members]
         logprobs_R_T_X = micro.per_datum(prefix_logprobs_P_L_G_X, suffix_logprobs_R_S_X, per_member=True)
@@ -307,8 +323,10 @@ class AdaptedModel:
         The decoder alone runs (no output embedding): the critic needs hidden states, not logits."""
         if isinstance(micro, SharedPrefixMicroBatch):
             with self.activation_checkpointing(micro):
-                stage = self.prefix_stage(adapter, head, micro, False, kept_positions=0)
-                return self.suffix_part(adapter, head, stage, micro, [], kept_positions=0)[0]
+                stage = self.prefix_stage(adapter, head, micro, False, kept_positions=0, trained_B_T=None)
+                return self.suffix_part(adapter, head, stage, micro, [], kept_positions=0, trained_B_T=None)[
+                    0
+                ]
         with self.using(adapter):
             return head(self.final_hidden_states(micro))
 

@@ -128,6 +128,7 @@ def target_logprobs(
     vocab_size: int,
     kept_positions: int,
     with_entropy: bool,
+    trained_B_T: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(target_t | prefix) for every position from the final hidden states, and, when asked, the
     entropy of each next-token distribution, H_t = −Σ_v p_v log p_v.
@@ -140,11 +141,55 @@ def target_logprobs(
     `vocab_size` (the width of the output layer's result) sets the chunk length; the first
     `kept_positions` of the B × T positions keep their log-softmax for backward, the others recompute it
     there. Without grad mode nothing is kept either way.
+
+    `trained_B_T` (bool), where given, marks the positions whose logprob the loss can give a gradient;
+    the others (a prompt's, whose advantage or weight is 0) are computed without autograd. Their
+    gradient would be exactly 0, so the result and its gradient are the same, and the output layer's
+    backward (a matmul as large as its forward, and the log-softmax's) runs only where it counts: a
+    group RL datum's prompt positions are half of its positions or more.
     """
     batch, length, hidden_size = hidden_B_T_H.shape
     hidden_N_H = hidden_B_T_H.reshape(batch * length, hidden_size)
     targets_N = targets_B_T.reshape(batch * length, *targets_B_T.shape[2:])
     chunk = chunk_positions(vocab_size)
+    if trained_B_T is None or not torch.is_grad_enabled() or bool(trained_B_T.all()):
+        logprobs_N, entropy_N = _positions_logprobs(
+            hidden_N_H, output_layer, targets_N, chunk, kept_positions, with_entropy
+        )
+    else:
+        trained_N = trained_B_T.reshape(-1)
+        order_N = torch.argsort((~trained_N).to(torch.uint8), stable=True)  # trained positions first
+        count = int(trained_N.sum())
+        ordered_N_H, ordered_targets_N = hidden_N_H[order_N], targets_N[order_N]
+        trained_logprobs, trained_entropy = _positions_logprobs(
+            ordered_N_H[:count], output_layer, ordered_targets_N[:count], chunk, kept_positions, with_entropy
+        )
+        with torch.no_grad():
+            free_logprobs, free_entropy = _positions_logprobs(
+                ordered_N_H[count:], output_layer, ordered_targets_N[count:], chunk, 0, with_entropy
+            )
+        inverse_N = torch.empty_like(order_N)
+        inverse_N[order_N] = torch.arange(order_N.shape[0], device=order_N.device)
+        logprobs_N = torch.cat([trained_logprobs, free_logprobs])[inverse_N]
+        entropy_N = None
+        if trained_entropy is not None and free_entropy is not None:
+            entropy_N = torch.cat([trained_entropy, free_entropy])[inverse_N]
+    logprobs_B_T = logprobs_N.reshape(targets_B_T.shape)
+    if entropy_N is None:
+        return logprobs_B_T, None
+    return logprobs_B_T, entropy_N.reshape(batch, length)
+
+
+def _positions_logprobs(
+    hidden_N_H: Tensor,
+    output_layer: nn.Module,
+    targets_N: Tensor,
+    chunk: int,
+    kept_positions: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """`target_logprobs` of N flat positions, C at a time, the first `kept_positions` keeping their
+    log-softmax for backward: (N, …) logprobs and, when asked, (N,) entropy."""
     kept = hidden_N_H.shape[0] if not torch.is_grad_enabled() else min(kept_positions, hidden_N_H.shape[0])
     pieces = [
         _chunk_logprobs(output_layer, hidden_C_H, targets_C, with_entropy)
@@ -159,10 +204,13 @@ def target_logprobs(
                 hidden_N_H[kept:], targets_N[kept:], output_layer, chunk, with_entropy, *trainable
             )
         )
-    logprobs_B_T = torch.cat([logprobs for logprobs, _ in pieces]).reshape(targets_B_T.shape)
+    if not pieces:
+        empty = hidden_N_H.new_empty((0, *targets_N.shape[1:]), dtype=torch.float32)
+        return empty, hidden_N_H.new_empty(0, dtype=torch.float32) if with_entropy else None
+    logprobs_N = torch.cat([logprobs for logprobs, _ in pieces])
     if not with_entropy:
-        return logprobs_B_T, None
-    return logprobs_B_T, torch.cat([entropy for _, entropy in pieces]).reshape(batch, length)
+        return logprobs_N, None
+    return logprobs_N, torch.cat([entropy for _, entropy in pieces])
 
 
 def language_model_logprobs(
@@ -175,6 +223,7 @@ def language_model_logprobs(
     logits_from_hidden_states: bool,
     kept_positions: int,
     with_entropy: bool,
+    trained_B_T: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`target_logprobs` of an HF causal language model (or a peft model around one) on a batch.
 
@@ -193,6 +242,7 @@ def language_model_logprobs(
         vocab_size=vocab_size,
         kept_positions=kept_positions,
         with_entropy=with_entropy,
+        trained_B_T=trained_B_T,
     )
 
 

@@ -102,11 +102,12 @@ class PrefixStage:
 
     def backward(self, parameters: list[nn.Parameter]) -> tuple[Tensor | None, ...]:
         """The adapter's gradient through the prefix, from the parts' summed gradients at its outputs,
-        keys and values (the checkpointed layers recomputed here)."""
+        keys and values (the checkpointed layers recomputed here). Outputs computed without autograd (no
+        position of the prefix trains: `logprobs.target_logprobs`) pass nothing back."""
         pairs = [
             (tensor, gradient)
             for tensor, gradient in zip([self.outputs, *self.keys_values], self.leaf_gradients, strict=True)
-            if gradient is not None
+            if gradient is not None and tensor.requires_grad
         ]
         if not pairs:
             return (None,) * len(parameters)
