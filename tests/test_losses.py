@@ -262,3 +262,30 @@ def test_stable_reinforce_is_reinforce_with_a_capped_detached_weight() -> None:
     )
     assert out.diagnostics["truncated_fraction"][0].tolist() == [0.0, 1.0, 0.0, 0.0]
     assert out.active_B_T[0].tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize(
+    "name", [name for name, spec in LOSSES.items() if spec.gradient_scale and spec.head == "logprobs"]
+)
+def test_a_position_whose_gradient_scale_is_zero_gets_no_gradient(name: str) -> None:
+    """Every logprob loss with a `gradient_scale` is position-wise in it: a position whose scale is 0
+    gets no gradient whatever the others' are, so the engine computes its logprob without autograd
+    (`forward_backward.trained_positions`)."""
+    spec, config = resolve_loss(name, None)
+    torch.manual_seed(0)
+    logprobs = (-3 * torch.rand(1, 6)).requires_grad_(True)
+    scale = _row(0.0, 1.5, 0.0, -0.7, 2.0, 0.0)
+    inputs = {
+        "target_tokens": torch.zeros((1, 6)),
+        "logprobs": logprobs.detach() - 0.05 * torch.rand(1, 6),  # ratios inside every clip
+        "recorded_logprobs": logprobs.detach() - 0.05 * torch.rand(1, 6),
+        "sampled": torch.ones(1, 6),
+        "sequence_ratio_mask": torch.ones(1, 6),
+        "advantages": torch.randn(1, 6),
+        "weights": torch.rand(1, 6) + 0.5,
+    }
+    inputs[spec.gradient_scale] = scale
+    out = spec.fn(logprobs, inputs, _mask(6), config)
+    gradient = _grad(out.elementwise_loss_B_T.sum(), logprobs)
+    assert [gradient[i] for i in (0, 2, 5)] == [0.0, 0.0, 0.0]
+    assert all(gradient[i] != 0.0 for i in (1, 3, 4))
