@@ -324,9 +324,10 @@ class AdaptedModel:
         if isinstance(micro, SharedPrefixMicroBatch):
             with self.activation_checkpointing(micro):
                 stage = self.prefix_stage(adapter, head, micro, False, kept_positions=0, trained_B_T=None)
-                return self.suffix_part(adapter, head, stage, micro, [], kept_positions=0, trained_B_T=None)[
-                    0
-                ]
+                values_B_T, _ = self.suffix_part(
+                    adapter, head, stage, micro, [], kept_positions=0, trained_B_T=None
+                )
+                return values_B_T
         with self.using(adapter):
             return head(self.final_hidden_states(micro))
 

@@ -156,6 +156,11 @@ def target_logprobs(
         logprobs_N, entropy_N = _positions_logprobs(
             hidden_N_H, output_layer, targets_N, chunk, kept_positions, with_entropy
         )
+    elif not bool(trained_B_T.any()):  # a group RL prefix: no position of it trains
+        with torch.no_grad():
+            logprobs_N, entropy_N = _positions_logprobs(
+                hidden_N_H, output_layer, targets_N, chunk, 0, with_entropy
+            )
     else:
         trained_N = trained_B_T.reshape(-1)
         order_N = torch.argsort((~trained_N).to(torch.uint8), stable=True)  # trained positions first
@@ -172,7 +177,8 @@ def target_logprobs(
         inverse_N[order_N] = torch.arange(order_N.shape[0], device=order_N.device)
         logprobs_N = torch.cat([trained_logprobs, free_logprobs])[inverse_N]
         entropy_N = None
-        if trained_entropy is not None and free_entropy is not None:
+        if with_entropy:
+            assert trained_entropy is not None and free_entropy is not None
             entropy_N = torch.cat([trained_entropy, free_entropy])[inverse_N]
     logprobs_B_T = logprobs_N.reshape(targets_B_T.shape)
     if entropy_N is None:
@@ -204,9 +210,6 @@ def _positions_logprobs(
                 hidden_N_H[kept:], targets_N[kept:], output_layer, chunk, with_entropy, *trainable
             )
         )
-    if not pieces:
-        empty = hidden_N_H.new_empty((0, *targets_N.shape[1:]), dtype=torch.float32)
-        return empty, hidden_N_H.new_empty(0, dtype=torch.float32) if with_entropy else None
     logprobs_N = torch.cat([logprobs for logprobs, _ in pieces])
     if not with_entropy:
         return logprobs_N, None
