@@ -42,7 +42,7 @@ from contention import MODES, quiet_and_contended  # bench/contention.py, beside
 from transformers import GenerationConfig
 
 import workbench as wb
-from workbench.engine.samplers import vllm_unavailable_reason
+from workbench.engine.samplers.vllm import vllm_unavailable_reason
 
 QUESTIONS = [
     "What is the capital of France?",

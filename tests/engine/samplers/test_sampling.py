@@ -553,16 +553,16 @@ def test_auto_falls_back_to_hf_quietly_on_a_cpu_without_vllm_and_says_why_on_a_g
 ) -> None:
     """Without the vllm package, HF is what a CPU samples with: no notice. On a GPU the same fallback
     gives up vLLM's speed, so it says why (the sampler is chosen before any device is touched)."""
-    from workbench.engine import samplers
+    from workbench.engine.samplers import factory
 
-    monkeypatch.setattr(samplers, "_fallback_noticed", set())
-    assert samplers.resolve_sampler("auto", torch.device("cpu")) == "hf"
+    monkeypatch.setattr(factory, "_fallback_noticed", set())
+    assert factory.choose_sampler("auto", torch.device("cpu")) == "hf"
     assert capsys.readouterr().out == ""
-    assert samplers.resolve_sampler("auto", torch.device("cuda")) == "hf"
+    assert factory.choose_sampler("auto", torch.device("cuda")) == "hf"
     assert (
         "workbench: sampling with HF generate (the vllm package is not installed" in capsys.readouterr().out
     )
     with pytest.raises(
         ValueError, match="sampler='vllm' is not available: the vllm package is not installed"
     ):
-        samplers.resolve_sampler("vllm", torch.device("cpu"))
+        factory.choose_sampler("vllm", torch.device("cpu"))

@@ -134,7 +134,7 @@ def test_an_evicted_version_is_reloaded_and_its_time_counted(tiny_for_vllm: str)
             first.append(clients[-1].sample(prompt, 2, params).result())
             assert first[-1].weights_version == version
             _train_one_step(sess, learning_rate=5e-2)
-        vllm = sess.engine._state.vllm
+        vllm = sess.engine._state.sampler.started
         keys = [(sess.model_id, version, None) for version in range(MAX_LORAS + 1)]
         assert vllm.resident == keys[1:]  # version 0, the least recently used, was evicted
         assert vllm.vllm_lora_ids() == {vllm._adapters[key].lora_id for key in keys[1:]}
@@ -164,7 +164,9 @@ def test_prefix_caching_never_serves_another_versions_keys(tiny_for_vllm: str) -
         params = wb.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
         _train_one_step(sess, learning_rate=5e-2)
         before = sess.sampling_client().sample(prompt, 2, params).result()
-        assert sess.engine._state.vllm._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        assert (
+            sess.engine._state.sampler.started._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        )
         _train_one_step(sess, learning_rate=5e-2)
         after = sess.sampling_client().sample(prompt, 2, params).result()
         assert after.weights_version == before.weights_version + 1 == sess.policy.weights_version
@@ -229,7 +231,7 @@ def test_an_interrupt_aborts_vllm_generation_in_flight_and_every_later_sample(ti
         with pytest.raises(SamplingInterrupted, match="interrupted"):
             long_sample.result()
         assert sum(map(len, sink.heard.values())) <= 8 + 2  # the step in progress ends; no other runs
-        assert not engine._state.vllm._llm.llm_engine.has_unfinished_requests()
+        assert not engine._state.sampler.started._llm.llm_engine.has_unfinished_requests()
         with pytest.raises(SamplingInterrupted):
             engine.sample(pin, SampleRequest([5, 17], 1, params)).result()
         _train_one_step(sess)
@@ -267,7 +269,7 @@ def test_each_base_model_gets_its_own_vllm_engine_within_a_budget_that_counts_th
             tokens.append(_tokens(engine.sample(pin, SampleRequest([5, 17, 33, 48], 1, params)).result()))
             engine.release_sampler(pin)
         assert tokens[0] != tokens[1]  # each base model's own weights
-        processes = [engine._state.vllm.engine_processes for engine in (first, second)]
+        processes = [engine._state.sampler.started.processes for engine in (first, second)]
         assert processes[0] and processes[1] and not processes[0] & processes[1]
     finally:
         models.close()

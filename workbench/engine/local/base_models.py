@@ -11,14 +11,15 @@ A base model is named by its alias, folder or HF id; the key is the folder (`res
 choice (in-process any; a server only those it allows). `memory_budget_bytes` bounds what the engines
 hold together:
 
-    held(engine) = Σ_tensors numel · element_size + vllm(engine)   (parameters and buffers, adapters
-                                                                     included; vLLM's share where it samples)
-    need(new) = weights + vllm(new),  weights = Σ_parameters numel · element_size(dtype)
-                                                                    (counted on the meta device, nothing loaded)
-    vllm = `samplers.vllm.vllm_memory_bytes(weights, device)` for an engine that samples with vLLM, else 0
+    held(engine) = Σ_tensors numel · element_size + share(engine)   (parameters and buffers, adapters
+                                                                      included; its sampler's share)
+    need(new) = weights + share(new),  weights = Σ_parameters numel · element_size(dtype)
+                                                                     (counted on the meta device, nothing loaded)
+    share = `samplers.factory.sampler_memory_bytes(sampler, weights, device)`: what the engine's
+            sampler backend takes beside the training model (vLLM its own copy and KV cache; HF 0)
 
-An engine that samples with vLLM is counted with its vLLM share from the start (vLLM starts at its first
-sample), so a budget that admits it holds it whenever it samples.
+An engine is counted with its sampler's share from the start (a sampler with an engine of its own
+starts at its first sample), so a budget that admits it holds it whenever it samples.
 
 A load that would take `held + need` past the budget first closes idle engines (no model on them; the
 least recently used first, never the first engine, the session's), then, if it still does not fit,
@@ -39,8 +40,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from workbench.engine.config import DEFAULT_MAX_MODELS
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_device_and_dtype, resolve_model_path
-from workbench.engine.samplers import SamplerChoice, resolve_sampler
-from workbench.engine.samplers.vllm import vllm_memory_bytes
+from workbench.engine.samplers import SamplerChoice
+from workbench.engine.samplers.factory import SAMPLERS, choose_sampler, sampler_memory_bytes
 
 GIB = 1024**3
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1024, "MIB": 1024**2, "GIB": GIB}
@@ -69,7 +70,7 @@ def format_size(size: int) -> str:
 
 def engine_bytes(engine: Engine) -> int:
     """What an engine holds: every parameter and buffer of its model (the base and its adapters), and
-    its vLLM sampler's share (`sampler_bytes`)."""
+    its sampler's share (`sampler_bytes`)."""
     return model_bytes(engine) + sampler_bytes(engine)
 
 
@@ -81,11 +82,9 @@ def model_bytes(engine: Engine) -> int:
 
 
 def sampler_bytes(engine: Engine) -> int:
-    """The vLLM sampler's share of an engine (see the module); 0 for one that samples with HF."""
-    if engine.config.sampler != "vllm":
-        return 0
+    """The sampler's share of an engine (see the module); 0 for one that samples the training model."""
     device, dtype = resolve_device_and_dtype(engine.config.device, engine.config.dtype)
-    return vllm_memory_bytes(base_model_bytes(engine.base_info.path, dtype), device)
+    return sampler_memory_bytes(engine.config.sampler, base_model_bytes(engine.base_info.path, dtype), device)
 
 
 @functools.cache
@@ -105,14 +104,17 @@ class Holding:
     base_model: str
     path: str
     bytes: int
-    sampler_bytes: int  # vLLM's share of `bytes`
+    sampler_bytes: int  # its sampler's share of `bytes`
     models: int
     evictable: bool
+    sampler: str  # the engine's sampler backend (a key of `factory.SAMPLERS`)
 
     def describe(self) -> str:
         models = f"{self.models} model{'s' if self.models != 1 else ''}"
-        vllm = f", {format_size(self.sampler_bytes)} of it vLLM's" if self.sampler_bytes else ""
-        return f"{self.base_model!r} holds {format_size(self.bytes)} ({models}{vllm})"
+        share = ""
+        if self.sampler_bytes:
+            share = f", {format_size(self.sampler_bytes)} of it {SAMPLERS[self.sampler].title}'s"
+        return f"{self.base_model!r} holds {format_size(self.bytes)} ({models}{share})"
 
 
 class BaseModels:
@@ -178,10 +180,9 @@ class BaseModels:
             key = resolve_model_path(base_model)
             if self.memory_budget_bytes is not None:
                 weights = base_model_bytes(base_model, self.dtype)
-                vllm = 0
-                if resolve_sampler(self.sampler, self.device) == "vllm":
-                    vllm = vllm_memory_bytes(weights, self.device)
-                self._make_room(base_model, weights + vllm, vllm)
+                sampler = choose_sampler(self.sampler, self.device)
+                share = sampler_memory_bytes(sampler, weights, self.device)
+                self._make_room(base_model, weights + share, share, sampler)
             engine = Engine(
                 base_model,
                 seed=self.seed,
@@ -207,15 +208,16 @@ class BaseModels:
         for key, engine in list(self._engines.items()):
             if engine.closed:
                 continue
-            vllm = sampler_bytes(engine)
+            share = sampler_bytes(engine)
             holdings.append(
                 Holding(
                     engine.config.base_model,
                     engine.base_info.path,
-                    model_bytes(engine) + vllm,
-                    vllm,
+                    model_bytes(engine) + share,
+                    share,
                     len(engine.model_ids()),
                     self._evictable(key, engine),
+                    engine.config.sampler,
                 )
             )
         return holdings
@@ -228,12 +230,12 @@ class BaseModels:
     def _evictable(self, key: str, engine: Engine) -> bool:
         return key != self._first and not engine.model_ids()
 
-    def _make_room(self, base_model: str, need: int, vllm: int) -> None:
+    def _make_room(self, base_model: str, need: int, share: int, sampler: str) -> None:
         budget = self.memory_budget_bytes
         assert budget is not None
         needs = f"loading {base_model!r} needs about {format_size(need)}"
-        if vllm:
-            needs += f" ({format_size(vllm)} of it for its vLLM sampler)"
+        if share:
+            needs += f" ({format_size(share)} of it for its {SAMPLERS[sampler].title} sampler)"
         if need > budget:
             raise MemoryBudgetError(f"{needs}, more than the whole memory budget of {format_size(budget)}")
         idle = sorted(

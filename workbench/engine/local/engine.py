@@ -56,12 +56,8 @@ from workbench.engine.model.base_model import (
 )
 from workbench.engine.model.value_head import default_critic_lora
 from workbench.engine.roles import Role
-from workbench.engine.samplers import (
-    SamplerChoice,
-    notice_fallback,
-    resolve_sampler,
-    vllm_cannot_sample_experts,
-)
+from workbench.engine.samplers import SamplerChoice
+from workbench.engine.samplers.factory import choose_sampler, sampler_for_model
 from workbench.engine.samplers.prefix_cache import PromptPrefixCache
 from workbench.engine.samplers.requests import TokenSink
 from workbench.engine.samplers.sample_request import SampleRequest
@@ -106,17 +102,17 @@ def _close_sinks(history: MetricsHistory) -> None:
             sink.close()
 
 
-def _close_sinks_and_vllm(state: EngineState) -> None:
+def _close_sinks_and_sampler(state: EngineState) -> None:
     _close_sinks(state.history)
     with contextlib.suppress(Exception):
-        sample.stop_vllm(state)
+        state.sampler.close()
 
 
 def _shutdown(state: EngineState) -> None:
     """What a dropped engine's finalizer does: stop the worker once the operations queued before are
-    done; on the worker, after them, close the history's sinks and stop vLLM's engine processes."""
-    if not state.worker.post(lambda: _close_sinks_and_vllm(state)):  # the worker was already stopping
-        _close_sinks_and_vllm(state)
+    done; on the worker, after them, close the history's sinks and stop the sampler's processes."""
+    if not state.worker.post(lambda: _close_sinks_and_sampler(state)):  # the worker was already stopping
+        _close_sinks_and_sampler(state)
     state.worker.close(wait=False)
 
 
@@ -128,8 +124,9 @@ class Engine:
         seed: Seeds the sampling generator (the seeds of requests that give none).
         device, dtype: Default CUDA/bf16 when a GPU is present, else CPU/fp32.
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
-        sampler: `"hf"`, `"vllm"` or `"auto"` (vLLM when a build for the device is installed and runs
-            the model, else HF, with a notice saying why).
+        sampler: a backend of `workbench.engine.samplers.factory.SAMPLERS` (`"hf"`, `"vllm"`) or
+            `"auto"` (vLLM when a build for the device is installed and runs the model, else HF, with a
+            notice saying why).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
         max_models: How many LoRA models may share the base at once.
         threads: torch CPU threads for every operation; None (default) chooses before each operation
@@ -156,7 +153,7 @@ class Engine:
             device=str(resolved_device),
             dtype=str(resolved_dtype).removeprefix("torch."),
             max_tokens_per_microbatch=max_tokens_per_microbatch,
-            sampler=resolve_sampler(sampler, resolved_device),
+            sampler=choose_sampler(sampler, resolved_device),
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
             threads=threads,
@@ -179,13 +176,12 @@ class Engine:
         except BaseException:
             worker.close(wait=False)  # the thread ends once the load does (at once, if it failed)
             raise
-        experts_refused = config.sampler == "vllm" and vllm_cannot_sample_experts(model.info.expert_weights)
-        if experts_refused:
-            if sampler == "vllm":
-                worker.close(wait=False)
-                raise ValueError(f"sampler='vllm' cannot sample {base_model}: {experts_refused}")
-            notice_fallback(experts_refused)
-            config = dataclasses.replace(config, sampler="hf")
+        try:
+            chosen = sampler_for_model(config.sampler, sampler == "auto", base_model, model.info)
+        except ValueError:
+            worker.close(wait=False)
+            raise
+        config = dataclasses.replace(config, sampler=chosen)
         # peft adapts an expert stack (and a linear layer it targets through its weight) by registering
         # a parametrization on its layer for the length of each forward call (`ParamWrapper`): a pass
         # changes the model, so passes on such a model cannot share it across streams, and run on the
@@ -193,11 +189,17 @@ class Engine:
         if adapts_by_parametrization(model.base, model.info):
             thread_policy.keep_passes_on_the_worker()
         self._state = state = EngineState(
-            config, model, tokenizer, resolved_device, resolved_dtype, worker, thread_policy.streams
+            config,
+            model,
+            tokenizer,
+            resolved_device,
+            resolved_dtype,
+            worker,
+            thread_policy.streams,
+            falls_back=sampler == "auto",
         )
-        thread_policy.count_as_own(lambda: state.vllm.engine_processes if state.vllm is not None else ())
+        thread_policy.count_as_own(lambda: state.sampler.processes)
         self._thread_policy = thread_policy
-        self._state.sampler_falls_back = sampler == "auto"
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -446,7 +448,7 @@ class Engine:
         self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
     ) -> APIFuture[SampleResponse]:
         """The request is checked against the model in the caller's thread (`requests.prepare_request`),
-        and `token_sink` is told each sequence's tokens as the sampler (HF or vLLM) draws them."""
+        and `token_sink` is told each sequence's tokens as the sampler draws them."""
         return sample.submit_sample(self._state, pin, request, token_sink)
 
     def compute_logprobs(
@@ -489,8 +491,8 @@ class Engine:
         ttl_seconds: int | None = None,
         user_metadata: Mapping[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """Written in peft's format to `<model folder>/sampler_weights/<name>` (`.folder`), which vLLM and
-        `PeftModel.from_pretrained` load too."""
+        """Written in peft's format to `<model folder>/sampler_weights/<name>` (`.folder`), which other
+        samplers and `PeftModel.from_pretrained` load too."""
         return checkpoints.save_weights_for_sampler(
             self._state,
             model_id,
@@ -610,8 +612,8 @@ class Engine:
     def interrupt_sampling(self) -> None:
         """Stop sampling for good, from any thread, for a prompt shutdown (`workbench serve` on
         SIGINT/SIGTERM): the generation in progress ends at its next decoding step and it, and every
-        sample request after it, fails with `SamplingInterrupted`, on either sampler (vLLM's requests in
-        flight are aborted); other operations run as before."""
+        sample request after it, fails with `SamplingInterrupted`, whatever the sampler (one with its own
+        engine aborts the requests in flight); other operations run as before."""
         self._state.sampling_interrupted.set()
 
     def close(self) -> None:
@@ -623,7 +625,7 @@ class Engine:
         for sink in list(state.history.sinks):
             sink.close()
         state.history.sinks.clear()
-        sample.stop_vllm(state)
+        state.sampler.close()
         for lora_model in state.lora_models.values():
             release_model_folder(lora_model.model_dir)
         state.lora_models.clear()

