@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 from workbench.engine.config import DEFAULT_MAX_MODELS
 from workbench.engine.local.base_models import format_size, parse_size
+from workbench.engine.samplers.factory import sampler_choices
 from workbench.notebook.session import Session
 from workbench.server import ServerConfig, TinkerServer
 
@@ -96,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--sampler",
-        choices=("auto", "hf", "vllm"),
+        choices=sampler_choices(),
         default="auto",
         help="the sampling engine (default: vLLM when installed for the device, else HF generate)",
     )

@@ -35,7 +35,8 @@ class EngineConfig:
         seed: Seeds the engine's sampling generator (the seeds of requests that give none).
         device, dtype: Where the base model lives and in what precision (resolved: `cpu`, `float32`).
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
-        sampler: `"hf"` or `"vllm"` (resolved).
+        sampler: the backend chosen (a key of `workbench.engine.samplers.factory.SAMPLERS`, never
+            `"auto"`).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
         max_models: How many LoRA models may share the base at once.
         threads: torch CPU threads for every operation; None chooses them before each operation from

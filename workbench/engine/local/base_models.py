@@ -146,7 +146,7 @@ class BaseModels:
             device if device is not None or config is None else config.device,
             dtype if dtype is not None or config is None else config.dtype,
         )
-        self.sampler: SamplerChoice = sampler or ("hf" if config is None else config.sampler)  # type: ignore[assignment]
+        self.sampler: SamplerChoice = sampler or ("hf" if config is None else config.sampler)
         self.seed = seed if seed is not None else (0 if config is None else config.seed)
         self.max_models = max_models or (DEFAULT_MAX_MODELS if config is None else config.max_models)
         self.threads = threads if threads is not None or config is None else config.threads
