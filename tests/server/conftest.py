@@ -13,7 +13,7 @@ import tinker
 from torch import Tensor
 
 import workbench as wb
-from tests.server.test_chat_format import HERMES_TEMPLATE
+from tests.server.test_chat_templates import HERMES_TEMPLATE
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.engine.samplers import hf
 from workbench.server import TinkerServer

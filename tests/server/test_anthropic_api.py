@@ -2,7 +2,7 @@
 unmodified `anthropic` client (2.x: sampling fields go in `extra_body`, as the API reads them).
 
 Every test that takes `sampler` runs on HF generate and, marked `vllm`, on vLLM (`make test-vllm`).
-Tools run on the tiny model with a chat template in the Qwen / Hermes tool format (`test_chat_format`'s),
+Tools run on the tiny model with a chat template in the Qwen / Hermes tool format (`test_chat_templates`'s),
 taught to call one as the OpenAI route's tool test teaches it.
 """
 
@@ -23,8 +23,8 @@ import pytest
 import workbench as wb
 from tests.datums import sft_datum
 from tests.server.conftest import HeldDecoding
+from workbench.loops.chat import render_chat
 from workbench.server import TinkerServer
-from workbench.server.chat_format import render_chat
 
 GREEDY = {"temperature": 0}
 QUESTION = [{"role": "user", "content": "What is the secret word?"}]

@@ -1,4 +1,4 @@
-"""workbench/server/openai_api.py (with generation.py, served_weights.py, chat_format.py): OpenAI's API
+"""workbench/server/openai_api.py (with generation.py, sampling_fields.py, served_weights.py, loops/chat.py): OpenAI's API
 on the served session, driven by the unmodified `openai` client and lm-evaluation-harness.
 
 Every test that takes `sampler` runs on HF generate and, marked `vllm`, on vLLM (`make test-vllm`).

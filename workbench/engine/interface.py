@@ -249,6 +249,11 @@ class EngineInterface(Protocol):
         reads the tokens from the response.
         """
 
+    def check_sample(self, request: SampleRequest) -> None:
+        """Raise the ValueError `sample` would raise for `request`, queueing nothing: what the caller
+        checks before it resolves weights or queues the first of several requests (the compatible APIs'
+        calls), so a refused request changes nothing."""
+
     def compute_logprobs(
         self,
         pin: APIFuture[SamplerPin],

@@ -3,7 +3,7 @@
 
 As hosted Tinker serves it, so the unmodified `anthropic` client and the agent frameworks built on it use
 a policy while it trains: `anthropic.Anthropic(base_url=f"{srv.url}/anthropic/api", api_key=<key>)`. The
-conversation is rendered with the model's chat template like an OpenAI chat (`chat_format`), the `model`
+conversation is rendered with the model's chat template like an OpenAI chat (`loops.chat`), the `model`
 names the weights (`served_weights`) and the request runs through the engine's ordered sample path
 (`generation`).
 
@@ -16,7 +16,7 @@ message_stop), the text deltas as the sampler (HF or vLLM) draws the tokens
 (`generation.stream_generate`), each sent when the next token's text is in; with tools offered, once the reply is sampled (its calls are read from the whole reply). A failure
 after the stream has started comes as an `error` event, which the `anthropic` client raises.
 
-Tools, where the chat template takes them (`chat_format`: the Qwen / Hermes `<tool_call>` format, the
+Tools, where the chat template takes them (`loops.chat`: the Qwen / Hermes `<tool_call>` format, the
 OpenAI route's rule): each tool (`name`, `description`, `input_schema`) is rendered as the template's
 function tool (`parameters` the input schema); an assistant's `tool_use` blocks are rendered as its tool
 calls and a user's `tool_result` blocks as tool messages, in their order, before the user's text, so a
@@ -34,31 +34,30 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
-from workbench.engine.local.engine import Engine
-from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat, template_takes_tools
-from workbench.server.compat_http import error_status, event_stream, guarded, json_body, started
+from workbench.loops.chat import parse_reply, render_chat, template_takes_tools
+from workbench.server.compat_http import CompatRoutes, error_status, event_stream, started
 from workbench.server.errors import RequestError, message_of
 from workbench.server.generation import (
-    Completion,
-    Generated,
-    GenerationCall,
+    ModelRoutes,
     SequenceDone,
-    TextDelta,
     check_calls,
-    check_stop_strings,
     generate,
+    generation_call,
     stream_generate,
-    token_text,
 )
+from workbench.server.sampling_fields import FieldError, flag, refuse_unless, sampling_fields
 from workbench.server.served_weights import ServedWeights
 from workbench.server.service import TinkerService
+from workbench.types import MIN_TEMPERATURE
+
+if TYPE_CHECKING:
+    from workbench.server.generation import Completion, Generated, GenerationCall, TextDelta
 
 PREFIX = "/anthropic/api"
 
@@ -68,9 +67,9 @@ PARAMETERS: dict[str, str] = {
     "(assistant) and tool_result blocks (user) where tools are",
     "system": "supported: a string or text blocks",
     "max_tokens": "supported (required, >= 1)",
-    "temperature": "supported: 0 (greedy) or at least 1e-3",
-    "top_p": "supported",
-    "top_k": "supported",
+    "temperature": f"supported: 0 (greedy) or at least {MIN_TEMPERATURE:g} (SamplingParams' rule)",
+    "top_p": "supported: in (0, 1]",
+    "top_k": "supported: -1 (off) or >= 1",
     "stop_sequences": "supported: up to 16",
     "stream": "supported: token by token as the sampler draws them (tools offered: once the reply is sampled)",
     "metadata": "ignored",
@@ -98,6 +97,9 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "mcp_servers": (None, []),
     "output_config": (None, {}),
 }
+
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+"""The `SamplingParams` fields the Messages API sets, each by its own name (it has no seed)."""
 
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
@@ -212,13 +214,8 @@ def _tool_result(block: Mapping[str, Any], where: str) -> str:
     return "".join(texts)
 
 
-def _answered(results: list[dict[str, Any]]) -> list[str]:
-    """The tool_use ids the tool messages answer."""
-    return [result["tool_call_id"] for result in results]
-
-
 def _conversation(messages: Any) -> tuple[list[dict[str, Any]], bool]:
-    """Anthropic's messages as the OpenAI-shaped messages chat templates read (`chat_format`), and
+    """Anthropic's messages as the OpenAI-shaped messages chat templates read (`loops.chat`), and
     whether any held a tool block. An assistant's text blocks are its content and its tool_use blocks
     its tool calls (the text first, where the templates write it); a user's tool_result blocks come
     first (Anthropic's rule), each answering one tool_use of the message before, and become tool
@@ -233,55 +230,76 @@ def _conversation(messages: Any) -> tuple[list[dict[str, Any]], bool]:
         if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
             raise RequestError(f"{where}.role must be 'user' or 'assistant'")
         role, content = message["role"], message.get("content")
-        texts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        results: list[dict[str, Any]] = []
+        blocks = _Blocks(role, awaited)
         for number, block in enumerate(content if isinstance(content, list) else []):
-            at, kind = f"{where}.content[{number}]", _block_type(block)
-            if kind == "text" and not calls:
-                texts.append(_text(block, at))
-            elif kind == "text":
-                raise RequestError(f"{at}: text after a tool_use block; the text comes first")
-            elif kind == "tool_use" and role == "assistant":
-                calls.append(_tool_call(block, at))
-                if calls[-1]["id"] in [call["id"] for call in calls[:-1]]:
-                    raise RequestError(f"{at}.id: the tool_use id {calls[-1]['id']!r} is used twice")
-            elif kind == "tool_result" and role == "user":
-                if texts:
-                    raise RequestError(f"{at}: tool_result blocks come first in a message, before any text")
-                result = _tool_result(block, at)
-                if block["tool_use_id"] not in awaited:
-                    raise RequestError(
-                        f"{at}: tool_use_id {block['tool_use_id']!r} answers no tool_use of the previous "
-                        f"message (its tool_use ids: {awaited})"
-                    )
-                if block["tool_use_id"] in _answered(results):
-                    raise RequestError(f"{at}: tool_use_id {block['tool_use_id']!r} is answered twice")
-                results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
-            else:
-                takes = "text and tool_use" if role == "assistant" else "text and tool_result"
-                raise RequestError(f"{at}: {role} messages take {takes} blocks here, got {kind!r}")
-        missing = [call_id for call_id in awaited if call_id not in _answered(results)]
+            blocks.add(block, f"{where}.content[{number}]")
+        missing = [call_id for call_id in awaited if call_id not in blocks.answered]
         if missing:
             raise RequestError(
                 f"{where}: the tool_use ids {missing} of messages[{index - 1}] have no tool_result blocks "
                 "here; each tool_use is answered by a tool_result at the start of the next message"
             )
         # a string (or a wrong type, which `render_chat` names) stays as it came
-        text: Any = "".join(texts) if isinstance(content, list) else content
-        converted.extend(results)
-        if calls:
-            converted.append({"role": "assistant", "content": text, "tool_calls": calls})
-        elif texts or not results:
+        text: Any = "".join(blocks.texts) if isinstance(content, list) else content
+        converted.extend(blocks.results)
+        if blocks.calls:
+            converted.append({"role": "assistant", "content": text, "tool_calls": blocks.calls})
+        elif blocks.texts or not blocks.results:
             converted.append({"role": role, "content": text})
-        tool_blocks = tool_blocks or bool(calls or results)
-        awaited = [call["id"] for call in calls]
+        tool_blocks = tool_blocks or bool(blocks.calls or blocks.results)
+        awaited = [call["id"] for call in blocks.calls]
     if awaited:
         raise RequestError(
             f"messages[{len(messages) - 1}]: the tool_use ids {awaited} have no tool_result blocks after "
             "them; each tool_use is answered by a tool_result at the start of the next message"
         )
     return converted, tool_blocks
+
+
+class _Blocks:
+    """One message's content blocks, read in order: its texts, its tool calls (an assistant's) and its
+    tool results (a user's, answering `awaited`, the previous message's tool_use ids)."""
+
+    def __init__(self, role: str, awaited: list[str]):
+        self.role = role
+        self.awaited = awaited
+        self.texts: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.results: list[dict[str, Any]] = []
+
+    @property
+    def answered(self) -> list[str]:
+        """The tool_use ids the tool messages answer."""
+        return [result["tool_call_id"] for result in self.results]
+
+    def add(self, block: Any, at: str) -> None:
+        kind = _block_type(block)
+        if kind == "text" and not self.calls:
+            self.texts.append(_text(block, at))
+        elif kind == "text":
+            raise RequestError(f"{at}: text after a tool_use block; the text comes first")
+        elif kind == "tool_use" and self.role == "assistant":
+            self.calls.append(_tool_call(block, at))
+            if self.calls[-1]["id"] in [call["id"] for call in self.calls[:-1]]:
+                raise RequestError(f"{at}.id: the tool_use id {self.calls[-1]['id']!r} is used twice")
+        elif kind == "tool_result" and self.role == "user":
+            self._add_result(block, at)
+        else:
+            takes = "text and tool_use" if self.role == "assistant" else "text and tool_result"
+            raise RequestError(f"{at}: {self.role} messages take {takes} blocks here, got {kind!r}")
+
+    def _add_result(self, block: Mapping[str, Any], at: str) -> None:
+        if self.texts:
+            raise RequestError(f"{at}: tool_result blocks come first in a message, before any text")
+        result = _tool_result(block, at)
+        if block["tool_use_id"] not in self.awaited:
+            raise RequestError(
+                f"{at}: tool_use_id {block['tool_use_id']!r} answers no tool_use of the previous "
+                f"message (its tool_use ids: {self.awaited})"
+            )
+        if block["tool_use_id"] in self.answered:
+            raise RequestError(f"{at}: tool_use_id {block['tool_use_id']!r} is answered twice")
+        self.results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
 
 
 def _error_type(status: int) -> str:
@@ -307,23 +325,13 @@ def _block_delta(index: int, delta: dict[str, Any]) -> tuple[str, dict[str, Any]
     return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-class AnthropicRoutes:
-    """The routes' work for the requests that name weights of one base model (its tokenizer renders and
-    reads them), over the Tinker service and the weights it serves."""
-
-    def __init__(self, service: TinkerService, weights: ServedWeights, engine: Engine):
-        self.service = service
-        self.weights = weights
-        self.engine = engine  # the base model's whose weights the requests name
-        self.tokenizer = engine.tokenizer
-        self.end_of_turn = end_of_turn_ids(self.tokenizer)
+class AnthropicRoutes(ModelRoutes):
+    """The routes' work for one base model (`generation.ModelRoutes`)."""
 
     def prompt(self, body: Mapping[str, Any]) -> tuple[list[int], bool]:
         """The conversation's prompt tokens: the system prompt (and the tools, when offered), then the
         messages, the assistant's turn opened; and whether tools are offered."""
-        for name, allowed in _REFUSED_UNLESS.items():
-            if name in body and body[name] not in allowed:
-                raise RequestError(f"{name}: {PARAMETERS[name]} on this server")
+        refuse_unless(body, _REFUSED_UNLESS, PARAMETERS)
         tools, offered = _tools(body)
         messages, tool_blocks = _conversation(body.get("messages"))
         if tool_blocks and not tools:
@@ -345,48 +353,16 @@ class AnthropicRoutes:
     def call(self, body: Mapping[str, Any]) -> tuple[GenerationCall, bool]:
         """The request as one generation call, and whether tools are offered."""
         prompt, offered = self.prompt(body)
-        max_tokens = body.get("max_tokens")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens: an integer >= 1 is required, got {max_tokens!r}")
-        numbers = {}
-        for name, default in (("temperature", 1.0), ("top_p", 1.0)):
-            value = body.get(name, default)
-            if value is None:
-                value = default
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RequestError(f"{name} must be a number, got {value!r}")
-            numbers[name] = float(value)
-        if not (numbers["temperature"] == 0 or 1e-3 <= numbers["temperature"] <= 100):
-            raise RequestError(
-                f"temperature must be 0 (greedy) or in [0.001, 100], got {numbers['temperature']!r}"
-            )
-        if not 0 < numbers["top_p"] <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {numbers['top_p']!r}")
-        top_k = body.get("top_k")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise RequestError(f"top_k must be an integer >= 1, got {top_k!r}")
-        try:
-            stops = check_stop_strings(body.get("stop_sequences"), "stop_sequences")
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-        extra = tuple(
-            token_text(self.tokenizer, t)
-            for t in sorted(self.end_of_turn)
-            if t != self.tokenizer.eos_token_id
+        if body.get("max_tokens") is None:
+            raise FieldError("max_tokens: an integer >= 1 is required", param="max_tokens")
+        fields = sampling_fields(
+            body,
+            SAMPLING_FIELDS,
+            max_tokens=("max_tokens", body["max_tokens"]),
+            stop_field="stop_sequences",
+            ending=self.ending,
         )
-        stream = body.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            raise RequestError(f"stream must be true or false, got {stream!r}")
-        call = GenerationCall(
-            prompt_ids=prompt,
-            max_tokens=max_tokens,
-            temperature=numbers["temperature"],
-            top_p=numbers["top_p"],
-            top_k=-1 if top_k is None else top_k,
-            stop_strings=(*stops, *extra) if stops else (),
-            stop_ids=self.end_of_turn,
-        )
-        return call, offered
+        return generation_call(prompt, fields), offered
 
     @staticmethod
     def stop_reason(completion: Completion, stops: tuple[str, ...], called: bool) -> tuple[str, str | None]:
@@ -418,15 +394,13 @@ class AnthropicRoutes:
         ]
 
     async def messages(self, body: Mapping[str, Any]) -> Response:
+        stream = flag(body, "stream")
         call, offered = self.call(body)
-        try:
-            check_calls(self.engine, [call])
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-        stops = check_stop_strings(body.get("stop_sequences"), "stop_sequences")
+        check_calls(self.engine, [call])
+        stops = call.stop_strings
         message_id = f"msg_{secrets.token_hex(12)}"
         weights = await self.weights.resolve(body.get("model"))
-        if body.get("stream"):
+        if stream:
             try:
                 events = await started(stream_generate(weights.engine, weights.pin, [call]))
             finally:
@@ -532,47 +506,10 @@ class AnthropicRoutes:
 
 def anthropic_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
     """The routes under `PREFIX`; the app mounts them with `include_router(..., prefix=PREFIX)`."""
-    routes: weakref.WeakKeyDictionary[Engine, AnthropicRoutes] = weakref.WeakKeyDictionary()
+    api = CompatRoutes(service, weights, AnthropicRoutes, _error_body)
     router = APIRouter()
 
-    async def for_the_model(request: Request) -> tuple[AnthropicRoutes, dict[str, Any]]:
-        """The request's body, and the routes of the base model its `model` names."""
-        body = await json_body(request, service.config)
-        engine = (await weights.identify(body.get("model"))).engine
-        if engine not in routes:
-            routes[engine] = AnthropicRoutes(service, weights, engine)
-        return routes[engine], body
-
-    async def messages_of_the_model(request: Request) -> Response:
-        model_routes, body = await for_the_model(request)
-        return await model_routes.messages(body)
-
-    async def count_tokens_of_the_model(request: Request) -> Response:
-        model_routes, body = await for_the_model(request)
-        return await model_routes.count_tokens(body)
-
-    def answer(error: BaseException) -> JSONResponse:
-        return JSONResponse(_error_body(service, error), status_code=error_status(error))
-
-    async def answered(request: Request, work: Callable[[Request], Awaitable[Response]]) -> Response:
-        return await guarded(request, service.config, work, answer)
-
-    @router.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await answered(request, messages_of_the_model)
-
-    @router.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        return await answered(request, count_tokens_of_the_model)
-
-    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def unknown(request: Request, path: str) -> Response:
-        async def missing(_: Request) -> Response:
-            raise RequestError(
-                f"no endpoint {request.method} {PREFIX}/{path} here: /v1/messages and /v1/messages/count_tokens are served",
-                404,
-            )
-
-        return await answered(request, missing)
-
+    api.post(router, "/v1/messages", AnthropicRoutes.messages)
+    api.post(router, "/v1/messages/count_tokens", AnthropicRoutes.count_tokens)
+    api.refuse_other_paths(router, PREFIX, "/v1/messages and /v1/messages/count_tokens are served")
     return router

@@ -8,22 +8,34 @@ error shape (`openai_api`, `anthropic_api`). Streams are server-sent events thro
 `StreamingResponse`, answered once their first event is in (`started`), so that a request that fails
 before any token is answered in its API's error shape with a status, like an unstreamed one; a failure
 after that comes as the API's error event.
+
+`CompatRoutes` is what both routers share: a request's body and the routes of the base model its
+`model` names (one per base model: its tokenizer renders and reads the requests), every failure answered
+in the API's shape, and the catch-all 404 for a path the API does not serve.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from fastapi import Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from workbench.server.config import ServerConfig
 from workbench.server.errors import RequestError
+from workbench.server.sampling_fields import FieldError
+
+if TYPE_CHECKING:
+    from workbench.engine.local.engine import Engine
+    from workbench.server.served_weights import ServedWeights
+    from workbench.server.service import TinkerService
 
 T = TypeVar("T")
+RoutesT = TypeVar("RoutesT")
 
 
 def check_key(request: Request, config: ServerConfig) -> None:
@@ -115,3 +127,64 @@ def event_stream(events: AsyncIterable[tuple[str | None, Any]], done_marker: boo
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+class CompatRoutes(Generic[RoutesT]):
+    """A compatible API's routes of each base model (`make(service, weights, engine)`), and its
+    failures answered by `error_body` in the API's shape."""
+
+    def __init__(
+        self,
+        service: TinkerService,
+        weights: ServedWeights,
+        make: Callable[[TinkerService, ServedWeights, Engine], RoutesT],
+        error_body: Callable[[TinkerService, BaseException], dict[str, Any]],
+    ):
+        self.service = service
+        self.weights = weights
+        self.make = make
+        self.error_body = error_body
+        self.routes: weakref.WeakKeyDictionary[Engine, RoutesT] = weakref.WeakKeyDictionary()
+
+    async def answered(self, request: Request, work: Callable[[Request], Awaitable[Response]]) -> Response:
+        return await guarded(request, self.service.config, work, self.answer)
+
+    def answer(self, error: BaseException) -> JSONResponse:
+        return JSONResponse(self.error_body(self.service, error), status_code=error_status(error))
+
+    async def on_the_model(
+        self, request: Request, work: Callable[[RoutesT, dict[str, Any]], Awaitable[Response]]
+    ) -> Response:
+        """`work(routes, body)` with the routes of the base model the body's `model` names."""
+
+        async def run(request: Request) -> Response:
+            body = await json_body(request, self.service.config)
+            try:
+                engine = (await self.weights.identify(body.get("model"))).engine
+            except RequestError as error:
+                raise FieldError(error.message, error.status, "model") from None
+            if engine not in self.routes:
+                self.routes[engine] = self.make(self.service, self.weights, engine)
+            return await work(self.routes[engine], body)
+
+        return await self.answered(request, run)
+
+    def post(
+        self, router: APIRouter, path: str, work: Callable[[RoutesT, dict[str, Any]], Awaitable[Response]]
+    ) -> None:
+        """A POST route at `path` that runs `work(routes, body)` on the model's routes (`on_the_model`)."""
+
+        async def route(request: Request) -> Response:
+            return await self.on_the_model(request, work)
+
+        router.add_api_route(path, route, methods=["POST"])
+
+    def refuse_other_paths(self, router: APIRouter, prefix: str, served: str) -> None:
+        """A 404 naming what is `served` for every other path under `prefix`."""
+
+        @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+        async def unknown(request: Request, path: str) -> Response:
+            async def missing(_: Request) -> Response:
+                raise RequestError(f"no endpoint {request.method} {prefix}/{path} here: {served}", 404)
+
+            return await self.answered(request, missing)

@@ -1,13 +1,15 @@
 """A compatible API's request as the engine's sample calls, and their sequences as decoded completions.
 
 OpenAI's chat and text completions and Anthropic's messages all come down to: some prompts (token ids),
-`n` samples of each, the sampling parameters, stop strings or stop tokens, and how many logprobs to
-report. `GenerationCall` holds one prompt's call; `check_calls` validates every call of a request in the
-caller's thread (ids in the vocabulary, `max_tokens` within what the context leaves, the number of
-sequences within the engine's `max_samples_per_request`), before any of them is queued, so a refused
-request changes nothing and costs nothing sized by it. `generate` then submits them with
-`Engine.sample`: the engine's one ordered sample path, pinned to the weights the request named, batched
-with whatever else queues on the same weights, training included.
+`n` samples of each, the sampling parameters (read once, `sampling_fields`), stop strings or stop tokens,
+and how many logprobs to report. `GenerationCall` holds one prompt's call: the `SampleRequest` the engine
+samples, built once (`generation_call`), and how its sequences are read back. `check_calls` has the
+engine check every call of a request (`EngineInterface.check_sample`: ids in the vocabulary, `max_tokens`
+within what the context leaves) and counts its sequences against `max_samples_per_request`, in the
+caller's thread before any of them is queued, so a refused request changes nothing and costs nothing
+sized by it. `generate` then submits them with `Engine.sample`: the engine's one ordered sample path,
+pinned to the weights the request named, batched with whatever else queues on the same weights,
+training included.
 
 A sequence's text is decoded without special tokens and without the end-of-turn token it stopped on,
 and cut before the first stop string it contains (both APIs leave the stop sequence out of the text);
@@ -32,82 +34,77 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
-from workbench.engine.interface import SamplerPin
+from workbench.engine.interface import EngineInterface, SamplerPin, TokenSink
 from workbench.engine.local.engine import Engine
-from workbench.engine.samplers.requests import TokenSink, check_width, prepare_request
 from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.futures import APIFuture
-from workbench.types import ModelInput, SampleResponse, SamplingParams, StopReason, TopkEntries
+from workbench.loops.chat import end_of_turn_ids
+from workbench.server.errors import RequestError
+from workbench.server.sampling_fields import Ending, SamplingFields
+from workbench.server.service import TinkerService
+from workbench.types import ModelInput, SampleResponse, StopReason, TopkEntries
 
-MAX_STOP_STRINGS = 16
-"""Stop strings one request may name (OpenAI allows 4; lm-eval's tasks may name a few more)."""
-
-MAX_TOP_LOGPROBS = 20
-"""The most alternatives reported per token (OpenAI's limit for chat, vLLM's for both APIs)."""
+if TYPE_CHECKING:
+    from workbench.server.served_weights import ServedWeights
 
 
 @dataclass(frozen=True)
 class GenerationCall:
-    """One prompt's sample call.
+    """One prompt's sample call: the engine's request, built once, and how its sequences are read back.
 
     Attributes:
-        prompt_ids: The prompt's tokens.
-        n: Samples of it.
-        max_tokens: New tokens at most; None for what the context leaves; 0 to score the prompt only.
-        temperature, top_p, top_k, seed: As `SamplingParams` has them.
-        stop_strings: Strings that end a sequence (the end-of-sequence token does too).
-        stop_ids: Tokens that end a sequence when no stop string is given (the end of turn).
-        top_logprobs: Alternatives reported per sampled token (0: none).
-        prompt_logprobs: Whether the prompt's logprobs are reported (`echo`).
-        prompt_top_logprobs: Alternatives reported per prompt token.
+        request: What the engine samples (prompt, `n`, `SamplingParams`, the logprobs to report).
+        stop_strings: The stop strings the request named (a text is cut before the first it holds).
+        stop_ids: Tokens that end a sequence and are not shown (the end of turn, the end of sequence).
+        scores_only: `max_tokens=0`: the prompt's logprobs only (one token is sampled, then left out).
     """
 
-    prompt_ids: list[int]
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
+    request: SampleRequest
     stop_strings: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()
-    top_logprobs: int = 0
-    prompt_logprobs: bool = False
-    prompt_top_logprobs: int = 0
+    scores_only: bool = False
 
     @property
-    def scores_only(self) -> bool:
-        return self.max_tokens == 0
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt.to_ints()
 
-    def sampling_params(self) -> SamplingParams:
-        """The engine's parameters. Stop strings, when given, end a sequence together with the
-        end-of-sequence token (the engine's rule); the end of turn is added to them as text when it is
-        another token. Without strings, the end-of-turn tokens stop it."""
-        stop: list[str] | list[int] = sorted(self.stop_ids)
-        if self.stop_strings:
-            stop = list(self.stop_strings)
-        return SamplingParams(
-            max_tokens=1 if self.scores_only else self.max_tokens,
-            seed=self.seed,
-            stop=stop,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-        )
+    @property
+    def n(self) -> int:
+        return self.request.num_samples
 
-    def sample_request(self) -> SampleRequest:
-        """The engine's request for this call (raises ValueError naming a bad field)."""
-        return SampleRequest(
-            ModelInput.from_ints(self.prompt_ids),
-            self.n,
-            self.sampling_params(),
-            self.prompt_logprobs,
-            topk_prompt_logprobs=self.prompt_top_logprobs,
-            topk_sample_logprobs=self.top_logprobs,
+    @property
+    def top_logprobs(self) -> int:
+        return self.request.topk_sample_logprobs
+
+
+def generation_call(
+    prompt_ids: list[int],
+    fields: SamplingFields,
+    *,
+    n: int = 1,
+    top_logprobs: int = 0,
+    prompt_top_logprobs: int | None = None,
+    scores_only: bool = False,
+) -> GenerationCall:
+    """A prompt's call, its `SampleRequest` built here, once; `prompt_top_logprobs` (None: no prompt
+    logprobs) asks for the prompt's logprobs with that many alternatives (`echo`). Raises RequestError
+    naming what the request cannot be."""
+    try:
+        request = SampleRequest(
+            ModelInput.from_ints(prompt_ids),
+            n,
+            fields.params,
+            prompt_top_logprobs is not None,
+            topk_prompt_logprobs=prompt_top_logprobs or 0,
+            topk_sample_logprobs=top_logprobs,
         )
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    return GenerationCall(request, fields.stop_strings, fields.stop_ids, scores_only)
 
 
 @dataclass(frozen=True)
@@ -132,55 +129,54 @@ class Generated:
     completions: list[Completion]
 
 
-def check_stop_strings(stop: object, where: str) -> tuple[str, ...]:
-    """A stop field: None, one string, or a list of at most `MAX_STOP_STRINGS` non-empty strings."""
-    if stop is None:
-        return ()
-    strings = [stop] if isinstance(stop, str) else stop
-    if (
-        not isinstance(strings, list)
-        or len(strings) > MAX_STOP_STRINGS
-        or not all(isinstance(s, str) and s for s in strings)
-    ):
-        raise ValueError(
-            f"{where} must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them"
-        )
-    return tuple(strings)
+class ModelRoutes:
+    """A compatible API's work for the requests that name weights of one base model (its tokenizer
+    renders and reads them), over the Tinker service and the weights it serves; a chat's reply ends with
+    its turn (`ending`)."""
+
+    def __init__(self, service: TinkerService, weights: ServedWeights, engine: Engine):
+        self.service = service
+        self.weights = weights
+        self.engine = engine  # the base model's whose weights the requests name
+        self.tokenizer = engine.tokenizer
+        self.ending = chat_ending(self.tokenizer)
 
 
-def check_calls(engine: Engine, calls: Sequence[GenerationCall]) -> None:
-    """Every call checked as `Engine.sample` checks it, and the request's sequences counted, before any
-    is queued; raises ValueError naming the problem."""
+def chat_ending(tokenizer: PreTrainedTokenizerBase) -> Ending:
+    """What ends a chat's reply: its turn's end (`loops.chat.end_of_turn_ids`), as tokens, and with
+    stop strings as the text of those that are not the end-of-sequence token (which stops anyway)."""
+    ids = end_of_turn_ids(tokenizer)
+    return Ending(ids, tuple(token_text(tokenizer, t) for t in sorted(ids) if t != tokenizer.eos_token_id))
+
+
+def text_ending(tokenizer: PreTrainedTokenizerBase) -> Ending:
+    """What ends a text completion: the end-of-sequence token."""
+    eos = tokenizer.eos_token_id
+    return Ending(frozenset() if eos is None else frozenset({int(eos)}))
+
+
+def check_calls(engine: EngineInterface, calls: Sequence[GenerationCall]) -> None:
+    """Every call checked by the engine (`EngineInterface.check_sample`) and the request's sequences
+    counted, before any is queued; raises RequestError naming the problem."""
     limit = engine.config.max_samples_per_request
     total = sum(call.n for call in calls)
     if not calls or total > limit:
-        raise ValueError(
+        raise RequestError(
             f"a request may ask for 1 to {limit} sequences in all (prompts x n, the server's "
             f"max_samples_per_request), this one asks for {total}"
         )
     for index, call in enumerate(calls):
         where = f"prompt {index}: " if len(calls) > 1 else ""
-        if call.max_tokens is not None and (
-            isinstance(call.max_tokens, bool) or not isinstance(call.max_tokens, int) or call.max_tokens < 0
-        ):
-            raise ValueError(f"max_tokens must be a non-negative integer, got {call.max_tokens!r}")
-        check_width("top_logprobs", call.top_logprobs, MAX_TOP_LOGPROBS)
-        check_width("prompt top_logprobs", call.prompt_top_logprobs, MAX_TOP_LOGPROBS)
         try:
-            prepare_request(
-                call.sample_request(),
-                tokenizer=engine.tokenizer,
-                base_info=engine.base_info,
-                max_samples_per_request=limit,
-            )
+            engine.check_sample(call.request)
         except ValueError as error:
-            raise ValueError(f"{where}{error}") from None
+            raise RequestError(f"{where}{error}") from None
 
 
 def _submit(
     engine: Engine, pin: APIFuture[SamplerPin], call: GenerationCall, token_sink: TokenSink | None = None
 ) -> APIFuture[SampleResponse]:
-    return engine.sample(pin, call.sample_request(), token_sink)
+    return engine.sample(pin, call.request, token_sink)
 
 
 async def generate(

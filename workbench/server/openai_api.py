@@ -26,32 +26,42 @@ from __future__ import annotations
 
 import secrets
 import time
-import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from workbench.engine.local.engine import Engine
-from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat
-from workbench.server.compat_http import error_status, event_stream, guarded, json_body, started
+from workbench.loops.chat import parse_reply, render_chat
+from workbench.server.compat_http import CompatRoutes, error_status, event_stream, started
 from workbench.server.errors import RequestError, message_of
 from workbench.server.generation import (
-    MAX_TOP_LOGPROBS,
     Completion,
     Generated,
     GenerationCall,
+    ModelRoutes,
     SequenceDone,
     TextDelta,
     check_calls,
-    check_stop_strings,
     generate,
+    generation_call,
     stream_generate,
+    text_ending,
     token_text,
+)
+from workbench.server.sampling_fields import (
+    MAX_TOP_LOGPROBS,
+    FieldError,
+    SamplingFields,
+    flag,
+    integer,
+    refuse_unless,
+    sampling_fields,
 )
 from workbench.server.served_weights import ServedWeights, Weights
 from workbench.server.service import TinkerService
+from workbench.types import MIN_TEMPERATURE
 
 PREFIX = "/oai/api/v1"
 
@@ -59,12 +69,12 @@ PARAMETERS: dict[str, str] = {
     # both endpoints
     "model": "supported: a base model, a tinker:// checkpoint path, '<base>;<path>' or a model id",
     "max_tokens": "supported (0 on /completions: the prompt's logprobs only)",
-    "temperature": "supported: 0 (greedy) or at least 1e-3",
-    "top_p": "supported",
+    "temperature": f"supported: 0 (greedy) or at least {MIN_TEMPERATURE:g} (SamplingParams' rule)",
+    "top_p": "supported: in (0, 1]",
     "top_k": "supported (vLLM's extension): -1 or >= 1",
     "n": "supported: prompts x n at most the server's max_samples_per_request",
     "stop": "supported: a string or up to 16",
-    "seed": "supported: the same seed gives the same tokens",
+    "seed": "supported: the same seed gives the same tokens; -2**63 <= seed < 2**64",
     "stream": "supported: token by token as the sampler draws them (with tools: once the reply is sampled)",
     "stream_options": "supported: include_usage",
     "user": "ignored",
@@ -119,12 +129,8 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
 }
 
 
-class OpenAIError(RequestError):
-    """A refusal naming the request field it is about (OpenAI's `param`)."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message, status)
-        self.param = param
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+"""The `SamplingParams` fields OpenAI's requests set, each by its own name."""
 
 
 def _error_type(status: int) -> str:
@@ -138,7 +144,7 @@ def _error_type(status: int) -> str:
 def _error_body(service: TinkerService, error: BaseException) -> dict[str, Any]:
     """A failure in OpenAI's shape: a response's body, or a stream's error event."""
     status = error_status(error)
-    param = error.param if isinstance(error, OpenAIError) else None
+    param = error.param if isinstance(error, FieldError) else None
     message = service.client_message(message_of(error))
     return {"error": {"message": message, "type": _error_type(status), "param": param, "code": None}}
 
@@ -147,68 +153,43 @@ def _id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def _integer(
-    body: Mapping[str, Any], name: str, default: int | None, low: int, high: int | None = None
-) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise OpenAIError(f"{name} must be an integer {bound}, got {value!r}", param=name)
-    return value
+@dataclass(frozen=True)
+class Delivery:
+    """How a reply is sent: as a stream (`stream`), with a last chunk of the usage (`include_usage`)."""
+
+    stream: bool
+    include_usage: bool
 
 
-def _number(body: Mapping[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OpenAIError(f"{name} must be a number, got {value!r}", param=name)
-    return float(value)
-
-
-def _common(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The sampling fields both endpoints share, checked."""
-    for name, allowed in _REFUSED_UNLESS.items():
-        if name in body and body[name] not in allowed:
-            raise OpenAIError(f"{name}: {PARAMETERS[name]} on this server, got {body[name]!r}", param=name)
-    temperature = _number(body, "temperature", 1.0)
-    if not (temperature == 0 or 1e-3 <= temperature <= 100):
-        raise OpenAIError(
-            f"temperature must be 0 (greedy) or in [0.001, 100], got {temperature!r}", param="temperature"
-        )
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise OpenAIError(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
-    top_k = _integer(body, "top_k", -1, -1)
-    if top_k == 0:
-        raise OpenAIError("top_k must be -1 (off) or >= 1, got 0", param="top_k")
+def _delivery(body: Mapping[str, Any]) -> Delivery:
+    """The fields both endpoints share that are not sampling's: the refused ones checked, the stream's."""
+    refuse_unless(body, _REFUSED_UNLESS, PARAMETERS)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
-        raise OpenAIError("stream_options must be an object", param="stream_options")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise OpenAIError(f"stream must be true or false, got {stream!r}", param="stream")
-    try:
-        stop = check_stop_strings(body.get("stop"), "stop")
-    except ValueError as error:
-        raise OpenAIError(str(error), param="stop") from None
-    return {
-        "n": _integer(body, "n", 1, 1),
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": _integer(body, "seed", None, -(2**63), 2**63 - 1),
-        "stop_strings": stop,
-        "stream": bool(stream),
-        "include_usage": bool((options or {}).get("include_usage")),
-    }
+        raise FieldError("stream_options must be an object", param="stream_options")
+    return Delivery(flag(body, "stream"), bool((options or {}).get("include_usage")))
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """A chat request read: its call, whether tools are offered, whether logprobs are, how it is sent."""
+
+    call: GenerationCall
+    offered: bool
+    logprobs: bool
+    delivery: Delivery
+
+
+@dataclass(frozen=True)
+class CompletionCalls:
+    """A text completions request read: a call per prompt and its text when given as text, the echo,
+    the alternatives per token (`logprobs`, None: no logprobs), how it is sent."""
+
+    calls: list[GenerationCall]
+    texts: list[str | None]
+    echo: bool
+    logprobs: int | None
+    delivery: Delivery
 
 
 def _usage(results: list[Generated]) -> dict[str, int]:
@@ -217,72 +198,50 @@ def _usage(results: list[Generated]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-class OpenAIRoutes:
-    """The routes' work for the requests that name weights of one base model (its tokenizer renders and
-    reads them), over the Tinker service and the weights it serves."""
-
-    def __init__(self, service: TinkerService, weights: ServedWeights, engine: Engine):
-        self.service = service
-        self.weights = weights
-        self.engine = engine  # the base model's whose weights the requests name
-        self.tokenizer = engine.tokenizer
-        self.end_of_turn = end_of_turn_ids(self.tokenizer)
+class OpenAIRoutes(ModelRoutes):
+    """The routes' work for one base model (`generation.ModelRoutes`)."""
 
     # ------------------------------------------------------------------------------------------ chat
 
-    def chat_calls(self, body: Mapping[str, Any]) -> tuple[GenerationCall, bool]:
-        """The chat request as one generation call, and whether tools were offered."""
-        common = _common(body)
+    def chat_calls(self, body: Mapping[str, Any]) -> ChatCall:
+        """The chat request as one generation call."""
+        delivery = _delivery(body)
+        offered, tools = self._offered_tools(body)
+        try:
+            prompt = render_chat(self.tokenizer, body.get("messages"), tools)
+        except ValueError as error:
+            raise FieldError(
+                str(error), param="tools" if str(error).startswith("tools") else "messages"
+            ) from None
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        fields = sampling_fields(
+            body, SAMPLING_FIELDS, max_tokens=(name, body.get(name)), stop_field="stop", ending=self.ending
+        )
+        logprobs = flag(body, "logprobs")
+        top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+        if top and not logprobs:
+            raise FieldError("top_logprobs needs logprobs: true", param="top_logprobs")
+        call = generation_call(prompt, fields, n=self._n(body), top_logprobs=top)
+        return ChatCall(call, offered, logprobs, delivery)
+
+    @staticmethod
+    def _offered_tools(body: Mapping[str, Any]) -> tuple[bool, list[Any] | None]:
+        """Whether tools are offered, and the tools the chat template renders (None: none)."""
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
-            raise OpenAIError("tools must be a list of functions", param="tools")
+            raise FieldError("tools must be a list of functions", param="tools")
         choice = body.get("tool_choice")
         if choice not in (None, "auto", "none"):
-            raise OpenAIError(
+            raise FieldError(
                 f"tool_choice {choice!r}: this server cannot force a tool call; use 'auto' or 'none'",
                 param="tool_choice",
             )
         offered = bool(tools) and choice != "none"
-        try:
-            prompt = render_chat(self.tokenizer, body.get("messages"), tools if offered else None)
-        except ValueError as error:
-            raise OpenAIError(
-                str(error), param="tools" if str(error).startswith("tools") else "messages"
-            ) from None
-        max_tokens = _integer(body, "max_completion_tokens", None, 1)
-        if max_tokens is None:
-            max_tokens = _integer(body, "max_tokens", None, 1)
-        logprobs = body.get("logprobs")
-        if logprobs is not None and not isinstance(logprobs, bool):
-            raise OpenAIError(f"logprobs must be true or false, got {logprobs!r}", param="logprobs")
-        top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
-        if top and not logprobs:
-            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        call = GenerationCall(
-            prompt_ids=prompt,
-            n=common["n"],
-            max_tokens=max_tokens,
-            temperature=common["temperature"],
-            top_p=common["top_p"],
-            top_k=common["top_k"],
-            seed=common["seed"],
-            stop_strings=self._with_end_of_turn(common["stop_strings"]),
-            stop_ids=self.end_of_turn,
-            top_logprobs=top,
-        )
-        return call, offered
+        return offered, tools if offered else None
 
-    def _with_end_of_turn(self, strings: tuple[str, ...]) -> tuple[str, ...]:
-        """Stop strings with the end-of-turn tokens' text added where it is not the end-of-sequence token
-        (which stops a sequence anyway), so a reply still ends with its turn."""
-        if not strings:
-            return strings
-        extra = [
-            token_text(self.tokenizer, t)
-            for t in sorted(self.end_of_turn)
-            if t != self.tokenizer.eos_token_id
-        ]
-        return (*strings, *extra)
+    @staticmethod
+    def _n(body: Mapping[str, Any]) -> int:
+        return integer(body, "n", 1, 1) or 1
 
     def _chat_logprobs(self, completion: Completion, wanted: bool) -> dict[str, Any] | None:
         if not wanted:
@@ -325,28 +284,22 @@ class OpenAIRoutes:
         return message, finish
 
     async def chat(self, body: Mapping[str, Any]) -> Response:
-        call, offered = self.chat_calls(body)
-        common = _common(body)
+        chat = self.chat_calls(body)
         model, created, response_id = str(body["model"]), int(time.time()), _id("chatcmpl")
-        wanted = bool(body.get("logprobs"))
-        if common["stream"]:
-            events = await self._stream(body.get("model"), [call])
-            return event_stream(
-                self._chat_chunks(
-                    events, call, offered, wanted, common["include_usage"], response_id, created, model
-                ),
-                done_marker=True,
-            )
-        results = await self._run(body.get("model"), [call])
+        head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        if chat.delivery.stream:
+            events = await self._stream(body.get("model"), [chat.call])
+            return event_stream(self._chat_chunks(events, chat, head), done_marker=True)
+        results = await self._run(body.get("model"), [chat.call])
         result = results[0]
         choices = []
         for index, completion in enumerate(result.completions):
-            message, finish = self.chat_message(completion, offered)
+            message, finish = self.chat_message(completion, chat.offered)
             choices.append(
                 {
                     "index": index,
                     "message": message,
-                    "logprobs": self._chat_logprobs(completion, wanted),
+                    "logprobs": self._chat_logprobs(completion, chat.logprobs),
                     "finish_reason": finish,
                     "stop_reason": completion.stop_string,
                     "token_ids": completion.token_ids,
@@ -366,36 +319,13 @@ class OpenAIRoutes:
         )
 
     async def _chat_chunks(
-        self,
-        events: AsyncIterator[TextDelta | SequenceDone],
-        call: GenerationCall,
-        offered: bool,
-        wanted: bool,
-        include_usage: bool,
-        response_id: str,
-        created: int,
-        model: str,
+        self, events: AsyncIterator[TextDelta | SequenceDone], chat: ChatCall, head: dict[str, Any]
     ) -> AsyncIterator[tuple[None, dict[str, Any]]]:
-        """Each choice's chunks: its role, its text as it is sampled, its end; then the usage."""
+        """Each choice's chunks: its role, its text as it is sampled, its end; then the usage. `head`:
+        what every chunk begins with."""
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> tuple[None, dict[str, Any]]:
-            head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
             return None, {**head, "choices": choices, "usage": None, **extra}
-
-        def content(index: int, piece: str, completion: Completion | None) -> tuple[None, dict[str, Any]]:
-            """A content chunk; the choice's last (`completion` given) carries its logprobs and ids."""
-            last = completion is not None
-            return chunk(
-                [
-                    {
-                        "index": index,
-                        "delta": {"content": piece},
-                        "logprobs": self._chat_logprobs(completion, wanted) if last else None,
-                        "finish_reason": None,
-                        **({"token_ids": completion.token_ids} if last else {}),
-                    }
-                ]
-            )
 
         opened = -1  # the choice whose chunks are being sent
         # the choice's text not sent yet: its newest piece (the last one goes with the logprobs), or
@@ -407,43 +337,61 @@ class OpenAIRoutes:
                 index = event.sequence
                 if index != opened:
                     opened = index
-                    yield chunk(
-                        [
-                            {
-                                "index": index,
-                                "delta": {"role": "assistant", "content": ""},
-                                "finish_reason": None,
-                            }
-                        ],
-                        prompt_token_ids=call.prompt_ids if index == 0 else None,
-                    )
+                    role = {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                    }
+                    yield chunk([role], prompt_token_ids=chat.call.prompt_ids if index == 0 else None)
                 if isinstance(event, TextDelta):
                     pending.append(event.text)
-                    while not offered and len(pending) > 1:
-                        yield content(index, pending.pop(0), None)
+                    while not chat.offered and len(pending) > 1:
+                        yield chunk([self._chat_content(chat, index, pending.pop(0), None)])
                     continue
                 result = event.generated
-                completion = result.completions[index]
-                message, finish = self.chat_message(completion, offered)
-                if "tool_calls" in message:
-                    pending = [message["content"]] if message.get("content") else []
-                for number, piece in enumerate(pending):
-                    yield content(index, piece, completion if number == len(pending) - 1 else None)
-                closing: dict[str, Any] = {"index": index, "delta": {}, "finish_reason": finish}
-                if "tool_calls" in message:
-                    closing["delta"] = {
-                        "tool_calls": [{"index": i, **made} for i, made in enumerate(message["tool_calls"])]
-                    }
-                if not pending:
-                    closing["logprobs"] = self._chat_logprobs(completion, wanted)
-                    closing["token_ids"] = completion.token_ids
-                yield chunk([closing])
+                for choices in self._chat_ending(chat, index, result.completions[index], pending):
+                    yield chunk(choices)
                 pending = []
         except Exception as error:  # the stream has started: the failure is its last event
             yield None, _error_body(self.service, error)
             return
-        if include_usage and result is not None:
+        if chat.delivery.include_usage and result is not None:
             yield chunk([], usage=_usage([result]))
+
+    def _chat_content(
+        self, chat: ChatCall, index: int, piece: str, completion: Completion | None
+    ) -> dict[str, Any]:
+        """A content chunk's choice; the choice's last (`completion` given) carries its logprobs and ids."""
+        last = completion is not None
+        return {
+            "index": index,
+            "delta": {"content": piece},
+            "logprobs": self._chat_logprobs(completion, chat.logprobs) if last else None,
+            "finish_reason": None,
+            **({"token_ids": completion.token_ids} if last else {}),
+        }
+
+    def _chat_ending(
+        self, chat: ChatCall, index: int, completion: Completion, pending: list[str]
+    ) -> list[list[dict[str, Any]]]:
+        """A finished choice's last chunks' choices: the text not sent yet (with tools, the text the
+        calls leave), the last carrying the logprobs, then the finish with the calls."""
+        message, finish = self.chat_message(completion, chat.offered)
+        if "tool_calls" in message:
+            pending = [message["content"]] if message.get("content") else []
+        chunks = [
+            [self._chat_content(chat, index, piece, completion if number == len(pending) - 1 else None)]
+            for number, piece in enumerate(pending)
+        ]
+        closing: dict[str, Any] = {"index": index, "delta": {}, "finish_reason": finish}
+        if "tool_calls" in message:
+            closing["delta"] = {
+                "tool_calls": [{"index": i, **made} for i, made in enumerate(message["tool_calls"])]
+            }
+        if not pending:
+            closing["logprobs"] = self._chat_logprobs(completion, chat.logprobs)
+            closing["token_ids"] = completion.token_ids
+        return [*chunks, [closing]]
 
     # ------------------------------------------------------------------------------------------ completions
 
@@ -456,7 +404,7 @@ class OpenAIRoutes:
         ):
             prompt = [prompt]
         if not isinstance(prompt, list) or not prompt:
-            raise OpenAIError(
+            raise FieldError(
                 "prompt must be a string, a list of token ids, or a non-empty list of either", param="prompt"
             )
         prompts: list[tuple[list[int], str | None]] = []
@@ -466,42 +414,41 @@ class OpenAIRoutes:
             elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
                 prompts.append((list(item), None))
             else:
-                raise OpenAIError(f"prompt[{index}] must be a string or a list of token ids", param="prompt")
+                raise FieldError(f"prompt[{index}] must be a string or a list of token ids", param="prompt")
         return prompts
 
-    def completion_calls(self, body: Mapping[str, Any]) -> tuple[list[GenerationCall], list[str | None]]:
-        common = _common(body)
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != common["n"]:
-            raise OpenAIError("best_of is refused on this server unless it equals n", param="best_of")
+    def completion_calls(self, body: Mapping[str, Any]) -> CompletionCalls:
+        delivery = _delivery(body)
+        n = self._n(body)
+        if body.get("best_of") is not None and body["best_of"] != n:
+            raise FieldError("best_of is refused on this server unless it equals n", param="best_of")
         prompts = self._prompts(body.get("prompt"))
-        echo = body.get("echo")
-        if echo is not None and not isinstance(echo, bool):
-            raise OpenAIError(f"echo must be true or false, got {echo!r}", param="echo")
-        logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-        max_tokens = _integer(body, "max_tokens", 16, 0)
-        if max_tokens == 0 and not echo:
-            raise OpenAIError("max_tokens 0 asks for nothing unless echo is true", param="max_tokens")
+        echo = flag(body, "echo")
+        logprobs = integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        scores_only = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+        if scores_only and not echo:
+            raise FieldError("max_tokens 0 asks for nothing unless echo is true", param="max_tokens")
+        max_tokens = 1 if scores_only else (16 if body.get("max_tokens") is None else body["max_tokens"])
+        fields: SamplingFields = sampling_fields(
+            body,
+            SAMPLING_FIELDS,
+            max_tokens=("max_tokens", max_tokens),
+            stop_field="stop",
+            ending=text_ending(self.tokenizer),
+        )
+        prompt_top = None if not (echo and logprobs is not None) else logprobs
         calls = [
-            GenerationCall(
-                prompt_ids=ids,
-                n=common["n"],
-                max_tokens=max_tokens,
-                temperature=common["temperature"],
-                top_p=common["top_p"],
-                top_k=common["top_k"],
-                seed=common["seed"],
-                stop_strings=common["stop_strings"],
-                stop_ids=frozenset()
-                if self.tokenizer.eos_token_id is None
-                else frozenset({self.tokenizer.eos_token_id}),
+            generation_call(
+                ids,
+                fields,
+                n=n,
                 top_logprobs=logprobs or 0,
-                prompt_logprobs=bool(echo and logprobs is not None),
-                prompt_top_logprobs=(logprobs or 0) if echo else 0,
+                prompt_top_logprobs=prompt_top,
+                scores_only=scores_only,
             )
             for ids, _ in prompts
         ]
-        return calls, [text for _, text in prompts]
+        return CompletionCalls(calls, [text for _, text in prompts], echo, logprobs, delivery)
 
     def _completion_logprobs(
         self, result: Generated, completion: Completion, echo: bool, k: int
@@ -529,21 +476,27 @@ class OpenAIRoutes:
         }
 
     async def completions(self, body: Mapping[str, Any]) -> Response:
-        calls, texts = self.completion_calls(body)
-        common = _common(body)
-        echo = bool(body.get("echo"))
-        k = body.get("logprobs")
+        asked = self.completion_calls(body)
+        calls, texts, echo, k = asked.calls, asked.texts, asked.echo, asked.logprobs
         model, created, response_id = str(body["model"]), int(time.time()), _id("cmpl")
         # each prompt's text as an echo gives it
         prefixes = [
             (text if text is not None else self.tokenizer.decode(call.prompt_ids)) if echo else ""
             for call, text in zip(calls, texts, strict=True)
         ]
-        if common["stream"]:
+        if asked.delivery.stream:
             events = await self._stream(body.get("model"), calls)
             return event_stream(
                 self._completion_chunks(
-                    events, calls, prefixes, echo, k, common["include_usage"], response_id, created, model
+                    events,
+                    calls,
+                    prefixes,
+                    echo,
+                    k,
+                    asked.delivery.include_usage,
+                    response_id,
+                    created,
+                    model,
                 ),
                 done_marker=True,
             )
@@ -675,60 +628,27 @@ class OpenAIRoutes:
 
     async def _weights(self, model: object, calls: list[GenerationCall]) -> Weights:
         """The calls checked, then the weights `model` names."""
-        try:
-            check_calls(self.engine, calls)
-        except ValueError as error:
-            raise OpenAIError(str(error)) from None
+        check_calls(self.engine, calls)
         try:
             return await self.weights.resolve(model)
         except RequestError as error:
-            raise OpenAIError(error.message, error.status, "model") from None
+            raise FieldError(error.message, error.status, "model") from None
 
 
 def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
     """The routes under `PREFIX`; the app mounts them with `include_router(..., prefix=PREFIX)`."""
-    routes: weakref.WeakKeyDictionary[Engine, OpenAIRoutes] = weakref.WeakKeyDictionary()
+    api = CompatRoutes(service, weights, OpenAIRoutes, _error_body)
     router = APIRouter()
 
-    async def for_the_model(request: Request) -> tuple[OpenAIRoutes, dict[str, Any]]:
-        """The request's body, and the routes of the base model its `model` names."""
-        body = await json_body(request, service.config)
-        try:
-            engine = (await weights.identify(body.get("model"))).engine
-        except RequestError as error:
-            raise OpenAIError(error.message, error.status, "model") from None
-        if engine not in routes:
-            routes[engine] = OpenAIRoutes(service, weights, engine)
-        return routes[engine], body
-
-    async def chat(request: Request) -> Response:
-        model_routes, body = await for_the_model(request)
-        return await model_routes.chat(body)
-
-    async def complete(request: Request) -> Response:
-        model_routes, body = await for_the_model(request)
-        return await model_routes.completions(body)
-
-    def answer(error: BaseException) -> JSONResponse:
-        return JSONResponse(_error_body(service, error), status_code=error_status(error))
-
-    async def answered(request: Request, work: Callable[[Request], Awaitable[Response]]) -> Response:
-        return await guarded(request, service.config, work, answer)
-
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await answered(request, chat)
-
-    @router.post("/completions")
-    async def completions(request: Request) -> Response:
-        return await answered(request, complete)
+    api.post(router, "/chat/completions", OpenAIRoutes.chat)
+    api.post(router, "/completions", OpenAIRoutes.completions)
 
     @router.get("/models")
     async def models(request: Request) -> Response:
         async def listing(_: Request) -> Response:
             return JSONResponse({"object": "list", "data": weights.listing()})
 
-        return await answered(request, listing)
+        return await api.answered(request, listing)
 
     @router.get("/models/{model:path}")
     async def model(request: Request, model: str) -> Response:
@@ -736,18 +656,9 @@ def openai_router(service: TinkerService, weights: ServedWeights) -> APIRouter:
             for entry in weights.listing():
                 if entry["id"] == model:
                     return JSONResponse(entry)
-            raise OpenAIError(f"model {model!r} is not served here (GET /models lists them)", 404, "model")
+            raise FieldError(f"model {model!r} is not served here (GET /models lists them)", 404, "model")
 
-        return await answered(request, one)
+        return await api.answered(request, one)
 
-    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def unknown(request: Request, path: str) -> Response:
-        async def missing(_: Request) -> Response:
-            raise OpenAIError(
-                f"no endpoint {request.method} {PREFIX}/{path} here: /chat/completions, /completions and /models are served",
-                404,
-            )
-
-        return await answered(request, missing)
-
+    api.refuse_other_paths(router, PREFIX, "/chat/completions, /completions and /models are served")
     return router

@@ -283,7 +283,7 @@ class SampleRequestBody(StrictBody):
     type: Literal["sample"] = "sample"
 
     def sample_request(
-        self, sequence_ids: Sequence[str], target_prompt_ids: np.ndarray | None
+        self, sequence_ids: Sequence[str] | None, target_prompt_ids: np.ndarray | None
     ) -> SampleRequest:
         """The engine's request: this body's fields, the sequence ids the server promised the client,
         and the target ids `wire.target_ids` read from `target_prompt_logprobs` (the SDK's JSON tensor,
@@ -295,7 +295,7 @@ class SampleRequestBody(StrictBody):
             bool(self.prompt_logprobs),
             prompt_logprobs_last_n=self.prompt_logprobs_last_n,
             record_stability_info=bool(self.record_stability_info),
-            sequence_ids=tuple(sequence_ids),
+            sequence_ids=None if sequence_ids is None else tuple(sequence_ids),
             topk_prompt_logprobs=self.topk_prompt_logprobs,
             topk_sample_logprobs=self.topk_sample_logprobs,
             target_prompt_logprobs=target_prompt_ids,

@@ -41,7 +41,6 @@ from workbench.engine.local.base_models import BaseModels
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.engine.roles import Role
-from workbench.engine.samplers.requests import check_num_samples
 from workbench.futures import APIFuture
 from workbench.losses import LOSSES
 from workbench.server import schemas, wire
@@ -664,9 +663,10 @@ class TinkerService:
                 if request.target_prompt_logprobs is not None:
                     target_ids, layout = wire.target_ids(request.target_prompt_logprobs)
                 sampler = self.sampler(request.sampling_session_id or "")
-                check_num_samples(request.num_samples, sampler.engine.config.max_samples_per_request)
-                ids = _sequence_ids(entry.request_id, request.num_samples)
-                future = sampler.engine.sample(sampler.pin, request.sample_request(ids, target_ids))
+                asked = request.sample_request(None, target_ids)
+                sampler.engine.check_sample(asked)  # num_samples within the limit before ids are made
+                ids = tuple(_sequence_ids(entry.request_id, request.num_samples))
+                future = sampler.engine.sample(sampler.pin, dataclasses.replace(asked, sequence_ids=ids))
             except BaseException as error:
                 self.futures.fail(entry, error)
                 return

@@ -451,6 +451,10 @@ class Engine:
         and `token_sink` is told each sequence's tokens as the sampler draws them."""
         return sample.submit_sample(self._state, pin, request, token_sink)
 
+    def check_sample(self, request: SampleRequest) -> None:
+        """`requests.prepare_request`'s checks against the model and `max_samples_per_request`."""
+        sample.check_sample(self._state, request)
+
     def compute_logprobs(
         self,
         pin: APIFuture[SamplerPin],

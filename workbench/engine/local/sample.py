@@ -172,6 +172,22 @@ def pinned_weights(state: EngineState, held: SamplerPin) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- requests
 
 
+def check_sample(state: EngineState, request: SampleRequest) -> None:
+    """Raise what `submit_sample` raises for `request` in the caller's thread, queueing nothing."""
+    state.check_open()
+    _prepared(state, request, None)
+
+
+def _prepared(state: EngineState, request: SampleRequest, token_sink: TokenSink | None) -> PreparedRequest:
+    return prepare_request(
+        request,
+        tokenizer=state.tokenizer,
+        base_info=state.base_info,
+        max_samples_per_request=state.config.max_samples_per_request,
+        token_sink=token_sink,
+    )
+
+
 def submit_sample(
     state: EngineState,
     pin_future: APIFuture[SamplerPin],
@@ -179,13 +195,7 @@ def submit_sample(
     token_sink: TokenSink | None = None,
 ) -> APIFuture[SampleResponse]:
     state.check_open()
-    prepared = prepare_request(
-        request,
-        tokenizer=state.tokenizer,
-        base_info=state.base_info,
-        max_samples_per_request=state.config.max_samples_per_request,
-        token_sink=token_sink,
-    )
+    prepared = _prepared(state, request, token_sink)
     return state.submit_batchable(
         "sample", (pin_future, prepared), lambda items: run_sample_batch(state, items)
     )

@@ -586,18 +586,22 @@ class RemoteEngine:
 
         return get
 
-    def sample(
-        self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
-    ) -> APIFuture[SampleResponse]:
-        """Sample on the service, which checks what needs the model; the response reports the weights
-        version its client pinned. The service answers a request whole: `token_sink` is told nothing, and
-        its caller has the tokens with the response."""
+    def check_sample(self, request: SampleRequest) -> None:
+        """What this side can check; the service checks what needs the model when the request comes."""
         if request.record_stability_info or request.sequence_ids is not None:
             raise RemoteUnsupportedError(
                 "stability records and caller-chosen sequence ids are kept by a local engine only"
             )
         if request.num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {request.num_samples!r}")
+
+    def sample(
+        self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
+    ) -> APIFuture[SampleResponse]:
+        """Sample on the service, which checks what needs the model; the response reports the weights
+        version its client pinned. The service answers a request whole: `token_sink` is told nothing, and
+        its caller has the tokens with the response."""
+        self.check_sample(request)
         model_input = to_sdk_model_input(request.prompt)
         params = to_sdk_sampling_params(request.sampling_params)
         targets = request.target_prompt_logprobs

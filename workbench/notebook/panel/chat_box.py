@@ -2,7 +2,7 @@
 checkpoint, kept turn after turn.
 
 Each turn renders the whole conversation with the model's chat template, as the OpenAI- and
-Anthropic-compatible endpoints render a chat (`workbench.server.chat_format`), and samples the reply
+Anthropic-compatible endpoints render a chat (`workbench.loops.chat`), and samples the reply
 through the session's sampling clients (`sess.sampling_client()`, `sampling_client(base=True)`,
 `policy.create_sampling_client(model_path=...)`), stopping at the template's end of turn: what a chat
 client of `sess.openai_client()` would get, without a server. Sampling runs on the worker; Send returns
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import ipywidgets
 
+from workbench.loops.chat import end_of_turn_ids, render_chat
 from workbench.notebook.panel.feedback import Feedback
-from workbench.server.chat_format import end_of_turn_ids, render_chat
 from workbench.tinker_api.clients import SamplingClient
 from workbench.types import ModelInput, SampleResponse, SamplingParams
 

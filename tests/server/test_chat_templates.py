@@ -1,4 +1,4 @@
-"""workbench/server/chat_format.py: a conversation rendered by the model's own template, its end of turn,
+"""workbench/loops/chat.py (over HTTP): a conversation rendered by the model's own template, its end of turn,
 and tools: rendered by a template that takes them (Hermes format), the model's calls parsed back, over
 HTTP with the unmodified openai client on a tiny model taught to call a tool."""
 
@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 import workbench as wb
 from tests.datums import sft_datum
 from workbench.engine.model.base_model import resolve_model_path
-from workbench.server.chat_format import end_of_turn_ids, parse_reply, render_chat, template_takes_tools
+from workbench.loops.chat import end_of_turn_ids, parse_reply, render_chat, template_takes_tools
 
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 # Tools
