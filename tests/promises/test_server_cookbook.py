@@ -138,3 +138,35 @@ def test_the_cookbook_rl_loop_trains_through_the_server(
     trained = [row for row in session.history if row["op"] == "forward_backward" and row["model"] != "policy"]
     # stable_reinforce reports how many tokens its ratio cap truncated: it ran on the recorded samples
     assert all(("truncated_fraction:mean" in row) == (loss_fn == "stable_reinforce") for row in trained)
+
+
+def test_the_cookbook_async_rl_loop_trains_through_the_server(
+    served: tuple[wb.Session, str], tmp_path: Path
+) -> None:
+    """The cookbook's asynchronous loop (`AsyncConfig(max_steps_off_policy=1)`, `stable_reinforce` by
+    default) over HTTP, unmodified."""
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+
+    _, url = served
+    model = resolve_model_path("tiny")
+    config = rl_train.Config(
+        learning_rate=1e-3,
+        dataset_builder=ArithmeticDatasetBuilder(
+            batch_size=2,
+            model_name_for_tokenizer=model,
+            renderer_name="qwen3_instruct",
+            n_batches=2,
+            group_size=2,
+        ),
+        model_name=model,
+        recipe_name="rl_async_test",
+        max_tokens=4,
+        lora_rank=4,
+        log_path=str(tmp_path / "rl_async"),
+        base_url=url,
+        async_config=rl_train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2),
+        save_every=0,
+        eval_every=0,
+    )
+    asyncio.run(rl_train.main(config))
+    assert len([row for row in _metrics(tmp_path / "rl_async") if "env/all/reward/total" in row]) == 2

@@ -119,7 +119,10 @@ def test_sample_responses_carry_sequence_ids_and_cache_hits(service: wb.ServiceC
             lambda s, t: s.create_lora_training_client("tiny", optimizer=tinker.DimuonOptimizerConfig()),
             "only AdamW",
         ),
-        (lambda s, t: t.save_weights_and_get_sampling_client(kind="inflight"), "only 'snapshot'"),
+        (
+            lambda s, t: t.save_weights_and_get_sampling_client(kind="bogus"),
+            "Input should be 'snapshot' or 'inflight'",
+        ),
         (lambda s, t: s.create_sampling_client(), "Either model_path or base_model"),
         (
             lambda s, t: (

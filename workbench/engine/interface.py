@@ -97,6 +97,10 @@ class SamplerPin:
     version: int | None = None  # the policy's weights version (a loaded checkpoint: the version saved)
     adapter: str | None = None  # the inference adapter of a loaded checkpoint
     folder: Path | None = None  # the checkpoint folder it was loaded from
+    # Tinker's `kind="inflight"`: the client follows its model's shared inflight target, which later
+    # inflight saves move; `version` is then the version the target held when the pin was taken (the
+    # oldest the client can sample), and each request samples the target as it stands when it runs
+    inflight: bool = False
 
     @property
     def is_base(self) -> bool:
@@ -211,10 +215,15 @@ class EngineInterface(Protocol):
         a new one; the step and the weights version move on by one (Tinker's `TrainingClient.optim_step`)."""
 
     # sampling
-    def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
+    def pin_sampler(
+        self, model_id: str | None, version: int | None = None, *, inflight: bool = False
+    ) -> APIFuture[SamplerPin]:
         """Hold the weights a sampling client samples: the model's policy at `version` (default: the
         weights the operations queued before this call leave), or the base model (`model_id=None`), until
-        `release_sampler` (Tinker's `save_weights_and_get_sampling_client`)."""
+        `release_sampler` (Tinker's `save_weights_and_get_sampling_client`). With `inflight`, the pin
+        moves the model's shared inflight target to those weights and follows the target from then on
+        (Tinker's `kind="inflight"`): every inflight client of the model samples the newest inflight
+        save's weights; `version` must then be None."""
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
         """Hold the weights of a saved checkpoint for sampling, named by its `tinker://` path: sampler

@@ -54,6 +54,7 @@ from workbench.metrics import (
     history_run_name,
     open_wandb_run,
 )
+from workbench.notebook.async_run import AsyncRun, SampleFn, TrainFn, start_async_run
 from workbench.notebook.evaluation import EvalFn, with_evaluation
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
@@ -523,6 +524,37 @@ class Session:
         if evaluate is not None:
             step_fn = with_evaluation(step_fn, evaluate, eval_every)
         return start_run(self, step_fn, steps, adam_params, paused, pause_if)
+
+    def run_async(
+        self,
+        sample_fn: SampleFn,
+        train_fn: TrainFn,
+        steps: int,
+        *,
+        max_steps_off_policy: int = 1,
+        inflight: bool = True,
+        adam_params: Any = None,
+        paused: bool = False,
+        pause_if: PauseIf | None = None,
+    ) -> AsyncRun:
+        """An asynchronous run: `sample_fn(sess, sampling_client, j)` samples (and rewards) batch j on a
+        sampler thread, up to `max_steps_off_policy` optimizer steps ahead of the trainer, while
+        `train_fn(sess, i, batch)` trains step i on the run thread; the new weights are published to
+        the sampler after each step, by an inflight save (`inflight=True`) or a new snapshot client.
+        Controls, `adam_params`, `paused` and `pause_if` as for `run`; each step's row adds
+        `async/staleness:max`, `async/trainer_wait_s`, `async/sample_wait_s`, ... With
+        `max_steps_off_policy=0` it is the synchronous loop (see `workbench.notebook.async_run`)."""
+        return start_async_run(
+            self,
+            sample_fn,
+            train_fn,
+            steps,
+            max_steps_off_policy=max_steps_off_policy,
+            inflight=inflight,
+            adam_params=adam_params,
+            paused=paused,
+            pause_if=pause_if,
+        )
 
     def record_rollouts(
         self,

@@ -470,10 +470,6 @@ class TinkerService:
         def submit(model: ServedModel) -> tuple[APIFuture[Any], Callable[[Any], Any]]:
             if model.role is not Role.POLICY:
                 raise ValueError(f"{model.model_id} is a critic: only a policy has weights to sample")
-            if request.kind != "snapshot":
-                raise ValueError(
-                    f"sampling client kind {request.kind!r} is not available here; use 'snapshot'"
-                )
             if request.path is not None:
                 future = model.engine.save_weights_for_sampler(
                     model.engine_model_id,
@@ -485,7 +481,7 @@ class TinkerService:
             if request.sampling_session_seq_id is None:
                 raise ValueError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
             sampler_id = f"{model.session_id}:sample:{request.sampling_session_seq_id}"
-            pin = model.engine.pin_sampler(model.engine_model_id)
+            pin = model.engine.pin_sampler(model.engine_model_id, inflight=request.kind == "inflight")
             self._add_sampler(
                 ServedSampler(sampler_id, pin, model.session_id, None, model.model_id, model.engine)
             )

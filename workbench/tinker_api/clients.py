@@ -5,13 +5,13 @@ SDK's clients, with the same parameters and defaults, returning the same kinds o
 `await`); the `*_async` twins behave as the SDK's (an `async` method that returns what the plain one
 does, or the future of it). A `TrainingClient` speaks for one model of an engine: a run's policy, its
 critic, or the reference (the base model with adapters off, forward only). A `SamplingClient` samples
-fixed weights, pinned in submission order with the training operations (see
-`workbench.engine.local.sample`). Every call goes through the engine's public interface; the clients hold
+fixed weights (Tinker's `kind="snapshot"`) or its model's shared inflight target (`kind="inflight"`),
+pinned in submission order with the training operations (see `workbench.engine.local.sample`). Every call goes through the engine's public interface; the clients hold
 no state of their own beyond which model they speak for.
 
 SDK arguments with no local meaning are accepted. Those that cannot change a result are documented as
 such (`retry_config`, `weights_access_token`: there is no network and no account); those that would
-(`kind="inflight"`, top-k logprobs, ...) raise a `ValueError` saying so when set, before anything is
+raise a `ValueError` saying so when set, before anything is
 queued. The deliberate gaps are listed in docs/tinker-parity.md.
 """
 
@@ -64,13 +64,15 @@ def client_future(future: APIFuture[C]) -> ClientFuture[C]:
     return ClientFuture(future.future(), future.worker)
 
 
-def check_sampling_kind(kind: str) -> None:
-    """Only snapshot samplers exist here (`kind="inflight"` would follow the live weights)."""
-    if kind != "snapshot":
-        raise ValueError(
-            f"kind={kind!r}: only 'snapshot' sampling clients exist locally (fixed weights, Tinker's default); "
-            "for newer weights, create a new sampling client after the optimizer steps"
-        )
+SAMPLING_CLIENT_KINDS = ("snapshot", "inflight")
+"""The SDK's `SamplingClientKind`: fixed weights, or the training model's shared inflight target."""
+
+
+def check_sampling_kind(kind: object) -> None:
+    """The SDK refuses any other kind as its request is built (a pydantic `ValidationError`, a
+    ValueError), before anything is sent: so does this, before anything is queued."""
+    if not isinstance(kind, str) or kind not in SAMPLING_CLIENT_KINDS:
+        raise ValueError(f"kind: Input should be 'snapshot' or 'inflight', got {kind!r}")
 
 
 def console_url() -> str:
@@ -330,14 +332,18 @@ class TrainingClient:
     ) -> ClientFuture[SamplingClient]:
         """A sampling client for this model's weights as the operations submitted before this call leave
         them. Nothing is written: the weights stay in memory (`name` is the SDK's deprecated argument
-        and has no effect there either). With `record_stability_info`, every sample is recorded for
+        and has no effect there either). `kind="snapshot"` keeps those weights whatever trains after;
+        `kind="inflight"` moves this model's shared inflight target to them, and the client (with every
+        earlier inflight one) samples whatever the latest inflight save published, never older than
+        its own (the SDK's contract, `tinker.types.SamplingClientKind`); the future resolves once the
+        target has moved. With `record_stability_info`, every sample is recorded for
         `stable_reinforce`. `retry_config` has no local meaning (nothing to retry). Returns a future of
         the client, which also forwards the client's methods."""
         self._require_policy("a sampling client")
         check_sampling_kind(kind)
         client = SamplingClient(
             self._engine,
-            self._engine.pin_sampler(self._model_id),
+            self._engine.pin_sampler(self._model_id, inflight=kind == "inflight"),
             record_stability_info=record_stability_info,
         )
         return client_future(client.pinned().then(lambda _: client))
@@ -416,9 +422,10 @@ class TrainingClient:
 
 class SamplingClient:
     """Samples from fixed weights: a run's policy at the version its pin took, a saved checkpoint, or
-    the base model.
+    the base model; or, made with `kind="inflight"`, its run's shared inflight target.
 
-    Tinker's snapshot semantics: later optimizer steps do not change what this client samples. Its pin
+    Tinker's snapshot semantics: later optimizer steps do not change what this client samples (an
+    inflight client samples what the run's latest inflight save published when each request runs). Its pin
     runs in order with the training operations, so a client created after queued steps samples the
     weights those steps leave. Every `SampleResponse` reports the version it used. The client holds on
     to its weights (a copy is made only once the policy has moved on) until it is garbage-collected or
@@ -440,8 +447,15 @@ class SamplingClient:
 
     @property
     def weights_version(self) -> int | None:
-        """The policy weight version this client samples (waits for the pin); None for the base model."""
+        """The policy weight version this client samples (waits for the pin); None for the base model.
+        For an inflight client, the version it was made with: the oldest it samples (each response
+        says which version produced it)."""
         return self._pin.result().version
+
+    @property
+    def is_inflight(self) -> bool:
+        """Whether this client follows its run's inflight target (`kind="inflight"`)."""
+        return self._pin.result().inflight
 
     @property
     def is_base(self) -> bool:
@@ -459,6 +473,8 @@ class SamplingClient:
             what = "base model"
         elif pin.folder is not None:
             what = f"checkpoint {pin.folder.name}"
+        elif pin.inflight:
+            what = f"{pin.model_id} inflight, from weights_version={pin.version}"
         else:
             what = f"{pin.model_id} weights_version={pin.version}"
         return f"SamplingClient({what})"

@@ -423,8 +423,12 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ sampling
 
-    def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
+    def pin_sampler(
+        self, model_id: str | None, version: int | None = None, *, inflight: bool = False
+    ) -> APIFuture[SamplerPin]:
         """Any version the model's sampling clients still hold can be pinned again (`live_versions`)."""
+        if inflight:
+            return sample.pin_inflight(self._state, model_id)
         return sample.pin(self._state, model_id, version)
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:

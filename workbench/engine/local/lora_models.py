@@ -60,6 +60,9 @@ class LoraModel:
     policy: RoleAdapter
     snapshots: WeightSnapshots
     critic: RoleAdapter | None = None
+    # the policy version every inflight sampling client samples (Tinker's shared inflight target): set
+    # by the last inflight save, pinned in `snapshots` once for all of them; None before the first
+    inflight_version: int | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
 

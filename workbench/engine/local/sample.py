@@ -8,6 +8,14 @@ released on the worker too (`release`, safe from a finalizer), so nothing can dr
 was promised. A pin can also name the base model (adapters off) or a sampler checkpoint, loaded as an
 inference-only adapter shared by the clients of the same folder.
 
+**Inflight pins** (Tinker's `kind="inflight"`) follow a target instead: each run has one inflight
+target, a version its last inflight save moved it to (pinned once, for all of its inflight clients),
+and a request of an inflight client samples the target as it stands when the request runs on the
+worker (`current_weights`). Since the save is itself an operation, every request queued after it
+samples its weights or newer, and a generation runs whole on the weights it started with (the save
+waits behind it); the HF prefix cache and vLLM's adapters are keyed by the resolved version, so no
+cached keys and values of one version serve another.
+
 **Requests are batched.** A `SampleRequest`, checked as it was built, is checked against the model in
 the caller's thread (`requests.prepare_request`: bad input raises and changes nothing) and queued as a
 batchable operation, so requests that queue up together run as one engine call per set of weights. On
@@ -79,6 +87,48 @@ def pin(state: EngineState, model_id: str | None, version: int | None = None) ->
     return state.submit(work)
 
 
+def pin_inflight(state: EngineState, model_id: str | None) -> APIFuture[SamplerPin]:
+    """Tinker's inflight save: move `model_id`'s shared inflight target to the weights the operations
+    queued before this one leave, and pin a client that follows the target. The pin completes once the
+    target has moved, so every request queued after it (of this client or any earlier inflight one)
+    samples these weights or newer: requests resolve the target when they run on the worker
+    (`current_weights`). The target, not each client, holds its version in the snapshots."""
+    state.check_open()
+    if model_id is None:
+        raise ValueError("an inflight sampling client follows a training model's weights; the base has none")
+    state.lora_model(model_id)
+
+    def work() -> SamplerPin:
+        lora_model = state.lora_model(model_id)
+        current = lora_model.policy.weights_version
+        previous, lora_model.inflight_version = lora_model.inflight_version, current
+        lora_model.snapshots.pin(current)
+        if previous is not None:
+            _drop_version(state, lora_model, previous)
+        return SamplerPin(model_id=model_id, version=current, inflight=True)
+
+    return state.submit(work)
+
+
+def current_weights(state: EngineState, held: SamplerPin) -> SamplerPin:
+    """The weights a request of this pin samples now (worker thread): an inflight pin's model's target
+    as it stands, any other pin itself."""
+    if not held.inflight:
+        return held
+    assert held.model_id is not None
+    target = state.lora_model(held.model_id).inflight_version
+    assert target is not None  # set by the inflight pin itself, and only ever moved
+    return dataclasses.replace(held, version=target)
+
+
+def _drop_version(state: EngineState, lora_model: LoraModel, version: int) -> None:
+    """Let go of one pin of `version`; the sampler forgets those weights once nothing can sample them."""
+    lora_model.snapshots.unpin(version)
+    live = {*lora_model.snapshots.pinned_versions(), lora_model.policy.weights_version}
+    if state.sampler.started is not None and version not in live:
+        state.sampler.started.forget(SamplerPin(model_id=lora_model.model_id, version=version).weights_key)
+
+
 def pin_checkpoint(state: EngineState, locate: Callable[[], Path]) -> APIFuture[SamplerPin]:
     """Pin the weights of a peft adapter folder (sampler weights, or a state checkpoint's policy),
     loading it as an inference-only adapter unless a live pin already did. `locate` finds the folder on
@@ -134,15 +184,14 @@ def _unpin(state: EngineState, pin_future: APIFuture[SamplerPin]) -> None:
     ):
         return
     held = pin_future.result()
+    if held.inflight:  # the shared target holds its weights, for every inflight client
+        return
     if held.model_id is not None:
         lora_model = state.lora_models.get(held.model_id)
         if lora_model is None:  # the run is gone, and its snapshots with it
             return
         assert held.version is not None
-        lora_model.snapshots.unpin(held.version)
-        live = {*lora_model.snapshots.pinned_versions(), lora_model.policy.weights_version}
-        if state.sampler.started is not None and held.version not in live:
-            state.sampler.started.forget(held.weights_key)
+        _drop_version(state, lora_model, held.version)
     elif held.folder is not None:
         loaded = state.loaded_adapters[held.folder]
         loaded.users -= 1
@@ -220,7 +269,7 @@ def submit_compute_logprobs(
     check_prompt_logprobs_last_n(prompt_logprobs_last_n, True, len(tokens))
 
     def work() -> list[float | None]:
-        held = pin_future.result()
+        held = current_weights(state, pin_future.result())
         logprobs = active_sampler(state).compute_logprobs(tokens, pinned(state, held))
         return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
 
@@ -298,7 +347,7 @@ def run_sample_batch(
     requests: list[PreparedRequest | None] = [None] * len(items)
     for index, (pin_future, request) in enumerate(items):
         try:
-            held = pin_future.result()
+            held = current_weights(state, pin_future.result())
         except BaseException as error:  # the pin failed: so does every request of its client
             results[index] = error
             continue

@@ -543,9 +543,14 @@ class RemoteEngine:
         holder.append(future.future())
         return future
 
-    def pin_sampler(self, model_id: str | None, version: int | None = None) -> APIFuture[SamplerPin]:
+    def pin_sampler(
+        self, model_id: str | None, version: int | None = None, *, inflight: bool = False
+    ) -> APIFuture[SamplerPin]:
         """Past versions live on the service only as saved checkpoints: `version` must be None or the
-        version the queued operations reach."""
+        version the queued operations reach. An inflight client's responses report the version it was
+        made with (the service does not say which newer one sampled)."""
+        if inflight and (model_id is None or version is not None):
+            raise ValueError("an inflight sampling client follows a training model's current weights")
         if model_id is None:
             if version is not None:
                 raise ValueError("the base model has no version")
@@ -559,9 +564,10 @@ class RemoteEngine:
                 f"weights version {version}: the engine at {self._url} samples a model's current weights "
                 f"(v{lora_model.weights_version}) or saved checkpoints (save_weights_for_sampler), not past versions"
             )
+        kind = "inflight" if inflight else "snapshot"
         return self._pin(
-            lora_model.client.save_weights_and_get_sampling_client,
-            lambda: SamplerPin(model_id=model_id, version=lora_model.weights_version),
+            lambda: lora_model.client.save_weights_and_get_sampling_client(kind=kind),
+            lambda: SamplerPin(model_id=model_id, version=lora_model.weights_version, inflight=inflight),
         )
 
     def pin_sampler_checkpoint(self, path: str | Path) -> APIFuture[SamplerPin]:
