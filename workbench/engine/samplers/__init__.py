@@ -63,6 +63,18 @@ def vllm_cannot_sample_experts(expert_weights: Collection[str]) -> str | None:
     )
 
 
+def vllm_cannot_sample_quantized(quantization: object | None) -> str | None:
+    """Why vLLM cannot sample a base quantized at load, or None for an unquantized one: vLLM would
+    quantize the weights again with its own kernels, so it would not sample from the trainer's
+    weights (and its CPU build has no bitsandbytes path)."""
+    if quantization is None:
+        return None
+    return (
+        "vLLM would quantize the base with its own kernels, not sample the trainer's quantized "
+        "weights; sample with sampler='hf'"
+    )
+
+
 def notice_fallback(reason: str) -> None:
     """Say, once per process and reason, that sampling falls back to HF `generate`."""
     if reason not in _fallback_noticed:
