@@ -22,7 +22,7 @@ from typing import Any
 # Each module and the public names it gives `workbench`.
 _PUBLIC: dict[str, tuple[str, ...]] = {
     # SessionConfig and RunStatus: deprecated names of ModelConfig and ModelStatus
-    "workbench.engine.config": ("ModelConfig", "SessionConfig"),
+    "workbench.engine.config": ("ModelConfig", "QuantizationConfig", "SessionConfig"),
     "workbench.engine.interface": ("EngineInterface", "ModelStatus", "Restore", "RunStatus"),
     "workbench.engine.local.engine": ("Engine", "ModelTensors"),
     "workbench.engine.model.trainable_adapter": ("NonFiniteGradientError",),

@@ -35,7 +35,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from workbench.engine.config import DEFAULT_MAX_MODELS
+from workbench.engine.config import DEFAULT_MAX_MODELS, QUANTIZATION_METHODS
 from workbench.engine.local.base_models import format_size, parse_size
 from workbench.engine.samplers.factory import sampler_choices
 from workbench.notebook.session import Session
@@ -107,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="torch CPU threads per operation (default: one per core other processes leave free)",
     )
+    serve.add_argument(
+        "--quantize",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="quantize the frozen base at load with bitsandbytes (QLoRA; default: full precision)",
+    )
     serve.add_argument("--no-wandb", action="store_true", help="no W&B run")
     serve.add_argument("--quiet", action="store_true", help="no line per operation")
     return parser
@@ -126,6 +132,7 @@ def serve(args: argparse.Namespace) -> int:
         model_dir=args.model_dir,
         wandb=False if args.no_wandb else None,
         memory_budget_bytes=budget,
+        quantize=args.quantize,
     )
     stop = threading.Event()
 
@@ -149,9 +156,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"workbench: serving the Tinker API at {server.url}", flush=True)
         for engine in session.base_models.engines():
             info, engine_config = engine.base_info, engine.config
+            quantized = (
+                "" if engine_config.quantization is None else f" {engine_config.quantization.describe()}"
+            )
             print(
                 f"workbench: base model {engine_config.base_model} ({info.path}) on "
-                f"{engine_config.device}/{engine_config.dtype}, up to {engine_config.max_models} models",
+                f"{engine_config.device}/{engine_config.dtype}{quantized}, up to {engine_config.max_models} models",
                 flush=True,
             )
         if args.allow_base_model:

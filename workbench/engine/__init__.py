@@ -10,4 +10,10 @@
   samplers.
 - `worker.py`, `config.py`, `roles.py`, `threads.py`: the ordered worker thread, the settings, what a client
   speaks for, and how many torch threads the worker uses.
+- `bitsandbytes_notices.py`: filters two notices bitsandbytes logs (peft imports it), added here, before
+  any module below imports peft.
 """
+
+from workbench.engine.bitsandbytes_notices import quiet_bitsandbytes_notices
+
+quiet_bitsandbytes_notices()

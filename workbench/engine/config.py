@@ -1,7 +1,7 @@
 """The settings that define an engine, and those that define one model on it.
 
-`EngineConfig` is fixed for the engine's life: the base model, where and in what precision it runs, the
-micro-batch budget and the sampler. `ModelConfig` is what a state checkpoint records about the model it
+`EngineConfig` is fixed for the engine's life: the base model, where and in what precision it runs (and
+how its frozen weights are quantized, `QuantizationConfig`), the micro-batch budget and the sampler. `ModelConfig` is what a state checkpoint records about the model it
 saves (the engine's settings plus the model's adapters and seed), and what rebuilds that model elsewhere.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 from workbench.types import LoraConfig
 
@@ -26,6 +26,61 @@ DEFAULT_MAX_TOKENS_PER_MICROBATCH = 16384
 DEFAULT_MAX_MODELS = 8
 
 
+QuantizationMethod = Literal["nf4", "fp4", "int8"]
+QUANTIZATION_METHODS: tuple[QuantizationMethod, ...] = ("nf4", "fp4", "int8")
+_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """How the frozen base's linear layers are stored (QLoRA, Dettmers et al. 2023), through bitsandbytes.
+
+    Attributes:
+        method: `"nf4"` (4-bit NormalFloat, the QLoRA paper's), `"fp4"` (4-bit float) or `"int8"`
+            (LLM.int8(): 8-bit rows with outlier columns kept in fp16).
+        double_quant: 4-bit only: quantize the per-block scales too (about 0.37 bits per weight saved).
+        compute_dtype: 4-bit only: the dtype a quantized layer dequantizes into for its matmul; None is
+            the session's dtype. int8 layers always compute in fp16 (bitsandbytes' kernel).
+    """
+
+    method: QuantizationMethod
+    double_quant: bool = True
+    compute_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantize must be one of {QUANTIZATION_METHODS} or None, got {self.method!r}")
+        if self.compute_dtype is not None and self.compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype must be one of {_COMPUTE_DTYPES} or None, got {self.compute_dtype!r}"
+            )
+        if self.method == "int8" and self.compute_dtype is not None:
+            raise ValueError("compute_dtype applies to 4-bit quantization; int8 layers compute in fp16")
+
+    def describe(self) -> str:
+        """`nf4`, `nf4+dq/bfloat16`, `int8`: what the panel and the repr show."""
+        if self.method == "int8":
+            return "int8"
+        double = "+dq" if self.double_quant else ""
+        compute = f"/{self.compute_dtype}" if self.compute_dtype is not None else ""
+        return f"{self.method}{double}{compute}"
+
+
+def to_quantization_config(
+    quantize: str | QuantizationConfig | dict[str, Any] | None,
+) -> QuantizationConfig | None:
+    """A `QuantizationConfig` from what a caller may give: a method name, a config, its dict, or None."""
+    if quantize is None or isinstance(quantize, QuantizationConfig):
+        return quantize
+    if isinstance(quantize, str):
+        return QuantizationConfig(quantize)  # type: ignore[arg-type]  # checked in __post_init__
+    if isinstance(quantize, dict):
+        return QuantizationConfig(**quantize)
+    raise TypeError(
+        f"quantize must be one of {QUANTIZATION_METHODS}, a QuantizationConfig or None, got {quantize!r}"
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """One base model on one device.
@@ -34,6 +89,7 @@ class EngineConfig:
         base_model: A built-in alias, a local HF folder or an HF hub id.
         seed: Seeds the engine's sampling generator (the seeds of requests that give none).
         device, dtype: Where the base model lives and in what precision (resolved: `cpu`, `float32`).
+        quantization: How the frozen base's linear layers are quantized at load; None for not at all.
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
         sampler: the backend chosen (a key of `workbench.engine.samplers.factory.SAMPLERS`, never
             `"auto"`).
@@ -52,6 +108,7 @@ class EngineConfig:
     max_samples_per_request: int = 128
     max_models: int = DEFAULT_MAX_MODELS
     threads: int | None = None
+    quantization: QuantizationConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_microbatch", "max_samples_per_request", "max_models"):
@@ -78,6 +135,7 @@ class ModelConfig:
     max_tokens_per_microbatch: int = DEFAULT_MAX_TOKENS_PER_MICROBATCH
     sampler: str = "hf"
     max_samples_per_request: int = 128
+    quantization: QuantizationConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

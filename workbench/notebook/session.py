@@ -34,9 +34,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from workbench.engine.config import DEFAULT_MAX_MODELS, DEFAULT_MAX_TOKENS_PER_MICROBATCH, ModelConfig
+from workbench.engine.config import (
+    DEFAULT_MAX_MODELS,
+    DEFAULT_MAX_TOKENS_PER_MICROBATCH,
+    ModelConfig,
+    QuantizationConfig,
+)
 from workbench.engine.interface import EngineInterface, Restore
-from workbench.engine.local.base_models import BaseModels
+from workbench.engine.local.base_models import BaseModels, format_size
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.remote.engine import DEFAULT_PROBE_INTERVAL_S, RemoteEngine, RemoteUnsupportedError
@@ -118,6 +123,10 @@ class Session:
         memory_budget_bytes: what the base models this session holds may take together (its own, and
             a teacher or grader its service clients load); a load past it first frees idle ones, then
             is refused naming the budget and what holds it. None: no bound.
+        quantize: `"nf4"`, `"fp4"`, `"int8"` or a `QuantizationConfig` (double quantization, compute
+            dtype): the frozen base's linear layers quantized at load with bitsandbytes (QLoRA); the
+            adapters, their gradients and optimizer state stay as on an unquantized base, and the critic
+            shares the quantized base. None (default): the base in `dtype`. See docs/models.md.
     """
 
     def __init__(
@@ -137,6 +146,7 @@ class Session:
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
         memory_budget_bytes: int | None = None,
+        quantize: str | QuantizationConfig | None = None,
         run_dir: str | Path | None = None,  # deprecated name of model_dir
     ):
         model_dir = _model_dir_from(model_dir, run_dir)
@@ -158,6 +168,7 @@ class Session:
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
             threads=threads,
+            quantize=quantize,
         )
         folder = (
             Path(model_dir) if model_dir is not None else models_root() / new_model_id(base_model)
@@ -312,6 +323,7 @@ class Session:
             dtype=arguments["dtype"],
             max_tokens_per_microbatch=arguments["max_tokens_per_microbatch"],
             max_samples_per_request=arguments["max_samples_per_request"],
+            quantize=arguments["quantization"],
         )
         try:
             model_id = engine.create_model_from_state(
@@ -726,11 +738,22 @@ class Session:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def quantized_base(self) -> str | None:
+        """How the base is quantized and what it holds (`"nf4+dq 0.52 MiB"`), or None for a base in
+        full precision (or one on a remote engine, which does not say)."""
+        quantization = self.engine.config.quantization
+        if quantization is None or not isinstance(self.engine, Engine):
+            return None
+        return f"{quantization.describe()} {format_size(self.engine.base_memory_bytes)}"
+
     def __repr__(self) -> str:
         config = self.engine.config
         if self.closed:
             return f"Session({config.base_model!r}, closed)"
         where = self.engine.endpoint or f"{config.device}/{config.dtype}"
+        quantized = self.quantized_base()
+        if quantized is not None:
+            where += f", base {quantized}"
         lora = self.config.lora
         layers = "+".join(
             name

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from workbench.engine.config import DEFAULT_MAX_MODELS
+from workbench.engine.config import DEFAULT_MAX_MODELS, QuantizationConfig, to_quantization_config
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_device_and_dtype, resolve_model_path
 from workbench.engine.samplers import SamplerChoice
@@ -123,8 +123,8 @@ class BaseModels:
     Args:
         first: The engine that is always there (a session's); it is never evicted nor closed here.
         memory_budget_bytes: What the engines' weights may hold together; None for no bound.
-        device, dtype, sampler, seed, max_models, threads: The settings of engines loaded here (with
-            `first`, its own unless given).
+        device, dtype, sampler, seed, max_models, threads, quantize: The settings of engines loaded here
+            (with `first`, its own unless given).
     """
 
     def __init__(
@@ -138,6 +138,7 @@ class BaseModels:
         seed: int | None = None,
         max_models: int | None = None,
         threads: int | None = None,
+        quantize: str | QuantizationConfig | None = None,
     ):
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes!r}")
@@ -150,6 +151,11 @@ class BaseModels:
         self.seed = seed if seed is not None else (0 if config is None else config.seed)
         self.max_models = max_models or (DEFAULT_MAX_MODELS if config is None else config.max_models)
         self.threads = threads if threads is not None or config is None else config.threads
+        self.quantization = (
+            to_quantization_config(quantize)
+            if quantize is not None or config is None
+            else config.quantization
+        )
         self.memory_budget_bytes = memory_budget_bytes
         self._engines: dict[str, Engine] = {}  # by folder (or HF id), oldest first
         self._last_used: dict[str, float] = {}
@@ -191,6 +197,7 @@ class BaseModels:
                 sampler=self.sampler,
                 max_models=self.max_models,
                 threads=self.threads,
+                quantize=self.quantization,
             )
             self._engines[key] = engine
             self._last_used[key] = time.monotonic()

@@ -52,7 +52,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from workbench.engine.config import ModelConfig
+from workbench.engine.config import ModelConfig, to_quantization_config
 from workbench.engine.interface import Restore
 from workbench.engine.local.lora_models import LoraModel, RoleAdapter
 from workbench.engine.local.state import EngineState
@@ -85,6 +85,7 @@ def model_config(state: EngineState, lora_model: LoraModel) -> ModelConfig:
         max_tokens_per_microbatch=config.max_tokens_per_microbatch,
         sampler=config.sampler,
         max_samples_per_request=config.max_samples_per_request,
+        quantization=config.quantization,
     )
 
 
@@ -287,6 +288,7 @@ def read(folder: Path) -> SavedState:
             "dtype": str(session["dtype"]),
             "max_tokens_per_microbatch": int(session["max_tokens_per_microbatch"]),
             "max_samples_per_request": int(session["max_samples_per_request"]),
+            "quantization": to_quantization_config(session.get("quantization")),
         }
         metadata = config.get("user_metadata") or {}
         expires_at = config.get("expires_at")

@@ -34,6 +34,8 @@ from workbench.engine.config import (
     DEFAULT_MAX_TOKENS_PER_MICROBATCH,
     EngineConfig,
     ModelConfig,
+    QuantizationConfig,
+    to_quantization_config,
 )
 from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, SamplerPin
 from workbench.engine.local import (
@@ -54,6 +56,7 @@ from workbench.engine.model.base_model import (
     load_base_model,
     resolve_device_and_dtype,
 )
+from workbench.engine.model.quantization import base_memory_bytes
 from workbench.engine.model.value_head import default_critic_lora
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
@@ -131,6 +134,8 @@ class Engine:
         max_models: How many LoRA models may share the base at once.
         threads: torch CPU threads for every operation; None (default) chooses before each operation
             one per usable core that other processes leave free (`OMP_NUM_THREADS`, when set, fixes it).
+        quantize: `"nf4"`, `"fp4"`, `"int8"` or a `QuantizationConfig`: the frozen base's linear layers
+            quantized at load (bitsandbytes); None (default) keeps them in `dtype`.
     """
 
     def __init__(
@@ -145,8 +150,10 @@ class Engine:
         max_samples_per_request: int = 128,
         max_models: int = DEFAULT_MAX_MODELS,
         threads: int | None = None,
+        quantize: str | QuantizationConfig | None = None,
     ):
         resolved_device, resolved_dtype = resolve_device_and_dtype(device, dtype)
+        quantization = to_quantization_config(quantize)
         config = EngineConfig(
             base_model=base_model,
             seed=seed,
@@ -157,6 +164,7 @@ class Engine:
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
             threads=threads,
+            quantization=quantization,
         )
         # The model is loaded on the worker thread, like every later operation on it. On a CPU the first
         # thread to run a parallel torch kernel keeps an OpenMP thread pool for life; with a second pool
@@ -168,7 +176,7 @@ class Engine:
         worker = Worker(before_each=thread_policy.apply)
 
         def load() -> tuple[AdaptedModel, PreTrainedTokenizerBase]:
-            base, tokenizer, info = load_base_model(base_model, resolved_device, resolved_dtype)
+            base, tokenizer, info = load_base_model(base_model, resolved_device, resolved_dtype, quantization)
             return AdaptedModel(base, info, resolved_device), tokenizer
 
         try:
@@ -358,6 +366,12 @@ class Engine:
         transformers, counting parameters, registering hooks. Changing it bypasses everything the engine
         guarantees."""
         return self._state.model.module
+
+    @property
+    def base_memory_bytes(self) -> int:
+        """What the frozen base holds (its weights, a quantized one's packed data and scales, and its
+        buffers), without the adapters."""
+        return base_memory_bytes(self._state.model.module)
 
     @property
     def prompt_cache(self) -> PromptPrefixCache:

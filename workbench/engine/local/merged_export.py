@@ -10,6 +10,13 @@ whose input and output embeddings are tied (SmolLM2), the copy is untied first: 
 is saved as its own tensor and the config says `tie_word_embeddings=False`, while the input embedding
 keeps the base weights, as in the session.
 
+On a quantized base (`Session(quantize=...)`) the adapters were trained against the quantized weights
+W_q, so the merged weight is dequant(W_q) + ΔW (the function the session computes, up to rounding),
+saved in the session's dtype: a full-precision model, larger than the quantized one. It differs from
+the original full-precision base W by the quantization error W − dequant(W_q); the export measures it
+(the largest relative error ‖W − dequant(W_q)‖_F / ‖W‖_F over the quantized layers) and says it in a
+warning.
+
 The export runs on the worker thread (it reads the adapter between operations) and is written under a
 temporary name, then renamed.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +35,7 @@ from tqdm.auto import tqdm
 
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.base_model import load_base_model
+from workbench.engine.model.quantization import dequantized_weight, quantized_layers
 from workbench.futures import APIFuture
 from workbench.storage.checkpoint_store import CheckpointError
 
@@ -63,6 +72,7 @@ def _export(state: EngineState, model_id: str, target: Path) -> Path:
                 output.weight = nn.Parameter(output.weight.detach().clone(), requires_grad=False)
                 merged.config.tie_word_embeddings = False
             with torch.no_grad():
+                error = _put_dequantized_weights(state, merged)
                 for name, module in adapted:
                     weight = _adapted_weight(merged, name, module)
                     weight += module.get_delta_weight(adapter).to(device="cpu", dtype=weight.dtype)
@@ -73,7 +83,32 @@ def _export(state: EngineState, model_id: str, target: Path) -> Path:
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        quantization = state.config.quantization
+        assert quantization is not None
+        warnings.warn(
+            f"{target.name}: merged onto the dequantized {quantization.describe()} base; it differs from "
+            f"the full-precision base plus the adapter by the quantization error (largest relative "
+            f"weight error {error:.3g})",
+            UserWarning,
+            stacklevel=1,
+        )
     return target
+
+
+def _put_dequantized_weights(state: EngineState, merged: nn.Module) -> float | None:
+    """Replace each weight of the full-precision copy `merged` that the session holds quantized by the
+    dequantized one; the largest relative error ‖W − dequant(W_q)‖_F / ‖W‖_F, None on an unquantized base."""
+    assert state.model.peft_model is not None
+    errors = []
+    for name, layer in quantized_layers(state.model.peft_model.get_base_model()):
+        target = merged.get_submodule(name.replace(".base_layer", "")).weight
+        dequantized = dequantized_weight(layer).to(device="cpu")
+        errors.append(
+            float(torch.linalg.norm(target.float() - dequantized) / torch.linalg.norm(target.float()))
+        )
+        target.copy_(dequantized.to(target.dtype))
+    return max(errors) if errors else None
 
 
 def export_merged(state: EngineState, model_id: str, path: str | Path) -> APIFuture[Path]:

@@ -22,6 +22,10 @@ LoRA", `tinker_cookbook.hyperparam_utils.get_lora_param_count`) and gives gate a
 adapters; per-expert pairs on the fused weights hold that form as a special case, with more
 parameters (docs/models.md counts them).
 
+With a `QuantizationConfig` the frozen base's linear layers are quantized at load
+(`workbench.engine.model.quantization`); adapters attach to bitsandbytes' layers through peft's own LoRA
+layers for them, and stay in the dtype they have on an unquantized base.
+
 A `LoraConfig` that asks for a kind of layer the model has none of, or whose chosen blocks hold a
 weight LoRA cannot adapt (a quantized expert stack, a GPT-2 style `Conv1D`), is refused with the
 names; nothing is silently left out.
@@ -40,9 +44,17 @@ import torch
 import transformers
 from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
+from workbench.engine.config import QuantizationConfig
 from workbench.engine.model.builtin_models import BUILTIN_MODELS
+from workbench.engine.model.quantization import bitsandbytes_config, check_quantizable, keep_one_cpu_kernel
 from workbench.types import LoraConfig
 
 _ATTENTION_MARKERS = ("attn", "attention")
@@ -70,6 +82,7 @@ class BaseModelInfo:
     unadaptable_weights: Mapping[str, str] = field(
         default_factory=dict, repr=False
     )  # parameter name -> attn | mlp: a weight in such a block that LoRA cannot adapt
+    quantization: QuantizationConfig | None = None  # how the frozen linear layers are stored
 
     def adapted_weights(self, lora: LoraConfig) -> dict[str, str]:
         """The weights `lora` adapts on this model, by kind: `<linear layer>.weight` and expert stacks."""
@@ -78,13 +91,18 @@ class BaseModelInfo:
         return linear | {name: kind for name, kind in self.expert_weights.items() if wanted[kind]}
 
     def identity(self) -> dict[str, object]:
-        return {
+        """What a checkpoint must agree with; a quantized base adds its quantization (adapters trained
+        on it fit its weights, which differ from the full-precision ones by the quantization error)."""
+        identity: dict[str, object] = {
             "name": self.name,
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_layers": self.num_layers,
         }
+        if self.quantization is not None:
+            identity["quantization"] = self.quantization.describe()
+        return identity
 
 
 def resolve_device_and_dtype(
@@ -146,10 +164,31 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def _notice_unquantized_experts(path: str, dtype: torch.dtype, quantization: QuantizationConfig) -> None:
+    """Say, before loading, how much of a mixture of experts stays unquantized: its fused expert stacks
+    are 3-D parameters, which bitsandbytes does not quantize (counted on the meta device)."""
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    stacks = classify_expert_weights(skeleton)
+    if not stacks:
+        return
+    parameters = dict(skeleton.named_parameters())
+    size = sum(parameters[name].numel() for name in stacks) * dtype.itemsize
+    warnings.warn(
+        f"quantize={quantization.method!r}: {len(stacks)} fused expert stacks of {path} "
+        f"({size / 2**20:.1f} MiB) stay in {str(dtype).removeprefix('torch.')}: bitsandbytes quantizes "
+        "linear layers only",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def load_base_model(
-    name: str, device: torch.device, dtype: torch.dtype
+    name: str, device: torch.device, dtype: torch.dtype, quantization: QuantizationConfig | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BaseModelInfo]:
-    """Load the frozen base model, its tokenizer and its identity."""
+    """Load the frozen base model, its tokenizer and its identity; quantized at load when asked (checked
+    first, so a refused load reads no weights)."""
     path = resolve_model_path(name)
     local = Path(name).expanduser()
     # an HF id is "name" or "org/name"; anything else that is not a folder here is a mistyped one
@@ -164,10 +203,22 @@ def load_base_model(
             f"base_model {name!r} is not a model folder (no config.json); give an HF model folder, "
             f"an HF id, or one of {sorted(BUILTIN_MODELS)}"
         )
+    if quantization is not None:
+        check_quantizable(path, device, quantization)
+        _notice_unquantized_experts(path, dtype, quantization)
     tokenizer = load_tokenizer(name)
     with _quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.to(device)
+        if quantization is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model.to(device)
+        else:  # quantized as each layer is placed on the device (bitsandbytes' layers do not move)
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype,
+                quantization_config=bitsandbytes_config(quantization, dtype),
+                device_map={"": device},
+            )
+            keep_one_cpu_kernel(model)
     model.eval()  # no dropout: the trainer's logprobs must equal the sampler's
     model.requires_grad_(False)
     config = model.config
@@ -183,6 +234,7 @@ def load_base_model(
         linear_layers=classify_linear_layers(model),
         expert_weights=classify_expert_weights(model),
         unadaptable_weights=classify_unadaptable_weights(model),
+        quantization=quantization,
     )
     return model, tokenizer, info
 

@@ -137,6 +137,23 @@ def vllm_unavailable(device: torch.device) -> Unavailable | None:
     return Unavailable(reason, quiet=not vllm_installed() and device.type == "cpu")
 
 
+def vllm_refuses(info: BaseModelInfo) -> str | None:
+    """Why vLLM cannot sample this model (a mixture of experts, a base quantized at load), or None."""
+    return vllm_cannot_sample_experts(info) or vllm_cannot_sample_quantized(info)
+
+
+def vllm_cannot_sample_quantized(info: BaseModelInfo) -> str | None:
+    """Why vLLM cannot sample a base quantized at load, or None for an unquantized one: vLLM would
+    quantize the weights again with its own kernels, so it would not sample the trainer's weights (and
+    its CPU build has no bitsandbytes path)."""
+    if info.quantization is None:
+        return None
+    return (
+        "vLLM would quantize the base with its own kernels, not sample the trainer's quantized "
+        "weights; sample with sampler='hf'"
+    )
+
+
 def vllm_cannot_sample_experts(info: BaseModelInfo) -> str | None:
     """Why vLLM cannot sample a model with fused expert stacks, or None when it has none.
 
@@ -555,6 +572,6 @@ BACKEND = SamplerBackend(
     start=start,
     memory_bytes=vllm_memory_bytes,
     unavailable=vllm_unavailable,
-    refuses=vllm_cannot_sample_experts,
+    refuses=vllm_refuses,
     preferred_by_auto=True,
 )

@@ -157,6 +157,11 @@ class StatusBar:
                 _field(
                     "device", "device", f"{html.escape(sess.config.device)}/{html.escape(sess.config.dtype)}"
                 ),
+                *(
+                    [_field("base", "base", html.escape(quantized))]
+                    if (quantized := sess.quantized_base())
+                    else []
+                ),
                 *self._measured_fields(),
             ]
             if endpoint is None
