@@ -270,7 +270,7 @@ def test_stable_reinforce_is_reinforce_with_a_capped_detached_weight() -> None:
 def test_a_position_whose_gradient_scale_is_zero_gets_no_gradient(name: str) -> None:
     """Every logprob loss with a `gradient_scale` is position-wise in it: a position whose scale is 0
     gets no gradient whatever the others' are, so the engine computes its logprob without autograd
-    (`forward_backward.trained_positions`)."""
+    (`call_plan.trained_positions`)."""
     spec, config = resolve_loss(name, None)
     torch.manual_seed(0)
     logprobs = (-3 * torch.rand(1, 6)).requires_grad_(True)

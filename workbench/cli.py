@@ -118,6 +118,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_serving(
+    session: Session, server: TinkerServer, args: argparse.Namespace, has_key: bool, budget: int | None
+) -> None:
+    """What the server runs and where: its base models, budget, threads, history and W&B run, and how
+    clients reach its three APIs."""
+    assert session.base_models is not None
+    for engine in session.base_models.engines():
+        info, engine_config = engine.base_info, engine.config
+        quantized = "" if engine_config.quantization is None else f" {engine_config.quantization.describe()}"
+        print(
+            f"workbench: base model {engine_config.base_model} ({info.path}) on "
+            f"{engine_config.device}/{engine_config.dtype}{quantized}, up to {engine_config.max_models} models",
+            flush=True,
+        )
+    if args.allow_base_model:
+        print(f"workbench: loaded on first use: {', '.join(args.allow_base_model)}", flush=True)
+    if budget is not None:
+        print(f"workbench: memory budget {format_size(budget)} ({session.base_models!r})", flush=True)
+    print(f"workbench: torch threads {session.threads}; history in {session.model_dir}", flush=True)
+    wandb = session.wandb_run
+    if wandb is not None:
+        where = wandb.url or f"offline in {wandb.directory} (upload with: wandb sync {wandb.directory})"
+        print(f"workbench: W&B run {wandb.run_id}: {where}", flush=True)
+    key_hint = "the server's key" if has_key else "tml-local"
+    print(
+        f"workbench: clients: TINKER_API_KEY={key_hint} tinker.ServiceClient(base_url={server.url!r})",
+        flush=True,
+    )
+    print(
+        f"workbench: OpenAI's API at {server.url}/oai/api/v1, Anthropic's at {server.url}/anthropic/api "
+        "(the same key)",
+        flush=True,
+    )
+
+
+def _log_operations() -> None:
+    """The server's log of each operation, on stdout with the time."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    operations = logging.getLogger("workbench.server")
+    operations.addHandler(handler)
+    operations.setLevel(logging.INFO)
+
+
 def serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     base_models = args.base_model or ["smollm2-135m"]
@@ -154,41 +198,9 @@ def serve(args: argparse.Namespace) -> int:
         server = TinkerServer(session.base_models, config)
         session.servers.append(server)
         print(f"workbench: serving the Tinker API at {server.url}", flush=True)
-        for engine in session.base_models.engines():
-            info, engine_config = engine.base_info, engine.config
-            quantized = (
-                "" if engine_config.quantization is None else f" {engine_config.quantization.describe()}"
-            )
-            print(
-                f"workbench: base model {engine_config.base_model} ({info.path}) on "
-                f"{engine_config.device}/{engine_config.dtype}{quantized}, up to {engine_config.max_models} models",
-                flush=True,
-            )
-        if args.allow_base_model:
-            print(f"workbench: loaded on first use: {', '.join(args.allow_base_model)}", flush=True)
-        if budget is not None:
-            print(f"workbench: memory budget {format_size(budget)} ({session.base_models!r})", flush=True)
-        print(f"workbench: torch threads {session.threads}; history in {session.model_dir}", flush=True)
-        wandb = session.wandb_run
-        if wandb is not None:
-            where = wandb.url or f"offline in {wandb.directory} (upload with: wandb sync {wandb.directory})"
-            print(f"workbench: W&B run {wandb.run_id}: {where}", flush=True)
-        key_hint = "the server's key" if api_key else "tml-local"
-        print(
-            f"workbench: clients: TINKER_API_KEY={key_hint} tinker.ServiceClient(base_url={server.url!r})",
-            flush=True,
-        )
-        print(
-            f"workbench: OpenAI's API at {server.url}/oai/api/v1, Anthropic's at {server.url}/anthropic/api "
-            "(the same key)",
-            flush=True,
-        )
+        _print_serving(session, server, args, api_key is not None, budget)
         if not args.quiet:
-            handler = logging.StreamHandler(sys.stdout)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-            operations = logging.getLogger("workbench.server")
-            operations.addHandler(handler)
-            operations.setLevel(logging.INFO)
+            _log_operations()
         while not stop.wait(0.5):
             if not server.running:
                 print("workbench: the server stopped", file=sys.stderr, flush=True)

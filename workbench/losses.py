@@ -471,6 +471,13 @@ def resolve_loss(name: str, config: Mapping[str, float] | None) -> tuple[LossSpe
                 f"the losses compute in float32), got {value!r}"
             )
         resolved[key] = float(value)
+    _check_config_ranges(name, resolved)
+    return spec, resolved
+
+
+def _check_config_ranges(name: str, resolved: Mapping[str, float]) -> None:
+    """The ranges where the config keys of loss `name` mean what their formulas say: PPO's clip interval
+    around a ratio of 1, a probability difference, a non-negative DRO penalty, a positive value clip."""
     if "clip_low_threshold" in resolved:
         low, high = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
         if not 0.0 <= low <= 1.0 <= high:
@@ -486,4 +493,3 @@ def resolve_loss(name: str, config: Mapping[str, float] | None) -> tuple[LossSpe
         raise ValueError(f"dro beta must be >= 0, got {resolved['beta']}")
     if "value_clip" in resolved and resolved["value_clip"] <= 0:
         raise ValueError(f"ppo_critic value_clip must be > 0, got {resolved['value_clip']}")
-    return spec, resolved

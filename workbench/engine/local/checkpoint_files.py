@@ -362,29 +362,32 @@ def check_compatible(saved: SavedState, state: EngineState, lora_model: LoraMode
             _check_shapes(
                 saved.folder, role, "value head", adapter_state.value_head, model.value_head.state_dict()
             )
-        if restore is Restore.WEIGHTS:
-            continue
-        params = {
-            canonical: model.trainable.parameters[name] for name, canonical in canonical_names(model).items()
-        }
-        grouped = [name for group in adapter_state.param_groups for name in group["params"]]
-        if len(adapter_state.param_groups) != len(model.trainable.optimizer.param_groups) or grouped != list(
-            params
-        ):
-            raise CorruptCheckpointError(
-                f"{saved.folder}: the {role} optimizer's parameters do not match the adapter's"
-            )
-        for name, entries in adapter_state.moments.items():
-            for key, value in entries.items():
-                if name not in params or (key != "step" and value.shape != params[name].shape):
-                    raise CorruptCheckpointError(
-                        f"{saved.folder}: the {role} optimizer state {name}/{key} matches no parameter"
-                    )
-        for name, grad in adapter_state.gradients.items():
-            if name not in params or grad.shape != params[name].shape:
+        if restore is not Restore.WEIGHTS:
+            _check_training_state(saved.folder, role, adapter_state, model)
+
+
+def _check_training_state(folder: Path, role: Role, adapter_state: AdapterState, model: RoleAdapter) -> None:
+    """A full restore's optimizer state and gradient match the adapter's parameters, name by name and
+    shape by shape: a mismatch here means a damaged checkpoint, since the adapters already agree."""
+    params = {
+        canonical: model.trainable.parameters[name] for name, canonical in canonical_names(model).items()
+    }
+    grouped = [name for group in adapter_state.param_groups for name in group["params"]]
+    if len(adapter_state.param_groups) != len(model.trainable.optimizer.param_groups) or grouped != list(
+        params
+    ):
+        raise CorruptCheckpointError(
+            f"{folder}: the {role} optimizer's parameters do not match the adapter's"
+        )
+    for name, entries in adapter_state.moments.items():
+        for key, value in entries.items():
+            if name not in params or (key != "step" and value.shape != params[name].shape):
                 raise CorruptCheckpointError(
-                    f"{saved.folder}: the {role} gradient {name} matches no parameter"
+                    f"{folder}: the {role} optimizer state {name}/{key} matches no parameter"
                 )
+    for name, grad in adapter_state.gradients.items():
+        if name not in params or grad.shape != params[name].shape:
+            raise CorruptCheckpointError(f"{folder}: the {role} gradient {name} matches no parameter")
 
 
 def _check_shapes(

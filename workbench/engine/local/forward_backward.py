@@ -2,108 +2,56 @@
 
 In the caller's thread, every datum is checked against the loss (`resolve_loss`, `batching.prepare_batch`):
 bad input raises a `ValueError` naming the datum and field, and nothing is queued. On the worker thread,
-in submission order, the batch is cut into length-grouped micro-batches (`batching.plan_microbatches`);
-each is padded, run through the model (the policy's or the reference's logprobs, or the critic's
-values), through the loss, and backward when the call trains. Per-datum outputs are cut back to each
-datum's length in input order; metric sums are kept over the micro-batches and turned into
-`name:reduction` metrics at the end. A training call's datums whose loss has no gradient (the input that
-scales every term of the loss, `LossSpec.gradient_scale`, is 0 throughout: a group RL prompt whose
-completions got equal rewards) run forward only, in passes of their own. A training call adds its
-gradient to the accumulated one only when the whole call succeeded and its gradient is finite
-(`TrainableAdapter.accumulating`).
-
-Datums that start with the same tokens (a group RL prompt's completions) are found first
-(`shared_prefix.groups_for_streams`, where its cost rule says sharing pays, with the call's streams
-kept busy): each such group runs in a
-shared-prefix pass, its prefix computed once (`workbench.engine.model.prefix_attention`), and the other
-datums as above. A group is never split across passes or streams; a training pass of one group over
-half the model's full-activation limit runs in parts (`workbench.engine.model.prefix_parts`: the prefix
-once, then a few datums' suffixes at a time, each with its loss and backward), so that it keeps less
-than a plain pass of its datums would. The history row of the call records
-the tokens computed and the tokens submitted (`computed_tokens:sum`, `submitted_tokens:sum`).
+in submission order, a built-in-loss call goes partition → accumulate → record (`LossCall`): its datums
+are parted into those that train and those whose loss has no gradient (the input that scales every term
+of the loss, `LossSpec.gradient_scale`, is 0 throughout: a group RL prompt whose completions got equal
+rewards), which run forward only; each part is planned into passes (`call_plan`: shared-prefix groups,
+length-grouped micro-batches, stream chunks); each pass is computed (`pass_computation`: the
+prediction, the loss, the pass's own gradient) and its outputs, metric sums and gradient are added up in
+pass order; the per-datum outputs come back in input order, the metrics as `name:reduction`, and the
+call's row goes to the history with the tokens computed and submitted (`computed_tokens:sum`,
+`submitted_tokens:sum`). A training call adds its gradient to the accumulated one only when the whole
+call succeeded and its gradient is finite (`TrainableAdapter.accumulating`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from workbench.engine.interface import CustomLossFn
+from workbench.engine.local.call_plan import (
+    CallPlan,
+    Pass,
+    collate_pass,
+    plan_call,
+    token_counts,
+    without_gradient,
+)
 from workbench.engine.local.heap import release_freed_memory
 from workbench.engine.local.lora_models import LoraModel
+from workbench.engine.local.pass_computation import (
+    ChunkResult,
+    MetricTotals,
+    PassComputation,
+    predict,
+    scatter_outputs,
+)
 from workbench.engine.local.provenance import attach_sampling_records
 from workbench.engine.local.state import EngineState
-from workbench.engine.local.streams import CHUNK_TOKENS, run_on_streams, stream_chunks
-from workbench.engine.model import shared_prefix
-from workbench.engine.model.batching import (
-    MicroBatch,
-    PreparedDatum,
-    collate,
-    plan_microbatches,
-    prepare_batch,
-)
-from workbench.engine.model.prefix_parts import (
-    add_gradients,
-    checkpointed_prefix_layers,
-    kept_tokens,
-    part_members,
-    runs_in_parts,
-)
-from workbench.engine.model.shared_prefix import (
-    PrefixGroup,
-    SharedPrefixMicroBatch,
-    collate_shared,
-    computed_tokens,
-    groups_for_streams,
-    plan_shared_passes,
-    saved_tokens,
-    spread_shared_passes,
-)
+from workbench.engine.local.streams import run_on_streams
+from workbench.engine.model.batching import PreparedDatum, prepare_batch
+from workbench.engine.model.prefix_parts import kept_tokens
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
-from workbench.losses import LossOutput, LossSpec, resolve_loss
+from workbench.losses import LossSpec, resolve_loss
 from workbench.metrics import metric_values
 from workbench.sdk_conversion import to_datum
 from workbench.types import ForwardBackwardOutput, TensorData
-
-
-@dataclass
-class MetricTotals:
-    """Sums over the micro-batches of one call, turned into `name:reduction` metrics at the end."""
-
-    loss: float = 0.0
-    active_tokens: float = 0.0
-    diagnostic_sums: dict[str, float] = field(default_factory=dict)
-
-    def add(
-        self, elementwise_loss_B_T: Tensor, active_B_T: Tensor, diagnostics: Mapping[str, Tensor]
-    ) -> None:
-        self.loss += float(elementwise_loss_B_T.detach().sum())
-        active = active_B_T.float()
-        self.active_tokens += float(active.sum())
-        for name, values_B_T in diagnostics.items():
-            total = float((values_B_T.detach().float() * active).sum())
-            self.diagnostic_sums[name] = self.diagnostic_sums.get(name, 0.0) + total
-
-    def metrics(self, spec: LossSpec | None, with_loss: bool) -> dict[str, float]:
-        metrics: dict[str, float] = {"num_tokens:sum": self.active_tokens}
-        if with_loss:
-            metrics["loss:sum"] = self.loss
-        if self.active_tokens > 0:
-            means = {name: total / self.active_tokens for name, total in self.diagnostic_sums.items()}
-            if spec is not None and spec.summarize is not None and with_loss:
-                means = spec.summarize(means)
-            metrics.update(
-                {f"{name}:mean": value for name, value in means.items() if not name.startswith("_")}
-            )
-        return metrics
-
 
 # ---------------------------------------------------------------------------------------------- submission
 
@@ -203,115 +151,11 @@ def submit_custom(
 
 # ---------------------------------------------------------------------------------------------- worker
 
-Pass = list[int] | list[PrefixGroup]
-"""The datums of one pass: plain datum indices, or whole shared-prefix groups."""
-
-
-@dataclass
-class CallPlan:
-    """How a call's datums run: its passes, the chunks for streams (None: on the worker's threads; a
-    single chunk runs there too unless another part of the call runs on streams beside it), and the real
-    tokens it computes against those submitted."""
-
-    passes: list[Pass]
-    chunks: list[Pass] | None
-    computed: int
-    submitted: int
-
-
-def plan_call(
-    state: EngineState, batch: Sequence[PreparedDatum], token_limit: int | None, streams: int
-) -> CallPlan:
-    """Shared-prefix groups first, in passes of at most the micro-batch budget and `token_limit` (on
-    `streams` streams, spread over as many passes for each stream, of about `CHUNK_TOKENS` or fewer:
-    `spread_shared_passes`); the other datums as length-grouped micro-batches, cut into stream chunks."""
-    lengths = [item.length for item in batch]
-    groups = groups_for_streams(
-        [item.tokens_N for item in batch], shared_prefix.PREFIX_PASS_OVERHEAD_TOKENS, streams
-    )
-    grouped = {index for group in groups for index in group.indices}
-    rest = [index for index in range(len(batch)) if index not in grouped]
-    plan = (
-        [
-            [rest[k] for k in micro]
-            for micro in plan_microbatches(
-                [lengths[i] for i in rest], state.config.max_tokens_per_microbatch, token_limit
-            )
-        ]
-        if rest
-        else []
-    )
-    budget = (
-        state.config.max_tokens_per_microbatch
-        if token_limit is None
-        else min(state.config.max_tokens_per_microbatch, token_limit)
-    )
-    shared: list[Pass] = []
-    if groups and streams >= 2:
-        total = sum(computed_tokens([group], lengths) for group in groups)
-        per_stream = max(1, math.ceil(total / (streams * CHUNK_TOKENS)))
-        shared = list(spread_shared_passes(groups, lengths, streams * per_stream, budget))
-    elif groups:
-        shared = list(plan_shared_passes(groups, lengths, budget))
-    chunks: list[Pass] | None = None
-    if streams >= 2:
-        plain_chunks = stream_chunks(plan, lengths, streams, token_limit) if plan else []
-        units: list[Pass] = [*(plan if plain_chunks is None else plain_chunks), *shared]
-        within_limit = token_limit is None or all(
-            _pass_tokens(unit, lengths) <= token_limit for unit in units
-        )
-        if within_limit and (plain_chunks is not None or shared):
-            chunks = units
-    submitted = sum(lengths)
-    return CallPlan([*shared, *plan], chunks, submitted - saved_tokens(groups), submitted)
-
-
-def _pass_tokens(unit: Pass, lengths: Sequence[int]) -> int:
-    if unit and isinstance(unit[0], PrefixGroup):
-        return computed_tokens(unit, lengths)  # type: ignore[arg-type]
-    return len(unit) * max(lengths[index] for index in unit)  # type: ignore[index]
-
-
-def collate_pass(state: EngineState, batch: Sequence[PreparedDatum], unit: Pass) -> MicroBatch:
-    """One pass's micro-batch on the engine's device: plain, or shared-prefix."""
-    pad = state.tokenizer.pad_token_id
-    if unit and isinstance(unit[0], PrefixGroup):
-        return collate_shared(batch, unit, pad, state.device)  # type: ignore[arg-type]
-    return collate(batch, unit, pad, state.device)  # type: ignore[arg-type]
-
-
-def token_counts(*plans: CallPlan) -> dict[str, float]:
-    """The history row's record of the saving: real tokens computed and submitted by a call's plans."""
-    return {
-        "computed_tokens:sum": float(sum(plan.computed for plan in plans)),
-        "submitted_tokens:sum": float(sum(plan.submitted for plan in plans)),
-    }
-
-
-def predict(
-    state: EngineState,
-    lora_model: LoraModel,
-    role: Role,
-    micro: MicroBatch,
-    with_entropy: bool = False,
-    trained_B_T: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The model's prediction for a micro-batch: the critic's values, or the targets' logprobs for the
-    policy and the reference (and, when asked, the detached entropy of each next-token distribution),
-    with autograd only at the positions `trained_B_T` marks (None: all; `trained_positions`)."""
-    if role is Role.CRITIC:
-        critic = lora_model.role_adapter(Role.CRITIC)
-        assert critic.value_head is not None
-        return state.model.values(critic.adapter, critic.value_head, micro), {}
-    adapter = None if role is Role.REFERENCE else lora_model.policy.adapter
-    logprobs_B_T, entropy_B_T = state.model.target_logprobs(adapter, micro, with_entropy, trained_B_T)
-    return logprobs_B_T, {} if entropy_B_T is None else {"entropy": entropy_B_T}
-
 
 @dataclass
 class CallPart:
     """The datums of a call that run alike (trained, or forward only), their plan, and their outputs as
-    the chunks bring them."""
+    the passes bring them."""
 
     indices: list[int]  # into the call's batch
     batch: list[PreparedDatum]
@@ -324,16 +168,124 @@ class CallPart:
 
 
 @dataclass
-class ChunkResult:
-    """What one micro-batch (or stream chunk) of a built-in-loss pass gives back: its per-position
-    outputs, what the metrics add up, and, when it trains, its gradient per trainable parameter."""
+class LossCall:
+    """One built-in-loss call on the worker: what its passes compute with, the streams they may use, and
+    the metric sums so far. `run_loss` drives it: `partition`, `accumulate`, `record`."""
 
-    micro: MicroBatch
-    per_position: dict[str, Tensor]
-    elementwise_loss_B_T: Tensor
-    active_B_T: Tensor
-    diagnostics: dict[str, Tensor]
-    gradients: Sequence[Tensor | None] | None
+    op: str  # "forward" or "forward_backward"
+    compute: PassComputation
+    streams: int
+    totals: MetricTotals = field(default_factory=MetricTotals)
+
+    @classmethod
+    def start(
+        cls,
+        state: EngineState,
+        lora_model: LoraModel,
+        role: Role,
+        op: str,
+        spec: LossSpec,
+        config: Mapping[str, float],
+        with_loss: bool,
+    ) -> LossCall:
+        """A call of `op` on `role` of `lora_model`; the reference's passes stay on the worker's threads
+        (adapters off for the pass: `workbench.engine.local.streams`)."""
+        trains = op == "forward_backward"  # the reference has no trainable parameters to ask for
+        parameters = list(lora_model.role_adapter(role).trainable.parameters.values()) if trains else []
+        kept = kept_tokens(state.model.full_activation_limit)
+        compute = PassComputation(state, lora_model, role, spec, config, with_loss, parameters, kept)
+        return cls(op, compute, 1 if role is Role.REFERENCE else state.streams)
+
+    @property
+    def trains(self) -> bool:
+        return self.op == "forward_backward"
+
+    def partition(self, batch: list[PreparedDatum]) -> list[CallPart]:
+        """The call's parts, each planned: for a training call, the datums that train, then those whose
+        loss has no gradient (`without_gradient`), forward only; otherwise all datums, forward only."""
+        if not self.trains:
+            return [self._planned(batch, list(range(len(batch))), trains=False)]
+        gradient_free = [without_gradient(self.compute.spec, item) for item in batch]
+        trained = [index for index, free in enumerate(gradient_free) if not free]
+        frozen = [index for index, free in enumerate(gradient_free) if free]
+        parts = [self._planned(batch, trained, trains=True)] if trained else []
+        return parts + ([self._planned(batch, frozen, trains=False)] if frozen else [])
+
+    def _planned(self, batch: list[PreparedDatum], indices: list[int], trains: bool) -> CallPart:
+        """A trained part's passes stay within the model's full-activation limit; a forward-only part's
+        keep no activations for a backward, so they have no such limit."""
+        state = self.compute.state
+        part = [batch[index] for index in indices]
+        token_limit = state.model.full_activation_limit if trains else None
+        return CallPart(indices, part, trains, plan_call(state, part, token_limit, self.streams))
+
+    def accumulate(self, parts: list[CallPart]) -> None:
+        """Every part's passes, their outputs, metric sums and gradients added up; a training call's
+        gradient goes to the accumulated one only if the whole call succeeds and it is finite."""
+        if not self.trains:
+            self._run(parts)
+            return
+        state, lora_model, role = self.compute.state, self.compute.lora_model, self.compute.role
+        with lora_model.role_adapter(role).trainable.accumulating(
+            f"{self.op} with {self.compute.spec.fn.__name__!r} on {state.adapter_label(lora_model, role)}"
+        ):
+            if not any(part.trains for part in parts):  # the call's gradient: zero for every parameter
+                for param in self.compute.parameters:
+                    param.grad = torch.zeros_like(param)
+            self._run(parts)
+
+    def _run(self, parts: list[CallPart]) -> None:
+        """Every part's passes: those with stream chunks together on the streams (the training part's
+        first, so the streams start on the longest work), where that makes two chunks or more; the
+        rest on the worker's threads."""
+        streamed = [
+            (part, unit) for part in parts if part.plan.chunks is not None for unit in part.plan.chunks
+        ]
+        on_streams = len(streamed) >= 2
+        if on_streams:
+            adapter = self.compute.lora_model.role_adapter(self.compute.role).adapter
+            with self.compute.state.model.using(adapter):  # the streams only read the model
+                run_on_streams(
+                    lambda item: (item[0], self._run_pass(*item)),
+                    streamed,
+                    self.compute.state.streams,
+                    lambda done: self._take(*done),
+                )
+        for part in parts:
+            if part.plan.chunks is None or not on_streams:
+                for unit in part.plan.passes:
+                    self._take(part, self._run_pass(part, unit))
+
+    def _run_pass(self, part: CallPart, unit: Pass) -> list[ChunkResult]:
+        return self.compute.run(part.batch, unit, part.trains)
+
+    def _take(self, part: CallPart, pieces: list[ChunkResult]) -> None:
+        """A pass's results, in pass order: its metric sums, its outputs, its gradient added."""
+        release_freed_memory()  # the pass's activations
+        for chunk in pieces:
+            self.totals.add(chunk.elementwise_loss_B_T, chunk.active_B_T, chunk.diagnostics)
+            scatter_outputs(part.outputs, chunk.micro, chunk.per_position)
+            for param, grad in zip(self.compute.parameters, chunk.gradients or (), strict=False):
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def record(self, parts: list[CallPart], size: int) -> ForwardBackwardOutput:
+        """The call's row in the history, and its result: per-datum outputs in input order."""
+        outputs: list[dict[str, TensorData]] = [{} for _ in range(size)]
+        for part in parts:
+            for index, output in zip(part.indices, part.outputs, strict=True):
+                outputs[index] = output
+        state, lora_model, role = self.compute.state, self.compute.lora_model, self.compute.role
+        metrics = self.totals.metrics(self.compute.spec, self.compute.with_loss)
+        state.record(
+            self.op,
+            lora_model,
+            state.adapter_label(lora_model, role),
+            {**metrics, **token_counts(*(part.plan for part in parts))},
+        )
+        return ForwardBackwardOutput(
+            loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
+        )
 
 
 def run_loss(
@@ -362,209 +314,10 @@ def run_loss(
     passes of 4 and 2: `plan_call`), more than the 5.7–5.9 s of all 8 training; it now takes 5.4–5.6 s
     (4 of 8: 5.5–5.6 s, now 4.6–4.7 s).
     """
-    backward = op == "forward_backward"
-    outputs: list[dict[str, TensorData]] = [{} for _ in batch]
-    totals = MetricTotals()
-    parameters = list(lora_model.role_adapter(role).trainable.parameters.values()) if backward else []
-    streams = 1 if role is Role.REFERENCE else state.streams
-    kept = kept_tokens(state.model.full_activation_limit)
-
-    def plan_part(indices: list[int], trains: bool) -> CallPart:
-        part = [batch[index] for index in indices]
-        token_limit = state.model.full_activation_limit if trains else None
-        return CallPart(indices, part, trains, plan_call(state, part, token_limit, streams))
-
-    def run_chunk(call_part: CallPart, unit: Pass) -> list[ChunkResult]:
-        part, trains = call_part.batch, call_part.trains
-        micro = collate_pass(state, part, unit)
-        if trains and isinstance(micro, SharedPrefixMicroBatch) and runs_in_parts(micro, kept):
-            return run_in_parts(state, lora_model, role, part, micro, spec, config, parameters, kept)
-        mask_B_T = micro.attention_mask_B_T.bool()
-        with torch.set_grad_enabled(trains):
-            trained_B_T = trained_positions(spec, micro) if trains else None
-            prediction_B_T, extra = predict(state, lora_model, role, micro, spec.reports_entropy, trained_B_T)
-            if not with_loss:
-                return [
-                    ChunkResult(
-                        micro,
-                        {spec.head: prediction_B_T},
-                        torch.zeros_like(prediction_B_T),
-                        mask_B_T,
-                        extra,
-                        None,
-                    )
-                ]
-            result = spec.fn(prediction_B_T, micro.inputs, mask_B_T, config)
-            gradients = (
-                torch.autograd.grad(result.elementwise_loss_B_T.sum(), parameters, allow_unused=True)
-                if trains
-                else None
-            )
-        return [loss_result(micro, spec, prediction_B_T, extra, result, gradients)]
-
-    def take(call_part: CallPart, pieces: list[ChunkResult]) -> None:
-        release_freed_memory()  # the chunk's activations
-        for chunk in pieces:
-            totals.add(chunk.elementwise_loss_B_T, chunk.active_B_T, chunk.diagnostics)
-            scatter_outputs(call_part.outputs, chunk.micro, chunk.per_position)
-            for param, grad in zip(parameters, chunk.gradients or (), strict=False):
-                if grad is not None:
-                    param.grad = grad if param.grad is None else param.grad.add_(grad)
-
-    def run(parts: list[CallPart]) -> None:
-        """Every part's passes: those with stream chunks together on the streams (the training part's
-        first, so the streams start on the longest work), where that makes two chunks or more; the
-        rest on the worker's threads."""
-        streamed = [(p, unit) for p in parts if p.plan.chunks is not None for unit in p.plan.chunks]
-        on_streams = len(streamed) >= 2
-        if on_streams:
-            with state.model.using(lora_model.role_adapter(role).adapter):  # the streams only read the model
-                run_on_streams(
-                    lambda item: (item[0], run_chunk(*item)),
-                    streamed,
-                    state.streams,
-                    lambda done: take(*done),
-                )
-        for call_part in parts:
-            if call_part.plan.chunks is None or not on_streams:
-                for unit in call_part.plan.passes:
-                    take(call_part, run_chunk(call_part, unit))
-
-    parts: list[CallPart] = []
-    if backward:
-        gradient_free = [without_gradient(spec, item) for item in batch]
-        trained = [index for index, free in enumerate(gradient_free) if not free]
-        frozen = [index for index, free in enumerate(gradient_free) if free]
-        parts = [plan_part(trained, trains=True)] if trained else []
-        parts += [plan_part(frozen, trains=False)] if frozen else []
-        with lora_model.role_adapter(role).trainable.accumulating(
-            f"{op} with {spec.fn.__name__!r} on {state.adapter_label(lora_model, role)}"
-        ):
-            if not trained:  # the gradient the whole call would have given: zero for every parameter
-                for param in parameters:
-                    param.grad = torch.zeros_like(param)
-            run(parts)
-    else:
-        parts = [plan_part(list(range(len(batch))), trains=False)]
-        run(parts)
-    for call_part in parts:
-        for index, output in zip(call_part.indices, call_part.outputs, strict=True):
-            outputs[index] = output
-    metrics = totals.metrics(spec, with_loss)
-    state.record(
-        op,
-        lora_model,
-        state.adapter_label(lora_model, role),
-        {**metrics, **token_counts(*(p.plan for p in parts))},
-    )
-    return ForwardBackwardOutput(
-        loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
-    )
-
-
-def loss_result(
-    micro: MicroBatch,
-    spec: LossSpec,
-    prediction_B_T: Tensor,
-    extra: Mapping[str, Tensor],
-    result: LossOutput,
-    gradients: Sequence[Tensor | None] | None,
-) -> ChunkResult:
-    """A micro-batch's `ChunkResult` from its prediction and the loss's result (all detached)."""
-    loss_B_T = result.elementwise_loss_B_T.detach()
-    return ChunkResult(
-        micro,
-        {spec.head: prediction_B_T.detach(), "elementwise_loss": loss_B_T},
-        loss_B_T,
-        result.active_B_T,
-        {name: values.detach() for name, values in {**extra, **result.diagnostics}.items()},
-        gradients,
-    )
-
-
-def run_in_parts(
-    state: EngineState,
-    lora_model: LoraModel,
-    role: Role,
-    batch: Sequence[PreparedDatum],
-    micro: SharedPrefixMicroBatch,
-    spec: LossSpec,
-    config: Mapping[str, float],
-    parameters: list[torch.nn.Parameter],
-    kept: int,
-) -> list[ChunkResult]:
-    """A shared pass of one group, trained in parts (`workbench.engine.model.prefix_parts`): the prefix
-    once, each part's suffixes with their loss and backward, then the prefix's backward. One result per
-    part; the last carries the whole pass's gradient."""
-    model = state.model
-    critic = role is Role.CRITIC
-    adapter = lora_model.role_adapter(role)
-    head = adapter.value_head if critic else None
-    group = micro.groups[0]
-    suffix_length = micro.suffix_ids_R_S.shape[1]
-    parts = part_members(len(group.indices), suffix_length, kept)
-    part_tokens = len(parts[0]) * suffix_length
-    prefix_tokens = micro.prefix_ids_P_L.numel()
-    checkpointed = checkpointed_prefix_layers(prefix_tokens, part_tokens, kept, len(model.decoder_layers))
-    with torch.enable_grad():
-        with model.checkpointing_first(checkpointed):
-            stage = model.prefix_stage(
-                adapter.adapter,
-                head,
-                micro,
-                spec.reports_entropy and not critic,
-                kept_positions=max(0, kept - part_tokens),
-                trained_B_T=None if critic else trained_positions(spec, micro),
-                in_parts=True,
-            )
-        release_freed_memory()  # what the prefix's pass freed
-        totals: list[Tensor | None] = [None] * len(parameters)
-        pieces = []
-        for members in parts:
-            indices = [group.indices[member] for member in members]
-            sub = collate_shared(
-                batch, [PrefixGroup(indices, group.prefix_length)], state.tokenizer.pad_token_id, state.device
-            )
-            prediction_B_T, entropy_B_T = model.suffix_part(
-                adapter.adapter,
-                head,
-                stage,
-                sub,
-                members,
-                kept_positions=sub.suffix_ids_R_S.numel(),
-                trained_B_T=None if critic else trained_positions(spec, sub),
-            )
-            extra = {} if entropy_B_T is None else {"entropy": entropy_B_T}
-            result = spec.fn(prediction_B_T, sub.inputs, sub.attention_mask_B_T.bool(), config)
-            gradients = torch.autograd.grad(
-                result.elementwise_loss_B_T.sum(), [*parameters, *stage.leaves], allow_unused=True
-            )
-            add_gradients(totals, gradients[: len(parameters)])
-            add_gradients(stage.leaf_gradients, gradients[len(parameters) :])
-            pieces.append(loss_result(sub, spec, prediction_B_T, extra, result, None))
-            del prediction_B_T, entropy_B_T, extra, result, gradients
-            release_freed_memory()  # the part's activations, before the next part allocates its own
-        add_gradients(totals, stage.backward(parameters))
-    pieces[-1].gradients = totals
-    return pieces
-
-
-def trained_positions(spec: LossSpec, micro: MicroBatch) -> Tensor | None:
-    """Where the loss of `spec` can give a micro-batch's logprobs a gradient, (B, T) bool: its
-    `gradient_scale` input is not 0 there (over every target column, for soft targets). None for a loss
-    without such an input: every position."""
-    if spec.gradient_scale is None:
-        return None
-    scale_B_T_X = micro.inputs[spec.gradient_scale]
-    return scale_B_T_X.ne(0).reshape(*scale_B_T_X.shape[:2], -1).any(dim=-1)
-
-
-def without_gradient(spec: LossSpec, datum: PreparedDatum) -> bool:
-    """True when the datum's loss has no gradient: every term of `spec`'s loss is multiplied by its
-    `gradient_scale` input (`LossSpec.gradient_scale`), and that input is 0 at every position."""
-    if spec.gradient_scale is None:
-        return False
-    return not bool(datum.inputs[spec.gradient_scale].any())
+    call = LossCall.start(state, lora_model, role, op, spec, config, with_loss)
+    parts = call.partition(batch)
+    call.accumulate(parts)
+    return call.record(parts, len(batch))
 
 
 def run_custom(
@@ -625,18 +378,6 @@ def run_custom(
     return ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
     )
-
-
-def scatter_outputs(
-    outputs: list[dict[str, TensorData]], micro: MicroBatch, per_position: Mapping[str, Tensor]
-) -> None:
-    """Cut each (B, T) or (B, T, K) tensor back into one (N_d,) or (N_d, K) `TensorData` per datum, in
-    input order."""
-    arrays = {name: tensor_B_T.detach().float().cpu().numpy() for name, tensor_B_T in per_position.items()}
-    for row, index in enumerate(micro.indices):
-        n = micro.lengths[row]
-        for name, array_B_T in arrays.items():
-            outputs[index][name] = TensorData(np.ascontiguousarray(array_B_T[row, :n]), "float32")
 
 
 def call_custom_loss(

@@ -130,6 +130,30 @@ def prepare_datum(
         datum: Datum = to_datum(raw)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {error}") from error
+    tokens = _model_input_tokens(where, datum, vocab_size, max_length)
+    n = len(tokens)
+    unknown = _unknown_inputs(where, set(datum.loss_fn_inputs), required, optional, strict)
+    used = set(required) | set(optional)
+    per_target = _per_target_shape(where, datum, n, soft_targets)
+    inputs: dict[str, torch.Tensor] = {}
+    for key, value in datum.loss_fn_inputs.items():
+        if key in unknown:
+            continue
+        array = value.to_numpy()
+        expected = per_target if key in PER_TARGET_INPUTS else (n,)
+        _check_input_shape(where, key, array.shape, expected, soft_targets)
+        _check_input_values(where, key, array, vocab_size)
+        if key in used:  # `target_tokens` is checked even where the loss does not read it
+            inputs[key] = torch.from_numpy(array.astype(np.int64 if key == "target_tokens" else np.float32))
+    for key, default in optional.items():
+        if key not in inputs and default is not None:
+            shape = per_target if key in PER_TARGET_INPUTS else (n,)
+            inputs[key] = torch.full(shape, default, dtype=torch.float32)
+    return PreparedDatum(tokens_N=torch.from_numpy(tokens.astype(np.int64)), inputs=inputs)
+
+
+def _model_input_tokens(where: str, datum: Datum, vocab_size: int, max_length: int) -> np.ndarray:
+    """The datum's model_input as token ids: not empty, within the model's context, in its vocabulary."""
     token_list = datum.model_input.to_ints()
     n = len(token_list)
     if n == 0:
@@ -140,59 +164,65 @@ def prepare_datum(
         )
     tokens = np.asarray(token_list)
     _check_tokens(f"{where}: model_input", tokens, vocab_size)
+    return tokens
 
-    inputs: dict[str, torch.Tensor] = {}
-    given = set(datum.loss_fn_inputs)
+
+def _unknown_inputs(
+    where: str,
+    given: set[str],
+    required: Collection[str],
+    optional: Mapping[str, float | None],
+    strict: bool,
+) -> list[str]:
+    """The datum's loss inputs the loss does not use (an error when `strict`); a required input missing
+    is an error."""
     missing = [key for key in required if key not in given]
     if missing:
         raise ValueError(
             f"{where}: loss_fn_inputs is missing {missing}; this loss needs {sorted(required)}"
             + (f" and accepts {sorted(optional)}" if optional else "")
         )
-    used = set(required) | set(optional)
     # `target_tokens` is part of every Tinker datum; a loss that does not read it still validates it.
-    unknown = sorted(given - used - {"target_tokens"})
+    unknown = sorted(given - set(required) - set(optional) - {"target_tokens"})
     if unknown and strict:
         raise ValueError(
             f"{where}: loss_fn_inputs has unknown key(s) {unknown}; this loss uses {sorted(required)}"
             + (f" and optionally {sorted(optional)}" if optional else "")
         )
-    per_target = _per_target_shape(where, datum, n, soft_targets)
-    for key, value in datum.loss_fn_inputs.items():
-        if key in unknown:
-            continue
-        array = value.to_numpy()
-        expected = per_target if key in PER_TARGET_INPUTS else (n,)
-        if array.shape != expected and len(expected) == 2:
-            raise ValueError(
-                f"{where}: loss_fn_inputs[{key!r}] has shape {list(array.shape)}, but target_tokens has shape "
-                f"{list(expected)}: with K targets per position, {key!r} needs one value per target {expected}"
-            )
-        if array.shape != expected:
-            raise ValueError(
-                f"{where}: loss_fn_inputs[{key!r}] has shape {list(array.shape)}, but model_input has {n} "
-                f"tokens: each input needs exactly one value per position ({n},)"
-                + (" or, for soft targets, (N, K) target_tokens and weights" if soft_targets else "")
-            )
-        if key == "target_tokens":
-            _check_tokens(f"{where}: loss_fn_inputs['target_tokens']", array, vocab_size)
-            if key in used:
-                inputs[key] = torch.from_numpy(array.astype(np.int64))
-        else:
-            if array.dtype.kind not in "iuf":
-                raise ValueError(f"{where}: loss_fn_inputs[{key!r}] must be numeric, got dtype {array.dtype}")
-            finite = np.isfinite(array)
-            if not finite.all():
-                bad = int(np.flatnonzero(~finite)[0])
-                raise ValueError(
-                    f"{where}: loss_fn_inputs[{key!r}] has a non-finite value {array[bad].item()} at position {bad}"
-                )
-            inputs[key] = torch.from_numpy(array.astype(np.float32))
-    for key, default in optional.items():
-        if key not in inputs and default is not None:
-            shape = per_target if key in PER_TARGET_INPUTS else (n,)
-            inputs[key] = torch.full(shape, default, dtype=torch.float32)
-    return PreparedDatum(tokens_N=torch.from_numpy(tokens.astype(np.int64)), inputs=inputs)
+    return unknown
+
+
+def _check_input_shape(
+    where: str, key: str, shape: tuple[int, ...], expected: tuple[int, ...], soft_targets: bool
+) -> None:
+    """One loss input has one value per position (N,), or per target (N, K) with soft targets."""
+    if shape != expected and len(expected) == 2:
+        raise ValueError(
+            f"{where}: loss_fn_inputs[{key!r}] has shape {list(shape)}, but target_tokens has shape "
+            f"{list(expected)}: with K targets per position, {key!r} needs one value per target {expected}"
+        )
+    if shape != expected:
+        n = expected[0]
+        raise ValueError(
+            f"{where}: loss_fn_inputs[{key!r}] has shape {list(shape)}, but model_input has {n} "
+            f"tokens: each input needs exactly one value per position ({n},)"
+            + (" or, for soft targets, (N, K) target_tokens and weights" if soft_targets else "")
+        )
+
+
+def _check_input_values(where: str, key: str, array: np.ndarray, vocab_size: int) -> None:
+    """`target_tokens` are ids in the vocabulary; any other input is numeric and finite."""
+    if key == "target_tokens":
+        _check_tokens(f"{where}: loss_fn_inputs['target_tokens']", array, vocab_size)
+        return
+    if array.dtype.kind not in "iuf":
+        raise ValueError(f"{where}: loss_fn_inputs[{key!r}] must be numeric, got dtype {array.dtype}")
+    finite = np.isfinite(array)
+    if not finite.all():
+        bad = int(np.flatnonzero(~finite)[0])
+        raise ValueError(
+            f"{where}: loss_fn_inputs[{key!r}] has a non-finite value {array[bad].item()} at position {bad}"
+        )
 
 
 def prepare_batch(
