@@ -26,7 +26,6 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 from contention import MODES, quiet_and_contended  # bench/contention.py, beside this script
 
 import workbench as wb
-from workbench.notebook.panel.panel import METRICS_TAB
 
 SETTINGS = {"tiny": {"steps": 300, "rounds": 3}, "smollm2-135m": {"steps": 8, "rounds": 2}}
 PANELS = (0, 1, 2)
@@ -52,7 +51,9 @@ def steps_per_second(sess: wb.Session, data: list[wb.Datum], steps: int, panels:
     """One run of `steps` steps with `panels` live panels; the panels are closed after it."""
     shown = [sess.panel(train_data=data, metrics=("loss:sum", "grad_norm")) for _ in range(panels)]
     for panel in shown:
-        panel.tabs.selected_index = METRICS_TAB  # the costly view: its plot redrawn as the run trains
+        panel.tabs.selected_index = panel.tab_index(
+            "Metrics"
+        )  # the costly view: its plot redrawn as the run trains
     try:
         started = time.perf_counter()
         run = sess.run(wb.train_step(data), steps, adam_params=wb.AdamParams(learning_rate=1e-4))

@@ -13,7 +13,7 @@ import pytest
 import workbench as wb
 from tests.notebook import BYTES_PER_STEP_BUDGET
 from workbench.loops.rollout_groups import RolloutGroup, rollout_data
-from workbench.notebook.rollouts_view import RolloutExplorer, reward_bins, shared_prompt_start
+from workbench.notebook.panel.rollouts_tab import RolloutExplorer, reward_bins, shared_prompt_start
 
 
 def _plain(fragment: str) -> str:
@@ -143,7 +143,9 @@ def test_the_panel_has_a_live_rollouts_tab(tiny: wb.Session) -> None:
         _record_step(tiny, [[1.0, 0.0, 1.0]], seed=0)
         panel.refresh()
         assert panel.rollouts.batch is None  # a hidden tab is not redrawn
-        panel.tabs.selected_index = 4  # opening it is (the timer's next refresh, here at once)
+        panel.tabs.selected_index = panel.tab_index(
+            "Rollouts"
+        )  # opening it is (the timer's next refresh, here at once)
         panel.refresh()
         assert panel.rollouts.batch == 0 and [
             b.children[0].description for b in panel.rollouts.histogram.children
@@ -162,11 +164,11 @@ def test_a_rollouts_prompt_is_sampled_again_from_the_sample_tab(tiny: wb.Session
     panel = tiny.panel()
     try:
         _record_step(tiny, [[1.0, 0.0]], seed=0)
-        panel.tabs.selected_index = 4
+        panel.tabs.selected_index = panel.tab_index("Rollouts")
         panel.refresh()
         panel.rollouts.sample_button.click()
         s = panel.sample
-        assert panel.tabs.selected_index == 1
+        assert panel.tabs.selected_index == panel.tab_index("Sample")
         assert s.exact_prompt == tiny.rollouts[0][0].prompt_tokens
         assert s.model_input().to_ints() == tiny.rollouts[0][0].prompt_tokens and s.chat.disabled
         s.max_tokens.value = 2

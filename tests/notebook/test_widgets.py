@@ -338,8 +338,6 @@ def test_the_hidden_train_tab_is_redrawn_when_opened_or_when_the_run_ends(
     """The Train tab's progress bar and text move at every step, as the progress line above the tabs does:
     hidden while a run runs, the tab sends the page nothing; opened, or once the run has ended, it shows
     the run as it is."""
-    from workbench.notebook.panel import panel as panel_module
-
     panel.stop_polling()  # the test refreshes
     entered, release = threading.Event(), threading.Event()
 
@@ -348,17 +346,17 @@ def test_the_hidden_train_tab_is_redrawn_when_opened_or_when_the_run_ends(
             entered.set()
             assert release.wait(WAIT_S)
 
-    panel.tabs.selected_index = panel_module.METRICS_TAB
+    panel.tabs.selected_index = panel.tab_index("Metrics")
     run = tiny.run(step, steps=2)
     try:
         assert entered.wait(WAIT_S)
         panel.refresh()
         assert "step 1/2" in panel.progress.widget.value
         assert "1/2" not in panel.train.progress_text.value
-        panel.tabs.selected_index = panel_module.TRAIN_TAB
+        panel.tabs.selected_index = panel.tab_index("Train")
         panel.refresh()
         assert "running · 1/2 (step in progress)" in panel.train.progress_text.value
-        panel.tabs.selected_index = panel_module.METRICS_TAB
+        panel.tabs.selected_index = panel.tab_index("Metrics")
     finally:
         release.set()
     assert run.wait(WAIT_S) is RunState.FINISHED
@@ -837,9 +835,9 @@ def test_the_plots_images_are_paletted_pngs_that_keep_every_pixels_transparency(
 def test_the_rollouts_tab_follows_a_running_run_at_most_every_few_seconds(
     panel: wb.Panel, tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While a run runs, the open Rollouts tab shows its new batches at most every ROLLOUTS_FOLLOW_S (a
+    """While a run runs, the open Rollouts tab shows its new batches at most every FOLLOW_S (a
     batch is ~10 KB for the page); opened again, it shows the newest at once; a run that has ended, too."""
-    from workbench.notebook.panel import panel as panel_module
+    from workbench.notebook.panel import rollouts_tab
 
     entered, release = threading.Event(), threading.Event()
 
@@ -850,8 +848,8 @@ def test_the_rollouts_tab_follows_a_running_run_at_most_every_few_seconds(
             assert release.wait(WAIT_S)
         return {}
 
-    panel.tabs.selected_index = panel_module.ROLLOUTS_TAB
-    monkeypatch.setattr(panel_module, "ROLLOUTS_FOLLOW_S", 3600.0)
+    panel.tabs.selected_index = panel.tab_index("Rollouts")
+    monkeypatch.setattr(rollouts_tab, "FOLLOW_S", 3600.0)
     run = tiny.run(step, steps=2)
     try:
         assert entered.wait(WAIT_S)  # batches 0 and 1 recorded, the run running
@@ -861,7 +859,7 @@ def test_the_rollouts_tab_follows_a_running_run_at_most_every_few_seconds(
         panel.refresh()
         assert panel.rollouts.batch == shown  # not followed again within the interval
         panel.tabs.selected_index = 0
-        panel.tabs.selected_index = panel_module.ROLLOUTS_TAB  # opened again: the newest
+        panel.tabs.selected_index = panel.tab_index("Rollouts")  # opened again: the newest
         panel.refresh()
         assert panel.rollouts.batch == len(tiny.rollouts) - 1
     finally:
@@ -875,11 +873,11 @@ def test_the_rollouts_tab_follows_a_running_run_at_most_every_few_seconds(
 def test_the_rollouts_tab_follows_a_run_of_slow_steps_every_other_step(
     panel: wb.Panel, tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Steps slower than ROLLOUTS_FOLLOW_S (injected: 0) are followed every ROLLOUTS_FOLLOW_STEPS of them,
+    """Steps slower than FOLLOW_S (injected: 0) are followed every FOLLOW_STEPS of them,
     not at each: an early RL batch is ~18 KB for the page."""
-    from workbench.notebook.panel import panel as panel_module
+    from workbench.notebook.panel import rollouts_tab
 
-    monkeypatch.setattr(panel_module, "ROLLOUTS_FOLLOW_S", 0.0)
+    monkeypatch.setattr(rollouts_tab, "FOLLOW_S", 0.0)
     recorded = [threading.Event() for _ in range(3)]
     go_on = [threading.Event() for _ in range(3)]
 
@@ -889,7 +887,7 @@ def test_the_rollouts_tab_follows_a_run_of_slow_steps_every_other_step(
         assert go_on[i].wait(WAIT_S)
         return {}
 
-    panel.tabs.selected_index = panel_module.ROLLOUTS_TAB
+    panel.tabs.selected_index = panel.tab_index("Rollouts")
     run = tiny.run(step, steps=3)
     try:
         shown = []
@@ -918,14 +916,80 @@ def test_rows_the_saved_record_drew_while_the_tab_was_hidden_still_reach_the_pag
 ) -> None:
     """The saved record draws the plot for its PNG while the Metrics tab is hidden; opening the tab
     must still send the page that drawing."""
-    from workbench.notebook.panel.panel import METRICS_TAB
-
     m = panel.metrics
     panel.tabs.selected_index = 0
     panel.train.step_button.click()
     _wait(tiny)
     assert m.png() is not None  # what the record does at a run's end: the new rows are drawn
     renders = m.renders
-    panel.tabs.selected_index = METRICS_TAB
+    panel.tabs.selected_index = panel.tab_index("Metrics")
     panel.refresh()
     assert m.renders == renders + 1
+
+
+class _CountingTab:
+    """A tab of the test's own: it counts its redraws and its openings."""
+
+    def __init__(self) -> None:
+        self.widget = ipywidgets.HTML("counting")
+        self.refreshes = 0
+        self.openings = 0
+
+    def refresh(self) -> None:
+        self.refreshes += 1
+
+    def opened(self) -> None:
+        self.openings += 1
+
+
+def test_a_tab_added_as_one_row_shows_its_title_and_is_redrawn_hidden_as_its_row_says(
+    tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workbench.notebook.panel import panel as panel_module
+    from workbench.notebook.panel.panel import TABS, HiddenRedraw, PanelTab
+
+    built: dict[str, _CountingTab] = {}
+
+    def row(title: str, hidden: HiddenRedraw) -> PanelTab:
+        return PanelTab(title, lambda _given: built.setdefault(title, _CountingTab()), hidden)
+
+    added = {
+        "Every": HiddenRedraw.EVERY_REFRESH,
+        "Opened": HiddenRedraw.WHEN_OPENED,
+        "Idle": HiddenRedraw.BETWEEN_RUNS,
+    }
+    monkeypatch.setattr(
+        panel_module, "TABS", (*TABS, *(row(title, hidden) for title, hidden in added.items()))
+    )
+    panel = tiny.panel()
+    try:
+        panel.stop_polling()  # the test refreshes
+        assert panel.tabs.titles == ("Train", "Sample", "Checkpoints", "Metrics", "Rollouts", *added)
+        assert panel.tabs.children[-3:] == tuple(built[title].widget for title in added)
+
+        def redraws_in_one_refresh() -> dict[str, int]:
+            before = {title: tab.refreshes for title, tab in built.items()}
+            panel.refresh()
+            return {title: tab.refreshes - before[title] for title, tab in built.items()}
+
+        assert redraws_in_one_refresh() == {"Every": 1, "Opened": 0, "Idle": 1}  # no run: hidden
+        entered, release = threading.Event(), threading.Event()
+
+        def step(sess: wb.Session, i: int) -> None:
+            entered.set()
+            assert release.wait(WAIT_S)
+
+        run = tiny.run(step, steps=1)
+        try:
+            assert entered.wait(WAIT_S)
+            assert redraws_in_one_refresh() == {"Every": 1, "Opened": 0, "Idle": 0}  # a run: hidden
+            panel.tabs.selected_index = panel.tab_index("Opened")
+            assert built["Opened"].openings == 1 and built["Idle"].openings == 0
+            assert redraws_in_one_refresh() == {"Every": 1, "Opened": 1, "Idle": 0}  # shown
+            panel.tabs.selected_index = panel.tab_index("Idle")
+            assert redraws_in_one_refresh() == {"Every": 1, "Opened": 0, "Idle": 1}
+        finally:
+            release.set()
+        assert run.wait(WAIT_S) is RunState.FINISHED
+    finally:
+        panel.close()

@@ -187,6 +187,11 @@ class Run:
         return self._stop_requested and self.active
 
     @property
+    def taking_steps(self) -> bool:
+        """True while the run takes step after step: running, neither paused nor stopping."""
+        return self._state is RunState.RUNNING and not self.stopping
+
+    @property
     def adam_params(self) -> AdamParams:
         """The optimizer settings the current (or next) step uses."""
         return self._adam_params

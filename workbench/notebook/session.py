@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from workbench.notebook.panel import Panel
-    from workbench.notebook.rollouts_view import RolloutExplorer
+    from workbench.notebook.panel.rollouts_tab import RolloutExplorer
 
 WANDB_PROJECT = "workbench"
 
@@ -615,8 +615,8 @@ class Session:
     def rollout_explorer(self) -> RolloutExplorer:
         """The rollout explorer over what `record_rollouts` recorded: each batch's groups side by side,
         a reward histogram whose bars open their replies, and each reply token by token (see
-        `workbench.notebook.rollouts_view`). The panel's Rollouts tab is the same view, kept live."""
-        from workbench.notebook.rollouts_view import RolloutExplorer  # ipywidgets loads with it
+        `workbench.notebook.panel.rollouts_tab`). The panel's Rollouts tab is the same view, kept live."""
+        from workbench.notebook.panel.rollouts_tab import RolloutExplorer  # ipywidgets loads with it
 
         return RolloutExplorer(self.rollouts, self.tokenizer)
 

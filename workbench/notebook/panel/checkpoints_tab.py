@@ -217,6 +217,9 @@ class CheckpointsTab:
 
     # ------------------------------------------------------------------------------------------ view
 
+    def opened(self) -> None:
+        """Nothing to catch up on: its next refresh draws what is new."""
+
     def refresh(self) -> None:
         try:
             infos = self.session.list_checkpoints()

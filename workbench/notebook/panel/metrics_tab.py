@@ -277,6 +277,9 @@ class MetricsTab:
                 self._unsent = True
             return self.figure._repr_png_()
 
+    def opened(self) -> None:
+        """Nothing to catch up on: its next refresh draws what is new."""
+
     def refresh(self) -> None:
         with self._lock:
             options = self._options(self.select.value)

@@ -1,5 +1,9 @@
 """The notebook panel: one widget over a Session: a status bar and Train / Sample / Checkpoints /
-Metrics tabs.
+Metrics / Rollouts tabs.
+
+The tabs are one table, `TABS`: a row says a tab's title, how its part is built, and when it is redrawn
+while hidden (`HiddenRedraw`); the tab bar, the parts and each refresh are made from it, so a new tab is
+a module in this package and a row.
 
 The panel is a view: every control calls the public method a cell would (`sess.run`, `run.pause`,
 `run.set`, ...), and every refresh re-reads the session, its current run and its history, so what a
@@ -23,12 +27,13 @@ interpreter kills daemon threads, which aborts the process.
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import enum
 import threading
 import time
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import ipywidgets
 from IPython.display import display
@@ -39,11 +44,10 @@ from workbench.notebook.panel.feedback import FREED, Feedback
 from workbench.notebook.panel.metrics_tab import MetricsTab
 from workbench.notebook.panel.progress_line import ProgressLine
 from workbench.notebook.panel.record import HIDE_WHILE_LIVE, PanelRecord
+from workbench.notebook.panel.rollouts_tab import RolloutExplorer, RolloutsTab
 from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
-from workbench.notebook.rollouts_view import RolloutExplorer
-from workbench.notebook.run import Run, RunMark, RunState
 from workbench.notebook.widget_subshell import answer_while_busy
 
 if TYPE_CHECKING:
@@ -51,16 +55,6 @@ if TYPE_CHECKING:
 
 REFRESH_S = 0.5
 """How often the panel re-reads the session, at most."""
-TRAIN_TAB, SAMPLE_TAB, METRICS_TAB, ROLLOUTS_TAB = 0, 1, 3, 4
-"""The positions of the tabs that are redrawn only while shown (the Train tab: while a run runs)."""
-ROLLOUTS_FOLLOW_S = 5.0
-"""While a run runs, the Rollouts tab follows its new batches at most this often (and at once when it is
-opened): a batch of an RL tutorial's 32 replies is about 10 KB for the page, and nobody reads 32 replies
-in less."""
-ROLLOUTS_FOLLOW_STEPS = 2
-"""... and at most every this many of its steps: a batch of tutorial 04's first, untrained steps (the
-longest replies) is ~18 KB for the page, and a run whose steps take longer than ROLLOUTS_FOLLOW_S sent
-one at every step, 24 KB per step with the rest of the panel against a budget of 20 KB."""
 CPU_SHARE = 0.03
 """The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
@@ -68,14 +62,82 @@ run's thread needs between torch calls, so it slows training by about this share
 the panel refreshes less often instead of slowing the run more)."""
 
 
+class TabPart(Protocol):
+    """What a tab is: its `widget`, a `refresh()` that re-reads the session, and what `opened()` catches
+    up on before the redraw that opening the tab brings."""
+
+    @property
+    def widget(self) -> ipywidgets.Widget: ...
+
+    def refresh(self) -> None: ...
+
+    def opened(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TabInputs:
+    """What a tab is built from: the session (held weakly, as every part holds it), the panel's
+    arguments, and the panel's own moves a tab may make."""
+
+    session: Session
+    train_data: Sequence[Any] | None
+    metrics: Sequence[str]
+    sample_prompt: Callable[[list[int]], None]
+    """Open the Sample tab on these exact prompt tokens."""
+
+
+class HiddenRedraw(enum.Enum):
+    """When a hidden tab is redrawn. A redraw sends the page what changed; a shown tab is redrawn at
+    every refresh while its session is open, and opening a tab refreshes the panel at once."""
+
+    EVERY_REFRESH = "every refresh"
+    """Like a shown tab: what it shows changes seldom (the checkpoints)."""
+    BETWEEN_RUNS = "between runs"
+    """Only while no run takes steps: it shows the run, whose every step the progress line above the tabs
+    already shows. It reads the run from memory, so it is also redrawn after the session closed (a run
+    that ended as its session closed is shown ended)."""
+    WHEN_OPENED = "when opened"
+    """Never: what it shows changes at every step (the weights versions, the plots, the rollouts)."""
+
+    def redraws(self, *, shown: bool, run_taking_steps: bool, session_closed: bool) -> bool:
+        if session_closed and self is not HiddenRedraw.BETWEEN_RUNS:
+            return False
+        if shown or self is HiddenRedraw.EVERY_REFRESH:
+            return True
+        return self is HiddenRedraw.BETWEEN_RUNS and not run_taking_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelTab:
+    """One tab of the panel: its title, how its part is built, and when it is redrawn hidden."""
+
+    title: str
+    build: Callable[[TabInputs], TabPart]
+    hidden: HiddenRedraw
+
+
+TABS = (
+    PanelTab("Train", lambda given: TrainTab(given.session, given.train_data), HiddenRedraw.BETWEEN_RUNS),
+    PanelTab("Sample", lambda given: SampleTab(given.session), HiddenRedraw.WHEN_OPENED),
+    PanelTab("Checkpoints", lambda given: CheckpointsTab(given.session), HiddenRedraw.EVERY_REFRESH),
+    PanelTab("Metrics", lambda given: MetricsTab(given.session, given.metrics), HiddenRedraw.WHEN_OPENED),
+    PanelTab(
+        "Rollouts", lambda given: RolloutsTab(given.session, given.sample_prompt), HiddenRedraw.WHEN_OPENED
+    ),
+)
+"""The panel's tabs, in their order: the tab bar, the parts and the refreshes are made from this table."""
+
+PartT = TypeVar("PartT")
+
+
 class Panel(ipywidgets.VBox):
     """The session's panel; create it with `sess.panel(train_data=..., metrics=...)`.
 
     Parts (each a thin view with a `refresh()`): `status` (the status bar), `progress` (the run's
-    progress line: step, speed, ETA, latest loss and reward, a fired trigger), `train`, `sample`,
-    `checkpoints`, `metrics`, `rollouts` (the rollout explorer); the tabs are in `tabs`. `refresh()`
-    redraws everything at once; a timer does it every `REFRESH_S` until the panel is closed or the
-    session is.
+    progress line: step, speed, ETA, latest loss and reward, a fired trigger), and one per row of `TABS`
+    in `parts`: `train`, `sample`, `checkpoints`, `metrics` and `rollouts` (the rollout explorer) name
+    them; the tabs are in `tabs`. `refresh()` redraws everything at once; a timer does it every
+    `REFRESH_S` until the panel is closed or the session is.
     """
 
     def __init__(
@@ -90,22 +152,12 @@ class Panel(ipywidgets.VBox):
         self.feedback = Feedback()
         self.status = StatusBar(view)
         self.progress = ProgressLine(view)
-        self.train = TrainTab(view, train_data)
-        self.sample = SampleTab(view)
-        self.checkpoints = CheckpointsTab(view)
-        self.metrics = MetricsTab(view, metrics)
-        self.rollouts = RolloutExplorer(
-            session.rollouts, session.tokenizer, sample_prompt=self._sample_prompt
-        )
+        self.tab_rows = TABS
+        """The table the tabs were made from (`TABS` when the panel was made)."""
+        given = TabInputs(view, train_data, metrics, self._sample_prompt)
+        self.parts: tuple[TabPart, ...] = tuple(tab.build(given) for tab in self.tab_rows)
         self.tabs = ipywidgets.Tab(
-            children=[
-                self.train.widget,
-                self.sample.widget,
-                self.checkpoints.widget,
-                self.metrics.widget,
-                self.rollouts,
-            ],
-            titles=("Train", "Sample", "Checkpoints", "Metrics", "Rollouts"),
+            children=[part.widget for part in self.parts], titles=[tab.title for tab in self.tab_rows]
         )
         self.record = PanelRecord(self._snapshot)
         super().__init__(
@@ -128,8 +180,6 @@ class Panel(ipywidgets.VBox):
             self.train.stop_button,
         ):
             button.on_click(lambda _button: self.refresh_soon())  # the status and progress agree at once
-        self._rollouts_followed_at = -math.inf
-        self._rollouts_followed_mark: RunMark | None = None  # the run running then
         self.tabs.observe(lambda _change: self._tab_opened(), names="selected_index")
         self.refresh_interval = REFRESH_S
         """Seconds the timer waits between refreshes now (see `CPU_SHARE`)."""
@@ -138,6 +188,33 @@ class Panel(ipywidgets.VBox):
         self._timer = threading.Thread(target=self._poll, name="workbench-panel", daemon=True)
         self._timer.start()
         _live_panels.add(self)
+
+    def _part(self, kind: type[PartT]) -> PartT:
+        return next(part for part in self.parts if isinstance(part, kind))
+
+    @property
+    def train(self) -> TrainTab:
+        return self._part(TrainTab)
+
+    @property
+    def sample(self) -> SampleTab:
+        return self._part(SampleTab)
+
+    @property
+    def checkpoints(self) -> CheckpointsTab:
+        return self._part(CheckpointsTab)
+
+    @property
+    def metrics(self) -> MetricsTab:
+        return self._part(MetricsTab)
+
+    @property
+    def rollouts(self) -> RolloutExplorer:
+        return self._part(RolloutsTab).explorer
+
+    def tab_index(self, title: str) -> int:
+        """The position of the tab titled `title` (for `tabs.selected_index`)."""
+        return next(i for i, tab in enumerate(self.tab_rows) if tab.title == title)
 
     def _ipython_display_(self) -> None:
         """Show the panel and, under it, its saved record (see `workbench.notebook.panel.record`)."""
@@ -157,7 +234,7 @@ class Panel(ipywidgets.VBox):
     def _sample_prompt(self, tokens: list[int]) -> None:
         """The Rollouts tab's "Sample this prompt": the Sample tab, on the rollout's exact prompt."""
         self.sample.use_prompt(tokens)
-        self.tabs.selected_index = 1
+        self.tabs.selected_index = self.tab_index("Sample")
 
     @property
     def session(self) -> Session:
@@ -168,7 +245,8 @@ class Panel(ipywidgets.VBox):
         return session
 
     def refresh(self) -> None:
-        """Re-read the session and redraw every part."""
+        """Re-read the session and redraw every part: the status, the progress line, and each tab when
+        its row's `hidden` says so."""
         with self._refreshing:
             session = self._session()
             if session is None:
@@ -179,42 +257,19 @@ class Panel(ipywidgets.VBox):
             # and a session closed between two refreshes would otherwise stay "running" in the page
             self.progress.refresh()
             run = session.current_run
-            running = run is not None and run.state is RunState.RUNNING and not run.stopping
-            # the Train tab's progress bar and text change at every step, which the progress line above
-            # the tabs already shows: hidden, the tab is redrawn when the run pauses or ends, or is opened
-            if self.tabs.selected_index == TRAIN_TAB or not running:
-                self.train.refresh()
-            if not session.closed:
-                self._refresh_tabs(run, running)
+            running = run is not None and run.taking_steps
+            for i, (tab, part) in enumerate(zip(self.tab_rows, self.parts, strict=True)):
+                shown = self.tabs.selected_index == i
+                if tab.hidden.redraws(shown=shown, run_taking_steps=running, session_closed=session.closed):
+                    part.refresh()
             self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
         answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
 
-    def _refresh_tabs(self, run: Run | None, running: bool) -> None:
-        self.checkpoints.refresh()
-        # a hidden tab whose content changes every step (the Sample tab's list of weights versions, the
-        # plots, the rollouts) is redrawn when it is opened, not on every step
-        if self.tabs.selected_index == SAMPLE_TAB:
-            self.sample.refresh()
-        if self.tabs.selected_index == METRICS_TAB:
-            self.metrics.refresh()
-        if self.tabs.selected_index == ROLLOUTS_TAB and (not running or self._rollouts_due(run)):
-            shown = self.rollouts.batch
-            self.rollouts.refresh()
-            if self.rollouts.batch != shown:  # followed to a new batch (not: none yet, or one chosen)
-                self._rollouts_followed_at = time.monotonic()
-                self._rollouts_followed_mark = None if run is None else run.mark()
-
-    def _rollouts_due(self, run: Run | None) -> bool:
-        """Whether the Rollouts tab follows a running `run` now: ROLLOUTS_FOLLOW_S and
-        ROLLOUTS_FOLLOW_STEPS after it last did."""
-        if time.monotonic() - self._rollouts_followed_at < ROLLOUTS_FOLLOW_S:
-            return False
-        return run is None or run.steps_since(self._rollouts_followed_mark) >= ROLLOUTS_FOLLOW_STEPS
-
     def _tab_opened(self) -> None:
         """A tab opened shows what is new at once."""
-        self._rollouts_followed_at = -math.inf
-        self._rollouts_followed_mark = None
+        index = self.tabs.selected_index
+        if index is not None:
+            self.parts[index].opened()
         self.refresh_soon()
 
     def refresh_soon(self) -> None:

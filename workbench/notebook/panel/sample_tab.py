@@ -187,6 +187,9 @@ class SampleTab:
 
     # ------------------------------------------------------------------------------------------ view
 
+    def opened(self) -> None:
+        """Nothing to catch up on: its next refresh draws what is new."""
+
     def refresh(self) -> None:
         current = self.session.policy.weights_version
         options = [(f"current (v{current})", CURRENT)]

@@ -211,6 +211,9 @@ class TrainTab:
 
     # ------------------------------------------------------------------------------------------ view
 
+    def opened(self) -> None:
+        """Nothing to catch up on: its next refresh draws what is new."""
+
     def refresh(self) -> None:
         with self._lock:
             self._refresh()

@@ -1,6 +1,7 @@
-"""The rollout explorer: what an RL step sampled, how it was scored, and what was trained on.
+"""The Rollouts tab and its rollout explorer: what an RL step sampled, how it was scored, and what was
+trained on.
 
-For any recorded batch (one `Session.record_rollouts` call, usually one RL step) it shows:
+For any recorded batch (one `Session.record_rollouts` call, usually one RL step) the explorer shows:
 
 - a summary line: the batch, the optimizer step and weights version that sampled it, its rewards;
 - a reward histogram whose bars are buttons: a click opens the replies behind the bar (they are
@@ -11,16 +12,19 @@ For any recorded batch (one `Session.record_rollouts` call, usually one RL step)
   advantage, the loss weight, or the sampler-vs-trainer mismatch (hover a token for its value).
 
 It reads a `RolloutLog`: the live session's (`sess.rollout_explorer()`, which follows new batches as
-they are recorded when `refresh()` is called, as the panel's Rollouts tab does) or a finished run's
-folder (`RolloutExplorer.from_model_dir(model_dir, tokenizer)`).
+they are recorded when `refresh()` is called) or a finished run's folder
+(`RolloutExplorer.from_model_dir(model_dir, tokenizer)`). The panel's tab (`RolloutsTab`) is the live
+explorer, following a running run's batches at a pace the page can take.
 """
 
 from __future__ import annotations
 
 import html
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ipywidgets
 from transformers import PreTrainedTokenizerBase
@@ -30,6 +34,18 @@ from workbench.notebook.rollout_log import RolloutLog
 from workbench.notebook.token_view import STOP_REASONS, ValueKind, render_tokens
 from workbench.notebook.widget_subshell import answer_while_busy
 
+if TYPE_CHECKING:
+    from workbench.notebook.run import Run, RunMark
+    from workbench.notebook.session import Session
+
+FOLLOW_S = 5.0
+"""While a run runs, the Rollouts tab follows its new batches at most this often (and at once when it is
+opened): a batch of an RL tutorial's 32 replies is about 10 KB for the page, and nobody reads 32 replies
+in less."""
+FOLLOW_STEPS = 2
+"""... and at most every this many of its steps: a batch of tutorial 04's first, untrained steps (the
+longest replies) is ~18 KB for the page, and a run whose steps take longer than FOLLOW_S sent one at
+every step, 24 KB per step with the rest of the panel against a budget of 20 KB."""
 MAX_DISTINCT_REWARDS = 8
 """Up to this many distinct rewards get a bar each (0/1 rewards: two bars); more are binned."""
 NUM_BINS = 10
@@ -390,3 +406,37 @@ class RolloutExplorer(ipywidgets.VBox):
             + note
             + rendered.html
         )
+
+
+class RolloutsTab:
+    """The panel's Rollouts tab: the session's live `explorer`, following a running run's new batches
+    every `FOLLOW_S` and `FOLLOW_STEPS` at most, a run not running at every refresh."""
+
+    def __init__(self, session: Session, sample_prompt: Callable[[list[int]], None]) -> None:
+        """`sample_prompt(tokens)`: what "Sample this prompt" calls (the panel's Sample tab)."""
+        self.session = session
+        self.explorer = RolloutExplorer(session.rollouts, session.tokenizer, sample_prompt=sample_prompt)
+        self.widget = self.explorer
+        self._followed_at = -math.inf
+        self._followed_mark: RunMark | None = None  # the run running then
+
+    def opened(self) -> None:
+        """Opened, the tab shows the newest batch at its next refresh."""
+        self._followed_at = -math.inf
+        self._followed_mark = None
+
+    def refresh(self) -> None:
+        run = self.session.current_run
+        if run is not None and run.taking_steps and not self._due(run):
+            return
+        shown = self.explorer.batch
+        self.explorer.refresh()
+        if self.explorer.batch != shown:  # followed to a new batch (not: none yet, or one chosen)
+            self._followed_at = time.monotonic()
+            self._followed_mark = None if run is None else run.mark()
+
+    def _due(self, run: Run) -> bool:
+        """Whether the tab follows the running `run` now: FOLLOW_S and FOLLOW_STEPS after it last did."""
+        if time.monotonic() - self._followed_at < FOLLOW_S:
+            return False
+        return run.steps_since(self._followed_mark) >= FOLLOW_STEPS
