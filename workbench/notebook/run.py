@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from workbench.loops.data_checks import DataProblem
 from workbench.notebook.triggers import PauseIf, Trigger, first_trigger, pause_rules
 from workbench.sdk_conversion import to_adam_params
 from workbench.types import AdamParams
@@ -142,6 +143,8 @@ class Run:
         """The optimizer step the step in progress started from (None between steps)."""
         self.error: BaseException | None = None
         self.traceback: str | None = None
+        self.data_problems: list[DataProblem] | None = None
+        """What `wb.check_data` found in the run's first policy batch (None until it is sent)."""
         self._adam_params = adam_params
         self.adam_params_from = 0
         """The run step from which `adam_params` apply (the step after the one an edit came during)."""

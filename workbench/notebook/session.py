@@ -44,6 +44,7 @@ from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
 from workbench.engine.threads import ThreadUse
 from workbench.futures import wait_or_withdraw
+from workbench.loops.data_checks import check_data
 from workbench.loops.health import rollout_health
 from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
 from workbench.metrics import (
@@ -58,7 +59,7 @@ from workbench.notebook.evaluation import EvalFn, with_evaluation
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
 from workbench.notebook.triggers import PauseIf
-from workbench.sdk_conversion import to_lora_config
+from workbench.sdk_conversion import to_datum, to_lora_config
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
 from workbench.storage.model_folders import models_root, new_model_id
@@ -245,6 +246,7 @@ class Session:
         self.policy = TrainingClient(engine, model_id, Role.POLICY)
         self.reference = TrainingClient(engine, model_id, Role.REFERENCE)
         self._critic = TrainingClient(engine, model_id, Role.CRITIC)
+        self.policy.on_batch = self._check_first_batch
         self.current_run: Run | None = None
         """The latest run started by `run()` (active or ended; its state, error and traceback stay
         readable), None before the first. Step functions read their live settings from it:
@@ -256,6 +258,25 @@ class Session:
         """The rollout groups `record_rollouts` recorded, one batch per call (also in `rollouts.jsonl`)."""
         self.wandb_run = self._open_wandb(wandb)
         _open_sessions.add(self)
+
+    def _check_first_batch(self, data: Sequence[Any]) -> None:
+        """The data check of a run's first policy batch (`wb.check_data`): its problems go to
+        `run.data_problems` (the panel shows them) and a warning. A batch that does not convert is left
+        to `forward_backward` to refuse."""
+        run = self.current_run
+        if run is None or not run.busy or run.data_problems is not None:
+            return
+        try:
+            batch = [to_datum(datum) for datum in data]
+        except (TypeError, ValueError):
+            return
+        run.data_problems = check_data(
+            batch, end_of_turn=self.tokenizer.eos_token_id, max_length=self.base_info.max_length
+        )
+        if run.data_problems:
+            listed = "; ".join(map(str, run.data_problems[:5]))
+            more = f" (and {len(run.data_problems) - 5} more)" if len(run.data_problems) > 5 else ""
+            warnings.warn(f"the run's first batch: {listed}{more}", RuntimeWarning, stacklevel=3)
 
     def _open_wandb(self, setting: WandbSetting) -> WandbSink | None:
         """Start the session's W&B run; a W&B failure leaves W&B off with a warning, never the session."""
