@@ -32,6 +32,7 @@ import math
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from workbench.loops.data_checks import DataProblem
+from workbench.notebook.run_checkpoints import RUN_KEY, RunCheckpoint, checkpoint_name, to_prune
 from workbench.notebook.triggers import PauseIf, Trigger, first_trigger, pause_rules
 from workbench.sdk_conversion import to_adam_params
 from workbench.types import AdamParams
@@ -121,11 +123,37 @@ class Run:
         *,
         paused: bool = False,
         pause_if: PauseIf | None = None,
+        save_every: int | None = None,
+        keep: int = 3,
+        keep_every: int | None = None,
+        resume_from: RunCheckpoint | None = None,
     ) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be a function step_fn(sess, i) -> metrics, got {step_fn!r}")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        for name, value, least in (
+            ("save_every", save_every, 1),
+            ("keep", keep, 1),
+            ("keep_every", keep_every, 1),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.save_every = save_every
+        self.keep = keep
+        self.keep_every = keep_every
+        self.loop_state: dict[str, Any] = dict(resume_from.state) if resume_from is not None else {}
+        """The step function's own state (a data cursor, a curriculum level): JSON values, saved with
+        every run checkpoint and restored by a resumed run."""
+        self.resumed_from = resume_from
+        """The run checkpoint this run continues (None for a run from step 0)."""
+        self.saved_at: int | None = resume_from.next_step if resume_from is not None else None
+        """The run step of the newest run checkpoint this run saved (or resumed from)."""
+        self.checkpoint_path: str | None = None
+        """The `tinker://` path of the newest run checkpoint this run saved."""
+        self.save_error: str | None = None
+        """Why the latest run checkpoint could not be saved (the run paused); None after a save succeeds."""
+        self._saving = False
         self.session = session
         self.pause_rules = pause_rules(pause_if)
         self.trigger: Trigger | None = None
@@ -138,15 +166,15 @@ class Run:
         """How long each completed step took (wall clock), for the panel's progress line."""
         self.step_fn = step_fn
         self.steps = steps
-        self.i = 0
+        self.i = resume_from.next_step if resume_from is not None else 0
         self.step_started_at: int | None = None
         """The optimizer step the step in progress started from (None between steps)."""
         self.error: BaseException | None = None
         self.traceback: str | None = None
         self.data_problems: list[DataProblem] | None = None
         """What `wb.check_data` found in the run's first policy batch (None until it is sent)."""
-        self._adam_params = adam_params
-        self.adam_params_from = 0
+        self._adam_params = adam_params if resume_from is None else AdamParams(**resume_from.adam_params)
+        self.adam_params_from = 0 if resume_from is None else resume_from.adam_params_from
         """The run step from which `adam_params` apply (the step after the one an edit came during)."""
         self._pending_adam: AdamParams | None = None
         self._state = RunState.PAUSED if paused else RunState.RUNNING
@@ -162,7 +190,9 @@ class Run:
     def start(self) -> Run:
         """Start the run thread. The progress bar is created here, in the caller's thread, so a notebook
         shows it under the cell that started the run."""
-        self._progress = tqdm(total=self.steps, desc="run", unit="step", bar_format=PROGRESS_FORMAT)
+        self._progress = tqdm(
+            total=self.steps, initial=self.i, desc="run", unit="step", bar_format=PROGRESS_FORMAT
+        )
         self.started_at = time.time()
         self.started_step = self.session.step
         self._thread.start()
@@ -289,6 +319,8 @@ class Run:
     def _idle(self) -> bool:
         if not self.active:
             return True
+        if self._saving:
+            return False
         if self.session.closed:
             return False  # the loop ends the run at its next look (within PAUSED_POLL_S)
         return (
@@ -316,30 +348,36 @@ class Run:
         """Take every step the run may take now. Returns None once the run has ended, or, while it waits
         paused, its condition, acquired: the run's thread waits on that holding the run only weakly
         (`_run_thread`), releases it, and calls again."""
+        final = RunState.FINISHED
         try:
             while self.i < self.steps:
+                waiting = (
+                    self._state is RunState.PAUSED and not self._single_steps and not self._stop_requested
+                )
+                if waiting and self.save_error is None:
+                    self._save()  # a paused run is saved where it waits (once; a failed save is not retried there)
                 self._changed.acquire()
                 granted = self._next_step_granted()
                 if granted is None:
                     return self._changed
                 try:
                     if not granted:
-                        self._state = RunState.STOPPED
+                        final = RunState.STOPPED
                         break
                     self._busy = True
                     self._changed.notify_all()
                 finally:
                     self._changed.release()
                 self._take_step()
-            else:
-                with self._changed:
-                    self._state = RunState.FINISHED
         except BaseException as error:  # the run reports every failure; the kernel thread never sees it
             with self._changed:
                 self.error = error
                 self.traceback = traceback.format_exc()
-                self._state = RunState.FAILED
                 self._busy = False
+            final = RunState.FAILED
+        self._save()  # before the state is final: close() waits for it, so the engine is still open
+        with self._changed:
+            self._state = final
         self._end()
         return None
 
@@ -369,6 +407,58 @@ class Run:
             self._changed.notify_all()
         assert self._progress is not None
         self._progress.update(1)
+        if self.save_every is not None and self.i % self.save_every == 0:
+            self._save()
+
+    def _save(self) -> None:
+        """Save a run checkpoint at step `i` unless there is one (see `workbench.notebook.run_checkpoints`),
+        then prune the older ones. A failed save pauses the run and says why in `save_error`; the
+        previous checkpoints are untouched."""
+        if self.save_every is None or self.saved_at == self.i or self.session.closed:
+            return
+        with self._changed:
+            self._saving = True
+        try:
+            # a queued row: once it is recorded, every row of the steps before is in the history too
+            self.session.engine.record(
+                "run_checkpoint", RUN_MODEL, self.session.step, {"run_step": self.i}
+            ).result()
+            wandb = self.session.wandb_run
+            saved = RunCheckpoint(
+                next_step=self.i,
+                adam_params=dataclasses.asdict(self.next_adam_params),
+                adam_params_from=self.adam_params_from,
+                history_rows=self.session.history_offset
+                + len(self.session.history.rows)
+                + 1,  # + the save's row
+                rollout_batches=len(self.session.rollouts),
+                wandb_run_id=wandb.run_id if wandb is not None else None,
+                state=self.loop_state,
+            )
+            response = self.session.policy.save_state(
+                checkpoint_name(self.i), overwrite=True, user_metadata={RUN_KEY: saved.to_json()}
+            ).result()
+        except Exception as error:
+            with self._changed:
+                self.save_error = (
+                    f"the run checkpoint at step {self.i} could not be saved ({error!r}); the run paused, "
+                    "its previous checkpoints are intact"
+                )
+                if self._state is RunState.RUNNING:
+                    self._state = RunState.PAUSED
+                self._single_steps = 0
+                self._saving = False
+                self._changed.notify_all()
+            warnings.warn(self.save_error, RuntimeWarning, stacklevel=2)
+            return
+        self.saved_at, self.checkpoint_path, self.save_error = self.i, response.path, None
+        try:
+            for name in to_prune(self.session.model_dir, self.keep, self.keep_every):
+                self.session.delete_checkpoint(name)
+        finally:
+            with self._changed:
+                self._saving = False
+                self._changed.notify_all()
 
     def _end(self) -> None:
         assert self._progress is not None
@@ -443,6 +533,10 @@ def start_run(
     adam_params: Any,
     paused: bool,
     pause_if: PauseIf | None = None,
+    save_every: int | None = None,
+    keep: int = 3,
+    keep_every: int | None = None,
+    resume_from: RunCheckpoint | None = None,
 ) -> Run:
     """Create and start a run of `session` (what `Session.run` does), refusing while another is active."""
     current = session.current_run
@@ -458,6 +552,10 @@ def start_run(
         to_adam_params(adam_params if adam_params is not None else AdamParams()),
         paused=paused,
         pause_if=pause_if,
+        save_every=save_every,
+        keep=keep,
+        keep_every=keep_every,
+        resume_from=resume_from,
     )
     session.current_run = run
     return run.start()

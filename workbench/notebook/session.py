@@ -58,10 +58,11 @@ from workbench.metrics import (
 from workbench.notebook.evaluation import EvalFn, with_evaluation
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
+from workbench.notebook.run_checkpoints import HISTORY_FILE, RunCheckpoint, newest_run_checkpoint, rewind_logs
 from workbench.notebook.triggers import PauseIf
 from workbench.sdk_conversion import to_datum, to_lora_config
 from workbench.server import ServerConfig, TinkerServer
-from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
+from workbench.storage.checkpoint_store import STATE_DIR, CheckpointError, CheckpointInfo, CheckpointKind
 from workbench.storage.model_folders import models_root, new_model_id
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
@@ -235,8 +236,15 @@ class Session:
             )
         return session
 
-    def _attach(self, engine: EngineInterface, model_id: str, wandb: WandbSetting) -> None:
-        """Speak for `model_id` on `engine`: its clients, its history sinks, its W&B run."""
+    def _attach(
+        self,
+        engine: EngineInterface,
+        model_id: str,
+        wandb: WandbSetting,
+        resume_point: RunCheckpoint | None = None,
+    ) -> None:
+        """Speak for `model_id` on `engine`: its clients, its history sinks, its W&B run. With a
+        `resume_point`, the folder's logs are first rewound to it and its history rows read back."""
         self.engine: EngineInterface = engine
         self.base_models = BaseModels(engine) if isinstance(engine, Engine) else None
         """The base models this session holds (None for a remote engine: its service holds them): its
@@ -253,7 +261,18 @@ class Session:
         `sess.current_run.adam_params`."""
         self.servers: list[TinkerServer] = []
         """The servers `serve()` started (stopped ones included), newest last."""
-        engine.history.sinks.append(JsonlSink(self.model_dir / "history.jsonl"))
+        self.resume_point = resume_point
+        """The run checkpoint the next `run()` continues from (`from_checkpoint` on a model folder)."""
+        history_file = self.model_dir / HISTORY_FILE
+        if resume_point is not None:
+            engine.history.rows[:0] = rewind_logs(self.model_dir, resume_point)
+            self.history_offset = 0
+        else:
+            with history_file.open("a+", encoding="utf-8") as earlier:
+                earlier.seek(0)
+                self.history_offset = sum(1 for line in earlier if line.strip())
+        """Rows of `history.jsonl` this session's history does not hold (written by an earlier session)."""
+        engine.history.sinks.append(JsonlSink(history_file))
         self.rollouts = RolloutLog(self.model_dir / ROLLOUTS_FILE)
         """The rollout groups `record_rollouts` recorded, one batch per call (also in `rollouts.jsonl`)."""
         self.wandb_run = self._open_wandb(wandb)
@@ -303,11 +322,18 @@ class Session:
         device: str | None = None,
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
+        threads: int | None = None,
         run_dir: str | Path | None = None,  # deprecated name of model_dir
     ) -> Session:
         """A new session that continues the run saved by `save_state` at `path` (a `tinker://` path or the
         checkpoint's folder), exactly: same config (base model, adapters, critic, seed, dtype), weights,
         optimizer state, counters, weight versions and RNG states.
+
+        `path` may also be a model folder: its newest complete run checkpoint (what `run(...,
+        save_every=k)` saves) is loaded, the folder's history and rollout log are rewound to it, and the
+        session's next `run()` continues that run at the saved step (`resume_point`; see
+        `workbench.notebook.run_checkpoints`). `threads` as for `Session(...)`: a resume that must
+        repeat bit for bit fixes it.
 
         It continues in the checkpoint's model folder (`<model_dir>` for a checkpoint at
         `<model_dir>/checkpoints/<name>`) when that folder's name is the saved model id, else in
@@ -315,6 +341,14 @@ class Session:
         it the sampler) follows this machine unless given; `model_dir` and `wandb` as for `Session(...)`.
         """
         model_dir = _model_dir_from(model_dir, run_dir)
+        resume_point = None
+        if Path(path).is_dir() and (Path(path) / STATE_DIR).is_dir():  # a model folder
+            resume_point = newest_run_checkpoint(Path(path).absolute())
+            if resume_point is None or resume_point.path is None:
+                raise CheckpointError(
+                    f"{path} holds no complete run checkpoint (a run with save_every saves them)"
+                )
+            path = resume_point.path
         probe = Engine.folder_of_checkpoint(path)
         saved = Engine.parse_checkpoint(probe)
         arguments = saved.session_arguments
@@ -332,6 +366,7 @@ class Session:
             dtype=arguments["dtype"],
             max_tokens_per_microbatch=arguments["max_tokens_per_microbatch"],
             max_samples_per_request=arguments["max_samples_per_request"],
+            threads=threads,
         )
         try:
             model_id = engine.create_model_from_state(
@@ -341,7 +376,7 @@ class Session:
             engine.close()
             raise
         session = cls.__new__(cls)
-        cls._attach(session, engine, model_id, wandb)
+        cls._attach(session, engine, model_id, wandb, resume_point)
         return session
 
     # ------------------------------------------------------------------------------------------ state
@@ -521,6 +556,9 @@ class Session:
         pause_if: PauseIf | None = None,
         evaluate: EvalFn | None = None,
         eval_every: int = 10,
+        save_every: int | None = None,
+        keep: int = 3,
+        keep_every: int | None = None,
     ) -> Run:
         """Call `step_fn(sess, i)` for `i = 0 .. steps-1` on a background thread; returns the `Run` at once.
 
@@ -540,10 +578,22 @@ class Session:
                 `eval_every`, 2·`eval_every`, … and after the last step, recorded as op `"eval"`
                 (see `workbench.notebook.evaluation`).
             eval_every: How many steps apart the evaluations are.
+            save_every: Save a run checkpoint (`run-<step>`: the model's whole state and the run's, with
+                `run.loop_state`) every this many steps, and when the run pauses, stops, fails or ends; a
+                failed save pauses the run (`run.save_error`). None: no run checkpoints.
+            keep, keep_every: Pruning: the newest `keep` run checkpoints stay, and every one whose step
+                is a multiple of `keep_every`.
+
+        A session made by `from_checkpoint(model_dir)` continues the saved run: `step_fn` is called
+        for `i` from the saved step to `steps - 1`, with `run.loop_state` and the optimizer settings as
+        saved (`adam_params` is then ignored).
         """
         if evaluate is not None:
             step_fn = with_evaluation(step_fn, evaluate, eval_every)
-        return start_run(self, step_fn, steps, adam_params, paused, pause_if)
+        resume_from, self.resume_point = self.resume_point, None
+        return start_run(
+            self, step_fn, steps, adam_params, paused, pause_if, save_every, keep, keep_every, resume_from
+        )
 
     def record_rollouts(
         self,
