@@ -191,6 +191,12 @@ class JsonlSink:
         self._file.write(json.dumps(dict(row)) + "\n")
         self._file.flush()
 
+    def reopen(self) -> None:
+        """Append to the file now at `path`: after it was replaced (a run rewound its history), the
+        open handle would write to the old, unlinked one."""
+        self._file.close()
+        self._file = self.path.open("a", encoding="utf-8")
+
     def log_event(self, name: str, payload: Mapping[str, Any]) -> None:
         """The file holds metric rows only: events (saved checkpoints) are facts the model folder itself
         keeps (its checkpoint folders)."""

@@ -15,6 +15,7 @@ import pytest
 
 import workbench as wb
 from tests.datums import sft_datum
+from workbench.notebook.panel.progress_line import run_alerts
 
 WAIT_S = 60.0
 STEPS = 6
@@ -144,3 +145,102 @@ def test_a_failed_save_pauses_the_run_and_leaves_the_previous_checkpoint_loadabl
         assert run.wait(WAIT_S) is wb.RunState.FINISHED and run.save_error is None
     with wb.Session.from_checkpoint(folder / "checkpoints" / "run-000002", wandb=False) as again:
         assert again.step == 2
+
+
+class _FailsOnce:
+    """`step_fn`, except that step `at` raises once: after the whole step's work (`after="step"`: its
+    gradients, optimizer step, sampling draws and `loop_state` edits all made) or after its
+    `forward_backward` alone (`after="forward_backward"`: gradients accumulated, no optimizer step)."""
+
+    def __init__(self, step_fn: Callable[[wb.Session, int], object], at: int, after: str) -> None:
+        self.step_fn, self.at, self.after, self.raised = step_fn, at, after, False
+        self.seen: list[int] = []
+
+    def __call__(self, sess: wb.Session, i: int) -> object:
+        self.seen.append(i)
+        if i != self.at or self.raised:
+            return self.step_fn(sess, i)
+        self.raised = True
+        if self.after == "step":
+            self.step_fn(sess, i)
+        else:
+            datum = sft_datum(sess.tokenizer, "User: a half step.", " Assistant: never applied.")
+            sess.policy.forward_backward([datum], "cross_entropy").result()
+        raise RuntimeError(f"the reward model went away at step {i}")
+
+
+def _trained_state(sess: wb.Session) -> dict[str, bytes]:
+    """The bytes of what training changed, as `save_state` writes them: adapters, optimizer moments and
+    counters, RNGs. (`state_digest` also hashes the weights version, which a load into a live model
+    moves on, so that no version number names two sets of weights.)"""
+    sess.policy.save_state("compared", overwrite=True).result()
+    folder = sess.model_dir / "checkpoints" / "compared"
+    names = ["policy/adapter_model.safetensors", "optimizer/policy.safetensors", "optimizer/policy.json"]
+    return {name: (folder / name).read_bytes() for name in [*names, "rng.safetensors"]}
+
+
+@pytest.mark.parametrize(
+    ("step_fn", "after"),
+    [(sft_step, "forward_backward"), (sft_step, "step"), (rl_step, "step")],
+    ids=["sft-mid-step", "sft-whole-step", "rl-whole-step"],
+)
+def test_a_raising_step_pauses_the_run_rewound_and_resuming_ends_bit_exact(
+    tmp_path: Path, step_fn: Callable[[wb.Session, int], object], after: str
+) -> None:
+    with _session(tmp_path / "whole") as sess:
+        run = sess.run(step_fn, STEPS, adam_params={"learning_rate": 1e-2})
+        assert run.wait(WAIT_S) is wb.RunState.FINISHED, run.traceback
+        expected, expected_trained = _trained_state(sess), run.loop_state["trained"]
+    failing = _FailsOnce(step_fn, at=3, after=after)
+    folder = tmp_path / "m"
+    with _session(folder) as sess:
+        with pytest.warns(RuntimeWarning, match="step 3 raised"):
+            run = sess.run(failing, STEPS, adam_params={"learning_rate": 1e-2}, save_every=2)
+            assert run.wait(WAIT_S) is wb.RunState.PAUSED
+        assert run.failed_step == 3 and run.i == 2  # back at the newest run checkpoint, run-000002
+        assert run.traceback is not None and "the reward model went away at step 3" in run.traceback
+        alerts = dict(run_alerts(run))
+        assert alerts["step-error"].startswith("step 3 raised, paused at step 2: RuntimeError")
+        assert "run-000003" not in [c.name for c in sess.list_checkpoints()]  # the failed step is not saved
+        run.resume()
+        assert run.wait(WAIT_S) is wb.RunState.FINISHED, run.traceback
+        assert failing.seen == [0, 1, 2, 3, 2, 3, 4, 5]
+        assert _trained_state(sess) == expected
+        assert run.loop_state["trained"] == expected_trained
+        assert _run_steps(sess.history) == list(range(1, STEPS + 1))
+    assert _run_steps(wb.MetricsHistory.from_jsonl(folder)) == list(range(1, STEPS + 1))
+
+
+def test_a_step_raising_before_the_first_periodic_save_goes_back_to_the_start(tmp_path: Path) -> None:
+    with _session(tmp_path / "whole") as sess:
+        assert (
+            sess.run(sft_step, STEPS, adam_params={"learning_rate": 1e-2}).wait(WAIT_S)
+            is wb.RunState.FINISHED
+        )
+        expected = _trained_state(sess)
+    failing = _FailsOnce(sft_step, at=1, after="step")
+    with _session(tmp_path / "m") as sess:
+        with pytest.warns(RuntimeWarning, match="step 1 raised"):
+            run = sess.run(failing, STEPS, adam_params={"learning_rate": 1e-2}, save_every=4)
+            assert run.wait(WAIT_S) is wb.RunState.PAUSED
+        assert run.i == 0 and run.loop_state == {} and sess.step == 0  # run-000000, saved at the start
+        run.resume()
+        assert run.wait(WAIT_S) is wb.RunState.FINISHED, run.traceback
+        assert _trained_state(sess) == expected
+
+
+def test_a_new_model_in_a_folder_marks_the_earlier_history_discarded(tmp_path: Path) -> None:
+    """A kernel killed before the first save leaves rows and no checkpoint: the next kernel starts the
+    run over, and the rows of the lost attempt must not count as its steps."""
+    folder = tmp_path / "m"
+    with _session(folder) as sess:
+        assert sess.run(sft_step, 2).wait(WAIT_S) is wb.RunState.FINISHED
+    with _session(folder) as sess:
+        assert sess.run(sft_step, 3).wait(WAIT_S) is wb.RunState.FINISHED
+        assert _run_steps(sess.history) == [1, 2, 3]
+    on_disk = wb.MetricsHistory.from_jsonl(folder)
+    assert _run_steps(on_disk) == [1, 2, 3]
+    assert [row["step"] for row in on_disk.rows if row["op"] == "optim_step" and row.get("discarded")] == [
+        1,
+        2,
+    ]

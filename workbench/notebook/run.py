@@ -26,6 +26,7 @@ reach the JSONL file, W&B and the plots like every operation's metrics.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
@@ -39,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from workbench.engine.interface import Restore
+from workbench.engine.remote.engine import EngineUnreachableError
 from workbench.loops.data_checks import DataProblem
 from workbench.notebook.run_checkpoints import RUN_KEY, RunCheckpoint, checkpoint_name, to_prune
 from workbench.notebook.triggers import PauseIf, Trigger, first_trigger, pause_rules
@@ -110,8 +113,16 @@ class Run:
         set(**fields): edit the run's `AdamParams`; a step in progress keeps the values it started with.
 
     State: `state` (a `RunState`), `i` (steps completed), `steps` (total), `adam_params`, and after a
-    failure `error` (the exception) and `traceback` (its formatted text). An exception in the step
-    function ends the run in state `failed`; the step that raised is not counted.
+    failure `error` (the exception), `traceback` (its formatted text) and `failed_step`.
+
+    A step function that raises pauses the run; the step that raised is not counted. What the failed
+    step had done (gradients accumulated, an optimizer step, sampling draws, `loop_state` edits) is
+    undone when the run saves run checkpoints (`save_every`): the model goes back to the newest one
+    (`load_state`, everything, RNGs included), `i` and `loop_state` with it, the history rows since are
+    marked discarded, and nothing is saved at the failure, so the saved state is never the failed
+    step's; `resume()` then retrains from there, exactly as an uninterrupted run would. Without
+    `save_every` there is nothing to go back to: the failed step's effects stay. A run whose session can
+    take no more steps (closed, its engine unreachable) ends `failed` instead.
     """
 
     def __init__(
@@ -154,6 +165,10 @@ class Run:
         self.save_error: str | None = None
         """Why the latest run checkpoint could not be saved (the run paused); None after a save succeeds."""
         self._saving = False
+        self._last_save: tuple[RunCheckpoint, str] | None = (
+            (resume_from, str(resume_from.path)) if resume_from is not None and resume_from.path else None
+        )  # what a failed step rewinds to: the newest run checkpoint and its path
+        self._dirty = False  # a failed step's effects are in the model: never saved
         self.session = session
         self.pause_rules = pause_rules(pause_if)
         self.trigger: Trigger | None = None
@@ -171,6 +186,8 @@ class Run:
         """The optimizer step the step in progress started from (None between steps)."""
         self.error: BaseException | None = None
         self.traceback: str | None = None
+        self.failed_step: int | None = None
+        """The step whose step function raised last (None if none did)."""
         self.data_problems: list[DataProblem] | None = None
         """What `wb.check_data` found in the run's first policy batch (None until it is sent)."""
         self._adam_params = adam_params if resume_from is None else AdamParams(**resume_from.adam_params)
@@ -262,6 +279,7 @@ class Run:
                 self._state = RunState.RUNNING
                 self._single_steps = 0
                 self.trigger = None
+                self.error = self.traceback = None  # a failed step is retried
                 self._changed.notify_all()
 
     def step(self) -> None:
@@ -271,6 +289,7 @@ class Run:
                 raise RuntimeError(f"step() single-steps a paused run; this run is {self._state.value}")
             self._single_steps += 1
             self.trigger = None
+            self.error = self.traceback = None  # a failed step is retried
             self._changed.notify_all()
 
     def stop(self) -> None:
@@ -350,6 +369,7 @@ class Run:
         (`_run_thread`), releases it, and calls again."""
         final = RunState.FINISHED
         try:
+            self._save()  # the run's start: what a step failing before the first periodic save goes back to
             while self.i < self.steps:
                 waiting = (
                     self._state is RunState.PAUSED and not self._single_steps and not self._stop_requested
@@ -368,12 +388,18 @@ class Run:
                     self._changed.notify_all()
                 finally:
                     self._changed.release()
-                self._take_step()
+                try:
+                    self._take_step()
+                except Exception as error:
+                    if self.session.closed or isinstance(error, EngineUnreachableError):
+                        raise  # nothing left to resume on
+                    self._pause_after_failure(error, traceback.format_exc())
         except BaseException as error:  # the run reports every failure; the kernel thread never sees it
             with self._changed:
                 self.error = error
                 self.traceback = traceback.format_exc()
                 self._busy = False
+                self._dirty = True
             final = RunState.FAILED
         self._save()  # before the state is final: close() waits for it, so the engine is still open
         with self._changed:
@@ -401,20 +427,62 @@ class Run:
                 self._single_steps = 0
             self.i += 1
             self._busy = False
+            # claimed here, with the step's end: wait() must not see the run idle before its save
+            self._saving = self.save_every is not None and self.i % self.save_every == 0
             if self._pending_adam is not None:
                 self._adam_params, self._pending_adam = self._pending_adam, None
                 self.adam_params_from = self.i
             self._changed.notify_all()
         assert self._progress is not None
         self._progress.update(1)
-        if self.save_every is not None and self.i % self.save_every == 0:
+        if self._saving:
             self._save()
+
+    def _pause_after_failure(self, error: Exception, formatted: str) -> None:
+        """Pause the run after its step function raised, rewound to its newest run checkpoint (see the
+        class docstring)."""
+        with self._changed:
+            self.error, self.traceback, self.failed_step = error, formatted, self.i
+            self._dirty = True
+        try:
+            if self._last_save is not None:
+                self._rewind(*self._last_save)
+        finally:
+            with self._changed:
+                if self._state is RunState.RUNNING:
+                    self._state = RunState.PAUSED
+                self._single_steps = 0
+                self._busy = False
+                self._changed.notify_all()
+        warnings.warn(
+            f"step {self.failed_step} raised {error!r}: the run paused at step {self.i}"
+            + (" (rewound to its newest run checkpoint)" if self._last_save is not None else ""),
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _rewind(self, saved: RunCheckpoint, path: str) -> None:
+        """Put the model, the step index, `loop_state` and the logs back as they were when `saved` was."""
+        session = self.session
+        session.engine.load_state(session.model_id, path, Restore.EVERYTHING).result()
+        session.rewind_logs(saved)
+        with self._changed:
+            self.loop_state.clear()
+            self.loop_state.update(copy.deepcopy(saved.state))
+            self.i = saved.next_step
+            self._dirty = False
+        assert self._progress is not None
+        self._progress.n = self.i
+        self._progress.refresh()
 
     def _save(self) -> None:
         """Save a run checkpoint at step `i` unless there is one (see `workbench.notebook.run_checkpoints`),
         then prune the older ones. A failed save pauses the run and says why in `save_error`; the
-        previous checkpoints are untouched."""
-        if self.save_every is None or self.saved_at == self.i or self.session.closed:
+        previous checkpoints are untouched. A failed step's state is never saved."""
+        if self.save_every is None or self.saved_at == self.i or self.session.closed or self._dirty:
+            with self._changed:
+                self._saving = False
+                self._changed.notify_all()
             return
         with self._changed:
             self._saving = True
@@ -452,6 +520,7 @@ class Run:
             warnings.warn(self.save_error, RuntimeWarning, stacklevel=2)
             return
         self.saved_at, self.checkpoint_path, self.save_error = self.i, response.path, None
+        self._last_save = (dataclasses.replace(saved, state=copy.deepcopy(saved.state)), response.path)
         try:
             for name in to_prune(self.session.model_dir, self.keep, self.keep_every):
                 self.session.delete_checkpoint(name)
@@ -519,7 +588,7 @@ def train_step(
             )
         backward = sess.policy.forward_backward(batch, loss_fn, loss_fn_config)
         update = sess.policy.optim_step(run.adam_params)
-        backward.result()  # a failure on the worker fails the run, rather than an empty step passing
+        backward.result()  # a failure on the worker pauses the run, rather than an empty step passing
         update.result()
 
     step.__qualname__ = step.__name__ = f"train_step({loss_fn})"  # what the panel names the run by

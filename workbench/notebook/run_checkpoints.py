@@ -81,14 +81,15 @@ def newest_run_checkpoint(model_dir: Path) -> RunCheckpoint | None:
 
 
 def to_prune(model_dir: Path, keep: int, keep_every: int | None) -> list[str]:
-    """The run checkpoints pruning removes: all but the newest `keep` and those at multiples of
-    `keep_every`. The newest is always kept (`keep` is at least 1)."""
+    """The run checkpoints pruning removes: all but the newest `keep` and those at (positive) multiples
+    of `keep_every`. The newest is always kept (`keep` is at least 1)."""
     found = run_checkpoints(model_dir)
     newest = {info.name for info, _ in found[-max(keep, 1) :]}
     return [
         info.name
         for info, saved in found
-        if info.name not in newest and not (keep_every and saved.next_step % keep_every == 0)
+        if info.name not in newest
+        and not (keep_every and saved.next_step and saved.next_step % keep_every == 0)
     ]
 
 
@@ -111,6 +112,19 @@ def rewind_logs(model_dir: Path, saved: RunCheckpoint) -> list[dict[str, Any]]:
             ]
         _replace(rollouts, "".join(kept))
     return rows
+
+
+def discard_history(model_dir: Path) -> int:
+    """Mark every row of the folder's history discarded (a new model starts over in the folder: the
+    earlier rows describe weights it does not have); returns how many rows the file holds."""
+    history = model_dir / HISTORY_FILE
+    if not history.exists():
+        return 0
+    with history.open(encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    if any(not row.get(DISCARDED) for row in rows):
+        _replace(history, "".join(json.dumps({**row, DISCARDED: True}) + "\n" for row in rows))
+    return len(rows)
 
 
 def _replace(path: Path, text: str) -> None:

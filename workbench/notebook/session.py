@@ -48,6 +48,7 @@ from workbench.loops.data_checks import check_data
 from workbench.loops.health import rollout_health
 from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
 from workbench.metrics import (
+    DISCARDED,
     JsonlSink,
     MetricsHistory,
     WandbSetting,
@@ -58,7 +59,13 @@ from workbench.metrics import (
 from workbench.notebook.evaluation import EvalFn, with_evaluation
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
-from workbench.notebook.run_checkpoints import HISTORY_FILE, RunCheckpoint, newest_run_checkpoint, rewind_logs
+from workbench.notebook.run_checkpoints import (
+    HISTORY_FILE,
+    RunCheckpoint,
+    discard_history,
+    newest_run_checkpoint,
+    rewind_logs,
+)
 from workbench.notebook.triggers import PauseIf
 from workbench.sdk_conversion import to_datum, to_lora_config
 from workbench.server import ServerConfig, TinkerServer
@@ -76,6 +83,13 @@ if TYPE_CHECKING:
     from workbench.notebook.rollouts_view import RolloutExplorer
 
 WANDB_PROJECT = "workbench"
+
+
+def _count_rows(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with path.open(encoding="utf-8") as lines:
+        return sum(1 for line in lines if line.strip())
 
 
 def _model_dir_from(model_dir: str | Path | None, run_dir: str | Path | None) -> str | Path | None:
@@ -242,9 +256,12 @@ class Session:
         model_id: str,
         wandb: WandbSetting,
         resume_point: RunCheckpoint | None = None,
+        new_model: bool = True,
     ) -> None:
         """Speak for `model_id` on `engine`: its clients, its history sinks, its W&B run. With a
-        `resume_point`, the folder's logs are first rewound to it and its history rows read back."""
+        `resume_point`, the folder's logs are first rewound to it and its history rows read back; for a
+        `new_model` (not loaded from a checkpoint), rows an earlier model left in the folder (a run
+        started over after a kernel died before its first save) are marked discarded."""
         self.engine: EngineInterface = engine
         self.base_models = BaseModels(engine) if isinstance(engine, Engine) else None
         """The base models this session holds (None for a remote engine: its service holds them): its
@@ -263,20 +280,29 @@ class Session:
         """The servers `serve()` started (stopped ones included), newest last."""
         self.resume_point = resume_point
         """The run checkpoint the next `run()` continues from (`from_checkpoint` on a model folder)."""
-        history_file = self.model_dir / HISTORY_FILE
         if resume_point is not None:
             engine.history.rows[:0] = rewind_logs(self.model_dir, resume_point)
             self.history_offset = 0
+        elif new_model:  # an earlier model's rows are kept, marked discarded
+            self.history_offset = discard_history(self.model_dir)
         else:
-            with history_file.open("a+", encoding="utf-8") as earlier:
-                earlier.seek(0)
-                self.history_offset = sum(1 for line in earlier if line.strip())
+            self.history_offset = _count_rows(self.model_dir / HISTORY_FILE)
         """Rows of `history.jsonl` this session's history does not hold (written by an earlier session)."""
-        engine.history.sinks.append(JsonlSink(history_file))
+        self._history_sink = JsonlSink(self.model_dir / HISTORY_FILE)
+        engine.history.sinks.append(self._history_sink)
         self.rollouts = RolloutLog(self.model_dir / ROLLOUTS_FILE)
         """The rollout groups `record_rollouts` recorded, one batch per call (also in `rollouts.jsonl`)."""
         self.wandb_run = self._open_wandb(wandb)
         _open_sessions.add(self)
+
+    def rewind_logs(self, saved: RunCheckpoint) -> None:
+        """Rewind the history (file and memory: rows after `saved` marked discarded) and the rollout log
+        to the run checkpoint `saved`, which the model was just loaded back to (a run's failed step)."""
+        rewind_logs(self.model_dir, saved)
+        self._history_sink.reopen()
+        for row in self.engine.history.rows[max(saved.history_rows - self.history_offset, 0) :]:
+            row[DISCARDED] = True
+        self.rollouts = RolloutLog(self.model_dir / ROLLOUTS_FILE)
 
     def _check_first_batch(self, data: Sequence[Any]) -> None:
         """The data check of a run's first policy batch (`wb.check_data`): its problems go to
@@ -376,7 +402,7 @@ class Session:
             engine.close()
             raise
         session = cls.__new__(cls)
-        cls._attach(session, engine, model_id, wandb, resume_point)
+        cls._attach(session, engine, model_id, wandb, resume_point, new_model=False)
         return session
 
     # ------------------------------------------------------------------------------------------ state
