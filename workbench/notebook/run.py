@@ -45,6 +45,7 @@ from workbench.engine.remote.engine import EngineUnreachableError
 from workbench.loops.data_checks import DataProblem
 from workbench.notebook.run_checkpoints import RUN_KEY, RunCheckpoint, checkpoint_name, to_prune
 from workbench.notebook.triggers import PauseIf, Trigger, first_trigger, pause_rules
+from workbench.notebook.watchdog import Stall, Watchdog
 from workbench.sdk_conversion import to_adam_params
 from workbench.types import AdamParams
 
@@ -57,7 +58,7 @@ StepFn = Callable[["Session", int], Mapping[str, float] | None]
 RUN_MODEL = "run"
 """The `model` column of the history rows a run records: its metrics describe the whole step."""
 
-# How often a paused run looks at whether its session was closed meanwhile.
+# How often a paused run looks at whether its session was closed meanwhile, and `wait()` at the watchdog.
 PAUSED_POLL_S = 0.5
 
 
@@ -179,6 +180,9 @@ class Run:
         """The session's optimizer step when the run started."""
         self.step_seconds: list[float] = []
         """How long each completed step took (wall clock), for the panel's progress line."""
+        self.watchdog = Watchdog()
+        """When a step in progress counts as stalled (`stall`; see `workbench.notebook.watchdog`)."""
+        self._step_clock: float | None = None  # time.monotonic() when the step in progress began
         self.step_fn = step_fn
         self.steps = steps
         self.i = resume_from.next_step if resume_from is not None else 0
@@ -246,6 +250,15 @@ class Run:
         """The optimizer settings the next step will use: `adam_params` with any `set()` edit made while
         the current step runs."""
         return self._pending_adam or self._adam_params
+
+    @property
+    def stall(self) -> Stall | None:
+        """The step in progress, when it has run far past its expected time (`watchdog`), with the
+        stacks it waits in; None while it is in time or no step runs."""
+        began = self._step_clock
+        if began is None or not self._busy:
+            return None
+        return self.watchdog.check(self.i, time.monotonic() - began, self.step_seconds, self._thread)
 
     def mark(self) -> RunMark:
         """This run and the steps it has done, for `steps_since` (a panel's views pace their redraws
@@ -323,17 +336,34 @@ class Run:
             return edited
 
     def wait(self, timeout: float | None = None) -> RunState:
-        """Block until the run is idle: ended, or paused with no step executing or granted.
+        """Block until the run is idle: ended, or paused with no step executing or granted; or until
+        the watchdog names the step in progress stalled (`stall`), which it says in a RuntimeWarning
+        naming the step and where it waits: a stuck step does not block the cell for good.
 
         Returns:
-            The state then (still `running` or `paused`-and-busy if `timeout` ran out first).
+            The state then (still `running` or `paused`-and-busy if `timeout` ran out or the step
+            stalled first).
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stall = None
         try:
             with self._changed:
-                self._changed.wait_for(self._idle, timeout)
-                return self._state
+                while not self._idle():
+                    left = (
+                        PAUSED_POLL_S if deadline is None else min(deadline - time.monotonic(), PAUSED_POLL_S)
+                    )
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                    stall = self.stall
+                    if stall is not None:
+                        break
+                state = self._state
         except KeyboardInterrupt:
             raise WaitInterrupted(self) from None
+        if stall is not None:
+            warnings.warn(f"stopped waiting: {stall}", RuntimeWarning, stacklevel=2)
+        return state
 
     def _idle(self) -> bool:
         if not self.active:
@@ -411,12 +441,12 @@ class Run:
         start_step = self.session.step
         self.step_started_at = start_step
         first_row = len(self.session.history)
-        started = time.monotonic()
+        started = self._step_clock = time.monotonic()
         try:
             metrics = self.step_fn(self.session, self.i)
             self._record(start_step, metrics)
         finally:
-            self.step_started_at = None
+            self.step_started_at = self._step_clock = None
         trigger = first_trigger(self.pause_rules, self.session.history.rows[first_row:], self.i)
         with self._changed:
             self.step_seconds.append(time.monotonic() - started)

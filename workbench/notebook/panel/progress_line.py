@@ -103,13 +103,17 @@ def progress_fields(run: Run, history: MetricsHistory, sampled: int = 0) -> list
 
 def run_alerts(run: Run) -> list[tuple[str, str]]:
     """`(field, text)` for what the run wants its user to see: why it paused on an error (its step
-    function raised; the Train tab shows the whole traceback), a save that failed, and what
+    function raised; the Train tab shows the whole traceback), a step the watchdog names stalled (with
+    where it waits), a save that failed, and what
     `wb.check_data` found in its first batch."""
     alerts: list[tuple[str, str]] = []
     if run.error is not None and run.traceback is not None:
         where = "failed" if run.state is RunState.FAILED else f"paused at step {run.i}"
         last = run.traceback.strip().splitlines()[-1]
         alerts.append(("step-error", f"step {run.failed_step} raised, {where}: {last}"))
+    stall = run.stall
+    if stall is not None:
+        alerts.append(("stall", f"stalled: {stall}"))
     if run.save_error is not None:
         alerts.append(("save-error", run.save_error))
     if run.data_problems:
