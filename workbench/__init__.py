@@ -44,6 +44,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "kl_penalty",
     ),
     "workbench.loops.chat": ("chat_datum", "chat_prompt"),
+    "workbench.loops.data_checks": ("DataProblem", "check_data"),
     "workbench.loops.health": ("rollout_health",),
     "workbench.loops.rollout_groups": ("RolloutGroup", "attach_trainer_logprobs", "rollout_data"),
     "workbench.loops.rollouts": ("completion_positions", "critic_datum", "policy_datum", "sequence_datum"),

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 ROW_COLUMNS = ("step", "op", "model", "time")
 """The columns every history row has; the other keys are metrics."""
 
+DISCARDED = "discarded"
+"""The mark of a row whose step a resumed run trained again (`workbench.notebook.run_checkpoints`):
+kept in the file, left out of series and names."""
+
 
 def metric_values(metrics: Mapping[str, Any]) -> dict[str, float]:
     """A row's metrics as floats, checked: each name a string other than the row's own columns
@@ -126,7 +130,7 @@ class MetricsHistory:
         steps: list[int] = []
         values: list[float] = []
         for row in self.rows:
-            if name in row and (op is None or row["op"] == op):
+            if name in row and (op is None or row["op"] == op) and not row.get(DISCARDED):
                 steps.append(row["step"])
                 values.append(row[name])
         return steps, values
@@ -136,7 +140,7 @@ class MetricsHistory:
         seen: dict[str, None] = {}
         for row in self.rows:
             for key in row:
-                if key not in ROW_COLUMNS:
+                if key not in ROW_COLUMNS and key != DISCARDED and not row.get(DISCARDED):
                     seen.setdefault(key)
         return list(seen)
 
@@ -186,6 +190,12 @@ class JsonlSink:
     def write(self, row: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(dict(row)) + "\n")
         self._file.flush()
+
+    def reopen(self) -> None:
+        """Append to the file now at `path`: after it was replaced (a run rewound its history), the
+        open handle would write to the old, unlinked one."""
+        self._file.close()
+        self._file = self.path.open("a", encoding="utf-8")
 
     def log_event(self, name: str, payload: Mapping[str, Any]) -> None:
         """The file holds metric rows only: events (saved checkpoints) are facts the model folder itself

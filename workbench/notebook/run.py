@@ -26,19 +26,26 @@ reach the JSONL file, W&B and the plots like every operation's metrics.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from workbench.engine.interface import Restore
+from workbench.engine.remote.engine import EngineUnreachableError
+from workbench.loops.data_checks import DataProblem
+from workbench.notebook.run_checkpoints import RUN_KEY, RunCheckpoint, checkpoint_name, to_prune
 from workbench.notebook.triggers import PauseIf, Trigger, first_trigger, pause_rules
+from workbench.notebook.watchdog import Stall, Watchdog
 from workbench.sdk_conversion import to_adam_params
 from workbench.types import AdamParams
 
@@ -51,7 +58,7 @@ StepFn = Callable[["Session", int], Mapping[str, float] | None]
 RUN_MODEL = "run"
 """The `model` column of the history rows a run records: its metrics describe the whole step."""
 
-# How often a paused run looks at whether its session was closed meanwhile.
+# How often a paused run looks at whether its session was closed meanwhile, and `wait()` at the watchdog.
 PAUSED_POLL_S = 0.5
 
 
@@ -107,8 +114,16 @@ class Run:
         set(**fields): edit the run's `AdamParams`; a step in progress keeps the values it started with.
 
     State: `state` (a `RunState`), `i` (steps completed), `steps` (total), `adam_params`, and after a
-    failure `error` (the exception) and `traceback` (its formatted text). An exception in the step
-    function ends the run in state `failed`; the step that raised is not counted.
+    failure `error` (the exception), `traceback` (its formatted text) and `failed_step`.
+
+    A step function that raises pauses the run; the step that raised is not counted. What the failed
+    step had done (gradients accumulated, an optimizer step, sampling draws, `loop_state` edits) is
+    undone when the run saves run checkpoints (`save_every`): the model goes back to the newest one
+    (`load_state`, everything, RNGs included), `i` and `loop_state` with it, the history rows since are
+    marked discarded, and nothing is saved at the failure, so the saved state is never the failed
+    step's; `resume()` then retrains from there, exactly as an uninterrupted run would. Without
+    `save_every` there is nothing to go back to: the failed step's effects stay. A run whose session can
+    take no more steps (closed, its engine unreachable) ends `failed` instead.
     """
 
     def __init__(
@@ -120,11 +135,41 @@ class Run:
         *,
         paused: bool = False,
         pause_if: PauseIf | None = None,
+        save_every: int | None = None,
+        keep: int = 3,
+        keep_every: int | None = None,
+        resume_from: RunCheckpoint | None = None,
     ) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be a function step_fn(sess, i) -> metrics, got {step_fn!r}")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        for name, value, least in (
+            ("save_every", save_every, 1),
+            ("keep", keep, 1),
+            ("keep_every", keep_every, 1),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.save_every = save_every
+        self.keep = keep
+        self.keep_every = keep_every
+        self.loop_state: dict[str, Any] = dict(resume_from.state) if resume_from is not None else {}
+        """The step function's own state (a data cursor, a curriculum level): JSON values, saved with
+        every run checkpoint and restored by a resumed run."""
+        self.resumed_from = resume_from
+        """The run checkpoint this run continues (None for a run from step 0)."""
+        self.saved_at: int | None = resume_from.next_step if resume_from is not None else None
+        """The run step of the newest run checkpoint this run saved (or resumed from)."""
+        self.checkpoint_path: str | None = None
+        """The `tinker://` path of the newest run checkpoint this run saved."""
+        self.save_error: str | None = None
+        """Why the latest run checkpoint could not be saved (the run paused); None after a save succeeds."""
+        self._saving = False
+        self._last_save: tuple[RunCheckpoint, str] | None = (
+            (resume_from, str(resume_from.path)) if resume_from is not None and resume_from.path else None
+        )  # what a failed step rewinds to: the newest run checkpoint and its path
+        self._dirty = False  # a failed step's effects are in the model: never saved
         self.session = session
         self.pause_rules = pause_rules(pause_if)
         self.trigger: Trigger | None = None
@@ -135,15 +180,22 @@ class Run:
         """The session's optimizer step when the run started."""
         self.step_seconds: list[float] = []
         """How long each completed step took (wall clock), for the panel's progress line."""
+        self.watchdog = Watchdog()
+        """When a step in progress counts as stalled (`stall`; see `workbench.notebook.watchdog`)."""
+        self._step_clock: float | None = None  # time.monotonic() when the step in progress began
         self.step_fn = step_fn
         self.steps = steps
-        self.i = 0
+        self.i = resume_from.next_step if resume_from is not None else 0
         self.step_started_at: int | None = None
         """The optimizer step the step in progress started from (None between steps)."""
         self.error: BaseException | None = None
         self.traceback: str | None = None
-        self._adam_params = adam_params
-        self.adam_params_from = 0
+        self.failed_step: int | None = None
+        """The step whose step function raised last (None if none did)."""
+        self.data_problems: list[DataProblem] | None = None
+        """What `wb.check_data` found in the run's first policy batch (None until it is sent)."""
+        self._adam_params = adam_params if resume_from is None else AdamParams(**resume_from.adam_params)
+        self.adam_params_from = 0 if resume_from is None else resume_from.adam_params_from
         """The run step from which `adam_params` apply (the step after the one an edit came during)."""
         self._pending_adam: AdamParams | None = None
         self._state = RunState.PAUSED if paused else RunState.RUNNING
@@ -159,7 +211,9 @@ class Run:
     def start(self) -> Run:
         """Start the run thread. The progress bar is created here, in the caller's thread, so a notebook
         shows it under the cell that started the run."""
-        self._progress = tqdm(total=self.steps, desc="run", unit="step", bar_format=PROGRESS_FORMAT)
+        self._progress = tqdm(
+            total=self.steps, initial=self.i, desc="run", unit="step", bar_format=PROGRESS_FORMAT
+        )
         self.started_at = time.time()
         self.started_step = self.session.step
         self._thread.start()
@@ -202,6 +256,15 @@ class Run:
         the current step runs."""
         return self._pending_adam or self._adam_params
 
+    @property
+    def stall(self) -> Stall | None:
+        """The step in progress, when it has run far past its expected time (`watchdog`), with the
+        stacks it waits in; None while it is in time or no step runs."""
+        began = self._step_clock
+        if began is None or not self._busy:
+            return None
+        return self.watchdog.check(self.i, time.monotonic() - began, self.step_seconds, self._thread)
+
     def mark(self) -> RunMark:
         """This run and the steps it has done, for `steps_since` (a panel's views pace their redraws
         by the run's steps)."""
@@ -234,6 +297,7 @@ class Run:
                 self._state = RunState.RUNNING
                 self._single_steps = 0
                 self.trigger = None
+                self.error = self.traceback = None  # a failed step is retried
                 self._changed.notify_all()
 
     def step(self) -> None:
@@ -243,6 +307,7 @@ class Run:
                 raise RuntimeError(f"step() single-steps a paused run; this run is {self._state.value}")
             self._single_steps += 1
             self.trigger = None
+            self.error = self.traceback = None  # a failed step is retried
             self._changed.notify_all()
 
     def stop(self) -> None:
@@ -276,21 +341,40 @@ class Run:
             return edited
 
     def wait(self, timeout: float | None = None) -> RunState:
-        """Block until the run is idle: ended, or paused with no step executing or granted.
+        """Block until the run is idle: ended, or paused with no step executing or granted; or until
+        the watchdog names the step in progress stalled (`stall`), which it says in a RuntimeWarning
+        naming the step and where it waits: a stuck step does not block the cell for good.
 
         Returns:
-            The state then (still `running` or `paused`-and-busy if `timeout` ran out first).
+            The state then (still `running` or `paused`-and-busy if `timeout` ran out or the step
+            stalled first).
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stall = None
         try:
             with self._changed:
-                self._changed.wait_for(self._idle, timeout)
-                return self._state
+                while not self._idle():
+                    left = (
+                        PAUSED_POLL_S if deadline is None else min(deadline - time.monotonic(), PAUSED_POLL_S)
+                    )
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                    stall = self.stall
+                    if stall is not None:
+                        break
+                state = self._state
         except KeyboardInterrupt:
             raise WaitInterrupted(self) from None
+        if stall is not None:
+            warnings.warn(f"stopped waiting: {stall}", RuntimeWarning, stacklevel=2)
+        return state
 
     def _idle(self) -> bool:
         if not self.active:
             return True
+        if self._saving:
+            return False
         if self.session.closed:
             return False  # the loop ends the run at its next look (within PAUSED_POLL_S)
         return (
@@ -318,30 +402,43 @@ class Run:
         """Take every step the run may take now. Returns None once the run has ended, or, while it waits
         paused, its condition, acquired: the run's thread waits on that holding the run only weakly
         (`_run_thread`), releases it, and calls again."""
+        final = RunState.FINISHED
         try:
+            self._save()  # the run's start: what a step failing before the first periodic save goes back to
             while self.i < self.steps:
+                waiting = (
+                    self._state is RunState.PAUSED and not self._single_steps and not self._stop_requested
+                )
+                if waiting and self.save_error is None:
+                    self._save()  # a paused run is saved where it waits (once; a failed save is not retried there)
                 self._changed.acquire()
                 granted = self._next_step_granted()
                 if granted is None:
                     return self._changed
                 try:
                     if not granted:
-                        self._state = RunState.STOPPED
+                        final = RunState.STOPPED
                         break
                     self._busy = True
                     self._changed.notify_all()
                 finally:
                     self._changed.release()
-                self._take_step()
-            else:
-                with self._changed:
-                    self._state = RunState.FINISHED
+                try:
+                    self._take_step()
+                except Exception as error:
+                    if self.session.closed or isinstance(error, EngineUnreachableError):
+                        raise  # nothing left to resume on
+                    self._pause_after_failure(error, traceback.format_exc())
         except BaseException as error:  # the run reports every failure; the kernel thread never sees it
             with self._changed:
                 self.error = error
                 self.traceback = traceback.format_exc()
-                self._state = RunState.FAILED
                 self._busy = False
+                self._dirty = True
+            final = RunState.FAILED
+        self._save()  # before the state is final: close() waits for it, so the engine is still open
+        with self._changed:
+            self._state = final
         self._end()
         return None
 
@@ -349,12 +446,12 @@ class Run:
         start_step = self.session.step
         self.step_started_at = start_step
         first_row = len(self.session.history)
-        started = time.monotonic()
+        started = self._step_clock = time.monotonic()
         try:
             metrics = self.step_fn(self.session, self.i)
             self._record(start_step, metrics)
         finally:
-            self.step_started_at = None
+            self.step_started_at = self._step_clock = None
         trigger = first_trigger(self.pause_rules, self.session.history.rows[first_row:], self.i)
         with self._changed:
             self.step_seconds.append(time.monotonic() - started)
@@ -365,12 +462,107 @@ class Run:
                 self._single_steps = 0
             self.i += 1
             self._busy = False
+            # claimed here, with the step's end: wait() must not see the run idle before its save
+            self._saving = self.save_every is not None and self.i % self.save_every == 0
             if self._pending_adam is not None:
                 self._adam_params, self._pending_adam = self._pending_adam, None
                 self.adam_params_from = self.i
             self._changed.notify_all()
         assert self._progress is not None
         self._progress.update(1)
+        if self._saving:
+            self._save()
+
+    def _pause_after_failure(self, error: Exception, formatted: str) -> None:
+        """Pause the run after its step function raised, rewound to its newest run checkpoint (see the
+        class docstring)."""
+        with self._changed:
+            self.error, self.traceback, self.failed_step = error, formatted, self.i
+            self._dirty = True
+        try:
+            if self._last_save is not None:
+                self._rewind(*self._last_save)
+        finally:
+            with self._changed:
+                if self._state is RunState.RUNNING:
+                    self._state = RunState.PAUSED
+                self._single_steps = 0
+                self._busy = False
+                self._changed.notify_all()
+        warnings.warn(
+            f"step {self.failed_step} raised {error!r}: the run paused at step {self.i}"
+            + (" (rewound to its newest run checkpoint)" if self._last_save is not None else ""),
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _rewind(self, saved: RunCheckpoint, path: str) -> None:
+        """Put the model, the step index, `loop_state` and the logs back as they were when `saved` was."""
+        session = self.session
+        session.engine.load_state(session.model_id, path, Restore.EVERYTHING).result()
+        session.rewind_logs(saved)
+        with self._changed:
+            self.loop_state.clear()
+            self.loop_state.update(copy.deepcopy(saved.state))
+            self.i = saved.next_step
+            self._dirty = False
+        assert self._progress is not None
+        self._progress.n = self.i
+        self._progress.refresh()
+
+    def _save(self) -> None:
+        """Save a run checkpoint at step `i` unless there is one (see `workbench.notebook.run_checkpoints`),
+        then prune the older ones. A failed save pauses the run and says why in `save_error`; the
+        previous checkpoints are untouched. A failed step's state is never saved."""
+        if self.save_every is None or self.saved_at == self.i or self.session.closed or self._dirty:
+            with self._changed:
+                self._saving = False
+                self._changed.notify_all()
+            return
+        with self._changed:
+            self._saving = True
+        try:
+            # a queued row: once it is recorded, every row of the steps before is in the history too
+            self.session.engine.record(
+                "run_checkpoint", RUN_MODEL, self.session.step, {"run_step": self.i}
+            ).result()
+            wandb = self.session.wandb_run
+            saved = RunCheckpoint(
+                next_step=self.i,
+                adam_params=dataclasses.asdict(self.next_adam_params),
+                adam_params_from=self.adam_params_from,
+                history_rows=self.session.history_offset
+                + len(self.session.history.rows)
+                + 1,  # + the save's row
+                rollout_batches=len(self.session.rollouts),
+                wandb_run_id=wandb.run_id if wandb is not None else None,
+                state=self.loop_state,
+            )
+            response = self.session.policy.save_state(
+                checkpoint_name(self.i), overwrite=True, user_metadata={RUN_KEY: saved.to_json()}
+            ).result()
+        except Exception as error:
+            with self._changed:
+                self.save_error = (
+                    f"the run checkpoint at step {self.i} could not be saved ({error!r}); the run paused, "
+                    "its previous checkpoints are intact"
+                )
+                if self._state is RunState.RUNNING:
+                    self._state = RunState.PAUSED
+                self._single_steps = 0
+                self._saving = False
+                self._changed.notify_all()
+            warnings.warn(self.save_error, RuntimeWarning, stacklevel=2)
+            return
+        self.saved_at, self.checkpoint_path, self.save_error = self.i, response.path, None
+        self._last_save = (dataclasses.replace(saved, state=copy.deepcopy(saved.state)), response.path)
+        try:
+            for name in to_prune(self.session.model_dir, self.keep, self.keep_every):
+                self.session.delete_checkpoint(name)
+        finally:
+            with self._changed:
+                self._saving = False
+                self._changed.notify_all()
 
     def _end(self) -> None:
         assert self._progress is not None
@@ -431,7 +623,7 @@ def train_step(
             )
         backward = sess.policy.forward_backward(batch, loss_fn, loss_fn_config)
         update = sess.policy.optim_step(run.adam_params)
-        backward.result()  # a failure on the worker fails the run, rather than an empty step passing
+        backward.result()  # a failure on the worker pauses the run, rather than an empty step passing
         update.result()
 
     step.__qualname__ = step.__name__ = f"train_step({loss_fn})"  # what the panel names the run by
@@ -445,6 +637,10 @@ def start_run(
     adam_params: Any,
     paused: bool,
     pause_if: PauseIf | None = None,
+    save_every: int | None = None,
+    keep: int = 3,
+    keep_every: int | None = None,
+    resume_from: RunCheckpoint | None = None,
 ) -> Run:
     """Create and start a run of `session` (what `Session.run` does), refusing while another is active."""
     current = session.current_run
@@ -460,6 +656,10 @@ def start_run(
         to_adam_params(adam_params if adam_params is not None else AdamParams()),
         paused=paused,
         pause_if=pause_if,
+        save_every=save_every,
+        keep=keep,
+        keep_every=keep_every,
+        resume_from=resume_from,
     )
     session.current_run = run
     return run.start()

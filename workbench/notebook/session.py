@@ -49,9 +49,11 @@ from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
 from workbench.engine.threads import ThreadUse
 from workbench.futures import wait_or_withdraw
+from workbench.loops.data_checks import check_data
 from workbench.loops.health import rollout_health
 from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
 from workbench.metrics import (
+    DISCARDED,
     JsonlSink,
     MetricsHistory,
     WandbSetting,
@@ -63,10 +65,17 @@ from workbench.notebook.async_run import AsyncRun, SampleFn, TrainFn, start_asyn
 from workbench.notebook.evaluation import EvalFn, with_evaluation
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import Run, StepFn, start_run
+from workbench.notebook.run_checkpoints import (
+    HISTORY_FILE,
+    RunCheckpoint,
+    discard_history,
+    newest_run_checkpoint,
+    rewind_logs,
+)
 from workbench.notebook.triggers import PauseIf
-from workbench.sdk_conversion import to_lora_config
+from workbench.sdk_conversion import to_datum, to_lora_config
 from workbench.server import ServerConfig, TinkerServer
-from workbench.storage.checkpoint_store import STATE_DIR, CheckpointInfo, CheckpointKind
+from workbench.storage.checkpoint_store import STATE_DIR, CheckpointError, CheckpointInfo, CheckpointKind
 from workbench.storage.model_folders import models_root, new_model_id
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
@@ -80,6 +89,13 @@ if TYPE_CHECKING:
     from workbench.notebook.panel.rollouts_tab import RolloutExplorer
 
 WANDB_PROJECT = "workbench"
+
+
+def _count_rows(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with path.open(encoding="utf-8") as lines:
+        return sum(1 for line in lines if line.strip())
 
 
 def _model_dir_from(model_dir: str | Path | None, run_dir: str | Path | None) -> str | Path | None:
@@ -246,8 +262,18 @@ class Session:
             )
         return session
 
-    def _attach(self, engine: EngineInterface, model_id: str, wandb: WandbSetting) -> None:
-        """Speak for `model_id` on `engine`: its clients, its history sinks, its W&B run."""
+    def _attach(
+        self,
+        engine: EngineInterface,
+        model_id: str,
+        wandb: WandbSetting,
+        resume_point: RunCheckpoint | None = None,
+        new_model: bool = True,
+    ) -> None:
+        """Speak for `model_id` on `engine`: its clients, its history sinks, its W&B run. With a
+        `resume_point`, the folder's logs are first rewound to it and its history rows read back; for a
+        `new_model` (not loaded from a checkpoint), rows an earlier model left in the folder (a run
+        started over after a kernel died before its first save) are marked discarded."""
         self.engine: EngineInterface = engine
         self.base_models = BaseModels(engine) if isinstance(engine, Engine) else None
         """The base models this session holds (None for a remote engine: its service holds them): its
@@ -257,17 +283,57 @@ class Session:
         self.policy = TrainingClient(engine, model_id, Role.POLICY)
         self.reference = TrainingClient(engine, model_id, Role.REFERENCE)
         self._critic = TrainingClient(engine, model_id, Role.CRITIC)
+        self.policy.on_batch = self._check_first_batch
         self.current_run: Run | None = None
         """The latest run started by `run()` (active or ended; its state, error and traceback stay
         readable), None before the first. Step functions read their live settings from it:
         `sess.current_run.adam_params`."""
         self.servers: list[TinkerServer] = []
         """The servers `serve()` started (stopped ones included), newest last."""
-        engine.history.sinks.append(JsonlSink(self.model_dir / "history.jsonl"))
+        self.resume_point = resume_point
+        """The run checkpoint the next `run()` continues from (`from_checkpoint` on a model folder)."""
+        if resume_point is not None:
+            engine.history.rows[:0] = rewind_logs(self.model_dir, resume_point)
+            self.history_offset = 0
+        elif new_model:  # an earlier model's rows are kept, marked discarded
+            self.history_offset = discard_history(self.model_dir)
+        else:
+            self.history_offset = _count_rows(self.model_dir / HISTORY_FILE)
+        """Rows of `history.jsonl` this session's history does not hold (written by an earlier session)."""
+        self._history_sink = JsonlSink(self.model_dir / HISTORY_FILE)
+        engine.history.sinks.append(self._history_sink)
         self.rollouts = RolloutLog(self.model_dir / ROLLOUTS_FILE)
         """The rollout groups `record_rollouts` recorded, one batch per call (also in `rollouts.jsonl`)."""
         self.wandb_run = self._open_wandb(wandb)
         _open_sessions.add(self)
+
+    def rewind_logs(self, saved: RunCheckpoint) -> None:
+        """Rewind the history (file and memory: rows after `saved` marked discarded) and the rollout log
+        to the run checkpoint `saved`, which the model was just loaded back to (a run's failed step)."""
+        rewind_logs(self.model_dir, saved)
+        self._history_sink.reopen()
+        for row in self.engine.history.rows[max(saved.history_rows - self.history_offset, 0) :]:
+            row[DISCARDED] = True
+        self.rollouts = RolloutLog(self.model_dir / ROLLOUTS_FILE)
+
+    def _check_first_batch(self, data: Sequence[Any]) -> None:
+        """The data check of a run's first policy batch (`wb.check_data`): its problems go to
+        `run.data_problems` (the panel shows them) and a warning. A batch that does not convert is left
+        to `forward_backward` to refuse."""
+        run = self.current_run
+        if run is None or not run.busy or run.data_problems is not None:
+            return
+        try:
+            batch = [to_datum(datum) for datum in data]
+        except (TypeError, ValueError):
+            return
+        run.data_problems = check_data(
+            batch, end_of_turn=self.tokenizer.eos_token_id, max_length=self.base_info.max_length
+        )
+        if run.data_problems:
+            listed = "; ".join(map(str, run.data_problems[:5]))
+            more = f" (and {len(run.data_problems) - 5} more)" if len(run.data_problems) > 5 else ""
+            warnings.warn(f"the run's first batch: {listed}{more}", RuntimeWarning, stacklevel=3)
 
     def _open_wandb(self, setting: WandbSetting) -> WandbSink | None:
         """Start the session's W&B run; a W&B failure leaves W&B off with a warning, never the session."""
@@ -294,11 +360,18 @@ class Session:
         device: str | None = None,
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
+        threads: int | None = None,
         run_dir: str | Path | None = None,  # deprecated name of model_dir
     ) -> Session:
         """A new session that continues the run saved by `save_state` at `path` (a `tinker://` path or the
         checkpoint's folder), exactly: same config (base model, adapters, critic, seed, dtype), weights,
         optimizer state, counters, weight versions and RNG states.
+
+        `path` may also be a model folder: its newest complete run checkpoint (what `run(...,
+        save_every=k)` saves) is loaded, the folder's history and rollout log are rewound to it, and the
+        session's next `run()` continues that run at the saved step (`resume_point`; see
+        `workbench.notebook.run_checkpoints`). `threads` as for `Session(...)`: a resume that must
+        repeat bit for bit fixes it.
 
         It continues in the checkpoint's model folder (`<model_dir>` for a checkpoint at
         `<model_dir>/checkpoints/<name>`) when that folder's name is the saved model id, else in
@@ -306,6 +379,14 @@ class Session:
         it the sampler) follows this machine unless given; `model_dir` and `wandb` as for `Session(...)`.
         """
         model_dir = _model_dir_from(model_dir, run_dir)
+        resume_point = None
+        if Path(path).is_dir() and (Path(path) / STATE_DIR).is_dir():  # a model folder
+            resume_point = newest_run_checkpoint(Path(path).absolute())
+            if resume_point is None or resume_point.path is None:
+                raise CheckpointError(
+                    f"{path} holds no complete run checkpoint (a run with save_every saves them)"
+                )
+            path = resume_point.path
         probe = Engine.folder_of_checkpoint(path)
         saved = Engine.parse_checkpoint(probe)
         arguments = saved.session_arguments
@@ -324,6 +405,7 @@ class Session:
             max_tokens_per_microbatch=arguments["max_tokens_per_microbatch"],
             max_samples_per_request=arguments["max_samples_per_request"],
             quantize=arguments["quantization"],
+            threads=threads,
         )
         try:
             model_id = engine.create_model_from_state(
@@ -333,7 +415,7 @@ class Session:
             engine.close()
             raise
         session = cls.__new__(cls)
-        cls._attach(session, engine, model_id, wandb)
+        cls._attach(session, engine, model_id, wandb, resume_point, new_model=False)
         return session
 
     # ------------------------------------------------------------------------------------------ state
@@ -513,6 +595,9 @@ class Session:
         pause_if: PauseIf | None = None,
         evaluate: EvalFn | None = None,
         eval_every: int = 10,
+        save_every: int | None = None,
+        keep: int = 3,
+        keep_every: int | None = None,
     ) -> Run:
         """Call `step_fn(sess, i)` for `i = 0 .. steps-1` on a background thread; returns the `Run` at once.
 
@@ -532,10 +617,22 @@ class Session:
                 `eval_every`, 2·`eval_every`, … and after the last step, recorded as op `"eval"`
                 (see `workbench.notebook.evaluation`).
             eval_every: How many steps apart the evaluations are.
+            save_every: Save a run checkpoint (`run-<step>`: the model's whole state and the run's, with
+                `run.loop_state`) every this many steps, and when the run pauses, stops, fails or ends; a
+                failed save pauses the run (`run.save_error`). None: no run checkpoints.
+            keep, keep_every: Pruning: the newest `keep` run checkpoints stay, and every one whose step
+                is a multiple of `keep_every`.
+
+        A session made by `from_checkpoint(model_dir)` continues the saved run: `step_fn` is called
+        for `i` from the saved step to `steps - 1`, with `run.loop_state` and the optimizer settings as
+        saved (`adam_params` is then ignored).
         """
         if evaluate is not None:
             step_fn = with_evaluation(step_fn, evaluate, eval_every)
-        return start_run(self, step_fn, steps, adam_params, paused, pause_if)
+        resume_from, self.resume_point = self.resume_point, None
+        return start_run(
+            self, step_fn, steps, adam_params, paused, pause_if, save_every, keep, keep_every, resume_from
+        )
 
     def run_async(
         self,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
@@ -87,6 +87,9 @@ class TrainingClient:
         self._engine = engine
         self._model_id = model_id
         self._role = role
+        self.on_batch: Callable[[Sequence[Any]], None] | None = None
+        """Called with each `forward_backward` batch before it is sent: a session checks its run's
+        first batch this way (`workbench.loops.data_checks`)."""
 
     @property
     def engine(self) -> EngineInterface:
@@ -135,6 +138,8 @@ class TrainingClient:
         position; `metrics` has `loss:sum` and diagnostics such as `entropy:mean`. `stable_reinforce`
         datums name sampled sequences in their provenance spans (see `workbench.engine.local.provenance`).
         """
+        if self.on_batch is not None:
+            self.on_batch(data)
         return self._engine.forward_backward(self._model_id, self._role, data, loss_fn, loss_fn_config)
 
     async def forward_backward_async(

@@ -101,6 +101,28 @@ def progress_fields(run: Run, history: MetricsHistory, sampled: int = 0) -> list
     return fields
 
 
+def run_alerts(run: Run) -> list[tuple[str, str]]:
+    """`(field, text)` for what the run wants its user to see: why it paused on an error (its step
+    function raised; the Train tab shows the whole traceback), a step the watchdog names stalled (with
+    where it waits), a save that failed, and what
+    `wb.check_data` found in its first batch."""
+    alerts: list[tuple[str, str]] = []
+    if run.error is not None and run.traceback is not None:
+        where = "failed" if run.state is RunState.FAILED else f"paused at step {run.i}"
+        last = run.traceback.strip().splitlines()[-1]
+        alerts.append(("step-error", f"step {run.failed_step} raised, {where}: {last}"))
+    stall = run.stall
+    if stall is not None:
+        alerts.append(("stall", f"stalled: {stall}"))
+    if run.save_error is not None:
+        alerts.append(("save-error", run.save_error))
+    if run.data_problems:
+        first = run.data_problems[0]
+        more = f" (+{len(run.data_problems) - 1} more)" if len(run.data_problems) > 1 else ""
+        alerts.append(("data", f"data check: {first}{more}"))
+    return alerts
+
+
 class ProgressLine:
     """One HTML line under the status bar; empty before the first run."""
 
@@ -126,6 +148,10 @@ class ProgressLine:
                 f'<span data-field="trigger" style="color:#b00020"><b>{what}:</b> '
                 f"{html.escape(str(run.trigger))}</span>"
             )
+        parts += [
+            f'<span data-field="{name}" style="color:#b00020">{html.escape(text)}</span>'
+            for name, text in run_alerts(run)
+        ]
         self.widget.value = (
             '<div style="display:flex;flex-wrap:wrap;gap:0 1.2em">' + "".join(parts) + "</div>"
         )

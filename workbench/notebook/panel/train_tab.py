@@ -252,7 +252,11 @@ class TrainTab:
         self.progress_text.value = (
             f'<span data-field="run-progress">{state} · {run.i}/{run.steps}{busy}</span>'
         )
-        self.progress.bar_style = {RunState.FAILED: "danger", RunState.FINISHED: "success"}.get(run.state, "")
+        self.progress.bar_style = (
+            "danger"
+            if run.state is RunState.FAILED or run.error is not None
+            else {RunState.FINISHED: "success"}.get(run.state, "")
+        )
         self.error.value = (
             f'<pre style="color:#b00020;white-space:pre-wrap">{html.escape(run.traceback)}</pre>'
             if run.traceback
