@@ -10,6 +10,11 @@ session sampling with it. vLLM's CPU attention kernels take head sizes from 32 u
 heads have 16 dimensions, so the vLLM runs use `tiny_for_vllm`: the tiny model with the same tokenizer,
 vocabulary and layers, and heads of 32 dimensions.
 
+The built-in models are prepared into the tests' own cache, `.cache/workbench` in the working tree
+(`WORKBENCH_CACHE`, inherited by every kernel, server and script a test starts), never the user's:
+what another environment left in `~/.cache/workbench` cannot change a result. tiny builds in a second;
+smollm2-135m is converted from its GGUF once per environment and clone (about 30 s), and kept.
+
 The thread count is fixed (`OMP_NUM_THREADS`, torch's default count) for every session the tests make:
 a parallel reduction's bits depend on it, and the tests that compare a run with itself bit for bit must
 compare like with like whatever else the machine is running. `tests/engine/test_threads.py` lifts it to
@@ -28,6 +33,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["MPLBACKEND"] = "Agg"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["WORKBENCH_CACHE"] = str(Path(__file__).resolve().parent.parent / ".cache" / "workbench")
 if "WORKBENCH_RUNS" not in os.environ:  # session folders go to a scratch area, not the working tree
     import tempfile
 
