@@ -118,8 +118,10 @@ lint: env
 test-unit: env
 	$(BIN)/python -m pytest -q
 
+# The tutorials prepare the built-in models into the tests' own cache (as tests/conftest.py does), not
+# the user's.
 test-notebooks: env
-	$(BIN)/python -m pytest -q --nbval-lax --nbval-current-env notebooks/
+	WORKBENCH_CACHE=$(CURDIR)/.cache/workbench $(BIN)/python -m pytest -q --nbval-lax --nbval-current-env notebooks/
 
 test: env browser lint skyrl-env test-unit test-notebooks test-vllm
 

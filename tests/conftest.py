@@ -10,6 +10,11 @@ session sampling with it. vLLM's CPU attention kernels take head sizes from 32 u
 heads have 16 dimensions, so the vLLM runs use `tiny_for_vllm`: the tiny model with the same tokenizer,
 vocabulary and layers, and heads of 32 dimensions.
 
+The built-in models are prepared into the tests' own cache, `.cache/workbench` in the working tree
+(`WORKBENCH_CACHE`, inherited by every kernel, server and script a test starts), never the user's:
+what another environment left in `~/.cache/workbench` cannot change a result. tiny builds in a second;
+smollm2-135m is converted from its GGUF once per environment and clone (about 30 s), and kept.
+
 The thread count is fixed (`OMP_NUM_THREADS`, torch's default count) for every session the tests make:
 a parallel reduction's bits depend on it, and the tests that compare a run with itself bit for bit must
 compare like with like whatever else the machine is running. `tests/engine/test_threads.py` lifts it to
@@ -18,16 +23,20 @@ test the adaptive count.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import shutil
 import signal
+import sys
+import time
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["MPLBACKEND"] = "Agg"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["WORKBENCH_CACHE"] = str(Path(__file__).resolve().parent.parent / ".cache" / "workbench")
 if "WORKBENCH_RUNS" not in os.environ:  # session folders go to a scratch area, not the working tree
     import tempfile
 
@@ -182,3 +191,43 @@ def skyrl_server(tmp_path_factory: pytest.TempPathFactory):
     server = SkyRLServer(tmp_path_factory.mktemp("skyrl"), tiny_base_model_dir())
     yield server
     server.stop()
+
+
+def _sdk_heartbeats(settle_s: float) -> set[str]:
+    """The client sessions whose `tinker` SDK heartbeat still runs in this process, waiting up to
+    `settle_s` for those a `close` has just been asked to stop.
+
+    The SDK runs every client's heartbeat as an asyncio task on one background event loop (a daemon
+    thread, `internal_client_holder`); `ServiceClient.close` cancels it. A client never closed keeps
+    beating until the process ends, and logs "Session heartbeat failed" once its server has gone."""
+    holder = sys.modules.get("tinker.lib.internal_client_holder")
+    loop = None if holder is None else holder._internal_client_holder_thread_singleton._loop
+    if loop is None or not loop.is_running():
+        return set()
+
+    async def beating() -> set[str]:
+        return {
+            str(task.get_coro().cr_frame.f_locals.get("session_id"))
+            for task in asyncio.all_tasks()
+            if task.get_coro().__qualname__ == "InternalClientHolder._session_heartbeat" and not task.done()
+        }
+
+    deadline = time.monotonic() + settle_s
+    while (sessions := asyncio.run_coroutine_threadsafe(beating(), loop).result(timeout=10)) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    return sessions
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sdk_clients_closed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every `tinker` SDK client a test module opens is closed by the module's end (its heartbeat
+    stopped): one left open fails the module's last test, naming its client sessions."""
+    before = _sdk_heartbeats(settle_s=0)
+    yield
+    left = _sdk_heartbeats(settle_s=5) - before
+    if left:
+        pytest.fail(
+            f"{request.module.__name__} left tinker SDK clients open (client sessions {sorted(left)})"
+        )

@@ -42,31 +42,33 @@ def datum(tokens: list[int]) -> types.Datum:
 
 def main(base_url: str) -> None:
     service = tinker.ServiceClient(base_url=base_url)
-    model = client(service.create_lora_training_client(base_model="tiny", rank=4, seed=0))
-    losses = []
-    for _ in range(2):
-        backward = model.forward_backward([datum(t) for t in TOKENS], "cross_entropy")
-        step = model.optim_step(types.AdamParams(learning_rate=1e-2))
-        losses.append(backward.result().metrics["loss:sum"])
-        step.result()
-    sampler = client(model.save_weights_and_get_sampling_client())
-    params = types.SamplingParams(max_tokens=4, seed=5)
-    sample = sampler.sample(types.ModelInput.from_ints(TOKENS[1]), 2, params).result()
-    state = model.save_state("saved").result().path
-    resumed = client(service.create_training_client_from_state(state))
-    check = [datum(TOKENS[0])]
-    result = json.dumps(
-        {
-            "sdk": tinker.__version__,
-            "model_id": model.model_id,
-            "losses": losses,
-            "samples": [list(s.tokens) for s in sample.sequences],
-            "state_path": state,
-            "loss_after": model.forward(check, "cross_entropy").result().metrics["loss:sum"],
-            "resumed_loss": resumed.forward(check, "cross_entropy").result().metrics["loss:sum"],
-        }
-    )
-    close(service)
+    try:
+        model = client(service.create_lora_training_client(base_model="tiny", rank=4, seed=0))
+        losses = []
+        for _ in range(2):
+            backward = model.forward_backward([datum(t) for t in TOKENS], "cross_entropy")
+            step = model.optim_step(types.AdamParams(learning_rate=1e-2))
+            losses.append(backward.result().metrics["loss:sum"])
+            step.result()
+        sampler = client(model.save_weights_and_get_sampling_client())
+        params = types.SamplingParams(max_tokens=4, seed=5)
+        sample = sampler.sample(types.ModelInput.from_ints(TOKENS[1]), 2, params).result()
+        state = model.save_state("saved").result().path
+        resumed = client(service.create_training_client_from_state(state))
+        check = [datum(TOKENS[0])]
+        result = json.dumps(
+            {
+                "sdk": tinker.__version__,
+                "model_id": model.model_id,
+                "losses": losses,
+                "samples": [list(s.tokens) for s in sample.sequences],
+                "state_path": state,
+                "loss_after": model.forward(check, "cross_entropy").result().metrics["loss:sum"],
+                "resumed_loss": resumed.forward(check, "cross_entropy").result().metrics["loss:sum"],
+            }
+        )
+    finally:
+        close(service)
     print(result, flush=True)
 
 

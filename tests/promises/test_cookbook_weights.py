@@ -107,30 +107,31 @@ def test_weights_download_through_build_hf_model_over_http(sess: wb.Session, tmp
 def test_external_weights_are_encrypted_to_the_recipients_over_http(sess: wb.Session, tmp_path: Path) -> None:
     identity = pyrage.x25519.Identity.generate()
     server = sess.serve()
-    client = tinker.ServiceClient(base_url=server.url)
-    training = client.create_lora_training_client(base_model="tiny", rank=4).result()
-    path = (
-        training.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())])
-        .result()
-        .path
-    )
-    rest = tinker.RestClient(base_url=server.url)
-    urls = rest.get_external_weights_urls(path).result()
-    assert sorted(urls.urls) == ["adapter_config.json.age", "adapter_model.safetensors.age"]
-    assert all(url.startswith(server.url) and "signature=" in url for url in urls.urls.values())
-    sealed = urllib.request.urlopen(urls.urls["adapter_config.json.age"]).read()
-    assert b"lora_alpha" not in sealed and b"lora_alpha" in pyrage.decrypt(sealed, [identity])
-    listed = rest.list_checkpoints(path.split("/")[2]).result().checkpoints
-    assert [(c.checkpoint_type, c.checkpoint_id) for c in listed] == [("external", "external_weights/sealed")]
+    with tinker.ServiceClient(base_url=server.url) as client:
+        training = client.create_lora_training_client(base_model="tiny", rank=4).result()
+        path = (
+            training.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())])
+            .result()
+            .path
+        )
+        rest = tinker.RestClient(base_url=server.url)
+        urls = rest.get_external_weights_urls(path).result()
+        assert sorted(urls.urls) == ["adapter_config.json.age", "adapter_model.safetensors.age"]
+        assert all(url.startswith(server.url) and "signature=" in url for url in urls.urls.values())
+        sealed = urllib.request.urlopen(urls.urls["adapter_config.json.age"]).read()
+        assert b"lora_alpha" not in sealed and b"lora_alpha" in pyrage.decrypt(sealed, [identity])
+        listed = rest.list_checkpoints(path.split("/")[2]).result().checkpoints
+        assert [(c.checkpoint_type, c.checkpoint_id) for c in listed] == [
+            ("external", "external_weights/sealed")
+        ]
 
-    for bad in (["age1notakey"], ["ssh-rsa AAAA"], [str(identity.to_public())] * 11):
-        with pytest.raises(tinker.RequestFailedError, match="age_encryption_recipients"):
-            training.save_weights_external("bad", age_encryption_recipients=bad).result()
-    tampered = urls.urls["adapter_config.json.age"].replace("signature=", "signature=0")
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(tampered)
-    assert refused.value.code == 403
-    client.close("success")
+        for bad in (["age1notakey"], ["ssh-rsa AAAA"], [str(identity.to_public())] * 11):
+            with pytest.raises(tinker.RequestFailedError, match="age_encryption_recipients"):
+                training.save_weights_external("bad", age_encryption_recipients=bad).result()
+        tampered = urls.urls["adapter_config.json.age"].replace("signature=", "signature=0")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(tampered)
+        assert refused.value.code == 403
 
 
 def _vllm_prompt_logprobs(llm: object, datum: wb.Datum, lora: object | None = None) -> torch.Tensor:

@@ -47,6 +47,11 @@ def client(srv: TinkerServer) -> Iterator[tinker.ServiceClient]:
     yield service_client
     if srv.running:
         service_client.close("success").result()
+    elif service_client._session_holder is not None:
+        # The test stopped the server: no finish call can reach it (the SDK's close would retry it), so
+        # only the client's own loops stop, its heartbeat first; left running it would warn "Session
+        # heartbeat failed" until the process ends.
+        service_client._session_holder.close()
 
 
 HOLD_LIMIT_S = 60.0

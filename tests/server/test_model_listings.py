@@ -105,10 +105,9 @@ def test_over_http_a_client_deletes_only_checkpoints_client_sessions_made(
     rest = client.create_rest_client()
     own = remote.save_state("own").result().path
     rest.delete_checkpoint_from_tinker_path(own).result()
-    other = tinker.ServiceClient(base_url=srv.url)
-    model = other.create_lora_training_client(base_model="tiny", rank=4).result()
-    later = model.save_state("later").result().path
-    other.close("success").result()  # its session ended: what it made is still deletable
+    with tinker.ServiceClient(base_url=srv.url) as other:  # its session ends: what it made stays deletable
+        model = other.create_lora_training_client(base_model="tiny", rank=4).result()
+        later = model.save_state("later").result().path
     deleted = httpx.delete(f"{srv.url}/api/v1/training_runs/{model.model_id}/checkpoints/weights/later")
     assert deleted.status_code == 204, deleted.text
     with pytest.raises(wb.CheckpointError):
@@ -120,10 +119,9 @@ def test_over_http_a_client_deletes_only_checkpoints_client_sessions_made(
 def test_after_a_restart_the_listings_show_the_models_on_disk(sess: wb.Session) -> None:
     first = TinkerServer(sess.engine, ServerConfig())
     try:
-        service_client = tinker.ServiceClient(base_url=first.url)
-        model = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
-        saved = model.save_state("before-restart").result().path
-        service_client.close("success").result()
+        with tinker.ServiceClient(base_url=first.url) as service_client:
+            model = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+            saved = model.save_state("before-restart").result().path
     finally:
         first.stop()
     second = TinkerServer(sess.engine, ServerConfig())  # a new server: nothing in memory about the model

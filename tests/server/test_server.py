@@ -277,15 +277,14 @@ def test_requests_run_in_seq_order_and_retries_get_the_same_future(
 def test_zstd_bodies_and_json_results_for_clients_that_ask(sess: wb.Session) -> None:
     server = TinkerServer(sess.engine, ServerConfig(compress_requests=True))
     try:
-        service_client = tinker.ServiceClient(base_url=server.url)
-        remote = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
-        local = twin(sess)
-        theirs = remote.forward_backward([sdk_ce_datum(t) for t in TOKENS], "cross_entropy").result()
-        assert (
-            theirs.metrics
-            == local.forward_backward([ce_datum(t) for t in TOKENS], "cross_entropy").result().metrics
-        )
-        service_client.close("success").result()
+        with tinker.ServiceClient(base_url=server.url) as service_client:
+            remote = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+            local = twin(sess)
+            theirs = remote.forward_backward([sdk_ce_datum(t) for t in TOKENS], "cross_entropy").result()
+            assert (
+                theirs.metrics
+                == local.forward_backward([ce_datum(t) for t in TOKENS], "cross_entropy").result().metrics
+            )
     finally:
         server.stop()
 
@@ -386,17 +385,20 @@ def test_an_api_key_is_checked_and_required_off_loopback(
         sess.serve(api_key="secret")
     server = sess.serve(api_key=API_KEY)
     monkeypatch.setenv("TINKER_API_KEY", "tml-wrong-key-000")
-    with pytest.raises(tinker.AuthenticationError, match="missing or wrong API key"):
-        tinker.ServiceClient(base_url=server.url).create_lora_training_client(
-            base_model="tiny", rank=4
-        ).result()
+    with (
+        pytest.raises(tinker.AuthenticationError, match="missing or wrong API key"),
+        tinker.ServiceClient(base_url=server.url) as refused,
+    ):
+        refused.create_lora_training_client(base_model="tiny", rank=4).result()
     assert httpx.get(f"{server.url}/api/v1/healthz").status_code == 401
-    service_client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-    assert (
-        service_client.create_lora_training_client(base_model="tiny", rank=4).result().get_info().lora_rank
-        == 4
-    )
-    service_client.close("success").result()
+    with tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as service_client:
+        assert (
+            service_client.create_lora_training_client(base_model="tiny", rank=4)
+            .result()
+            .get_info()
+            .lora_rank
+            == 4
+        )
 
 
 def test_the_server_runs_beside_a_busy_kernel_thread(sess: wb.Session, client: tinker.ServiceClient) -> None:
@@ -477,31 +479,33 @@ def test_long_polls_answer_try_again_and_the_sdk_polls_on(
     server = TinkerServer(sess.engine, ServerConfig(long_poll_s=0.01))
     try:
         assert httpx.get(f"{server.url}/api/v1/healthz").json() == {"status": "ok"}
-        service_client = tinker.ServiceClient(base_url=server.url)
-        remote = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
-        local = twin(sess)
-        batch = [TOKENS[i % 3] * 30 for i in range(96)]
+        with tinker.ServiceClient(base_url=server.url) as service_client:
+            remote = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+            local = twin(sess)
+            batch = [TOKENS[i % 3] * 30 for i in range(96)]
 
-        def polled() -> bool:
-            return any("try_again" in record.getMessage() for record in caplog.records)
+            def polled() -> bool:
+                return any("try_again" in record.getMessage() for record in caplog.records)
 
-        # the worker is held until a poll has been answered "try again", so that answer never depends on
-        # how fast the forward runs (0.07 s, against 10 ms polls, on a busy machine it outran one)
-        held = threading.Event()
-        sess.engine._state.submit(lambda: held.wait(60))
+            # the worker is held until a poll has been answered "try again", so that answer never depends on
+            # how fast the forward runs (0.07 s, against 10 ms polls, on a busy machine it outran one)
+            held = threading.Event()
+            sess.engine._state.submit(lambda: held.wait(60))
 
-        def release_once_polled() -> None:
-            deadline = time.monotonic() + 60
-            while not polled() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            held.set()
+            def release_once_polled() -> None:
+                deadline = time.monotonic() + 60
+                while not polled() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                held.set()
 
-        with caplog.at_level("WARNING", logger="tinker"):
-            threading.Thread(target=release_once_polled, daemon=True).start()
-            theirs = remote.forward([sdk_ce_datum(t) for t in batch], "cross_entropy").result()
-        assert polled()
-        assert theirs.metrics == local.forward([ce_datum(t) for t in batch], "cross_entropy").result().metrics
-        service_client.close("success").result()
+            with caplog.at_level("WARNING", logger="tinker"):
+                threading.Thread(target=release_once_polled, daemon=True).start()
+                theirs = remote.forward([sdk_ce_datum(t) for t in batch], "cross_entropy").result()
+            assert polled()
+            assert (
+                theirs.metrics
+                == local.forward([ce_datum(t) for t in batch], "cross_entropy").result().metrics
+            )
     finally:
         server.stop()
 

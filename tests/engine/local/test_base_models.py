@@ -117,8 +117,10 @@ def test_a_server_holds_two_base_models_and_refuses_a_third_that_does_not_fit(
     assert sess.base_models is not None
     sess.base_models.memory_budget_bytes = _budget_for_two(sess, tiny_teacher, big_twin)
     config = ServerConfig(allowed_base_models=(tiny_teacher, big_twin))
-    with TinkerServer(sess.base_models, config) as server:
-        client = tinker.ServiceClient(base_url=server.url)
+    with (
+        TinkerServer(sess.base_models, config) as server,
+        tinker.ServiceClient(base_url=server.url) as client,
+    ):
         listed = tinker.RestClient(base_url=server.url).get_server_capabilities().result().supported_models
         assert [m.model_name for m in listed] == ["tiny", tiny_teacher, big_twin]
 
@@ -142,7 +144,6 @@ def test_a_server_holds_two_base_models_and_refuses_a_third_that_does_not_fit(
             client.create_sampling_client(base_model="Qwen/Qwen3-8B").sample(
                 prompt, 1, tinker.SamplingParams()
             )
-        client.close("success").result()
 
 
 def test_session_connect_drives_the_second_base_model_of_a_server(

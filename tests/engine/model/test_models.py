@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 
 import pytest
 import torch
+import transformers
 
 import workbench as wb
 from workbench.engine.local import engine as engine_module
 from workbench.engine.model.base_model import lora_target_modules
-from workbench.engine.model.builtin_models import _build_tiny, tiny_base_model_dir
+from workbench.engine.model.builtin_models import (
+    TINY_VERSION,
+    TINY_WRITERS,
+    _build_tiny,
+    _folder_for,
+    tiny_base_model_dir,
+    tiny_record,
+    writer_versions,
+)
 
 
 def _folder_digest(folder) -> dict[str, str]:
@@ -22,7 +32,12 @@ def _folder_digest(folder) -> dict[str, str]:
 
 def test_tiny_builds_identically_and_has_about_200k_parameters(tmp_path) -> None:
     _build_tiny(tmp_path)
-    assert _folder_digest(tmp_path) == _folder_digest(tiny_base_model_dir())
+    cached = tiny_base_model_dir()
+    record = json.loads((cached / "workbench_model.json").read_text())
+    assert record == tiny_record() and record["written_by"]["transformers"] == transformers.__version__
+    assert _folder_digest(tmp_path) == {
+        name: digest for name, digest in _folder_digest(cached).items() if name != "workbench_model.json"
+    }
     with wb.Session("tiny", wb.LoraConfig(rank=1)) as sess:
         count = sum(
             p.numel()
@@ -33,6 +48,37 @@ def test_tiny_builds_identically_and_has_about_200k_parameters(tmp_path) -> None
         assert sess.tokenizer.chat_template is not None
         text = "Hello world, 17 + 25 = 42"
         assert sess.tokenizer.decode(sess.tokenizer(text).input_ids) == text
+
+
+def _write_other_environments_tiny(folder, transformers_version: str) -> None:
+    """A tiny folder as another environment wrote it: its own config and record, no weights we wrote."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "llama", "transformers_version": transformers_version})
+    )
+    written_by = {**writer_versions(TINY_WRITERS), "transformers": transformers_version}
+    record = {"alias": "tiny", "version": TINY_VERSION, "written_by": written_by}
+    (folder / "workbench_model.json").write_text(json.dumps(record))
+
+
+def test_a_cached_tiny_written_by_another_environment_is_rebuilt_not_trusted(tmp_path, monkeypatch) -> None:
+    """What `~/.cache/workbench` held on a fresh clone (a tiny folder from transformers 5.24 against the
+    lock's 5.23): under this environment's name it is rebuilt, under its own name it is left alone."""
+    expected = _folder_digest(tiny_base_model_dir())
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    ours = _folder_for(f"tiny-v{TINY_VERSION}", writer_versions(TINY_WRITERS))
+    theirs = _folder_for(f"tiny-v{TINY_VERSION}", {**writer_versions(TINY_WRITERS), "transformers": "0.0.1"})
+    _write_other_environments_tiny(ours, "0.0.1")
+    _write_other_environments_tiny(theirs, "0.0.1")
+    theirs_before = _folder_digest(theirs)
+
+    assert tiny_base_model_dir() == ours
+    assert _folder_digest(ours) == expected
+    assert json.loads((ours / "workbench_model.json").read_text()) == tiny_record()
+    assert _folder_digest(theirs) == theirs_before
+    assert sorted(path.name for path in ours.parent.iterdir() if not path.name.endswith(".lock")) == sorted(
+        [ours.name, theirs.name]
+    ), "the stale folder and the build's temporary folder are removed"
 
 
 @pytest.mark.parametrize(

