@@ -16,7 +16,9 @@ from matplotlib.figure import Figure
 
 import workbench as wb
 from tests.datums import sft_datum
+from tests.notebook.test_async_run import sample_groups, train_groups
 from workbench.engine.model import shared_prefix
+from workbench.notebook.panel.metrics_tab import ASYNC_METRICS
 from workbench.notebook.run import RunState
 
 WAIT_S = 30.0
@@ -667,6 +669,35 @@ def test_the_progress_line_shows_speed_eta_loss_reward_and_a_trigger(
     assert run.wait(WAIT_S) is RunState.FINISHED
     panel.refresh()
     assert "paused by trigger" not in panel.progress.widget.value and "ETA" not in panel.progress.widget.value
+
+
+def test_an_asynchronous_run_plots_and_shows_its_staleness_and_waits(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    """The async signals join the chosen plots when they first appear (once: a removed tag stays
+    removed), and the progress line gives the staleness against its bound and both waits."""
+    m = panel.metrics
+    panel.tabs.selected_index = panel.tab_index("Metrics")
+    assert m.select.value == ["loss:sum"]
+    run = tiny.run_async(sample_groups, train_groups, 3, max_steps_off_policy=1)
+    assert run.wait(WAIT_S) is RunState.FINISHED, run.traceback
+    panel.refresh()
+    assert m.select.value == ["loss:sum", *ASYNC_METRICS] and m.plot is not None
+    assert m.plot.names == ["loss:sum", *ASYNC_METRICS]
+    ((steps, values),) = (line.get_data() for line in m.plot.lines["async/staleness:max"].values())
+    assert len(steps) == 3 and max(values) <= 1
+    text = " ".join(html.unescape(re.sub("<[^>]+>", " ", panel.progress.widget.value)).split())
+    staleness = tiny.history.last("async/staleness:max")
+    assert f"staleness {staleness:.0f}/1" in text
+    assert re.search(r"trainer waited \d+\.\d\d s/step", text), text
+    assert re.search(r"samples waited \d+\.\d\d s/step", text), text
+    m.select.value = ["loss:sum"]
+    assert (
+        tiny.run_async(sample_groups, train_groups, 1, max_steps_off_policy=1).wait(WAIT_S)
+        is RunState.FINISHED
+    )
+    panel.refresh()
+    assert m.select.value == ["loss:sum"]
 
 
 def test_the_progress_line_shows_the_share_of_tokens_computed_where_prompts_are_shared(

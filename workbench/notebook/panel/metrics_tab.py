@@ -11,7 +11,10 @@ sent more than PLOT_BYTES_PER_STEP (a rescaled axis, the first points) waits as 
 next as its bytes take at that rate. The chosen metrics are tags (× removes one); a
 metric is added by picking it in the box beside them (type to filter, Enter adds it: the same input in
 JupyterLab and Notebook 7); smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
-`history.jsonl` files) are controls of their own.
+`history.jsonl` files) are controls of their own. When the history first holds an asynchronous run's
+signals (`ASYNC_METRICS`: its staleness, the trainer's wait for samples and the samples' wait for the
+trainer, per step), they join the chosen metrics beside the RL signals already plotted, once: a tag
+removed stays removed.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def steps_between_renders(rendered_bytes: int) -> int:
     `rendered_bytes`: ceil(rendered_bytes / PLOT_BYTES_PER_STEP), at least one."""
     return max(1, math.ceil(rendered_bytes / PLOT_BYTES_PER_STEP))
 
+
+ASYNC_METRICS = ("async/staleness:max", "async/trainer_wait_s", "async/sample_wait_s")
+"""What `sess.run_async` records per step and the tab plots once they appear (see `async_run`)."""
 
 INCHES_PER_PLOT = (3.7, 2.8)
 """One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 370 × 280 px, so
@@ -128,7 +134,8 @@ class MetricsTab:
         self.feedback = Feedback()
         self.compared: dict[str, MetricsHistory] = {}
         """The runs overlaid on the plot, by name (their folder's name)."""
-        initial = list(metrics)
+        self._offered_async: set[str] = set()  # ASYNC_METRICS already added to the chosen ones once
+        initial = self._with_new_async_metrics(list(metrics))
         self.select = ipywidgets.TagsInput(
             value=initial, allowed_tags=self._options(initial), allow_duplicates=False
         )
@@ -192,6 +199,13 @@ class MetricsTab:
         for other in self.compared.values():
             names += other.names()
         return sorted(dict.fromkeys(names))
+
+    def _with_new_async_metrics(self, chosen: list[str]) -> list[str]:
+        """`chosen` plus the ASYNC_METRICS the history holds and that were not added before."""
+        recorded = set(self.session.history.names())
+        new = [name for name in ASYNC_METRICS if name in recorded and name not in self._offered_async]
+        self._offered_async.update(new)
+        return [*chosen, *(name for name in new if name not in chosen)]
 
     def overlay(self, path: str | Path) -> None:
         """Overlay the run whose folder (or `history.jsonl`) is `path`, named after its folder."""
@@ -290,6 +304,9 @@ class MetricsTab:
                     self.add_metric.options = options
                 finally:
                     self._syncing = False
+                chosen = self._with_new_async_metrics(list(self.select.value))
+                if chosen != list(self.select.value):
+                    self.select.value = chosen  # replots
             if self.plot is not None and self._render_due():
                 updated = self.plot.update(self.session.history, self._run_end_step())
                 if updated or self._unsent:

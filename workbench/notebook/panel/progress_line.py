@@ -10,7 +10,10 @@ in an RL step sampling often takes most of the time, so the two together say whe
 shared prompts, the share of the submitted tokens the training passes computed (`computed_tokens:sum`
 over `submitted_tokens:sum`: each shared prefix is computed once), and the share of the prompt tokens
 sampling took from the HF sampler's prompt cache (`prefill_cached_tokens:sum` over
-`prefill_tokens:sum`), where it took any.
+`prefill_tokens:sum`), where it took any. An asynchronous run (`sess.run_async`) adds its last step's
+staleness against its bound (`staleness 1/2`: `async/staleness:max` of `max_steps_off_policy`) and, over
+the last `RECENT_STEPS` steps, the mean seconds the trainer waited for samples (`async/trainer_wait_s`:
+sampling is the bottleneck) and that samples waited for the trainer (`async/sample_wait_s`: training is).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import ipywidgets
 
+from workbench.notebook.async_run import AsyncRun
 from workbench.notebook.run import Run, RunState
 
 if TYPE_CHECKING:
@@ -58,6 +62,25 @@ def sampled_tokens(rollouts: RolloutLog, since_step: int) -> int:
             break
         total += sum(len(sequence.tokens) for group in batch for sequence in group.sequences)
     return total
+
+
+def async_fields(run: AsyncRun, history: MetricsHistory) -> list[tuple[str, str]]:
+    """The line's staleness and wait fields for an asynchronous run's steps (none before its first)."""
+    since = run.started_at or 0.0
+    steps = [
+        row
+        for row in history.rows
+        if row["time"] >= since and row["op"] == "run_step" and "async/staleness:max" in row
+    ][-RECENT_STEPS:]
+    if not steps:
+        return []
+    trainer_wait = sum(row["async/trainer_wait_s"] for row in steps) / len(steps)
+    sample_wait = sum(row["async/sample_wait_s"] for row in steps) / len(steps)
+    return [
+        ("staleness", f"staleness {steps[-1]['async/staleness:max']:.0f}/{run.max_steps_off_policy}"),
+        ("trainer-wait", f"trainer waited {trainer_wait:.2f} s/step"),
+        ("sample-wait", f"samples waited {sample_wait:.2f} s/step"),
+    ]
 
 
 def progress_fields(run: Run, history: MetricsHistory, sampled: int = 0) -> list[tuple[str, str]]:
@@ -98,6 +121,8 @@ def progress_fields(run: Run, history: MetricsHistory, sampled: int = 0) -> list
     reward = _latest(history, "reward:mean", None, since)
     if not math.isnan(reward):
         fields.append(("reward", f"reward {reward:.3g}"))
+    if isinstance(run, AsyncRun):
+        fields += async_fields(run, history)
     return fields
 
 
