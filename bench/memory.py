@@ -13,8 +13,16 @@ output layer (the vocabulary of the Qwen2/Qwen3 family), built once into a tempo
 Target: workbench <= 0.5 x the raw loop at T = 2048 on smollm2-135m.
 Not measured contended (as the timing benchmarks are): a busy core changes time, not peak memory.
 
+`--quantize` measures instead what a quantized base holds (QLoRA, `Session(quantize=...)`): for fp32, NF4
+and int8, a fresh process per base loads it and reports its tensors' bytes (`engine.base_memory_bytes`,
+scales included) and the process's resident memory. On `tiny` and on a Llama twin of hidden size 256
+(4 layers, V = 1,024: 3.2M linear weights beside 0.5M in the embeddings, so the quantized layers
+dominate, as in a real model; tiny's embeddings are 40% of its weights). Targets: NF4 <= 0.35x and int8
+<= 0.55x the fp32 base on the twin.
+
     python bench/memory.py
     python bench/memory.py --lengths 512 1024 2048 4096 --models smollm2-135m
+    python bench/memory.py --quantize
 """
 
 from __future__ import annotations
@@ -59,8 +67,85 @@ def large_vocab_folder() -> Path:
     return folder
 
 
+LLAMA_TWIN = "llama-twin-h256"
+QUANTIZATIONS = ("fp32", "nf4", "int8")
+
+
+def llama_twin_folder() -> Path:
+    """A Llama of 4 layers, hidden size 256, V = 1,024 (untied), randomly initialised (seeded), with
+    tiny's tokenizer, saved once: the twin the quantization tests measure."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from workbench.engine.model.builtin_models import tiny_base_model_dir
+
+    folder = Path(tempfile.gettempdir()) / f"workbench-bench-{LLAMA_TWIN}"
+    if (folder / "config.json").is_file():
+        return folder
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    partial = folder.with_name(folder.name + ".partial")
+    AutoModelForCausalLM.from_config(config).save_pretrained(partial)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_base_model_dir() / name, partial / name)
+    partial.rename(folder)
+    return folder
+
+
 def model_path(model: str) -> str:
-    return str(large_vocab_folder()) if model == LARGE_VOCAB_MODEL else model
+    folders = {LARGE_VOCAB_MODEL: large_vocab_folder, LLAMA_TWIN: llama_twin_folder}
+    return str(folders[model]()) if model in folders else model
+
+
+def measure_base(model: str, quantization: str) -> dict[str, float]:
+    """One fresh process: load a session on the base, fp32 or quantized, and report what it holds."""
+    import workbench as wb
+
+    quantize = None if quantization == "fp32" else quantization
+    model_dir = tempfile.mkdtemp(prefix="workbench-bench-memory-")
+    with wb.Session(
+        model_path(model),
+        wb.LoraConfig(rank=RANK),
+        wandb=False,
+        sampler="hf",
+        quantize=quantize,
+        model_dir=model_dir,
+    ) as session:
+        return {"base_mb": session.engine.base_memory_bytes / 2**20, "resident_mb": resident_mb()}
+
+
+def quantized_bases(models: list[str]) -> None:
+    """The `--quantize` table: each base in fp32, NF4 and int8, each in a fresh process."""
+    print(f"{'model':18s} {'base':>5s} {'base MB':>8s} {'/ fp32':>7s} {'RSS MB':>7s}")
+    for model in models:
+        model_path(model)  # build the twin before the measured processes
+        fp32_mb = None
+        for quantization in QUANTIZATIONS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--base-child", model, quantization],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if out.returncode != 0:
+                sys.exit(f"{model} {quantization} failed:\n{out.stderr[-3000:]}")
+            figures = json.loads(out.stdout.strip().splitlines()[-1])
+            fp32_mb = fp32_mb or figures["base_mb"]
+            print(
+                f"{model:18s} {quantization:>5s} {figures['base_mb']:8.2f} {figures['base_mb'] / fp32_mb:7.2f} "
+                f"{figures['resident_mb']:7.0f}"
+            )
+    print(f"target on {LLAMA_TWIN}: nf4 / fp32 <= 0.35, int8 / fp32 <= 0.55")
 
 
 def resident_mb() -> float:
@@ -130,8 +215,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", LARGE_VOCAB_MODEL])
+    parser.add_argument("--quantize", action="store_true", help="what fp32, NF4 and int8 bases hold")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "SIDE", "T"), help=argparse.SUPPRESS)
+    parser.add_argument("--base-child", nargs=2, metavar=("MODEL", "QUANTIZATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.base_child:
+        print(json.dumps(measure_base(*args.base_child)))
+        return
+    if args.quantize:
+        quantized_bases(["tiny", LLAMA_TWIN])
+        return
     if args.child:
         model, side, length = args.child
         print(json.dumps(measure(model, side, int(length))))

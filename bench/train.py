@@ -9,8 +9,15 @@ Tokens/s counts real (non-padding) tokens. Both batches are timed twice, on a qu
 second process keeping one core busy (`bench/contention.py`: what a notebook always has beside the
 engine), with the step time contended / quiet of each side.
 
+`--quantize` times instead workbench's step on fp32, NF4 and int8 bases (`Session(quantize=...)`), one
+session after the other, on an equal batch of 8 x 64 tokens: on `tiny` and on `bench/memory.py`'s Llama
+twin (hidden size 256, where the linear layers hold most weights). On a CPU, bitsandbytes' 4-bit layers
+run its fallback kernels (the fast ones come from the `kernels` package, downloaded from a model hub at
+run time); the figure that matters is a GPU's.
+
     python bench/train.py --model tiny
     python bench/train.py --model smollm2-135m
+    python bench/train.py --quantize --steps 3
 """
 
 from __future__ import annotations
@@ -129,13 +136,49 @@ def timed_pair(first, second, steps: int, rounds: int = 5) -> tuple[float, float
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def quantized_throughput(steps: int) -> None:
+    """The `--quantize` table: tokens/s of one forward_backward + optim_step, fp32 against NF4 and int8."""
+    from memory import LLAMA_TWIN, QUANTIZATIONS, model_path  # bench/memory.py, beside this script
+
+    sequences = make_batch([64] * 8, 900, seed=0)  # within tiny's and the twin's vocabularies
+    tokens = sum(len(s) - 1 for s in sequences)
+    print(f"batch 8 x 64 tokens, LoRA rank 16, threads={torch.get_num_threads()}, median of {steps} steps")
+    print(f"{'model':18s} {'base':>5s} {'tok/s':>8s} {'/ fp32':>7s}")
+    for model in ("tiny", LLAMA_TWIN):
+        fp32_s = None
+        for quantization in QUANTIZATIONS:
+            quantize = None if quantization == "fp32" else quantization
+            with wb.Session(
+                model_path(model),
+                wb.LoraConfig(rank=16),
+                seed=0,
+                wandb=False,
+                sampler="hf",
+                quantize=quantize,
+            ) as session:
+                datums = to_datums(sequences)
+                workbench_step(session, datums)  # warm
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    workbench_step(session, datums)
+                    times.append(time.perf_counter() - start)
+            step_s = statistics.median(times)
+            fp32_s = fp32_s or step_s
+            print(f"{model:18s} {quantization:>5s} {tokens / step_s:8.1f} {fp32_s / step_s:7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", choices=sorted(SETTINGS))
     parser.add_argument(
         "--steps", type=int, default=None, help="timed steps per configuration (median is reported)"
     )
+    parser.add_argument("--quantize", action="store_true", help="fp32 against NF4 and int8 bases")
     args = parser.parse_args()
+    if args.quantize:
+        quantized_throughput(args.steps or 3)
+        return
     settings = SETTINGS[args.model]
     steps = args.steps or settings["steps"]
     lora = wb.LoraConfig(rank=settings["rank"])

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +33,7 @@ from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig  # n
 from tinker_cookbook.utils import cost_estimation  # noqa: E402
 
 CONVERSATIONS = Path(cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -46,34 +52,39 @@ def _metrics(log_path: Path) -> list[dict]:
     return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
 
 
+def _sl_config(log_path: Path, base_url: str, max_steps: int, save_every: int = 2) -> sl_train.Config:
+    """The cookbook's supervised loop on its example conversations, on tiny, against `base_url`."""
+    model = resolve_model_path("tiny")
+    return sl_train.Config(
+        log_path=str(log_path),
+        model_name=model,
+        recipe_name="sl_test",
+        renderer_name="qwen3_instruct",
+        dataset_builder=FromConversationFileBuilder(
+            file_path=str(CONVERSATIONS),
+            common_config=ChatDatasetBuilderCommonConfig(
+                model_name_for_tokenizer=model,
+                renderer_name="qwen3_instruct",
+                max_length=256,
+                batch_size=4,
+            ),
+        ),
+        learning_rate=1e-3,
+        lora_rank=4,
+        base_url=base_url,
+        save_every=save_every,
+        eval_every=0,
+        max_steps=max_steps,
+    )
+
+
 def test_the_cookbook_supervised_loop_trains_through_the_server(
     served: tuple[wb.Session, str], tmp_path: Path
 ) -> None:
     session, url = served
-    model = resolve_model_path("tiny")
 
     def config(max_steps: int) -> sl_train.Config:
-        return sl_train.Config(
-            log_path=str(tmp_path / "sl"),
-            model_name=model,
-            recipe_name="sl_test",
-            renderer_name="qwen3_instruct",
-            dataset_builder=FromConversationFileBuilder(
-                file_path=str(CONVERSATIONS),
-                common_config=ChatDatasetBuilderCommonConfig(
-                    model_name_for_tokenizer=model,
-                    renderer_name="qwen3_instruct",
-                    max_length=256,
-                    batch_size=4,
-                ),
-            ),
-            learning_rate=1e-3,
-            lora_rank=4,
-            base_url=url,
-            save_every=2,
-            eval_every=0,
-            max_steps=max_steps,
-        )
+        return _sl_config(tmp_path / "sl", url, max_steps)
 
     asyncio.run(sl_train.main(config(3)))
     assert [row["step"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row] == [0, 1, 2]
@@ -97,6 +108,47 @@ def test_the_cookbook_supervised_loop_trains_through_the_server(
     assert session.engine.model_ids() == [session.model_id]  # the cookbook closed its sessions
     run = tinker.RestClient(base_url=url).get_training_run_by_tinker_path(records[0]["state_path"]).result()
     assert run.user_metadata["renderer_name"] == "qwen3_instruct"  # what the cookbook checks on resume
+
+
+def test_the_cookbook_supervised_loop_trains_through_a_quantized_server(
+    monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients, tmp_path: Path
+) -> None:
+    """`workbench serve --quantize nf4` says so at startup, and the cookbook's loop runs on it unmodified."""
+    monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "WORKBENCH_RUNS": str(tmp_path / "runs"),
+        "TINKER_API_KEY": "tml-local",
+    }
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    serve = ["serve", "--base-model", "tiny", "--quantize", "nf4", "--port", "0", "--no-wandb"]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "workbench.cli", *serve],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    try:
+        assert server.stdout is not None
+        for line in server.stdout:  # the address, then what it serves
+            lines.append(line)
+            if "workbench: base model " in line:
+                break
+        (url,) = [line.split(" at ")[-1].strip() for line in lines if "serving the Tinker API at" in line]
+        asyncio.run(sl_train.main(_sl_config(tmp_path / "sl", url, max_steps=2, save_every=0)))
+        sdk_clients.close()  # while the server still answers
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+        output = server.stdout.read() if server.stdout is not None else ""
+    assert server.returncode == 0, output
+    (base_line,) = [line for line in lines if "workbench: base model " in line]
+    assert "nf4+dq" in base_line, lines
+    nll = [row["train_mean_nll"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row]
+    assert len(nll) == 2 and all(math.isfinite(x) and x > 0 for x in nll), nll
 
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "stable_reinforce"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import workbench as wb
 from tests.checkpoint_child import continue_run, train_step
 from tests.datums import ce_datum, random_tokens, rl_datum
 from tests.engine.model.moe_twins import save_twin
+from workbench.engine.local.base_models import BaseModels, MemoryBudgetError, base_model_bytes
 from workbench.engine.model.builtin_models import tiny_base_model_dir
 from workbench.engine.model.quantization import keep_one_cpu_kernel
 
@@ -238,22 +240,56 @@ def test_sampler_weights_load_in_peft_on_the_quantized_base() -> None:
     torch.testing.assert_close(got, expected.to_torch(), rtol=0, atol=1e-4)
 
 
-def test_bad_quantizations_are_refused_before_loading(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="quantize must be one of"):
-        _session(quantize="nf3")
-    with pytest.raises(ValueError, match="int8 layers compute in fp16"):
-        _session(quantize=wb.QuantizationConfig("int8", compute_dtype="bfloat16"))
-    with pytest.raises(ValueError, match="not on 'mps'"):
-        _session(quantize="nf4", device="mps")
+def _engine_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "workbench-worker"}
+
+
+def test_bad_quantizations_are_refused_before_loading(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each refusal leaves no model folder and no engine: the models root stays empty and no engine's
+    worker thread outlives it (a worker left open waits on its queue for ever, and the join times out)."""
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("WORKBENCH_RUNS", str(runs))
     already = tmp_path / "gptq"
     shutil.copytree(tiny_base_model_dir(), already)
     config = json.loads((already / "config.json").read_text())
     (already / "config.json").write_text(
         json.dumps({**config, "quantization_config": {"quant_method": "gptq"}})
     )
-    with pytest.raises(ValueError, match="already quantized \\('gptq'\\)"):
-        _session(str(already), quantize="nf4")
-    assert not list(tmp_path.glob("runs*"))
+    refusals = [
+        ({"quantize": "nf3"}, "quantize must be one of"),
+        ({"quantize": {"method": "int8", "compute_dtype": "bfloat16"}}, "int8 layers compute in fp16"),
+        ({"quantize": "nf4", "device": "mps"}, "not on 'mps'"),
+        ({"base": str(already), "quantize": "nf4"}, "already quantized \\('gptq'\\)"),
+    ]
+    before = _engine_threads()
+    for kwargs, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            _session(**kwargs)  # type: ignore[arg-type]
+        left = _engine_threads() - before
+        for thread in left:
+            thread.join(timeout=10)
+        assert not [t for t in left if t.is_alive()], kwargs
+        assert not runs.exists() or not list(runs.iterdir()), kwargs
+    with _session(quantize="nf4"):  # the same checks see an accepted session's folder and engine
+        assert list(runs.iterdir()) and _engine_threads() - before
+
+
+def test_the_memory_budget_counts_a_quantized_base_at_its_quantized_size(tmp_path: Path) -> None:
+    """A budget with room for tiny in NF4 but not in fp32 loads the NF4 base and refuses the fp32 one;
+    the estimate made before loading is the loaded base's memory to 1%."""
+    full = base_model_bytes("tiny", torch.float32)
+    nf4 = base_model_bytes("tiny", torch.float32, wb.QuantizationConfig("nf4"))
+    budget = (full + nf4) // 2
+    with pytest.raises(MemoryBudgetError, match="more than the whole memory budget"):
+        BaseModels(memory_budget_bytes=budget, device="cpu", sampler="hf").engine("tiny")
+    models = BaseModels(memory_budget_bytes=budget, device="cpu", sampler="hf", quantize="nf4")
+    try:
+        engine = models.engine("tiny")
+        assert engine.base_memory_bytes == pytest.approx(nf4, rel=0.01)
+    finally:
+        models.close()
 
 
 def test_a_mixture_of_experts_keeps_its_expert_stacks_in_the_compute_dtype(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ hold together:
     held(engine) = Σ_tensors numel · element_size + share(engine)   (parameters and buffers, adapters
                                                                       included; its sampler's share)
     need(new) = weights + share(new),  weights = Σ_parameters numel · element_size(dtype)
-                                                                     (counted on the meta device, nothing loaded)
+                                                                     (counted on the meta device, nothing loaded;
+                                                                      a quantized base's linear weights at their
+                                                                      4 or 8 bits and scales)
     share = `samplers.factory.sampler_memory_bytes(sampler, weights, device)`: what the engine's
             sampler backend takes beside the training model (vLLM its own copy and KV cache; HF 0)
 
@@ -40,6 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from workbench.engine.config import DEFAULT_MAX_MODELS, QuantizationConfig, to_quantization_config
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import resolve_device_and_dtype, resolve_model_path
+from workbench.engine.model.quantization import quantized_model_bytes
 from workbench.engine.samplers import SamplerChoice
 from workbench.engine.samplers.factory import SAMPLERS, choose_sampler, sampler_memory_bytes
 
@@ -84,15 +87,21 @@ def model_bytes(engine: Engine) -> int:
 def sampler_bytes(engine: Engine) -> int:
     """The sampler's share of an engine (see the module); 0 for one that samples the training model."""
     device, dtype = resolve_device_and_dtype(engine.config.device, engine.config.dtype)
-    return sampler_memory_bytes(engine.config.sampler, base_model_bytes(engine.base_info.path, dtype), device)
+    weights = base_model_bytes(engine.base_info.path, dtype, engine.config.quantization)
+    return sampler_memory_bytes(engine.config.sampler, weights, device)
 
 
 @functools.cache
-def base_model_bytes(base_model: str, dtype: torch.dtype) -> int:
-    """The weights a base model will hold in `dtype`, counted from its config on the meta device."""
+def base_model_bytes(
+    base_model: str, dtype: torch.dtype, quantization: QuantizationConfig | None = None
+) -> int:
+    """The weights a base model will hold in `dtype`, counted from its config on the meta device; a
+    quantized base's linear weights as bitsandbytes stores them (`quantized_model_bytes`)."""
     config = AutoConfig.from_pretrained(resolve_model_path(base_model))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    if quantization is not None:
+        return quantized_model_bytes(model, quantization, dtype)
     element = torch.empty((), dtype=dtype).element_size()
     return sum(p.numel() for p in model.parameters()) * element
 
@@ -185,7 +194,7 @@ class BaseModels:
                 return found
             key = resolve_model_path(base_model)
             if self.memory_budget_bytes is not None:
-                weights = base_model_bytes(base_model, self.dtype)
+                weights = base_model_bytes(base_model, self.dtype, self.quantization)
                 sampler = choose_sampler(self.sampler, self.device)
                 share = sampler_memory_bytes(sampler, weights, self.device)
                 self._make_room(base_model, weights + share, share, sampler)

@@ -113,3 +113,43 @@ def base_memory_bytes(model: nn.Module) -> int:
     scales = [t for param in model.parameters() for t in _scale_tensors(param)]
     unique = {id(t): t for t in [*tensors, *scales]}
     return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+# bitsandbytes' 4-bit layout: blocks of 64 weights, one absmax each (fp32, or with double quantization
+# uint8 with one fp32 scale per 256 blocks) and a code book of 16 fp32 values, with double quantization
+# 256; int8 keeps one fp32 scale per output row.
+_BLOCK_4BIT = 64
+_BLOCK_DOUBLE_QUANT = 256
+_CODE_BOOK_BYTES = 4 * 16
+_DOUBLE_QUANT_CODE_BOOK_BYTES = 4 * 256
+
+
+def _quantized_weight_bytes(weight: torch.Tensor, quantization: QuantizationConfig) -> int:
+    """What one linear weight holds once quantized, its scales and code book included."""
+    count = weight.numel()
+    if quantization.method == "int8":
+        return count + 4 * weight.shape[0]
+    blocks = -(-count // _BLOCK_4BIT)
+    if quantization.double_quant:
+        scales = blocks + 4 * -(-blocks // _BLOCK_DOUBLE_QUANT) + _DOUBLE_QUANT_CODE_BOOK_BYTES
+    else:
+        scales = 4 * blocks + _CODE_BOOK_BYTES
+    return -(-count // 2) + scales
+
+
+def quantized_model_bytes(model: nn.Module, quantization: QuantizationConfig, dtype: torch.dtype) -> int:
+    """The memory an unloaded model (on the meta device) will hold once loaded quantized in `dtype`: the
+    weights of its linear layers as bitsandbytes stores them, every other parameter (embeddings, the
+    output layer, which transformers keeps unquantized, norms, biases, fused expert stacks) in `dtype`.
+    A tied parameter is counted once."""
+    element = torch.empty((), dtype=dtype).element_size()
+    output_layer = model.get_output_embeddings()
+    counted: dict[int, int] = {}
+    for module in model.modules():
+        quantized = isinstance(module, nn.Linear) and module is not output_layer
+        for name, param in module.named_parameters(recurse=False):
+            if quantized and name == "weight":
+                counted[id(param)] = _quantized_weight_bytes(param, quantization)
+            else:
+                counted.setdefault(id(param), param.numel() * element)
+    return sum(counted.values())
