@@ -4,8 +4,9 @@ max_steps_off_policy = 1 and 2, on inflight sampling clients.
 
 Each step samples `--groups` prompts x `--samples` replies, rewards each group (the sleep, then a
 made-up score), and trains one importance-sampling step on group-relative advantages. The synchronous
-loop pays sample + rewards + train per step; the asynchronous one hides the rewards (and, where the
-sampler has its own process or device, the sampling) behind the next step's training.
+loop pays sample + rewards + train per step; the asynchronous one runs up to k + 1 batches' sampling
+and rewards at once, so the rewards hide behind the engine's sampling and training (and, where the
+sampler has its own process or device, the sampling behind the training).
 
     python bench/async_rl.py                      # tiny
     python bench/async_rl.py --model smollm2-135m
@@ -14,6 +15,7 @@ sampler has its own process or device, the sampling) behind the next step's trai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from typing import Any
@@ -31,7 +33,11 @@ def sample_and_reward(groups: int, samples: int, max_tokens: int) -> Any:
 
     def sample_fn(sess: wb.Session, client: Any, j: int) -> list[tuple[list[int], Any, list[float]]]:
         prompts = [[5 + (7 * (j + g)) % 90, 17, 42, 9 + g] for g in range(groups)]
-        futures = [(prompt, client.sample(prompt, samples, params)) for prompt in prompts]
+        # a seed per request: at k >= 1 batches' requests interleave on the engine in timing's order
+        futures = [
+            (prompt, client.sample(prompt, samples, dataclasses.replace(params, seed=1000 * j + g)))
+            for g, prompt in enumerate(prompts)
+        ]
         batch = []
         for prompt, future in futures:
             response = future.result()

@@ -3,20 +3,28 @@
 
 A synchronous RL step samples, waits for every reward, then trains: the engine idles while a grader,
 a tool or the user's reward Python answers, and the sampler idles while the trainer trains. Here a
-sampler thread calls `sample_fn(sess, sampling_client, j)` for batches j = 0, 1, … and the run thread
-(a `workbench.notebook.run.Run`, with its Pause, Step, Stop, `set(learning_rate=...)` and `pause_if`)
-calls `train_fn(sess, i, batch)` on them in order, then publishes the new weights to the sampler: an
-inflight save (`kind="inflight"`, the default: clients already sampling follow it) or a new snapshot
-client.
+launcher thread starts `sample_fn(sess, sampling_client, j)` for batches j = 0, 1, … in order, each on
+a worker of a pool of k + 1 threads (k = `max_steps_off_policy`), and the run thread (a
+`workbench.notebook.run.Run`, with its Pause, Step, Stop, `set(learning_rate=...)` and `pause_if`)
+calls `train_fn(sess, i, batch)` on them in index order, then publishes the new weights to the
+sampler: an inflight save (`kind="inflight"`, the default: clients already sampling follow it) or a
+new snapshot client. Up to k + 1 batches' `sample_fn` run at once, so batch j + 1 samples on the engine
+while batch j's rewards run in Python and while earlier batches train; one `sample_fn` per batch
+(sampling, then rewards) would leave the engine idle during every reward.
 
-**The staleness bound.** Batch j may start sampling once j − k batches have been trained (k =
-`max_steps_off_policy`), so with one optimizer step per run step it samples weights at most k steps
-older than the step that trains it. Its sampling version is the weights version published when it
-started (an inflight client's requests can only run on that version or newer, so this bounds theirs);
-a group that reports its own version (a `RolloutGroup` built from a `SampleResponse`) is counted by
-it. **Rule:** at training time, a batch whose oldest group was sampled more than k optimizer steps
-before the policy's current version (possible when `train_fn` takes several optimizer steps) is dropped
-whole, counted in `async/dropped`, and the step trains the next batch. With k = 0 every batch is sampled
+**Interleaved requests.** With k ≥ 1 several batches' sampling requests interleave on the engine's
+queue in an order set by thread timing, so a request without an explicit `SamplingParams.seed` draws
+from the engine's generator at a timing-dependent point: give each request a seed (from j and the
+group) for reproducible draws. With k = 0 one batch is in flight at a time and the order is fixed.
+
+**The staleness bound.** Batch j may start sampling once batch j − 1 has started and j − k batches
+have been trained, so with one optimizer step per run step it samples weights at most k steps older
+than the step that trains it. Its sampling version is the weights version published when it started
+(an inflight client's requests can only run on that version or newer, so this bounds theirs); a group
+that reports its own version (a `RolloutGroup` built from a `SampleResponse`) is counted by it.
+**Rule:** at training time, a batch whose oldest group was sampled more than k optimizer steps before
+the policy's current version (possible when `train_fn` takes several optimizer steps) is dropped whole,
+counted in `async/dropped`, and the step trains the next batch. With k = 0 every batch is sampled
 after the previous step's weights are published, so the run does what the synchronous loop `sample,
 then train` does, operation for operation, and is bit-exact with it (seeded, CPU).
 
@@ -25,18 +33,18 @@ version minus each trained group's sampling version), `async/trainer_wait_s` (ho
 waited for the batch), `async/sample_wait_s` (how long the sampled batch waited for the trainer), and
 `async/dropped` (batches dropped before this one); `pause_if` reads them like any metric.
 
-**Stop** drains: the batch being sampled is let finish (a user's `sample_fn` cannot be interrupted
-safely mid-call), and it and every sampled batch not yet trained are discarded; `run.discarded`
-counts them and the run prints which it was (`stop_note`).
+**Stop** drains: every batch being sampled is let finish (a user's `sample_fn` cannot be interrupted
+safely mid-call), and they and every sampled batch not yet trained are discarded; `run.discarded`
+counts them and the run prints how many of each (`stop_note`).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from workbench.loops.rollout_groups import RolloutGroup
@@ -50,12 +58,12 @@ if TYPE_CHECKING:
     from workbench.tinker_api.clients import SamplingClient
 
 SampleFn = Callable[["Session", "SamplingClient", int], Any]
-"""`sample_fn(sess, sampling_client, j) -> batch`: sample (and reward) batch j on the sampler thread."""
+"""`sample_fn(sess, sampling_client, j) -> batch`: sample (and reward) batch j on a sampler worker thread."""
 
 TrainFn = Callable[["Session", int, Any], Mapping[str, float] | None]
 """`train_fn(sess, i, batch) -> metrics`: train step i on a batch; reads `sess.current_run.adam_params`."""
 
-SAMPLER_POLL_S = 0.5  # how often a waiting sampler thread looks whether its session was closed
+SAMPLER_POLL_S = 0.5  # how often a waiting launcher thread looks whether its session was closed
 
 
 @dataclasses.dataclass
@@ -80,7 +88,7 @@ class SampledBatch:
 
 
 class AsyncRun(Run):
-    """A `Run` whose steps train batches a sampler thread samples ahead (see the module docstring).
+    """A `Run` whose steps train batches its sampler threads sample ahead (see the module docstring).
     Adds `max_steps_off_policy`, `inflight`, `discarded` and `stop_note`."""
 
     def __init__(
@@ -115,15 +123,16 @@ class AsyncRun(Run):
         self.stop_note: str | None = None
         self._dropped = 0
         self._trained_batches = 0  # batches the trainer is done with (trained or dropped)
-        self._ready: collections.deque[SampledBatch] = collections.deque()
+        self._ready: dict[int, SampledBatch] = {}  # sampled, not yet taken, by batch index
+        self._sampling = 0  # batches whose `sample_fn` is running
         self._sampler_error: BaseException | None = None
         self._sampler_done = False
         self._ending = False
-        self._sampler_stopped = False  # the run has ended and its sampler thread with it
+        self._sampler_stopped = False  # the run has ended and its sampler threads with it
         self._batches = threading.Condition()
         self._client: SamplingClient | None = None
         self._published_version = 0
-        self._sampler = threading.Thread(target=self._sample_loop, name="workbench-sampler", daemon=True)
+        self._sampler = threading.Thread(target=self._launch_loop, name="workbench-sampler", daemon=True)
 
     def start(self) -> AsyncRun:
         self._publish()
@@ -148,32 +157,52 @@ class AsyncRun(Run):
             index <= self._trained_batches + self.max_steps_off_policy and index < self.steps + self._dropped
         )
 
-    def _sample_loop(self) -> None:
+    def _may_start(self, index: int) -> bool:
+        """`_may_sample`, and a worker free (implied by the bound: at most k + 1 batches untrained)."""
+        return self._may_sample(index) and self._sampling <= self.max_steps_off_policy
+
+    def _launch_loop(self) -> None:
+        """Start batches 0, 1, … in order on a pool of k + 1 workers; leaving the pool drains it."""
         index = 0
-        try:
-            while True:
-                with self._batches:
-                    while not self._ending and not self._may_sample(index):
-                        self._batches.wait(SAMPLER_POLL_S)
-                        if self.session.closed:
+        with ThreadPoolExecutor(self.max_steps_off_policy + 1, thread_name_prefix="workbench-sample") as pool:
+            try:
+                while True:
+                    with self._batches:
+                        while not self._ending and self._sampler_error is None and not self._may_start(index):
+                            self._batches.wait(SAMPLER_POLL_S)
+                            if self.session.closed:
+                                return
+                        if self._ending or self._sampler_error is not None:
                             return
-                    if self._ending:
-                        return
-                    client, version = self._client, self._published_version
-                assert client is not None
-                batch = self.sample_fn(self.session, client, index)
+                        client, version = self._client, self._published_version
+                        self._sampling += 1
+                    assert client is not None
+                    pool.submit(self._sample_batch, index, client, version)
+                    index += 1
+            except BaseException as error:  # the trainer raises it: the run fails with it
                 with self._batches:
-                    self._ready.append(SampledBatch(index, batch, version, time.monotonic()))
+                    self._sampler_error = error
                     self._batches.notify_all()
-                index += 1
+            finally:
+                with self._batches:
+                    self._sampler_done = True
+                    self._batches.notify_all()
+
+    def _sample_batch(self, index: int, client: SamplingClient, version: int) -> None:
+        """Run `sample_fn` for batch `index` on a worker; its result or error goes to the trainer."""
+        try:
+            batch = self.sample_fn(self.session, client, index)
         except BaseException as error:  # the trainer raises it: the run fails with it
             with self._batches:
-                self._sampler_error = error
+                self._sampling -= 1
+                if self._sampler_error is None:
+                    self._sampler_error = error
                 self._batches.notify_all()
-        finally:
-            with self._batches:
-                self._sampler_done = True
-                self._batches.notify_all()
+            return
+        with self._batches:
+            self._sampling -= 1
+            self._ready[index] = SampledBatch(index, batch, version, time.monotonic())
+            self._batches.notify_all()
 
     # ------------------------------------------------------------------------------------------ trainer
 
@@ -182,13 +211,14 @@ class AsyncRun(Run):
         trainer."""
         started = time.monotonic()
         with self._batches:
-            while not self._ready:
+            index = self._trained_batches  # batches are trained (or dropped) in index order
+            while index not in self._ready:
                 if self._sampler_error is not None:
-                    raise RuntimeError("sample_fn failed on the sampler thread") from self._sampler_error
+                    raise RuntimeError("sample_fn failed on a sampler thread") from self._sampler_error
                 if self._sampler_done or self.session.closed:
-                    raise RuntimeError("the sampler thread ended before the run")
+                    raise RuntimeError("the sampler threads ended before the run")
                 self._batches.wait(SAMPLER_POLL_S)
-            sampled, taken = self._ready.popleft(), time.monotonic()
+            sampled, taken = self._ready.pop(index), time.monotonic()
         return sampled, taken - started, max(0.0, taken - sampled.ready_at)
 
     def _step(self, sess: Session, i: int) -> dict[str, float]:
@@ -224,17 +254,18 @@ class AsyncRun(Run):
     def _end(self) -> None:
         with self._batches:
             self._ending = True
+            drained = self._sampling
             self._batches.notify_all()
         if threading.current_thread() is not self._sampler:
-            self._sampler.join()
+            self._sampler.join()  # after its pool's workers have finished
         with self._batches:
             left = len(self._ready)
             self._ready.clear()
             self.discarded += left
         if self.state is RunState.STOPPED:
             self.stop_note = (
-                f"stopped after step {self.i}: the batch being sampled was drained (let finish), and "
-                f"{left} sampled batch(es) not trained were discarded"
+                f"stopped after step {self.i}: {drained} batch(es) being sampled were drained (let "
+                f"finish), and {left} sampled batch(es) not trained were discarded"
             )
             print(self.stop_note)
         if self._client is not None:

@@ -646,13 +646,16 @@ class Session:
         paused: bool = False,
         pause_if: PauseIf | None = None,
     ) -> AsyncRun:
-        """An asynchronous run: `sample_fn(sess, sampling_client, j)` samples (and rewards) batch j on a
-        sampler thread, up to `max_steps_off_policy` optimizer steps ahead of the trainer, while
+        """An asynchronous run: `sample_fn(sess, sampling_client, j)` samples (and rewards) batch j on
+        sampler threads (up to k + 1 batches at once, k = `max_steps_off_policy`), up to k optimizer
+        steps ahead of the trainer, while
         `train_fn(sess, i, batch)` trains step i on the run thread; the new weights are published to
         the sampler after each step, by an inflight save (`inflight=True`) or a new snapshot client.
         Controls, `adam_params`, `paused` and `pause_if` as for `run`; each step's row adds
         `async/staleness:max`, `async/trainer_wait_s`, `async/sample_wait_s`, ... With
-        `max_steps_off_policy=0` it is the synchronous loop (see `workbench.notebook.async_run`)."""
+        `max_steps_off_policy=0` it is the synchronous loop (see `workbench.notebook.async_run`). With
+        k >= 1 several batches' requests interleave on the engine in timing's order, so draws without
+        an explicit `SamplingParams.seed` depend on timing: seed each request for reproducible draws."""
         return start_async_run(
             self,
             sample_fn,
