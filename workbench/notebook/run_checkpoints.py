@@ -48,6 +48,7 @@ class RunCheckpoint:
     rollout_batches: int  # batches of rollouts.jsonl recorded before the save
     wandb_run_id: str | None
     state: dict[str, Any]  # run.loop_state: the step function's own (JSON) state
+    steps: int | None = None  # the steps the saving run was asked for (None: saved before it was recorded)
     path: Path | None = None  # the checkpoint folder it was read from
 
     def to_json(self) -> str:
@@ -78,6 +79,19 @@ def newest_run_checkpoint(model_dir: Path) -> RunCheckpoint | None:
     """The newest complete run checkpoint of `model_dir`, None when it has none."""
     found = run_checkpoints(model_dir)
     return found[-1][1] if found else None
+
+
+def stopped_run_note(model_dir: Path, resume_point: RunCheckpoint | None) -> str | None:
+    """Where the folder's unfinished run stopped and how to continue it, for the panel's status bar; None
+    when its newest run checkpoint ended its run (or it has none). `resume_point`: the session's own (made
+    by `from_checkpoint(model_dir)`), whose next `run()` continues the run."""
+    saved = resume_point or newest_run_checkpoint(model_dir)
+    if saved is None or saved.steps is None or saved.next_step >= saved.steps:
+        return None
+    where = f"run stopped at step {saved.next_step} of {saved.steps}"
+    if resume_point is not None:
+        return f"{where}: sess.run(step_fn, {saved.steps}) continues it"
+    return f"{where}: wb.Session.from_checkpoint({str(model_dir)!r}) resumes it"
 
 
 def to_prune(model_dir: Path, keep: int, keep_every: int | None) -> list[str]:
