@@ -35,6 +35,12 @@ RUN_KEY = "workbench.run"
 """The `user_metadata` key of a state checkpoint that holds a run's own state."""
 RUN_PREFIX = "run-"
 HISTORY_FILE = "history.jsonl"
+RECOMMENDED_SAVE_EVERY = 100
+"""The cadence to start from: a run checkpoint of `tiny` takes about 20 ms, two to three of its SFT steps
+(7-14 ms; `bench/run_checkpoints.py`), so every 100 steps it costs about 3% of the run even on the
+smallest model, and a larger model's step grows faster than its adapter's save. `save_every` stays off
+(None) unless asked for: saves write to disk. Seconds, not steps, are what a crash loses: a run of
+10-second steps may want a smaller k."""
 
 
 @dataclasses.dataclass(frozen=True)
