@@ -1,5 +1,7 @@
 """What `save_every` costs a run: steps per second of an SFT run (one datum a step) with run
-checkpoints every `--save-every` steps (10) against none, on the same session's model, in one process.
+checkpoints every `--save-every` steps (default 100, the recommended cadence `RECOMMENDED_SAVE_EVERY`)
+against none, on the same session's model, in one process. A run with `save_every` also saves at its
+start and its end, so the default `--steps` 400 holds five saves (steps 0, 100, 200, 300, 400).
 Each configuration runs twice, alternating, and the faster of its two is kept (a shared machine's
 noise only ever slows a run down). Target: the checkpointed run within 5% of the plain one.
 
@@ -20,6 +22,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import workbench as wb
 from tests.datums import sft_datum
+from workbench.notebook.run_checkpoints import RECOMMENDED_SAVE_EVERY
 
 
 def _steps_per_second(model: str, folder: Path, steps: int, save_every: int | None) -> float:
@@ -46,8 +49,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=4 * RECOMMENDED_SAVE_EVERY)
+    parser.add_argument("--save-every", type=int, default=RECOMMENDED_SAVE_EVERY)
     args = parser.parse_args()
     best: dict[str, float] = {"none": 0.0, f"save_every={args.save_every}": 0.0}
     with tempfile.TemporaryDirectory() as root:

@@ -4,6 +4,7 @@ with seeded sampling); pruning keeps what it promises; a failed save pauses the 
 
 from __future__ import annotations
 
+import html
 import resource
 import shutil
 import signal
@@ -16,6 +17,8 @@ import pytest
 import workbench as wb
 from tests.datums import sft_datum
 from workbench.notebook.panel.progress_line import run_alerts
+from workbench.notebook.panel.status import StatusBar
+from workbench.notebook.run_checkpoints import stopped_run_note
 
 WAIT_S = 60.0
 STEPS = 6
@@ -244,3 +247,35 @@ def test_a_new_model_in_a_folder_marks_the_earlier_history_discarded(tmp_path: P
         1,
         2,
     ]
+
+
+def test_the_panel_says_where_an_unfinished_run_stopped_and_how_to_resume_it(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+
+    def stops_after_two(s: wb.Session, i: int) -> object:
+        metrics = sft_step(s, i)
+        if i == 1:
+            run = s.current_run
+            assert run is not None
+            run.stop()  # as a kernel lost after step 2 would leave it, its save at 2 the newest
+        return metrics
+
+    with _session(folder) as sess:
+        run = sess.run(stops_after_two, 4, save_every=2)
+        assert run.wait(WAIT_S) is wb.RunState.STOPPED, run.traceback
+    with _session(folder) as fresh:  # a new model here: the folder's run checkpoints are still there
+        assert f"run stopped at step 2 of 4: wb.Session.from_checkpoint({str(folder)!r})" in (
+            html.unescape(_status(fresh))
+        )
+    with wb.Session.from_checkpoint(folder, threads=1, wandb=False) as resumed:
+        assert "run stopped at step 2 of 4: sess.run(step_fn, 4) continues it" in _status(resumed)
+        run = resumed.run(sft_step, 4, save_every=2)
+        assert run.wait(WAIT_S) is wb.RunState.FINISHED, run.traceback
+        assert "stopped" not in _status(resumed)
+        assert stopped_run_note(folder, None) is None  # finished: nothing to say
+
+
+def _status(sess: wb.Session) -> str:
+    bar = StatusBar(sess)
+    bar.refresh()
+    return bar.widget.value

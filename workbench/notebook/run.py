@@ -537,6 +537,7 @@ class Run:
                 rollout_batches=len(self.session.rollouts),
                 wandb_run_id=wandb.run_id if wandb is not None else None,
                 state=self.loop_state,
+                steps=self.steps,
             )
             response = self.session.policy.save_state(
                 checkpoint_name(self.i), overwrite=True, user_metadata={RUN_KEY: saved.to_json()}

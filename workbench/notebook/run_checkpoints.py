@@ -35,6 +35,12 @@ RUN_KEY = "workbench.run"
 """The `user_metadata` key of a state checkpoint that holds a run's own state."""
 RUN_PREFIX = "run-"
 HISTORY_FILE = "history.jsonl"
+RECOMMENDED_SAVE_EVERY = 100
+"""The cadence to start from: a run checkpoint of `tiny` takes about 20 ms, two to three of its SFT steps
+(7-14 ms; `bench/run_checkpoints.py`), so every 100 steps it costs about 3% of the run even on the
+smallest model, and a larger model's step grows faster than its adapter's save. `save_every` stays off
+(None) unless asked for: saves write to disk. Seconds, not steps, are what a crash loses: a run of
+10-second steps may want a smaller k."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +54,7 @@ class RunCheckpoint:
     rollout_batches: int  # batches of rollouts.jsonl recorded before the save
     wandb_run_id: str | None
     state: dict[str, Any]  # run.loop_state: the step function's own (JSON) state
+    steps: int | None = None  # the steps the saving run was asked for (None: saved before it was recorded)
     path: Path | None = None  # the checkpoint folder it was read from
 
     def to_json(self) -> str:
@@ -78,6 +85,19 @@ def newest_run_checkpoint(model_dir: Path) -> RunCheckpoint | None:
     """The newest complete run checkpoint of `model_dir`, None when it has none."""
     found = run_checkpoints(model_dir)
     return found[-1][1] if found else None
+
+
+def stopped_run_note(model_dir: Path, resume_point: RunCheckpoint | None) -> str | None:
+    """Where the folder's unfinished run stopped and how to continue it, for the panel's status bar; None
+    when its newest run checkpoint ended its run (or it has none). `resume_point`: the session's own (made
+    by `from_checkpoint(model_dir)`), whose next `run()` continues the run."""
+    saved = resume_point or newest_run_checkpoint(model_dir)
+    if saved is None or saved.steps is None or saved.next_step >= saved.steps:
+        return None
+    where = f"run stopped at step {saved.next_step} of {saved.steps}"
+    if resume_point is not None:
+        return f"{where}: sess.run(step_fn, {saved.steps}) continues it"
+    return f"{where}: wb.Session.from_checkpoint({str(model_dir)!r}) resumes it"
 
 
 def to_prune(model_dir: Path, keep: int, keep_every: int | None) -> list[str]:

@@ -15,6 +15,8 @@ import ipywidgets
 import psutil
 import torch
 
+from workbench.notebook.run_checkpoints import stopped_run_note
+
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
 
@@ -120,7 +122,8 @@ def server_field(session: Session) -> str:
 
 class StatusBar:
     """Device, dtype and memory in use (a remote session: the engine's URL), the session's policy step and weight version, sampler version,
-    critic, the models on the engine (clients' included), the server, run, W&B."""
+    critic, the models on the engine (clients' included), the server, run, W&B. Before the session's first
+    run, the run field says where the folder's unfinished run stopped and how to resume it."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -128,6 +131,12 @@ class StatusBar:
         self.widget.add_class("wb-status")
         self._measured: list[str] = []
         self._measured_at = -math.inf
+        # read once: until the session starts a run of its own, its folder's unfinished run is the news
+        self._stopped_run = (
+            stopped_run_note(session.model_dir, session.resume_point)
+            if session.engine.endpoint is None
+            else None
+        )
 
     def _measured_fields(self) -> list[str]:
         """Memory and threads, as read at most MEASURED_REFRESH_S ago."""
@@ -150,7 +159,7 @@ class StatusBar:
             return
         run = sess.current_run
         state = None if run is None else ("stopping…" if run.stopping else run.state.value)
-        run_text = "none" if run is None else f"{state} {run.i}/{run.steps}"
+        run_text = html.escape(self._stopped_run or "none") if run is None else f"{state} {run.i}/{run.steps}"
         endpoint = sess.engine.endpoint
         where = (
             [
