@@ -943,8 +943,13 @@ class RemoteEngine:
         self._samplers.clear()
         self._models.clear()
         finished = self._service.close("success")
-        with contextlib.suppress(Exception):  # a service that is gone has nothing left to free
+        try:
             finished.result(timeout=CLOSE_TIMEOUT_S if self._answers() is None else HEALTH_TIMEOUT_S)
+        except Exception:
+            # A service that is gone has nothing left to free, and cannot be told the session finished:
+            # the SDK would retry that call for minutes, its heartbeat running (and warning) until the
+            # retries end. Cancelling the call stops the retries; the SDK's close then stops its loops.
+            finished.future().cancel()
         if self._relay is not None:
             self._relay.close()
 
