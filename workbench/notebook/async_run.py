@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from workbench.loops.rollout_groups import RolloutGroup
-from workbench.notebook.run import Run, RunActiveError, RunState
+from workbench.notebook.run import Run, RunState, check_no_active_run
 from workbench.notebook.triggers import PauseIf
 from workbench.sdk_conversion import to_adam_params
 from workbench.types import AdamParams
@@ -291,12 +291,7 @@ def start_async_run(
 ) -> AsyncRun:
     """Create and start an asynchronous run (what `Session.run_async` does), refusing while another
     run is active."""
-    current = session.current_run
-    if current is not None and current.active:
-        raise RunActiveError(
-            f"a run is still {current.state.value}: stop() it before starting another ({current!r})"
-        )
-    session.engine.check_open()
+    check_no_active_run(session)
     run = AsyncRun(
         session,
         sample_fn,

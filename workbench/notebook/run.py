@@ -631,6 +631,17 @@ def train_step(
     return step
 
 
+def check_no_active_run(session: Session) -> None:
+    """Refuse a new run of `session` while another is active, or once its engine is closed: one run at a
+    time drives a session's models."""
+    current = session.current_run
+    if current is not None and current.active:
+        raise RunActiveError(
+            f"a run is still {current.state.value}: stop() it before starting another ({current!r})"
+        )
+    session.engine.check_open()
+
+
 def start_run(
     session: Session,
     step_fn: StepFn,
@@ -644,12 +655,7 @@ def start_run(
     resume_from: RunCheckpoint | None = None,
 ) -> Run:
     """Create and start a run of `session` (what `Session.run` does), refusing while another is active."""
-    current = session.current_run
-    if current is not None and current.active:
-        raise RunActiveError(
-            f"a run is still {current.state.value}: stop() it before starting another ({current!r})"
-        )
-    session.engine.check_open()
+    check_no_active_run(session)
     run = Run(
         session,
         step_fn,
