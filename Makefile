@@ -15,7 +15,7 @@ LOCK := requirements/dev.lock
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env lock demo test lint test-unit test-notebooks test-tutorial-browser lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
+.PHONY: env lock demo test lint test-unit test-notebooks test-tutorial-browser test-tutorial-tasks lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -132,6 +132,10 @@ lab: env
 # run (smollm2-135m: minutes on a quiet machine, too slow for CI's loaded cores).
 test-tutorial-browser: env browser
 	$(BIN)/python -m pytest -q -s -m tutorial_browser tests/notebook/test_browser.py
+
+# A tutorial's own task trained end to end (tutorial 04's, synchronous and asynchronous; minutes).
+test-tutorial-tasks: env
+	$(BIN)/python -m pytest -q -m tutorial_task tests/promises
 
 # The README's panel and cockpit screenshots, taken by the real-browser tests.
 screenshot: env browser

@@ -18,7 +18,7 @@ import pytest
 import workbench as wb
 from workbench.loops.datasets import QA, addition_problems
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.tutorial_task]
 
 PROMPTS_PER_STEP, GROUP_SIZE, STEPS, LEARNING_RATE = 8, 4, 10, 3e-4
 SAMPLING = wb.SamplingParams(max_tokens=8, temperature=1.0)
