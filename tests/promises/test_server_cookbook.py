@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tinker
@@ -157,30 +158,15 @@ def test_the_cookbook_rl_loop_trains_through_the_server(
 ) -> None:
     """The synchronous RL loop with its default loss, and with `stable_reinforce` (samples recorded by
     the engine under the ids the server promised, named again by the training data's provenance)."""
-    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
-
     session, url = served
     model = resolve_model_path("tiny")
-    config = rl_train.Config(
-        learning_rate=1e-3,
-        dataset_builder=ArithmeticDatasetBuilder(
-            batch_size=2,
-            model_name_for_tokenizer=model,
-            renderer_name="qwen3_instruct",
-            n_batches=2,
-            group_size=2,
-        ),
-        model_name=model,
-        recipe_name="rl_test",
-        max_tokens=4,
-        lora_rank=4,
-        log_path=str(tmp_path / "rl"),
-        base_url=url,
+    config = _arithmetic_rl_config(
+        url,
+        tmp_path / "rl",
+        "rl_test",
         kl_penalty_coef=0.1,
         kl_reference_config=rl_train.KLReferenceConfig(base_model=model),
         loss_fn=loss_fn,
-        save_every=0,
-        eval_every=0,
     )
     asyncio.run(rl_train.main(config))
     rows = [row for row in _metrics(tmp_path / "rl") if "env/all/reward/total" in row]
@@ -197,11 +183,24 @@ def test_the_cookbook_async_rl_loop_trains_through_the_server(
 ) -> None:
     """The cookbook's asynchronous loop (`AsyncConfig(max_steps_off_policy=1)`, `stable_reinforce` by
     default) over HTTP, unmodified."""
+    _, url = served
+    config = _arithmetic_rl_config(
+        url,
+        tmp_path / "rl_async",
+        "rl_async_test",
+        async_config=rl_train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2),
+    )
+    asyncio.run(rl_train.main(config))
+    assert len([row for row in _metrics(tmp_path / "rl_async") if "env/all/reward/total" in row]) == 2
+
+
+def _arithmetic_rl_config(url: str, log_path: Path, recipe_name: str, **options: Any) -> rl_train.Config:
+    """The cookbook's RL config on its arithmetic task, small (2 batches of 2 groups of 2, 4 tokens) on
+    `tiny` served at `url`; `options` are the fields a test varies."""
     from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
 
-    _, url = served
     model = resolve_model_path("tiny")
-    config = rl_train.Config(
+    return rl_train.Config(
         learning_rate=1e-3,
         dataset_builder=ArithmeticDatasetBuilder(
             batch_size=2,
@@ -211,14 +210,12 @@ def test_the_cookbook_async_rl_loop_trains_through_the_server(
             group_size=2,
         ),
         model_name=model,
-        recipe_name="rl_async_test",
+        recipe_name=recipe_name,
         max_tokens=4,
         lora_rank=4,
-        log_path=str(tmp_path / "rl_async"),
+        log_path=str(log_path),
         base_url=url,
-        async_config=rl_train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2),
         save_every=0,
         eval_every=0,
+        **options,
     )
-    asyncio.run(rl_train.main(config))
-    assert len([row for row in _metrics(tmp_path / "rl_async") if "env/all/reward/total" in row]) == 2
