@@ -1,6 +1,7 @@
-"""A run outlives its kernel: a real Jupyter kernel trains with `save_every=2`, is SIGKILLed at a seeded
-random step, and a new kernel running the same cells continues the run; the end state equals an
-uninterrupted run's bit for bit, each step is in the history once and each batch was trained once."""
+"""A run outlives its kernel: a real Jupyter kernel trains with `save_every=2` (SFT, and RL with seeded
+sampling), is SIGKILLed at seeded random steps, and a new kernel running the same cells continues the run;
+the end state equals an uninterrupted run's bit for bit, each step is in the history once and each batch
+was trained once (the RL batches are the very replies the uninterrupted run sampled)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import json, time, workbench as wb
 from tests.datums import sft_datum
 STEPS = {steps}
 
-def step(sess, i):
+def sft(sess, i):
     run = sess.current_run
     cursor = run.loop_state.get("cursor", 0)
     datum = sft_datum(sess.tokenizer, f"User: question {{cursor}}.", f" Assistant: answer {{cursor * 7}}.")
@@ -31,6 +32,20 @@ def step(sess, i):
     run.loop_state["cursor"] = cursor + 1
     run.loop_state.setdefault("trained", []).append(cursor)
     time.sleep({pause})  # room for the kill to land mid-run
+
+def rl(sess, i):
+    run = sess.current_run
+    prompt = wb.ModelInput.from_ints(sess.tokenizer(f"Count to {{i}}:").input_ids)
+    sampler = sess.policy.save_weights_and_get_sampling_client()
+    params = wb.SamplingParams(max_tokens=4, temperature=1.0)
+    replies = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+    data = [wb.policy_datum(prompt, seq, 1.0 - 2.0 * k) for k, seq in enumerate(replies.sequences)]
+    sess.policy.forward_backward(data, "importance_sampling").result()
+    sess.policy.optim_step(run.adam_params).result()
+    run.loop_state.setdefault("trained", []).append([seq.tokens for seq in replies.sequences])
+    time.sleep({pause})
+
+step = {step}
 """
 START = """
 import pathlib
@@ -80,21 +95,22 @@ class _Collect:
             self.text += message["content"]["text"]
 
 
-def _uninterrupted(folder: Path) -> str:
+def _uninterrupted(folder: Path, step: str) -> tuple[str, list]:
+    """The digest and the trained batches of the same run in this process, never killed."""
     namespace: dict = {}
-    exec(SETUP.format(steps=STEPS, pause=0), namespace)
+    exec(SETUP.format(steps=STEPS, pause=0, step=step), namespace)
     with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, threads=1, model_dir=folder, wandb=False) as sess:
         run = sess.run(namespace["step"], STEPS, adam_params={"learning_rate": 1e-2})
         assert run.wait(120) is wb.RunState.FINISHED, run.traceback
-        return sess.state_digest()
+        return sess.state_digest(), run.loop_state["trained"]
 
 
-@pytest.mark.parametrize("kills", [3])
-def test_an_sft_run_killed_three_times_ends_as_if_never_killed(tmp_path: Path, kills: int) -> None:
-    expected = _uninterrupted(tmp_path / "whole")
+@pytest.mark.parametrize(("step", "kills"), [("sft", 3), ("rl", 2)])
+def test_a_run_killed_several_times_ends_as_if_never_killed(tmp_path: Path, step: str, kills: int) -> None:
+    expected, expected_trained = _uninterrupted(tmp_path / "whole", step)
     folder = tmp_path / "killed"
     rng = random.Random(58)
-    cells = SETUP.format(steps=STEPS, pause=0.15) + START.format(folder=str(folder))
+    cells = SETUP.format(steps=STEPS, pause=0.15, step=step) + START.format(folder=str(folder))
     for _ in range(kills):
         # past the first save (run-000002): a kernel killed before any save starts the run over
         target = min(max(_optim_rows(folder), 2) + rng.randint(1, 2), STEPS - 1)
@@ -121,7 +137,9 @@ def test_an_sft_run_killed_three_times_ends_as_if_never_killed(tmp_path: Path, k
         manager.shutdown_kernel(now=True)
     assert result["state"] == "finished"
     assert result["digest"] == expected
-    assert result["trained"] == list(range(STEPS))  # no batch trained twice, none skipped
+    assert result["trained"] == expected_trained  # no batch trained twice, none skipped, RL replies resampled
+    if step == "sft":
+        assert expected_trained == list(range(STEPS))
     kept = [
         row["step"]
         for row in wb.MetricsHistory.from_jsonl(folder).rows
