@@ -109,6 +109,18 @@ def test_a_run_resumed_from_its_model_folder_ends_bit_exact(
     assert sum(1 for row in on_disk.rows if row.get("discarded") and row["op"] == "optim_step") == 1
 
 
+def test_a_resumed_run_keeps_the_saved_pause_triggers(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    with _session(folder) as sess:
+        run = sess.run(sft_step, STEPS, save_every=2, pause_if={"cursor": ("above", 2.5)})
+        assert run.wait(WAIT_S) is wb.RunState.PAUSED and run.i == 4, run.traceback  # cursor 3 crossed
+    with wb.Session.from_checkpoint(folder, threads=1, wandb=False) as sess:
+        run = sess.run(sft_step, STEPS, save_every=2)  # the resuming cell names no triggers
+        assert run.wait(WAIT_S) is wb.RunState.PAUSED and run.i == 5
+        assert run.trigger is not None and run.trigger.rule == wb.PauseRule("cursor", "above", 2.5)
+        run.stop()
+
+
 def test_pruning_keeps_the_newest_and_every_keep_every(tmp_path: Path) -> None:
     with _session(tmp_path / "m") as sess:
         run = sess.run(sft_step, 7, save_every=1, keep=2, keep_every=3)

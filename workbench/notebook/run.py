@@ -171,6 +171,8 @@ class Run:
         )  # what a failed step rewinds to: the newest run checkpoint and its path
         self._dirty = False  # a failed step's effects are in the model: never saved
         self.session = session
+        if pause_if is None and resume_from is not None:
+            pause_if = resume_from.pause_if  # the saved triggers, unless the resuming cell names its own
         self.pause_rules = pause_rules(pause_if)
         self.trigger: Trigger | None = None
         """The pause rule that fired last (see `workbench.notebook.triggers`); None once resumed."""
@@ -538,6 +540,7 @@ class Run:
                 wandb_run_id=wandb.run_id if wandb is not None else None,
                 state=self.loop_state,
                 steps=self.steps,
+                pause_if={rule.metric: (rule.direction, rule.threshold) for rule in self.pause_rules},
             )
             response = self.session.policy.save_state(
                 checkpoint_name(self.i), overwrite=True, user_metadata={RUN_KEY: saved.to_json()}

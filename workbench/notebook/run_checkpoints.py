@@ -3,8 +3,10 @@
 A run checkpoint is a `save_state` checkpoint (the model's whole state: adapters, optimizer, counters,
 weight versions, RNG states; atomic, with a manifest) named `run-<next step>`, whose `user_metadata`
 carries the run's own state as one JSON string under `RUN_KEY`: the next step index, the optimizer
-settings in use (live edits included), the history and rollout-log positions, the W&B run id and
-`run.loop_state`, the step function's own dict (a data cursor). Both are in one folder written atomically,
+settings in use (live edits included), the pause triggers, the history and rollout-log positions, the
+W&B run id and `run.loop_state`, the step function's own dict (a data cursor). The evaluation schedule
+needs no saving: evaluations run at fixed step indices (`workbench.notebook.evaluation`), so a resumed run
+evaluates where the uninterrupted one would. Both are in one folder written atomically,
 so a checkpoint is complete or absent, never half a model and half a run.
 
 Resuming (`Session.from_checkpoint(model_dir)`) takes the newest complete run checkpoint, restores the
@@ -29,6 +31,7 @@ from typing import Any
 
 from workbench.metrics import DISCARDED
 from workbench.notebook.rollout_log import ROLLOUTS_FILE
+from workbench.notebook.triggers import Direction
 from workbench.storage.checkpoint_store import CheckpointInfo, list_checkpoints
 
 RUN_KEY = "workbench.run"
@@ -55,6 +58,9 @@ class RunCheckpoint:
     wandb_run_id: str | None
     state: dict[str, Any]  # run.loop_state: the step function's own (JSON) state
     steps: int | None = None  # the steps the saving run was asked for (None: saved before it was recorded)
+    pause_if: dict[str, tuple[Direction, float]] = dataclasses.field(
+        default_factory=dict
+    )  # the run's triggers
     path: Path | None = None  # the checkpoint folder it was read from
 
     def to_json(self) -> str:
@@ -64,7 +70,9 @@ class RunCheckpoint:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str], path: Path | None = None) -> RunCheckpoint:
-        return cls(**json.loads(metadata[RUN_KEY]), path=path)
+        fields = json.loads(metadata[RUN_KEY])
+        fields["pause_if"] = {metric: tuple(rule) for metric, rule in fields.get("pause_if", {}).items()}
+        return cls(**fields, path=path)
 
 
 def checkpoint_name(next_step: int) -> str:

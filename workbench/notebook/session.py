@@ -627,7 +627,7 @@ class Session:
 
         A session made by `from_checkpoint(model_dir)` continues the saved run: `step_fn` is called
         for `i` from the saved step to `steps - 1`, with `run.loop_state` and the optimizer settings as
-        saved (`adam_params` is then ignored).
+        saved (`adam_params` is then ignored), and the saved pause triggers unless `pause_if` is given.
         """
         if evaluate is not None:
             step_fn = with_evaluation(step_fn, evaluate, eval_every)
