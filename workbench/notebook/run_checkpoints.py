@@ -31,7 +31,6 @@ from typing import Any
 
 from workbench.metrics import DISCARDED
 from workbench.notebook.rollout_log import ROLLOUTS_FILE
-from workbench.notebook.triggers import Direction
 from workbench.storage.checkpoint_store import CheckpointInfo, list_checkpoints
 
 RUN_KEY = "workbench.run"
@@ -58,9 +57,7 @@ class RunCheckpoint:
     wandb_run_id: str | None
     state: dict[str, Any]  # run.loop_state: the step function's own (JSON) state
     steps: int | None = None  # the steps the saving run was asked for (None: saved before it was recorded)
-    pause_if: dict[str, tuple[Direction, float]] = dataclasses.field(
-        default_factory=dict
-    )  # the run's triggers
+    pause_if: dict[str, tuple[str, float]] = dataclasses.field(default_factory=dict)  # run's PauseIf
     path: Path | None = None  # the checkpoint folder it was read from
 
     def to_json(self) -> str:
