@@ -30,7 +30,12 @@ How the engine calls it, on every rank of the group, in the same order (every pa
     resident_base_bytes(adapted.base)                         # this rank's share, for the status bar
 
 and, before loading, `fits_one_device(unsharded_base_bytes(config, dtype), device)` decides whether
-to shard (`sharding_notice` says so). The passes then run as on an unsharded base: the decoder
+to shard (`sharding_notice` says so). A base that does not fit a device is loaded on the CPU (in the
+dtype of the device it will run on): transformers maps its safetensors files, so the ranks share one
+copy of the weights in the page cache where the file's dtype is the one asked for. `shard_base` moves
+each group to the mesh's device as it shards it (FSDP copies the rank's rows there and the whole
+weights are dropped), and the adapters whole, so a device holds 1/N of the base and a group's whole
+weights at most while it loads. The passes then run as on an unsharded base: the decoder
 (`get_decoder()`) and the output layer chunk by chunk, or the whole model; FSDP's hooks gather what
 each module needs, whichever of them is called. Every rank must run the same passes: a rank that
 skips one (no datums of its own, a generation that ended sooner: HF `generate(synced_gpus=True)`
@@ -110,17 +115,27 @@ def shard_base(model: PreTrainedModel, mesh: DeviceMesh) -> ShardedBase:
             f"{' ...' if len(wrapped) > 3 else ''}); shard a base without expert adapters"
         )
     adapters = adapter_parameter_set(model)
+    device = mesh_device(mesh)
+    for param in adapters:  # the same Parameter objects: an optimizer made for them still holds them
+        param.data = param.data.to(device)
     layers = decoder_layers(model.get_decoder())
     for layer in layers:
         fully_shard(layer, mesh=mesh, ignored_params=adapters)
     fully_shard([model.get_decoder(), model.get_output_embeddings()], mesh=mesh, ignored_params=adapters)
     fully_shard(model, mesh=mesh, ignored_params=adapters)
     sharded = ShardedBase(model=model, mesh=mesh, groups=len(layers) + 2)
-    device = model.get_input_embeddings().weight.device  # a DTensor's is its local shard's
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     sharded.reshard()
     return sharded
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's shards live on: the CPU, or the accelerator this process has made current
+    (as FSDP takes it)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
 def resident_base_bytes(model: nn.Module) -> int:
