@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
+from tests.engine.model.moe_twins import save_twin
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import load_base_model, resolve_model_path
 from workbench.engine.model.batching import MicroBatch
@@ -229,3 +231,22 @@ def test_the_whole_base_is_counted_before_loading_and_fits_the_cpu_or_not() -> N
     assert counted == resident_base_bytes(base)
     assert fits_one_device(counted, CPU)
     assert not fits_one_device(free_device_memory(CPU), CPU)  # all of it leaves no room to train
+
+
+def test_expert_adapters_are_refused_before_anything_is_sharded(tmp_path: Path) -> None:
+    """peft parametrizes a fused expert stack's weight during each forward call, which FSDP's gathered
+    weight does not hold: refused by name, the model untouched (one rank: nothing to wait for)."""
+    model, _parameters = _adapted_model(save_twin("qwen3_moe", tmp_path / "qwen3-moe"), LoraConfig(rank=2))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'rendezvous'}",
+        rank=0,
+        world_size=1,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        with pytest.raises(ValueError, match=r"ParamWrapper: \['model\.layers\.0\.mlp\.experts"):
+            shard_base(model.base, init_device_mesh("cpu", (1,)))
+    finally:
+        dist.destroy_process_group()
+    assert not any(isinstance(param, DTensor) for param in model.base.parameters())
