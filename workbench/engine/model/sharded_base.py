@@ -112,7 +112,8 @@ def shard_base(model: PreTrainedModel, mesh: DeviceMesh) -> ShardedBase:
     if wrapped:
         raise ValueError(
             f"cannot shard a base whose adapters parametrize its weights (peft ParamWrapper: {wrapped[:3]}"
-            f"{' ...' if len(wrapped) > 3 else ''}); shard a base without expert adapters"
+            f"{' ...' if len(wrapped) > 3 else ''}); a LoRA on fused expert stacks is not sharded: leave the "
+            "experts out (train_mlp=False) or load the base whole"
         )
     adapters = adapter_parameter_set(model)
     device = mesh_device(mesh)
