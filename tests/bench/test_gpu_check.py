@@ -8,18 +8,28 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 import workbench as wb
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
-from gpu_check import TWINS, session_arguments  # noqa: E402  (bench/ is not a package)
+from gpu_check import (  # noqa: E402  (bench/ is not a package)
+    CPU_SIZES,
+    TINY_TOKENS,
+    TWINS,
+    Case,
+    check,
+    matmul_flops,
+    session_arguments,
+    twin_folder,
+)
 
 NUMBER = r"([\d,.]+(?:e[+-]?\d+)?)"
 
@@ -87,6 +97,39 @@ def test_the_twins_have_the_published_sizes() -> None:
         embeddings = {id(p): p.numel() for p in (model.get_input_embeddings().weight, model.lm_head.weight)}
         assert parameters == pytest.approx(total, rel=0.02), name
         assert parameters - sum(embeddings.values()) == pytest.approx(non_embedding, rel=0.02), name
+
+
+def test_a_twin_of_qwen3s_vocabulary_goes_through_every_check(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The GPU run's path on the CPU: a twin written by `twin_folder` (V = 151,936, tied, beside the
+    built-in tokenizer's 934 tokens: the sampler draws ids the tokenizer has no text for), loaded by folder,
+    through every line, then reused from its folder."""
+    small = Qwen3Config(
+        vocab_size=TWINS["qwen3-1.7b"].vocab_size,
+        tie_word_embeddings=True,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        **TINY_TOKENS,
+    )
+    monkeypatch.setitem(TWINS, "qwen3-small", small)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    device = torch.device("cpu")
+    flops = matmul_flops(device, torch.float32, CPU_SIZES.matmul_size)
+    check(Case("qwen3-small"), device, CPU_SIZES, flops, {})
+    out = capsys.readouterr().out
+    for line in ("SFT 4 × 64 tokens", "logprobs, hf sampler vs trainer", "GRPO step", "peak memory"):
+        assert f"[qwen3-small fp32] {line}" in out, out
+    written = next(tmp_path.glob("workbench-gpu-check-qwen3-small*"))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("workbench-gpu-check")] == [written.name]
+    assert AutoModelForCausalLM.from_pretrained(written).config.vocab_size == 151_936
+    written_at = (written / "config.json").stat().st_mtime_ns
+    assert twin_folder("qwen3-small", device) == str(written)  # reused, not written again
+    assert (written / "config.json").stat().st_mtime_ns == written_at
 
 
 def test_devices_is_given_to_the_session_or_refused_before_any_work() -> None:
