@@ -4,7 +4,8 @@ bitsandbytes, and Tinker's semantics hold on it.
 The strongest check of the semantics: a 4-bit session computes what a full-precision session computes
 on the dequantized weights (its own merged export with untrained adapters, which is dequant(W_q)): every
 loss, a custom loss and the gradients agree to float rounding. Memory is measured on Llama and Qwen3
-twins whose linear layers hold most weights (tiny's embeddings are 40% of its weights)."""
+twins whose linear layers hold most weights (tiny's embeddings are 40% of its weights); every family twin
+of `moe_twins` (each mixture of experts and its dense twin) loads in NF4, trains and samples."""
 
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ from pathlib import Path
 import peft
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen3Config
 
 import workbench as wb
 from tests.checkpoint_child import continue_run, train_step
 from tests.datums import ce_datum, random_tokens, rl_datum
-from tests.engine.model.moe_twins import save_twin
+from tests.engine.model.moe_twins import FAMILIES, save_twin
 from workbench.engine.local.base_models import BaseModels, MemoryBudgetError, base_model_bytes
 from workbench.engine.model.builtin_models import tiny_base_model_dir
-from workbench.engine.model.quantization import keep_one_cpu_kernel
+from workbench.engine.model.quantization import keep_one_cpu_kernel, quantized_layers
 
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 
@@ -67,6 +68,57 @@ def test_a_quantized_base_holds_a_fraction_of_the_fp32_one(family: str, tmp_path
                 assert f"base {quantize}" in repr(sess)
     assert sizes["nf4"] <= 0.35 * sizes[None], sizes
     assert sizes["int8"] <= 0.55 * sizes[None], sizes
+
+
+FAMILY_TWINS = [(family, dense) for family in FAMILIES for dense in (False, True)]
+
+
+@pytest.mark.parametrize(
+    ("family", "dense"), FAMILY_TWINS, ids=[f"{f}-{'dense' if d else 'moe'}" for f, d in FAMILY_TWINS]
+)
+def test_every_family_twin_trains_and_samples_on_an_nf4_base(
+    family: str, dense: bool, tmp_path: Path
+) -> None:
+    """Every linear layer but the output layer is 4-bit, the memory held is the estimate made before
+    loading to the byte (scales and code books included), a step trains, and the HF sampler's logprobs
+    are the trainer's. A mixture of experts says first that its expert stacks stay unquantized."""
+    base = save_twin(family, tmp_path / "twin", dense=dense)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sess = _session(base, quantize="nf4", model_dir=tmp_path / "run")
+    notices = [w for w in caught if "fused expert stacks" in str(w.message)]
+    assert len(notices) == (0 if dense else 1), [str(w.message) for w in caught]
+    with sess:
+        linear = [name for name, kind in sess.base_info.linear_layers.items() if kind != "unembed"]
+        assert len(list(quantized_layers(sess.engine.torch_model))) == len(linear)
+        assert sess.engine.base_memory_bytes == base_model_bytes(
+            base, torch.float32, wb.QuantizationConfig("nf4")
+        )
+        assert train_step(sess) > 0
+        rng = random.Random(0)
+        params = wb.SamplingParams(max_tokens=8, temperature=1.0)
+        report = wb.check_logprob_agreement(
+            sess, [random_tokens(rng, 6, 900)], num_samples=2, sampling_params=params
+        )
+        assert report.num_tokens > 0 and report.max_abs_diff <= 1e-4
+
+
+def test_an_int8_base_holds_its_row_scales_and_the_estimate_counts_them(tmp_path: Path) -> None:
+    """LLM.int8() keeps one fp32 scale per output row on each layer's state (not on its weight): the
+    memory held counts them, and is what the estimate before loading says."""
+    with _session(quantize="int8", model_dir=tmp_path / "run") as sess:
+        layers = [layer for _, layer in quantized_layers(sess.engine.torch_model)]
+        model = sess.engine.torch_model
+        tensors = {
+            id(t): t
+            for t in [*(p for n, p in model.named_parameters() if "lora_" not in n), *model.buffers()]
+        }
+        without_scales = sum(t.numel() * t.element_size() for t in tensors.values())
+        rows = sum(layer.weight.shape[0] for layer in layers)
+        assert layers and sess.engine.base_memory_bytes == without_scales + 4 * rows
+        assert sess.engine.base_memory_bytes == base_model_bytes(
+            "tiny", torch.float32, wb.QuantizationConfig("int8")
+        )
 
 
 def test_the_adapters_stay_in_the_sessions_dtype_and_the_critic_shares_the_base(tmp_path: Path) -> None:
@@ -240,6 +292,26 @@ def test_sampler_weights_load_in_peft_on_the_quantized_base() -> None:
     torch.testing.assert_close(got, expected.to_torch(), rtol=0, atol=1e-4)
 
 
+def _gpt2_twin(folder: Path) -> str:
+    """A GPT-2 twin: its projections are `Conv1D` layers, not `nn.Linear`."""
+    config = GPT2Config(
+        vocab_size=934,
+        n_positions=512,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        GPT2LMHeadModel(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_base_model_dir() / name, folder / name)
+    return str(folder)
+
+
 def _engine_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "workbench-worker"}
 
@@ -262,6 +334,8 @@ def test_bad_quantizations_are_refused_before_loading(
         ({"quantize": {"method": "int8", "compute_dtype": "bfloat16"}}, "int8 layers compute in fp16"),
         ({"quantize": "nf4", "device": "mps"}, "not on 'mps'"),
         ({"base": str(already), "quantize": "nf4"}, "already quantized \\('gptq'\\)"),
+        ({"base": save_twin("deepseek_v3", tmp_path / "mla"), "quantize": "int8"}, "multi-head latent"),
+        ({"base": _gpt2_twin(tmp_path / "gpt2"), "quantize": "nf4"}, "GPT-2 style Conv1D layers"),
     ]
     before = _engine_threads()
     for kwargs, message in refusals:
@@ -278,7 +352,7 @@ def test_bad_quantizations_are_refused_before_loading(
 
 def test_the_memory_budget_counts_a_quantized_base_at_its_quantized_size(tmp_path: Path) -> None:
     """A budget with room for tiny in NF4 but not in fp32 loads the NF4 base and refuses the fp32 one;
-    the estimate made before loading is the loaded base's memory to 1%."""
+    the estimate made before loading is the loaded base's memory to the byte."""
     full = base_model_bytes("tiny", torch.float32)
     nf4 = base_model_bytes("tiny", torch.float32, wb.QuantizationConfig("nf4"))
     budget = (full + nf4) // 2
@@ -287,7 +361,7 @@ def test_the_memory_budget_counts_a_quantized_base_at_its_quantized_size(tmp_pat
     models = BaseModels(memory_budget_bytes=budget, device="cpu", sampler="hf", quantize="nf4")
     try:
         engine = models.engine("tiny")
-        assert engine.base_memory_bytes == pytest.approx(nf4, rel=0.01)
+        assert engine.base_memory_bytes == nf4
     finally:
         models.close()
 

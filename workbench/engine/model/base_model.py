@@ -54,7 +54,12 @@ from transformers import (
 
 from workbench.engine.config import QuantizationConfig
 from workbench.engine.model.builtin_models import BUILTIN_MODELS
-from workbench.engine.model.quantization import bitsandbytes_config, check_quantizable, keep_one_cpu_kernel
+from workbench.engine.model.quantization import (
+    bitsandbytes_config,
+    check_quantizable,
+    check_quantizable_layers,
+    keep_one_cpu_kernel,
+)
 from workbench.types import LoraConfig
 
 _ATTENTION_MARKERS = ("attn", "attention")
@@ -164,12 +169,11 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _notice_unquantized_experts(path: str, dtype: torch.dtype, quantization: QuantizationConfig) -> None:
-    """Say, before loading, how much of a mixture of experts stays unquantized: its fused expert stacks
-    are 3-D parameters, which bitsandbytes does not quantize (counted on the meta device)."""
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+def _notice_unquantized_experts(
+    skeleton: PreTrainedModel, path: str, dtype: torch.dtype, quantization: QuantizationConfig
+) -> None:
+    """Say, before loading, how much of a mixture of experts (`skeleton`, on the meta device) stays
+    unquantized: its fused expert stacks are 3-D parameters, which bitsandbytes does not quantize."""
     stacks = classify_expert_weights(skeleton)
     if not stacks:
         return
@@ -205,7 +209,10 @@ def load_base_model(
         )
     if quantization is not None:
         check_quantizable(path, device, quantization)
-        _notice_unquantized_experts(path, dtype, quantization)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        check_quantizable_layers(skeleton, path, quantization)
+        _notice_unquantized_experts(skeleton, path, dtype, quantization)
     tokenizer = load_tokenizer(name)
     with _quiet_transformers():
         if quantization is None:
