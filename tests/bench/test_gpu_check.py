@@ -64,7 +64,9 @@ def test_the_tiny_check_prints_every_figure_on_the_cpu() -> None:
             out,
         )
         assert tokens_per_s > 0 and weights > 0
-        assert model_flops == pytest.approx(6 * weights * tokens_per_s / 1e9, rel=0.01)
+        # the printed figures are rounded (tok/s to a unit, GFLOP/s to 0.01): a loaded machine's few
+        # hundred tok/s carry up to 1% of rounding
+        assert model_flops == pytest.approx(6 * weights * tokens_per_s / 1e9, rel=0.02, abs=0.006)
         assert ratio == pytest.approx(model_flops / matmul, rel=0.05, abs=1e-3)
         count, _, max_diff = _figures(
             rf"{tag} logprobs, hf sampler vs trainer: {NUMBER} tokens, mean \|Δ\| {NUMBER}, max \|Δ\| {NUMBER}",
