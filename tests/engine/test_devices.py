@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,6 +25,7 @@ from tests.datums import ragged_ce_batch, random_tokens, rl_datum
 from workbench.engine.local.ranks import RankFailedError
 
 RELATIVE = 1e-5
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 200
 
 
@@ -69,17 +73,18 @@ def _assert_gradients_close(mine: dict, theirs: dict) -> None:
         assert float((other - gradient).norm()) <= RELATIVE * max(float(gradient.norm()), 1e-6), name
 
 
-def _assert_same_gradients(two: wb.Session, one: wb.Session) -> None:
+def _assert_same_gradients(two: wb.Session, one: wb.Session, role: wb.Role = wb.Role.POLICY) -> None:
     _assert_gradients_close(
-        two.engine.inspect(two.model_id, wb.Role.POLICY).gradients,
-        one.engine.inspect(one.model_id, wb.Role.POLICY).gradients,
+        two.engine.inspect(two.model_id, role).gradients, one.engine.inspect(one.model_id, role).gradients
     )
 
 
-def _step_both(two: wb.Session, one: wb.Session) -> None:
+def _step_both(two: wb.Session, one: wb.Session, role: wb.Role = wb.Role.POLICY) -> None:
     """An optimizer step on both: the same gradient norm, and every rank with the same model."""
     adam = wb.AdamParams(learning_rate=1e-2)
-    mine, theirs = two.policy.optim_step(adam).result(), one.policy.optim_step(adam).result()
+    client_two, client_one = (two.policy, one.policy) if role is wb.Role.POLICY else (two.critic, one.critic)
+    assert client_two is not None and client_one is not None
+    mine, theirs = client_two.optim_step(adam).result(), client_one.optim_step(adam).result()
     assert _close(mine.metrics["grad_norm"], theirs.metrics["grad_norm"])
     digests = two.engine.rank_digests(two.model_id)
     assert len(digests) == 2 and digests[0] == digests[1]
@@ -146,6 +151,30 @@ def test_a_custom_loss_equals_one_device(pair: tuple[wb.Session, wb.Session]) ->
     _step_both(two, one)
 
 
+def test_the_critic_equals_one_device(pair: tuple[wb.Session, wb.Session]) -> None:
+    """The critic (mirrored to the follower when made) trains with ppo_critic on both ranks; two rounds,
+    since its value head starts at zero (the first gradient reaches only the head)."""
+    two, one = pair
+    rng = random.Random(9)
+    data = []
+    for _ in range(5):
+        tokens = random_tokens(rng, rng.randint(4, 14), VOCAB)
+        n = len(tokens) - 1
+        inputs = {
+            "target_tokens": tokens[1:],
+            "values": [rng.uniform(-1, 1) for _ in range(n)],
+            "returns": [rng.uniform(-1, 1) for _ in range(n)],
+        }
+        data.append(wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
+    critic_two, critic_one = two.create_critic(), one.create_critic()
+    for _ in range(2):
+        mine = critic_two.forward_backward(data, "ppo_critic").result()
+        theirs = critic_one.forward_backward(data, "ppo_critic").result()
+        _assert_same_call(mine, theirs)
+        _assert_same_gradients(two, one, wb.Role.CRITIC)
+        _step_both(two, one, wb.Role.CRITIC)
+
+
 def test_a_call_split_in_two_accumulates_the_same_gradient(pair: tuple[wb.Session, wb.Session]) -> None:
     """On two ranks, one call equals the same datums in two calls (a second model on the same base,
     made like the first, so mirrored to the follower too)."""
@@ -187,8 +216,30 @@ def test_a_state_moves_bit_exact_between_two_ranks_and_one(pair: tuple[wb.Sessio
     assert two.engine.rank_digests(two.model_id) == [one.engine.state_digest(one.model_id)] * 2
 
 
+def test_a_killed_rank_fails_every_pending_call_naming_it(pair: tuple[wb.Session, wb.Session]) -> None:
+    """Next to last: the pair's two-rank session is broken after it."""
+    two, _ = pair
+    engine, model_id = two.engine, two.model_id
+    data = ragged_ce_batch(6, 64, 32, 64, VOCAB)
+    futures = [engine.forward_backward(model_id, wb.Role.POLICY, data, "cross_entropy") for _ in range(40)]
+    futures[0].result()  # the calls are running
+    os.kill(engine.rank_pids[0], signal.SIGKILL)
+    started = time.monotonic()
+    failures = []
+    for future in futures[1:]:
+        try:
+            future.result(timeout=10)
+        except RankFailedError as error:
+            failures.append(str(error))
+    assert time.monotonic() - started < 10
+    assert len(failures) >= 30  # the few that finished before the kill took effect did so whole
+    assert all("rank 1" in message and "forward_backward" in message for message in failures)
+    with pytest.raises(RankFailedError, match="must be restarted"):
+        two.policy.forward_backward(data, "cross_entropy")
+
+
 def test_close_leaves_no_process(pair: tuple[wb.Session, wb.Session]) -> None:
-    """The last test of the module: it closes the pair."""
+    """The last test of the module: it closes the pair (its two-rank session after its rank died)."""
     two, one = pair
     pids = two.engine.rank_pids
     two.close()
@@ -197,28 +248,29 @@ def test_close_leaves_no_process(pair: tuple[wb.Session, wb.Session]) -> None:
     assert psutil.Process().children(recursive=True) == []
 
 
-def test_a_killed_rank_fails_every_pending_call_naming_it() -> None:
-    engine = wb.Engine("tiny", devices=2)
+def _gone(pid: int) -> bool:
     try:
-        model_id = engine.create_model(wb.LoraConfig(rank=4), seed=0).result()
-        data = ragged_ce_batch(6, 64, 32, 64, VOCAB)
-        futures = [
-            engine.forward_backward(model_id, wb.Role.POLICY, data, "cross_entropy") for _ in range(40)
-        ]
-        futures[0].result()  # the calls are running
-        os.kill(engine.rank_pids[0], signal.SIGKILL)
-        started = time.monotonic()
-        failures = []
-        for future in futures[1:]:
-            try:
-                future.result(timeout=10)
-            except RankFailedError as error:
-                failures.append(str(error))
-        assert time.monotonic() - started < 10
-        assert len(failures) >= 30  # the few that finished before the kill took effect did so whole
-        assert all("rank 1" in message and "forward_backward" in message for message in failures)
-        with pytest.raises(RankFailedError, match="must be restarted"):
-            engine.forward_backward(model_id, wb.Role.POLICY, data, "cross_entropy")
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_killed_kernel_leaves_no_rank() -> None:
+    """A process holding a two-rank engine, SIGKILLed: its follower rank ends within seconds."""
+    code = "import time, workbench as wb; e = wb.Engine('tiny', devices=2); print(e.rank_pids[0], flush=True); time.sleep(300)"
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert kernel.stdout is not None
+        follower = int(kernel.stdout.readline())
     finally:
-        engine.close()
-    assert psutil.Process().children(recursive=True) == []
+        kernel.kill()
+        kernel.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(follower) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(follower)

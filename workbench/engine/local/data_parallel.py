@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from workbench.engine.interface import CustomLossFn
-from workbench.engine.local.call_plan import collate_pass, plan_call, token_counts
+from workbench.engine.local.call_plan import CallPlan, collate_pass, plan_call, token_counts
 from workbench.engine.local.collectives import RankCallFailedError
 from workbench.engine.local.forward_backward import LossCall, ShardResult, call_custom_loss
 from workbench.engine.local.heap import release_freed_memory
@@ -172,7 +172,7 @@ def run_loss(
         return call.record(_merge(shards, results, len(batch)))
 
 
-def _custom_plan(state: EngineState, batch: list[PreparedDatum]) -> Any:
+def _custom_plan(state: EngineState, batch: list[PreparedDatum]) -> CallPlan:
     return plan_call(state, batch, state.model.full_activation_limit, streams=1)
 
 
