@@ -138,6 +138,11 @@ def _start_followers(
     config: EngineConfig, ranks: list[str], device: torch.device
 ) -> tuple[FollowerRanks, GroupAddress, dist.TCPStore]:
     """Start ranks 1..N-1 (each on its device of `ranks`), and open the group's store: rank 0's address."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already runs an engine on several devices: close that session first "
+            "(one multi-device session per process)"
+        )
     store = open_store(len(ranks))
     addresses = [
         GroupAddress("127.0.0.1", store.port, rank, len(ranks), backend_for(device))

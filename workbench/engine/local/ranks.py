@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from workbench.engine.config import QuantizationConfig
-from workbench.engine.local.collectives import GroupAddress
+from workbench.engine.local.collectives import COLLECTIVE_TIMEOUT, GroupAddress
 from workbench.engine.local.rank_messages import decode, encode
 
 T = TypeVar("T")
@@ -178,11 +178,13 @@ class FollowerRanks:
             raise self._failed(rank) from error
 
     def reply(self, rank: int) -> Any:
-        """The follower's answer to its last request; its error re-raised here, naming it."""
+        """The follower's answer to its last request; its error re-raised here, naming it. A follower
+        that does not answer within the group's timeout (`COLLECTIVE_TIMEOUT`) has failed too."""
         connection, process = self._connections[rank - 1], self._processes[rank - 1]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
         try:
             while not connection.poll(WATCH_INTERVAL_S):
-                if process.poll() is not None:
+                if process.poll() is not None or time.monotonic() > deadline:
                     raise self._failed(rank)
             status, value = receive(connection, self._reply_types)
         except (EOFError, OSError) as error:
