@@ -1,14 +1,14 @@
 """A follower rank's process: its own engine, doing what rank 0 says, in the order rank 0 says it.
 
 Started by rank 0 (`workbench.engine.local.ranks.FollowerRanks`) as `python -m
-workbench.engine.local.rank_follower <fd>`, with one end of its control pipe as file descriptor `fd`. It
-loads its engine from the settings rank 0 sends first, says so, joins the process group, and then
-answers each message in turn: an operation to repeat (`REPEATS`: rank 0 repeats every op that changes a
-model on every rank), its part of a training call (`Engine.run_shard`), a digest of a model's state.
-Its models live in a private temporary folder: rank 0 alone writes the models' files (checkpoints,
-history), the followers only read checkpoints rank 0 names by their folder.
+workbench.engine.local.rank_follower <fd> <pid>`: one end of its control pipe as file descriptor `fd`,
+and rank 0's process id. It loads its engine from the settings rank 0 sends first, says so, joins the
+process group, and then answers each message in turn: an operation to repeat (`REPEATS`: rank 0 repeats
+every op that changes a model on every rank), its part of a training call (`Engine.run_shard`), a digest
+of a model's state. Its models live in a private temporary folder: rank 0 alone writes the models' files
+(checkpoints, history), the followers only read checkpoints rank 0 names by their folder.
 
-It ends when told to, when its pipe reaches end of file, and when its parent process is gone.
+It ends when told to, when its pipe reaches end of file, and when rank 0's process is gone.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ MESSAGE_TYPES: dict[str, type] = {
 """What rank 0's messages are built of, besides plain data and tensors (`rank_messages`)."""
 
 
-def _exit_with_parent() -> None:
-    """End this process as soon as the one that started it is gone (a killed kernel)."""
-    parent = os.getppid()
+def _exit_with_parent(parent: int) -> None:
+    """End this process as soon as the one that started it (`parent`, named by it: a parent that died
+    before this check began is already not ours) is gone (a killed kernel)."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -109,9 +109,9 @@ def serve(engine: Engine, connection: Connection, folder: Path) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 alone decides; Ctrl-C reaches process groups
+    _exit_with_parent(int(sys.argv[2]))
     connection = Connection(int(sys.argv[1]))
     settings: FollowerSettings = receive(connection, MESSAGE_TYPES)
-    _exit_with_parent()
     try:
         engine = Engine(
             settings.base_model,

@@ -110,7 +110,7 @@ class FollowerRanks:
             for follower in settings:
                 ours, theirs = Pipe(duplex=True)
                 process = subprocess.Popen(
-                    [sys.executable, "-m", FOLLOWER_MODULE, str(theirs.fileno())],
+                    [sys.executable, "-m", FOLLOWER_MODULE, str(theirs.fileno()), str(os.getpid())],
                     pass_fds=(theirs.fileno(),),
                     env=environment,
                 )
