@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", default=None, help="cuda, cpu, ... (default: CUDA when present)")
     serve.add_argument(
+        "--devices",
+        type=_devices,
+        default=None,
+        help="train on several devices, data parallel: a count (2: two CUDA devices, or two CPU ranks "
+        "without CUDA), 'all', or names (cuda:0,cuda:1); default one device",
+    )
+    serve.add_argument(
         "--model-dir",
         "--run-dir",  # the deprecated spelling, still accepted
         dest="model_dir",
@@ -118,6 +125,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _devices(text: str) -> int | str | list[str]:
+    """`--devices`: a count, `all`, or device names separated by commas."""
+    if text.isdigit():
+        return int(text)
+    if text == "all":
+        return text
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def _print_serving(
     session: Session, server: TinkerServer, args: argparse.Namespace, has_key: bool, budget: int | None
 ) -> None:
@@ -129,7 +145,7 @@ def _print_serving(
         quantized = "" if engine_config.quantization is None else f" {engine_config.quantization.describe()}"
         print(
             f"workbench: base model {engine_config.base_model} ({info.path}) on "
-            f"{engine_config.device}/{engine_config.dtype}{quantized}, up to {engine_config.max_models} models",
+            f"{'+'.join(engine.devices)}/{engine_config.dtype}{quantized}, up to {engine_config.max_models} models",
             flush=True,
         )
     if args.allow_base_model:
@@ -170,6 +186,7 @@ def serve(args: argparse.Namespace) -> int:
     session = Session(
         base_models[0],
         device=args.device,
+        devices=args.devices,
         sampler=args.sampler,
         max_models=args.max_models,
         threads=args.threads,

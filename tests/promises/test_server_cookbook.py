@@ -8,6 +8,7 @@ no dataset). The only patch is the cookbook's pricing download (no network here)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import tinker
 
@@ -111,10 +113,12 @@ def test_the_cookbook_supervised_loop_trains_through_the_server(
     assert run.user_metadata["renderer_name"] == "qwen3_instruct"  # what the cookbook checks on resume
 
 
-def test_the_cookbook_supervised_loop_trains_through_a_quantized_server(
-    monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients, tmp_path: Path
-) -> None:
-    """`workbench serve --quantize nf4` says so at startup, and the cookbook's loop runs on it unmodified."""
+@contextlib.contextmanager
+def _workbench_serve(
+    monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients, tmp_path: Path, *options: str
+) -> Iterator[tuple[str, list[str]]]:
+    """`workbench serve --base-model tiny` with `options` in a subprocess: its URL and its startup lines;
+    stopped with SIGINT after the SDK clients are closed, and checked to exit 0."""
     monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
     env = {
         **os.environ,
@@ -123,7 +127,7 @@ def test_the_cookbook_supervised_loop_trains_through_a_quantized_server(
         "TINKER_API_KEY": "tml-local",
     }
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
-    serve = ["serve", "--base-model", "tiny", "--quantize", "nf4", "--port", "0", "--no-wandb"]
+    serve = ["serve", "--base-model", "tiny", *options, "--port", "0", "--no-wandb"]
     server = subprocess.Popen(
         [sys.executable, "-m", "workbench.cli", *serve],
         env=env,
@@ -139,17 +143,39 @@ def test_the_cookbook_supervised_loop_trains_through_a_quantized_server(
             if "workbench: base model " in line:
                 break
         (url,) = [line.split(" at ")[-1].strip() for line in lines if "serving the Tinker API at" in line]
-        asyncio.run(sl_train.main(_sl_config(tmp_path / "sl", url, max_steps=2, save_every=0)))
+        yield url, lines
         sdk_clients.close()  # while the server still answers
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=60)
         output = server.stdout.read() if server.stdout is not None else ""
     assert server.returncode == 0, output
+
+
+def test_the_cookbook_supervised_loop_trains_through_a_quantized_server(
+    monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients, tmp_path: Path
+) -> None:
+    """`workbench serve --quantize nf4` says so at startup, and the cookbook's loop runs on it unmodified."""
+    with _workbench_serve(monkeypatch, sdk_clients, tmp_path, "--quantize", "nf4") as (url, lines):
+        asyncio.run(sl_train.main(_sl_config(tmp_path / "sl", url, max_steps=2, save_every=0)))
     (base_line,) = [line for line in lines if "workbench: base model " in line]
     assert "nf4+dq" in base_line, lines
     nll = [row["train_mean_nll"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row]
     assert len(nll) == 2 and all(math.isfinite(x) and x > 0 for x in nll), nll
+
+
+def test_the_cookbook_supervised_loop_trains_through_a_server_on_two_devices(
+    monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients, tmp_path: Path
+) -> None:
+    """`workbench serve --devices 2` (two CPU ranks) says so at startup, the cookbook's loop runs on it
+    unmodified (a checkpoint each step), and the server ends its follower rank when it stops."""
+    with _workbench_serve(monkeypatch, sdk_clients, tmp_path, "--devices", "2") as (url, lines):
+        asyncio.run(sl_train.main(_sl_config(tmp_path / "sl", url, max_steps=2, save_every=1)))
+    (base_line,) = [line for line in lines if "workbench: base model " in line]
+    assert "on cpu+cpu/" in base_line, lines
+    nll = [row["train_mean_nll"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row]
+    assert len(nll) == 2 and all(math.isfinite(x) and x > 0 for x in nll), nll
+    assert psutil.Process().children(recursive=True) == []
 
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "stable_reinforce"])

@@ -119,6 +119,21 @@ class Worker:
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
+    def fail_queued(self, error: BaseException) -> None:
+        """Fail every operation still queued with `error`, from any thread (an engine whose other rank
+        died: nothing queued can run); the operation running now ends as it will."""
+        leftovers: list[Any] = []
+        while True:
+            try:
+                leftovers.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for job in leftovers:
+            if job is _STOP:
+                self._queue.put(_STOP)
+            elif job.future is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+
     # ------------------------------------------------------------------------------------------ loop
 
     def _next(self, timeout: float | None = None) -> Any:

@@ -143,6 +143,11 @@ class Session:
             dtype): the frozen base's linear layers quantized at load with bitsandbytes (QLoRA); the
             adapters, their gradients and optimizer state stay as on an unquantized base, and the critic
             shares the quantized base. None (default): the base in `dtype`. See docs/models.md.
+        devices: None or 1 (default): the session on one device (`device`). A count, `"all"` (every CUDA
+            device) or device names (`["cuda:0", "cuda:1"]`): the engine trains on that many ranks,
+            data parallel through torch.distributed (two CPU ranks on a machine without CUDA for
+            `devices=2`), with the same results as one device; the ranks are processes the session starts
+            and ends. See docs/architecture.md.
     """
 
     def __init__(
@@ -164,6 +169,7 @@ class Session:
         memory_budget_bytes: int | None = None,
         quantize: str | QuantizationConfig | None = None,
         run_dir: str | Path | None = None,  # deprecated name of model_dir
+        devices: int | str | Sequence[str] | None = None,
     ):
         model_dir = _model_dir_from(model_dir, run_dir)
         lora_config = to_lora_config(lora if lora is not None else LoraConfig())
@@ -185,6 +191,7 @@ class Session:
             max_models=max_models,
             threads=threads,
             quantize=quantize,
+            devices=devices,
         )
         folder = (
             Path(model_dir) if model_dir is not None else models_root() / new_model_id(base_model)
@@ -853,6 +860,8 @@ class Session:
         if self.closed:
             return f"Session({config.base_model!r}, closed)"
         where = self.engine.endpoint or f"{config.device}/{config.dtype}"
+        if isinstance(self.engine, Engine) and len(self.engine.devices) > 1:
+            where = f"{len(self.engine.devices)} ranks on {', '.join(self.engine.devices)}/{config.dtype}"
         quantized = self.quantized_base()
         if quantized is not None:
             where += f", base {quantized}"

@@ -33,6 +33,7 @@ from workbench.engine.local import checkpoint_files
 from workbench.engine.local.checkpoint_files import SavedState
 from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.model_lifecycle import check_metadata
+from workbench.engine.local.ranks import RankOp
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import ADAPTER_CONFIG
 from workbench.engine.roles import Role
@@ -321,4 +322,7 @@ def load_state(
         )
         return LoadWeightsResponse(path=describe(folder))
 
-    return state.submit(work)
+    return state.submit(
+        work,
+        mirror=lambda: RankOp("load_state", (model_id, str(resolve(state, model_id, path_or_name)), restore)),
+    )

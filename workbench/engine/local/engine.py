@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from workbench.engine.config import (
@@ -41,6 +42,7 @@ from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, Sampl
 from workbench.engine.local import (
     checkpoint_files,
     checkpoints,
+    data_parallel,
     forward_backward,
     merged_export,
     model_lifecycle,
@@ -48,6 +50,8 @@ from workbench.engine.local import (
     sample,
 )
 from workbench.engine.local.checkpoint_files import SavedState, model_config
+from workbench.engine.local.collectives import Collectives, GroupAddress, backend_for, open_store
+from workbench.engine.local.ranks import Devices, FollowerRanks, FollowerSettings, RankOp, rank_devices
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import (
@@ -109,6 +113,17 @@ def _close_sinks_and_sampler(state: EngineState) -> None:
     _close_sinks(state.history)
     with contextlib.suppress(Exception):
         state.sampler.close()
+    with contextlib.suppress(Exception):
+        _leave_ranks(state)
+
+
+def _leave_ranks(state: EngineState) -> None:
+    """End the follower ranks (rank 0) and leave the process group (every rank)."""
+    if state.followers is not None:
+        state.followers.close()
+    if state.collectives is not None:
+        state.collectives.leave()
+        state.collectives = None
 
 
 def _shutdown(state: EngineState) -> None:
@@ -117,6 +132,39 @@ def _shutdown(state: EngineState) -> None:
     if not state.worker.post(lambda: _close_sinks_and_sampler(state)):  # the worker was already stopping
         _close_sinks_and_sampler(state)
     state.worker.close(wait=False)
+
+
+def _start_followers(
+    config: EngineConfig, ranks: list[str], device: torch.device
+) -> tuple[FollowerRanks, GroupAddress, dist.TCPStore]:
+    """Start ranks 1..N-1 (each on its device of `ranks`), and open the group's store: rank 0's address."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already runs an engine on several devices: close that session first "
+            "(one multi-device session per process)"
+        )
+    store = open_store(len(ranks))
+    addresses = [
+        GroupAddress("127.0.0.1", store.port, rank, len(ranks), backend_for(device))
+        for rank in range(len(ranks))
+    ]
+    followers = FollowerRanks(
+        [
+            FollowerSettings(
+                config.base_model,
+                config.seed,
+                ranks[rank],
+                config.dtype,
+                config.max_tokens_per_microbatch,
+                config.threads,
+                config.quantization,
+                addresses[rank],
+            )
+            for rank in range(1, len(ranks))
+        ],
+        data_parallel.REPLY_TYPES,
+    )
+    return followers, addresses[0], store
 
 
 class Engine:
@@ -136,6 +184,11 @@ class Engine:
             one per usable core that other processes leave free (`OMP_NUM_THREADS`, when set, fixes it).
         quantize: `"nf4"`, `"fp4"`, `"int8"` or a `QuantizationConfig`: the frozen base's linear layers
             quantized at load (bitsandbytes); None (default) keeps them in `dtype`.
+        devices: None or 1 (default): one device, `device`. A count, `"all"` or device names
+            (`["cuda:0", "cuda:1"]`): data parallel over that many ranks, one per device (on a machine
+            without CUDA, `devices=2` is two CPU ranks), joined by torch.distributed. Rank 0 is this
+            engine; the others are processes it starts and ends (`workbench.engine.local.ranks`), and
+            every training call is split across them (`workbench.engine.local.data_parallel`).
     """
 
     def __init__(
@@ -151,8 +204,15 @@ class Engine:
         max_models: int = DEFAULT_MAX_MODELS,
         threads: int | None = None,
         quantize: str | QuantizationConfig | None = None,
+        devices: Devices = None,
     ):
-        resolved_device, resolved_dtype = resolve_device_and_dtype(device, dtype)
+        ranks = rank_devices(devices, None if device is None else str(device), torch.cuda.device_count())
+        if len(ranks) == 1:
+            device = ranks[0]
+        self._devices = ranks if len(ranks) > 1 else []
+        resolved_device, resolved_dtype = resolve_device_and_dtype(
+            device if len(ranks) < 2 else ranks[0], dtype
+        )
         quantization = to_quantization_config(quantize)
         config = EngineConfig(
             base_model=base_model,
@@ -160,7 +220,8 @@ class Engine:
             device=str(resolved_device),
             dtype=str(resolved_dtype).removeprefix("torch."),
             max_tokens_per_microbatch=max_tokens_per_microbatch,
-            sampler=choose_sampler(sampler, resolved_device),
+            # several ranks sample with HF generate on rank 0
+            sampler=choose_sampler("hf" if self._devices and sampler == "auto" else sampler, resolved_device),
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
             threads=threads,
@@ -179,15 +240,28 @@ class Engine:
             base, tokenizer, info = load_base_model(base_model, resolved_device, resolved_dtype, quantization)
             return AdaptedModel(base, info, resolved_device), tokenizer
 
+        followers: FollowerRanks | None = None
+        collectives: Collectives | None = None
         try:
+            if self._devices:  # the followers load their engines while this one loads its own
+                followers, address, store = _start_followers(config, ranks, resolved_device)
             model, tokenizer = worker.submit(load).result()
+            if followers is not None:
+                followers.wait_loaded()
+                collectives = worker.submit(
+                    lambda: Collectives.join(address, resolved_device, store)
+                ).result()
+            chosen = sampler_for_model(config.sampler, sampler == "auto", base_model, model.info)
+            if followers is not None and chosen != "hf":
+                raise ValueError(
+                    f"sampler={chosen!r} does not run on an engine on several devices yet: use sampler='hf'"
+                )
         except BaseException:
             worker.close(wait=False)  # the thread ends once the load does (at once, if it failed)
-            raise
-        try:
-            chosen = sampler_for_model(config.sampler, sampler == "auto", base_model, model.info)
-        except ValueError:
-            worker.close(wait=False)
+            if followers is not None:
+                followers.close()
+            if collectives is not None:
+                collectives.leave()
             raise
         config = dataclasses.replace(config, sampler=chosen)
         # peft adapts an expert stack (and a linear layer it targets through its weight) by registering
@@ -206,6 +280,10 @@ class Engine:
             thread_policy.streams,
             falls_back=sampler == "auto",
         )
+        state.collectives, state.followers = collectives, followers
+        if followers is not None:
+            # every operation still queued fails at once, naming the rank that died and its op
+            followers.watch(state.worker.fail_queued)
         thread_policy.count_as_own(lambda: state.sampler.processes)
         self._thread_policy = thread_policy
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
@@ -219,6 +297,17 @@ class Engine:
     @property
     def config(self) -> EngineConfig:
         return self._state.config
+
+    @property
+    def devices(self) -> list[str]:
+        """The device of each rank, rank 0's first (this process); one device: `[config.device]`."""
+        return list(self._devices) or [self.config.device]
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The processes of ranks 1..N-1 (none on one device)."""
+        followers = self._state.followers
+        return [] if followers is None else followers.pids
 
     @property
     def threads(self) -> ThreadUse:
@@ -289,10 +378,11 @@ class Engine:
         checkpoints.check_path(path)
         state = self._state
 
+        new_id = model_id or new_model_id(self.config.base_model)
+
         def work() -> str:
             folder = checkpoints.resolve(state, None, path)
             saved = checkpoints.read_state(folder)
-            new_id = model_id or new_model_id(self.config.base_model)
             folder_for_model = Path(model_dir).absolute() if model_dir is not None else models_root() / new_id
             arguments = saved.session_arguments
             if user_metadata is not None:
@@ -317,7 +407,12 @@ class Engine:
                 raise
             return new_id
 
-        return self._state.submit(work)
+        return self._state.submit(
+            work,
+            mirror=lambda: RankOp(
+                "create_model_from_state", (str(checkpoints.resolve(state, None, path)), restore, new_id)
+            ),
+        )
 
     def delete_model(self, model_id: str) -> APIFuture[None]:
         """Remove a model's models from the engine and free their memory (its files stay)."""
@@ -411,9 +506,7 @@ class Engine:
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        return forward_backward.submit(
-            self._state, model_id, role, data, loss_fn, loss_fn_config, backward=False
-        )
+        return self._loss_call(model_id, role, data, loss_fn, loss_fn_config, backward=False)
 
     def forward_backward(
         self,
@@ -423,14 +516,61 @@ class Engine:
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        return forward_backward.submit(
-            self._state, model_id, role, data, loss_fn, loss_fn_config, backward=True
+        return self._loss_call(model_id, role, data, loss_fn, loss_fn_config, backward=True)
+
+    def _loss_call(
+        self,
+        model_id: str,
+        role: Role,
+        data: Sequence[Any],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None,
+        backward: bool,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        state, followers = self._state, self._state.followers
+        if followers is None:
+            return forward_backward.submit(state, model_id, role, data, loss_fn, loss_fn_config, backward)
+        call = forward_backward.check_call(state, model_id, role, data, loss_fn, loss_fn_config, backward)
+        return state.submit(
+            lambda: data_parallel.run_loss(
+                state, followers, model_id, role, call.op, call.batch, loss_fn, loss_fn_config, call.with_loss
+            )
         )
 
     def forward_backward_custom(
         self, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
     ) -> APIFuture[ForwardBackwardOutput]:
-        return forward_backward.submit_custom(self._state, model_id, role, data, loss_fn)
+        state, followers = self._state, self._state.followers
+        if followers is None:
+            return forward_backward.submit_custom(state, model_id, role, data, loss_fn)
+        batch = forward_backward.check_custom(state, model_id, role, data, loss_fn)
+        user_data = list(data)
+        return state.submit(
+            lambda: data_parallel.run_custom(state, followers, model_id, role, batch, loss_fn, user_data)
+        )
+
+    def join_group(self, address: GroupAddress) -> None:
+        """Make this engine rank `address.rank` of a multi-device engine's group (what a follower rank's
+        process does once its engine is loaded: `workbench.engine.local.rank_follower`)."""
+        state = self._state
+        state.collectives = state.submit(lambda: Collectives.join(address, state.device)).result()
+
+    def run_shard(self, shard: data_parallel.Shard) -> Any:
+        """A follower rank's part of a training call, on its worker, in turn (`data_parallel.run_shard`)."""
+        state = self._state
+        return state.submit(lambda: data_parallel.run_shard(state, shard)).result()
+
+    def rank_digests(self, model_id: str) -> list[str]:
+        """`state_digest(model_id)` on every rank, rank 0 first: equal when every rank holds the same
+        model (weights, accumulated gradient, optimizer state, counters)."""
+        own = self.state_digest(model_id)
+        followers = self._state.followers
+        if followers is None:
+            return [own]
+        others = self._state.submit(
+            lambda: [followers.ask(rank, ("digest", model_id)) for rank in followers.ranks]
+        ).result()
+        return [own, *others]
 
     def optim_step(self, model_id: str, role: Role, adam_params: Any = None) -> APIFuture[OptimStepResponse]:
         return optim_step.submit(self._state, model_id, role, adam_params)
@@ -644,6 +784,7 @@ class Engine:
         state.worker.close()
         if not self._finalizer.alive:  # freed by an earlier call
             return
+        _leave_ranks(state)
         for sink in list(state.history.sinks):
             sink.close()
         state.history.sinks.clear()
@@ -659,4 +800,7 @@ class Engine:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._state.lora_models)} model(s)"
-        return f"Engine({self.config.base_model!r}, {self.config.device}/{self.config.dtype}, {state})"
+        where = (
+            f"{self.config.device}" if not self._devices else f"{len(self._devices)} ranks on {self._devices}"
+        )
+        return f"Engine({self.config.base_model!r}, {where}/{self.config.dtype}, {state})"

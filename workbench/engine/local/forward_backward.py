@@ -16,6 +16,7 @@ call succeeded and its gradient is finite (`TrainableAdapter.accumulating`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from workbench.engine.local.call_plan import (
     token_counts,
     without_gradient,
 )
+from workbench.engine.local.collectives import RankCallFailedError
 from workbench.engine.local.heap import release_freed_memory
 from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.pass_computation import (
@@ -92,7 +94,18 @@ def _check_loss_role(role: Role, spec: LossSpec, loss_name: str) -> None:
         raise ValueError(f"{loss_name!r} is the critic's loss; the {role} uses a policy loss such as 'ppo'")
 
 
-def submit(
+@dataclass(frozen=True)
+class CheckedCall:
+    """A `forward` or `forward_backward` call checked in the caller's thread, ready to run."""
+
+    op: str  # "forward" or "forward_backward"
+    batch: list[PreparedDatum]
+    spec: LossSpec
+    config: Mapping[str, float]
+    with_loss: bool
+
+
+def check_call(
     state: EngineState,
     model_id: str,
     role: Role,
@@ -100,8 +113,8 @@ def submit(
     loss_fn: str,
     loss_fn_config: Mapping[str, float] | None,
     backward: bool,
-) -> APIFuture[ForwardBackwardOutput]:
-    """Validate a `forward` (backward=False) or `forward_backward` call, then queue it."""
+) -> CheckedCall:
+    """Validate a `forward` (backward=False) or `forward_backward` call (caller's thread)."""
     state.check_open()
     _check_target(state, model_id, role, backward)
     spec, config = resolve_loss(loss_fn, loss_fn_config)
@@ -124,16 +137,38 @@ def submit(
             f"some datums carry {list(spec.training_inputs)} and some do not: give them to all datums "
             "(to compute the loss) or to none (values only)"
         )
-    op = "forward_backward" if backward else "forward"
+    return CheckedCall("forward_backward" if backward else "forward", batch, spec, config, with_loss)
+
+
+def submit(
+    state: EngineState,
+    model_id: str,
+    role: Role,
+    data: Sequence[Any],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, float] | None,
+    backward: bool,
+) -> APIFuture[ForwardBackwardOutput]:
+    """Validate a `forward` (backward=False) or `forward_backward` call, then queue it."""
+    call = check_call(state, model_id, role, data, loss_fn, loss_fn_config, backward)
     return state.submit(
-        lambda: run_loss(state, state.lora_model(model_id), role, op, batch, spec, config, with_loss)
+        lambda: run_loss(
+            state,
+            state.lora_model(model_id),
+            role,
+            call.op,
+            call.batch,
+            call.spec,
+            call.config,
+            call.with_loss,
+        )
     )
 
 
-def submit_custom(
+def check_custom(
     state: EngineState, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
-) -> APIFuture[ForwardBackwardOutput]:
-    """Validate a `forward_backward_custom` call, then queue it."""
+) -> list[PreparedDatum]:
+    """Validate a `forward_backward_custom` call (caller's thread)."""
     state.check_open()
     _check_target(state, model_id, role, True)
     if role is Role.CRITIC:
@@ -142,7 +177,14 @@ def submit_custom(
         raise ValueError(
             f"forward_backward_custom needs a function fn(data, logprobs_list) -> (loss, metrics), got {loss_fn!r}"
         )
-    batch = prepare(state, data, ("target_tokens",), {}, strict=False, soft_targets=True)
+    return prepare(state, data, ("target_tokens",), {}, strict=False, soft_targets=True)
+
+
+def submit_custom(
+    state: EngineState, model_id: str, role: Role, data: Sequence[Any], loss_fn: CustomLossFn
+) -> APIFuture[ForwardBackwardOutput]:
+    """Validate a `forward_backward_custom` call, then queue it."""
+    batch = check_custom(state, model_id, role, data, loss_fn)
     user_data = list(data)
     return state.submit(
         lambda: run_custom(state, state.lora_model(model_id), role, batch, loss_fn, user_data)
@@ -165,6 +207,16 @@ class CallPart:
 
     def __post_init__(self) -> None:
         self.outputs = [{} for _ in self.batch]
+
+
+@dataclass
+class ShardResult:
+    """A call's outcome on one rank's datums: per-datum outputs in their order, the metric sums, and
+    the tokens computed and submitted (`token_counts`). One rank's is the whole call's."""
+
+    outputs: list[dict[str, TensorData]]
+    totals: MetricTotals
+    token_counts: dict[str, float]
 
 
 @dataclass
@@ -232,7 +284,17 @@ class LossCall:
             if not any(part.trains for part in parts):  # the call's gradient: zero for every parameter
                 for param in self.compute.parameters:
                     param.grad = torch.zeros_like(param)
-            self._run(parts)
+            collectives = state.collectives
+            if collectives is None:
+                self._run(parts)
+                return
+            try:  # on several ranks: the call's gradient is the sum of every rank's (`collectives`)
+                self._run(parts)
+            except BaseException:
+                with contextlib.suppress(RankCallFailedError):  # the others undo the call too
+                    collectives.sum_call_gradient(self.compute.parameters, failed=True)
+                raise
+            collectives.sum_call_gradient(self.compute.parameters, failed=False)
 
     def _run(self, parts: list[CallPart]) -> None:
         """Every part's passes: those with stream chunks together on the streams (the training part's
@@ -269,22 +331,23 @@ class LossCall:
                 if grad is not None:
                     param.grad = grad if param.grad is None else param.grad.add_(grad)
 
-    def record(self, parts: list[CallPart], size: int) -> ForwardBackwardOutput:
-        """The call's row in the history, and its result: per-datum outputs in input order."""
+    def outcome(self, parts: list[CallPart], size: int) -> ShardResult:
+        """The per-datum outputs in input order, the metric sums and the tokens of the call's parts."""
         outputs: list[dict[str, TensorData]] = [{} for _ in range(size)]
         for part in parts:
             for index, output in zip(part.indices, part.outputs, strict=True):
                 outputs[index] = output
+        return ShardResult(outputs, self.totals, token_counts(*(part.plan for part in parts)))
+
+    def record(self, result: ShardResult) -> ForwardBackwardOutput:
+        """The call's row in the history, and its result."""
         state, lora_model, role = self.compute.state, self.compute.lora_model, self.compute.role
-        metrics = self.totals.metrics(self.compute.spec, self.compute.with_loss)
+        metrics = result.totals.metrics(self.compute.spec, self.compute.with_loss)
         state.record(
-            self.op,
-            lora_model,
-            state.adapter_label(lora_model, role),
-            {**metrics, **token_counts(*(part.plan for part in parts))},
+            self.op, lora_model, state.adapter_label(lora_model, role), {**metrics, **result.token_counts}
         )
         return ForwardBackwardOutput(
-            loss_fn_output_type="TorchLossReturn", loss_fn_outputs=outputs, metrics=metrics
+            loss_fn_output_type="TorchLossReturn", loss_fn_outputs=result.outputs, metrics=metrics
         )
 
 
@@ -317,7 +380,7 @@ def run_loss(
     call = LossCall.start(state, lora_model, role, op, spec, config, with_loss)
     parts = call.partition(batch)
     call.accumulate(parts)
-    return call.record(parts, len(batch))
+    return call.record(call.outcome(parts, len(batch)))
 
 
 def run_custom(

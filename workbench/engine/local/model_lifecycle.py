@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from workbench.engine.local.lora_models import LoraModel, RoleAdapter, adapter_name
+from workbench.engine.local.ranks import RankOp
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.trainable_adapter import TrainableAdapter
 from workbench.engine.model.value_head import ValueHead
@@ -121,7 +122,8 @@ def create_model(
     return state.submit(
         lambda: add_model(
             state, lora, seed=seed, model_id=model_id, model_dir=model_dir, user_metadata=metadata
-        )
+        ),
+        mirror=lambda: RankOp("create_model", (lora, seed, model_id, metadata)),
     )
 
 
@@ -138,7 +140,9 @@ def delete_model(state: EngineState, model_id: str) -> APIFuture[None]:
     """Remove a model's models from the engine and free their weights and optimizer state (its files stay)."""
     state.check_open()
 
-    return state.submit(lambda: remove_model(state, model_id))
+    return state.submit(
+        lambda: remove_model(state, model_id), mirror=lambda: RankOp("delete_model", (model_id,))
+    )
 
 
 def create_critic(state: EngineState, model_id: str, lora: LoraConfig, seed: int) -> APIFuture[None]:
@@ -150,7 +154,10 @@ def create_critic(state: EngineState, model_id: str, lora: LoraConfig, seed: int
             "the critic reads hidden states, not logits: use train_unembed=False for its adapter"
         )
 
-    return state.submit(lambda: add_critic(state, state.lora_model(model_id), lora, seed))
+    return state.submit(
+        lambda: add_critic(state, state.lora_model(model_id), lora, seed),
+        mirror=lambda: RankOp("create_critic", (model_id, lora)),
+    )
 
 
 def add_critic(state: EngineState, lora_model: LoraModel, lora: LoraConfig, seed: int) -> None:
@@ -176,4 +183,4 @@ def delete_critic(state: EngineState, model_id: str) -> APIFuture[None]:
         state.model.delete_adapter(lora_model.critic.adapter)
         lora_model.critic = None
 
-    return state.submit(work)
+    return state.submit(work, mirror=lambda: RankOp("delete_critic", (model_id,)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from workbench.engine.local.ranks import RankOp
 from workbench.engine.local.state import EngineState
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
@@ -27,7 +28,10 @@ def submit(state: EngineState, model_id: str, role: Role, adam_params: Any) -> A
     state.check_open()
     state.lora_model(model_id).role_adapter(role)
     params = to_adam_params(adam_params)
-    return state.submit(lambda: run(state, model_id, role, params))
+    return state.submit(
+        lambda: run(state, model_id, role, params),
+        mirror=lambda: RankOp("optim_step", (model_id, role, params)),
+    )
 
 
 def run(state: EngineState, model_id: str, role: Role, params: AdamParams) -> OptimStepResponse:

@@ -57,6 +57,18 @@ class MetricTotals:
             total = float((values_B_T.detach().float() * active).sum())
             self.diagnostic_sums[name] = self.diagnostic_sums.get(name, 0.0) + total
 
+    @classmethod
+    def sum_of(cls, parts: Sequence[MetricTotals]) -> MetricTotals:
+        """The totals of a call whose datums were split (over ranks): every sum added, so the means
+        (sum over tokens / tokens) are the whole call's."""
+        total = cls()
+        for part in parts:
+            total.loss += part.loss
+            total.active_tokens += part.active_tokens
+            for name, value in part.diagnostic_sums.items():
+                total.diagnostic_sums[name] = total.diagnostic_sums.get(name, 0.0) + value
+        return total
+
     def metrics(self, spec: LossSpec | None, with_loss: bool) -> dict[str, float]:
         metrics: dict[str, float] = {"num_tokens:sum": self.active_tokens}
         if with_loss:

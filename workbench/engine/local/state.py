@@ -19,7 +19,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from workbench.engine.config import EngineConfig
+from workbench.engine.local.collectives import Collectives
 from workbench.engine.local.lora_models import LoraModel, RoleAdapter
+from workbench.engine.local.ranks import FollowerRanks, RankOp
 from workbench.engine.local.stability_records import StabilityRecords
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import BaseModelInfo
@@ -92,6 +94,10 @@ class EngineState:
         self.loaded_adapters: dict[Path, LoadedAdapter] = {}  # sampler checkpoint folder -> its adapter
         self.stability_records = StabilityRecords()  # what samplers recorded for stable_reinforce
         self._sequence_prefix = f"seq-{secrets.token_hex(4)}"  # sequence ids are unique per engine
+        # on several devices (`workbench.engine.local.ranks`): this rank's process group, and on rank 0
+        # the follower ranks; both None on one device
+        self.collectives: Collectives | None = None
+        self.followers: FollowerRanks | None = None
         self._sequences_sampled = 0
 
     @property
@@ -105,10 +111,17 @@ class EngineState:
     def check_open(self) -> None:
         if self.worker.closed:
             raise SessionClosedError("this session is closed; create a new Session")
+        if self.followers is not None:
+            self.followers.check()
 
-    def submit(self, work: Callable[[], T]) -> APIFuture[T]:
-        """Queue work for the worker thread (raises SessionClosedError once closed)."""
-        return self.worker.submit(work)
+    def submit(self, work: Callable[[], T], mirror: Callable[[], RankOp] | None = None) -> APIFuture[T]:
+        """Queue work for the worker thread (raises SessionClosedError once closed). On several devices,
+        an operation that changes a model names the op every follower repeats (`mirror`, made on the
+        worker, so it may name what earlier operations made: a saved checkpoint's folder)."""
+        followers = self.followers
+        if followers is None or mirror is None:
+            return self.worker.submit(work)
+        return self.worker.submit(lambda: followers.mirrored(mirror(), work))
 
     def submit_batchable(
         self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], Sequence[Any]]

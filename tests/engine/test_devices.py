@@ -1,0 +1,276 @@
+"""Sessions on several devices (`devices=2`: two CPU ranks here), against the one-device engine.
+
+The two-rank session and its one-device twin are made once for the module (starting a rank takes
+seconds) and every test does the same operations on both, so their models stay in step: each test
+compares what the two return and hold.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import workbench as wb
+from tests.datums import ragged_ce_batch, random_tokens, rl_datum
+from workbench.engine.local.ranks import RankFailedError
+
+RELATIVE = 1e-5
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 200
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[wb.Session, wb.Session]]:
+    """(two ranks, one device), each with the same rank-4 LoRA, seed 0, no W&B run."""
+    one = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
+    try:
+        two = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, devices=2)
+    except BaseException:
+        one.close()
+        raise
+    yield two, one
+    two.close()
+    one.close()
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= RELATIVE * max(abs(a), abs(b), 1e-6)
+
+
+def _assert_tensors_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    scale = max(float(a.abs().max()), float(b.abs().max()), 1e-6)
+    assert float((a - b).abs().max()) <= RELATIVE * scale, what
+
+
+def _assert_same_call(two: wb.ForwardBackwardOutput, one: wb.ForwardBackwardOutput) -> None:
+    """Equal metrics, and per-datum outputs in datum order, to `RELATIVE`."""
+    assert two.metrics.keys() == one.metrics.keys()
+    for name in one.metrics:
+        assert _close(two.metrics[name], one.metrics[name]), (name, two.metrics[name], one.metrics[name])
+    assert len(two.loss_fn_outputs) == len(one.loss_fn_outputs)
+    for index, (mine, theirs) in enumerate(zip(two.loss_fn_outputs, one.loss_fn_outputs, strict=True)):
+        assert mine.keys() == theirs.keys()
+        for name in theirs:
+            _assert_tensors_close(mine[name].to_torch(), theirs[name].to_torch(), f"datum {index} {name}")
+
+
+def _assert_gradients_close(mine: dict, theirs: dict) -> None:
+    """Each parameter's gradient within `RELATIVE` of the other's, in norm (sums in another order);
+    parameters in order (two models' adapters have their own names)."""
+    assert len(mine) == len(theirs)
+    for (name, gradient), other in zip(theirs.items(), mine.values(), strict=True):
+        assert gradient is not None and other is not None, name
+        assert float((other - gradient).norm()) <= RELATIVE * max(float(gradient.norm()), 1e-6), name
+
+
+def _assert_same_gradients(two: wb.Session, one: wb.Session, role: wb.Role = wb.Role.POLICY) -> None:
+    _assert_gradients_close(
+        two.engine.inspect(two.model_id, role).gradients, one.engine.inspect(one.model_id, role).gradients
+    )
+
+
+def _step_both(two: wb.Session, one: wb.Session, role: wb.Role = wb.Role.POLICY) -> None:
+    """An optimizer step on both: the same gradient norm, and every rank with the same model."""
+    adam = wb.AdamParams(learning_rate=1e-2)
+    client_two, client_one = (two.policy, one.policy) if role is wb.Role.POLICY else (two.critic, one.critic)
+    assert client_two is not None and client_one is not None
+    mine, theirs = client_two.optim_step(adam).result(), client_one.optim_step(adam).result()
+    assert _close(mine.metrics["grad_norm"], theirs.metrics["grad_norm"])
+    digests = two.engine.rank_digests(two.model_id)
+    assert len(digests) == 2 and digests[0] == digests[1]
+
+
+def _rl_batch(seed: int) -> list[wb.Datum]:
+    """Two groups of four completions sharing a prompt (each group stays on one rank), and two loose
+    datums, of ragged lengths."""
+    rng = random.Random(seed)
+    data = []
+    for group in range(2):
+        prompt = random_tokens(rng, 6 + 3 * group, VOCAB)
+        for _ in range(4):
+            tokens = prompt + random_tokens(rng, rng.randint(2, 6), VOCAB)
+            logprobs = [-rng.uniform(0.5, 3.0) for _ in range(len(tokens) - 1)]
+            data.append(rl_datum(tokens, len(prompt), logprobs, rng.uniform(-1, 1)))
+    for _ in range(2):
+        tokens = random_tokens(rng, rng.randint(5, 12), VOCAB)
+        logprobs = [-rng.uniform(0.5, 3.0) for _ in range(len(tokens) - 1)]
+        data.append(rl_datum(tokens, 2, logprobs, rng.uniform(-1, 1)))
+    return data
+
+
+def test_the_session_names_its_devices(pair: tuple[wb.Session, wb.Session]) -> None:
+    two, one = pair
+    assert two.engine.devices == ["cpu", "cpu"] and one.engine.devices == ["cpu"]
+    assert "2 ranks on cpu, cpu" in repr(two)
+    assert len(two.engine.rank_pids) == 1 and one.engine.rank_pids == []
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "data"),
+    [
+        ("cross_entropy", ragged_ce_batch(0, 7, 3, 18, VOCAB)),
+        ("importance_sampling", _rl_batch(1)),
+        ("ppo", _rl_batch(2)),
+    ],
+)
+def test_every_loss_equals_one_device(
+    pair: tuple[wb.Session, wb.Session], loss_fn: str, data: list[wb.Datum]
+) -> None:
+    two, one = pair
+    _assert_same_call(two.policy.forward(data, loss_fn).result(), one.policy.forward(data, loss_fn).result())
+    mine = two.policy.forward_backward(data, loss_fn).result()
+    theirs = one.policy.forward_backward(data, loss_fn).result()
+    _assert_same_call(mine, theirs)
+    _assert_same_gradients(two, one)
+    _step_both(two, one)
+
+
+def test_a_custom_loss_equals_one_device(pair: tuple[wb.Session, wb.Session]) -> None:
+    """A loss that is not a sum over datums (the square of the mean logprob) runs whole on rank 0."""
+    two, one = pair
+    data = ragged_ce_batch(3, 5, 4, 14, VOCAB)
+
+    def squared_mean(_data: list[wb.Datum], logprobs_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        mean = torch.cat(logprobs_list).mean()
+        return mean**2, {"mean_logprob:mean": float(mean.detach())}
+
+    mine = two.policy.forward_backward_custom(data, squared_mean).result()
+    theirs = one.policy.forward_backward_custom(data, squared_mean).result()
+    _assert_same_call(mine, theirs)
+    _assert_same_gradients(two, one)
+    _step_both(two, one)
+
+
+def test_the_critic_equals_one_device(pair: tuple[wb.Session, wb.Session]) -> None:
+    """The critic (mirrored to the follower when made) trains with ppo_critic on both ranks; two rounds,
+    since its value head starts at zero (the first gradient reaches only the head)."""
+    two, one = pair
+    rng = random.Random(9)
+    data = []
+    for _ in range(5):
+        tokens = random_tokens(rng, rng.randint(4, 14), VOCAB)
+        n = len(tokens) - 1
+        inputs = {
+            "target_tokens": tokens[1:],
+            "values": [rng.uniform(-1, 1) for _ in range(n)],
+            "returns": [rng.uniform(-1, 1) for _ in range(n)],
+        }
+        data.append(wb.Datum(model_input=wb.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
+    critic_two, critic_one = two.create_critic(), one.create_critic()
+    for _ in range(2):
+        mine = critic_two.forward_backward(data, "ppo_critic").result()
+        theirs = critic_one.forward_backward(data, "ppo_critic").result()
+        _assert_same_call(mine, theirs)
+        _assert_same_gradients(two, one, wb.Role.CRITIC)
+        _step_both(two, one, wb.Role.CRITIC)
+
+
+def test_a_call_split_in_two_accumulates_the_same_gradient(pair: tuple[wb.Session, wb.Session]) -> None:
+    """On two ranks, one call equals the same datums in two calls (a second model on the same base,
+    made like the first, so mirrored to the follower too)."""
+    two, _ = pair
+    data = ragged_ce_batch(4, 6, 3, 16, VOCAB)
+    engine = two.engine
+    whole, halves = (engine.create_model(wb.LoraConfig(rank=4), seed=7).result() for _ in range(2))
+    try:
+        engine.forward_backward(whole, wb.Role.POLICY, data, "cross_entropy").result()
+        engine.forward_backward(halves, wb.Role.POLICY, data[:3], "cross_entropy").result()
+        engine.forward_backward(halves, wb.Role.POLICY, data[3:], "cross_entropy").result()
+        _assert_gradients_close(
+            engine.inspect(halves, wb.Role.POLICY).gradients, engine.inspect(whole, wb.Role.POLICY).gradients
+        )
+        assert engine.inspect(halves, wb.Role.POLICY).pending_backward_calls == 2
+    finally:
+        engine.delete_model(whole).result()
+        engine.delete_model(halves).result()
+
+
+def test_a_state_moves_bit_exact_between_two_ranks_and_one(pair: tuple[wb.Session, wb.Session]) -> None:
+    """A state saved on two ranks loads into one device as into both ranks, bit for bit, and back (a
+    load bumps the weights version, so both sessions load it)."""
+    two, one = pair
+    data = ragged_ce_batch(5, 4, 3, 12, VOCAB)
+    two.policy.forward_backward(data, "cross_entropy").result()
+    one.policy.forward_backward(data, "cross_entropy").result()
+    _step_both(two, one)
+    two.policy.forward_backward(data, "cross_entropy").result()  # a pending gradient is saved too
+    saved = two.policy.save_state("from-two-ranks").result().path
+    for sess in (one, two):
+        sess.policy.load_state_with_optimizer(saved).result()
+    assert two.engine.rank_digests(two.model_id) == [one.engine.state_digest(one.model_id)] * 2
+    one.policy.forward_backward(data, "cross_entropy").result()  # one device moves ahead, and back
+    one.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
+    back = one.policy.save_state("from-one-device").result().path
+    for sess in (one, two):
+        sess.policy.load_state_with_optimizer(back).result()
+    assert two.engine.rank_digests(two.model_id) == [one.engine.state_digest(one.model_id)] * 2
+
+
+def test_a_killed_rank_fails_every_pending_call_naming_it(pair: tuple[wb.Session, wb.Session]) -> None:
+    """Next to last: the pair's two-rank session is broken after it."""
+    two, _ = pair
+    engine, model_id = two.engine, two.model_id
+    data = ragged_ce_batch(6, 64, 32, 64, VOCAB)
+    futures = [engine.forward_backward(model_id, wb.Role.POLICY, data, "cross_entropy") for _ in range(40)]
+    futures[0].result()  # the calls are running
+    os.kill(engine.rank_pids[0], signal.SIGKILL)
+    started = time.monotonic()
+    failures = []
+    for future in futures[1:]:
+        try:
+            future.result(timeout=10)
+        except RankFailedError as error:
+            failures.append(str(error))
+    assert time.monotonic() - started < 10
+    assert len(failures) >= 30  # the few that finished before the kill took effect did so whole
+    assert all("rank 1" in message and "forward_backward" in message for message in failures)
+    with pytest.raises(RankFailedError, match="must be restarted"):
+        two.policy.forward_backward(data, "cross_entropy")
+
+
+def test_close_leaves_no_process(pair: tuple[wb.Session, wb.Session]) -> None:
+    """The last test of the module: it closes the pair (its two-rank session after its rank died)."""
+    two, one = pair
+    pids = two.engine.rank_pids
+    two.close()
+    one.close()
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+    assert psutil.Process().children(recursive=True) == []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_killed_kernel_leaves_no_rank() -> None:
+    """A process holding a two-rank engine, SIGKILLed: its follower rank ends within seconds."""
+    code = "import time, workbench as wb; e = wb.Engine('tiny', devices=2); print(e.rank_pids[0], flush=True); time.sleep(300)"
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert kernel.stdout is not None
+        follower = int(kernel.stdout.readline())
+    finally:
+        kernel.kill()
+        kernel.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(follower) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(follower)
