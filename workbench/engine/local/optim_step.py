@@ -9,7 +9,9 @@ non-finite gradient, a step that would leave non-finite weights or optimizer mom
 
 The response's `metrics` carry only what the step measured (`grad_norm`), never keys a caller keeps
 for itself (`step`, `learning_rate`): training loops merge them into their own metrics. The history
-row also records the learning rate and whether the step was applied.
+row also records the learning rate, whether the step was applied, each adapter module's gradient and
+update norms when it was (`grad_norm/<module>`, `update_norm/<module>`: `TrainableAdapter.module_norms`)
+and what the process uses (`system/...`: `workbench.engine.local.resource_use`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def run(state: EngineState, model_id: str, role: Role, params: AdamParams) -> Op
         **response.metrics,
         "learning_rate": params.learning_rate,
         "applied": float(response.applied),
+        **(model.trainable.module_norms if response.applied else {}),
+        **state.resources.read(),
     }
     state.record("optim_step", lora_model, model.adapter, history_metrics)
     return response
