@@ -20,12 +20,13 @@ instead of one line that zig-zags between them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -169,6 +170,40 @@ class MetricsHistory:
         return f"MetricsHistory({len(self.rows)} rows, metrics={self.names()})"
 
 
+@dataclasses.dataclass
+class MetricSummary:
+    """One metric over a run: its last value, the least and greatest of its finite values (NaN while
+    it has none), and how many rows carried it."""
+
+    last: float = math.nan
+    min: float = math.nan
+    max: float = math.nan
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        self.last = value
+        self.count += 1
+        if math.isfinite(value):
+            self.min = value if math.isnan(self.min) else min(self.min, value)
+            self.max = value if math.isnan(self.max) else max(self.max, value)
+
+
+def summarize(
+    rows: Iterable[Mapping[str, Any]], into: dict[str, MetricSummary] | None = None
+) -> dict[str, MetricSummary]:
+    """Every metric's `MetricSummary` over `rows` (rows marked discarded left out), by name in the order
+    first seen; with `into`, the summaries of earlier rows are carried on (a growing history is
+    summarized once per row, not once per look)."""
+    summaries = {} if into is None else into
+    for row in rows:
+        if row.get(DISCARDED):
+            continue
+        for key, value in row.items():
+            if key not in ROW_COLUMNS and key != DISCARDED and isinstance(value, int | float):
+                summaries.setdefault(key, MetricSummary()).add(float(value))
+    return summaries
+
+
 def history_run_name(path: str | Path) -> str:
     """The name of the run whose folder, or whose `history.jsonl`, is at `path`: the folder's name."""
     path = Path(path).absolute()
@@ -262,6 +297,17 @@ class WandbSink:
         (the latest checkpoint is the one worth showing there).
         """
         self._run.summary[f"event/{name}"] = dict(payload)
+
+    def describe(self, notes: str, tags: Sequence[str]) -> None:
+        """Set the run's notes and tags (what `sess.describe` writes to the model folder)."""
+        self._run.notes = notes
+        self._run.tags = tuple(tags)
+
+    def alert(self, title: str, text: str) -> None:
+        """Send a W&B alert at level WARN (`wandb.Run.alert`: an e-mail or Slack message per the user's
+        W&B settings; an offline run keeps it in its run file, and `wandb sync` sends it). W&B sends
+        at most one alert of a title per minute."""
+        self._run.alert(title=title[:63], text=text, level="WARN")
 
     def close(self) -> None:
         """Finish the run (an offline run is then complete and ready for `wandb sync`)."""

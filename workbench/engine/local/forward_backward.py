@@ -125,6 +125,10 @@ def submit(
             "(to compute the loss) or to none (values only)"
         )
     op = "forward_backward" if backward else "forward"
+    if backward:
+        state.lora_model(model_id).settings.note(
+            role.value, "loss", {"loss_fn": loss_fn, "loss_fn_config": config}
+        )
     return state.submit(
         lambda: run_loss(state, state.lora_model(model_id), role, op, batch, spec, config, with_loss)
     )
@@ -144,6 +148,8 @@ def submit_custom(
         )
     batch = prepare(state, data, ("target_tokens",), {}, strict=False, soft_targets=True)
     user_data = list(data)
+    name = f"custom: {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}"
+    state.lora_model(model_id).settings.note(role.value, "loss", {"loss_fn": name, "loss_fn_config": {}})
     return state.submit(
         lambda: run_custom(state, state.lora_model(model_id), role, batch, loss_fn, user_data)
     )

@@ -16,6 +16,7 @@ and what the process uses (`system/...`: `workbench.engine.local.resource_use`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from workbench.engine.local.state import EngineState
@@ -27,8 +28,10 @@ from workbench.types import AdamParams, OptimStepResponse
 
 def submit(state: EngineState, model_id: str, role: Role, adam_params: Any) -> APIFuture[OptimStepResponse]:
     state.check_open()
-    state.lora_model(model_id).role_adapter(role)
+    lora_model = state.lora_model(model_id)
+    lora_model.role_adapter(role)
     params = to_adam_params(adam_params)
+    lora_model.settings.note(role.value, "adam_params", dataclasses.asdict(params))
     return state.submit(lambda: run(state, model_id, role, params))
 
 
