@@ -218,6 +218,13 @@ class MetricsTab:
         self.feedback.info(f"overlaid {name} ({len(history)} rows)")
         self._replot()
 
+    def show_runs(self, paths: Sequence[str | Path]) -> None:
+        """Overlay exactly the runs whose folders (or `history.jsonl` files) are `paths`, in place of
+        those overlaid before (the Runs tab's ticked rows); none removes every overlay."""
+        self.compared = {history_run_name(path): MetricsHistory.from_jsonl(path) for path in paths}
+        self.feedback.info(f"overlaid {', '.join(self.compared) or 'no run'}")
+        self._replot()
+
     def add(self, name: str) -> None:
         """Plot metric `name` too (what picking it in the "add a metric" box does)."""
         if not name:
