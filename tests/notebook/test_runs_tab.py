@@ -106,6 +106,22 @@ def test_the_runs_tab_sorts_filters_and_overlays_runs_in_one_click(
             assert values == [f"{s.last:.4g}", f"{s.min:.4g}", f"{s.max:.4g}", str(s.count)]
         module = next(n for n in expected if n.startswith("update_norm/"))
         assert module in summary and math.isfinite(expected[module].last)
+
+        # the per-module norms are one family in the Metrics tab: one plot, a line per module
+        metrics = panel.metrics
+        metrics.refresh()
+        assert {"grad_norm/*", "update_norm/*"} <= set(metrics.add_metric.options)
+        metrics.add("update_norm/*")
+        modules = [n.split("/", 1)[1] for n in expected if n.startswith("update_norm/")]
+        own = {
+            label: line
+            for label, line in metrics.plot.lines["update_norm/*"].items()
+            if not label.startswith("tiny-")
+        }
+        assert sorted(own) == sorted(f"policy/optim_step {module}" for module in modules)
+        line = own[f"policy/optim_step {modules[0]}"]
+        assert list(line.get_ydata()) == sess.history.series(f"update_norm/{modules[0]}")[1]
+        assert metrics.plot.axes["update_norm/*"].get_legend() is None  # 15 lines: no legend
     finally:
         panel.close()
         sess.close()
