@@ -84,7 +84,7 @@ def test_the_runs_tab_and_a_triggers_alert_in_jupyterlab(tmp_path: Path) -> None
         _tab(panel, "Runs")
         rows = panel.locator(".wb-runs-row")
         expect(rows).to_have_count(3, timeout=STEP_MS)  # the two earlier runs and this session's
-        expect(rows.first).to_contain_text("this session")  # newest first
+        expect(rows.first).to_contain_text("● tiny-")  # newest first: this session's
 
         panel.locator(".wb-runs-sort-lr").click()  # ascending
         expect(rows.first).to_contain_text("slow baseline", timeout=STEP_MS)

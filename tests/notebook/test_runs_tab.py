@@ -60,7 +60,7 @@ def test_the_runs_tab_sorts_filters_and_overlays_runs_in_one_click(
         runs = panel.runs
         assert _shown_ids(panel) == [sess.model_id, fast, slow]  # newest first
         rows = [row.children[1].value for row in runs.rows.children]
-        assert "this session" in rows[0] and "a slow baseline" in rows[2] and "cross_entropy" in rows[1]
+        assert "● " + sess.model_id in rows[0] and "a slow baseline" in rows[2] and "cross_entropy" in rows[1]
 
         runs.sort_by("lr")
         assert _shown_ids(panel) == [slow, sess.model_id, fast]  # ascending at first

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 MAX_ROWS = 60
 """The most rows the table shows (after the filter and the sort); the rest are counted."""
+OWN_MARK = "● "
+"""What marks this session's own row (its run id in bold after it)."""
 SUMMARY_S = 2.0
 """How often, at most, the summary of a running session's metrics is redrawn while the tab is shown."""
 
@@ -64,7 +66,7 @@ def _lora(entry: RunEntry) -> str:
 
 
 COLUMNS = (
-    Column("run", 17, lambda e, _m: e.model_id, lambda e, _m: e.model_id),
+    Column("run", 18, lambda e, _m: e.model_id, lambda e, _m: e.model_id),
     Column(
         "created",
         8.5,
@@ -73,7 +75,7 @@ COLUMNS = (
     ),
     Column("base", 7, lambda e, _m: e.base_model, lambda e, _m: e.base_model),
     Column("tags", 7, lambda e, _m: ", ".join(e.tags), lambda e, _m: ", ".join(e.tags)),
-    Column("notes", 10, lambda e, _m: e.notes, lambda e, _m: e.notes),
+    Column("notes", 9, lambda e, _m: e.notes, lambda e, _m: e.notes),
     Column("LoRA", 4.5, lambda e, _m: _lora(e), lambda e, _m: float(e.lora.get("rank") or 0)),
     Column("lr", 4.5, lambda e, _m: format_value(e.learning_rate), lambda e, _m: e.learning_rate),
     Column("loss", 7.5, lambda e, _m: e.loss_fn, lambda e, _m: e.loss_fn),
@@ -99,11 +101,13 @@ def sorted_entries(
     return sorted(present, key=lambda e: key(e)[1], reverse=descending) + missing
 
 
-def _cell(text: str, width_em: float) -> str:
+def _cell(text: str, width_em: float, bold: bool = False) -> str:
     escaped = html.escape(text)
+    weight = "font-weight:bold;" if bold else ""
     return (
-        f'<span title="{escaped}" style="display:inline-block;width:{width_em}em;overflow:hidden;'
-        f'text-overflow:ellipsis;white-space:nowrap;vertical-align:middle;padding-right:.4em">{escaped}</span>'
+        f'<span title="{escaped}" style="display:inline-block;box-sizing:border-box;width:{width_em + 0.4}em;'
+        f"overflow:hidden;text-overflow:ellipsis;white-space:nowrap;vertical-align:middle;"
+        f'padding-right:.4em;{weight}">{escaped}</span>'
     )
 
 
@@ -159,7 +163,9 @@ class RunsTab:
         self.metric = ipywidgets.Dropdown(options=[metric], value=metric, description="metric")
         self.metric.add_class("wb-runs-metric")
         self.refresh_button = ipywidgets.Button(description="Refresh", icon="refresh")
-        self.overlay_button = ipywidgets.Button(description="Overlay in Metrics", icon="chart-line")
+        self.overlay_button = ipywidgets.Button(
+            description="Overlay in Metrics", icon="chart-line", layout=ipywidgets.Layout(width="auto")
+        )
         self.overlay_button.add_class("wb-runs-overlay")
         self.headers = []
         for column in COLUMNS:
@@ -171,7 +177,9 @@ class RunsTab:
             button.on_click(self.feedback.guard(lambda _b, column=column: self.sort_by(column.title)))
             self.headers.append(button)
         self.count = ipywidgets.HTML()
-        self.rows = ipywidgets.VBox(layout=ipywidgets.Layout(max_height="24em", overflow="auto"))
+        self.rows = ipywidgets.VBox(
+            layout=ipywidgets.Layout(max_height="24em", overflow="auto", width="100%")
+        )
         self._checkboxes: dict[str, ipywidgets.Checkbox] = {}
         self._row_boxes: dict[str, ipywidgets.HBox] = {}
         self.summary = ipywidgets.HTML()
@@ -264,14 +272,16 @@ class RunsTab:
             self._row_boxes[entry.model_id] = ipywidgets.HBox([box, ipywidgets.HTML()])
             self._row_boxes[entry.model_id].add_class("wb-runs-row")
         row = self._row_boxes[entry.model_id]
-        own = " (this session)" if entry.model_id == self.session.model_id else ""
+        own = entry.model_id == self.session.model_id
         cells = "".join(
             _cell(
-                column.text(entry, self.metric.value) + (own if column.title == "run" else ""),
+                (OWN_MARK if own and column.title == "run" else "") + column.text(entry, self.metric.value),
                 column.width_em,
+                bold=own and column.title == "run",
             )
             for column in COLUMNS
         )
+        cells = f'<div style="white-space:nowrap">{cells}</div>'
         label = row.children[1]
         if label.value != cells:
             label.value = cells
@@ -295,7 +305,7 @@ class RunsTab:
         self.count.value = (
             f"<small>{len(shown)} of {len(self.entries)} runs"
             + (f", the first {len(rows)} shown" if hidden else "")
-            + f" · sorted by {self.sort_column.title}</small>"
+            + f" · sorted by {self.sort_column.title} · {OWN_MARK}this session</small>"
         )
         listed = {entry.model_id for entry in self.entries}
         for model_id in [m for m in self._checkboxes if m not in listed]:  # folders removed
