@@ -1,10 +1,11 @@
 """The Runs tab and a trigger's alert in a real browser (JupyterLab, Debian's chromium), in one page load.
 
 The notebook leaves two finished runs' folders (described with notes and tags), then shows a live
-session's panel and starts a run whose trigger pauses it after its second step. The test opens the Runs
-tab, sorts by the learning rate (and back), filters on a tag, ticks the two earlier runs and overlays
-them in the Metrics tab with one click, and sees the trigger's alert: the banner in the panel and
-JupyterLab's notification. Fixtures and helpers are `test_browser.py`'s.
+session's panel and starts a run whose trigger pauses it after its second step. The test sees the
+trigger's alert (the banner in the panel and JupyterLab's notification), opens the Runs tab, sorts by
+the learning rate (and back), filters on a tag, ticks the two earlier runs and overlays them in the
+Metrics tab with one click; then, the application hidden from the page, resumes the run from the panel
+and sees the next trigger's alert as the panel's own toast. Fixtures and helpers are `test_browser.py`'s.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def step(sess, i):
     )
     sess.policy.forward_backward([datum], "cross_entropy").result()
     sess.policy.optim_step(sess.current_run.adam_params).result()
-    return {"reward:mean": 0.25 if i == 1 else 0.0}
+    return {"reward:mean": 0.25 if i in (1, 3) else 0.0}
 
 
 for steps, rate, notes, tags in ((2, 1e-4, "slow baseline", ["baseline"]), (3, 1e-2, "fast sweep", ["sweep"])):
@@ -58,7 +59,7 @@ for steps, rate, notes, tags in ((2, 1e-4, "slow baseline", ["baseline"]), (3, 1
 sess = wb.Session("tiny", wb.LoraConfig(rank=4), wandb=False)""",
     """panel = sess.panel(metrics=("loss:sum", "reward:mean"))
 panel""",
-    """run = sess.run(step, 3, adam_params=wb.AdamParams(learning_rate=1e-3), pause_if={"reward:mean": ("above", 0.1)})""",
+    """run = sess.run(step, 4, adam_params=wb.AdamParams(learning_rate=1e-3), pause_if={"reward:mean": ("above", 0.1)})""",
 ]
 
 
@@ -109,3 +110,15 @@ def test_the_runs_tab_and_a_triggers_alert_in_jupyterlab(tmp_path: Path) -> None
         expect(panel.locator(".wb-metrics-plot canvas").first).to_be_visible()
         page.wait_for_timeout(1500)
         panel.screenshot(path=str(ARTIFACTS / "cockpit-runs-overlay.png"))
+
+        # a page that does not expose JupyterLab's application gets the panel's own toast
+        page.evaluate("() => { window.hiddenApp = window.jupyterapp; window.jupyterapp = undefined; }")
+        _tab(panel, "Train")
+        panel.locator(".wb-train-run").click()  # resume: the trigger fires again at run step 3
+        expect(alert).to_contain_text("at run step 3", timeout=STEP_MS)
+        fallback = page.locator(".wb-alert-toast")
+        expect(fallback).to_be_visible(timeout=STEP_MS)
+        expect(fallback).to_contain_text("reward:mean = 0.25 (above 0.1) at run step 3")
+        fallback.click()  # closes it
+        expect(fallback).to_have_count(0)
+        page.evaluate("() => { window.jupyterapp = window.hiddenApp; }")
