@@ -108,8 +108,6 @@ def test_the_runs_tab_and_a_triggers_alert_in_jupyterlab(tmp_path: Path) -> None
         expect(panel.locator(".lm-TabBar-tab.lm-mod-current")).to_have_text("Metrics", timeout=STEP_MS)
         expect(panel).to_contain_text(re.compile(r"overlaid tiny-\S+, tiny-\S+"), timeout=STEP_MS)
         expect(panel.locator(".wb-metrics-plot canvas").first).to_be_visible()
-        page.wait_for_timeout(1500)
-        panel.screenshot(path=str(ARTIFACTS / "cockpit-runs-overlay.png"))
 
         # a page that does not expose JupyterLab's application gets the panel's own toast
         page.evaluate("() => { window.hiddenApp = window.jupyterapp; window.jupyterapp = undefined; }")

@@ -60,7 +60,7 @@ def test_each_adapter_module_gets_its_gradient_and_update_norm(tiny: wb.Session,
             f"update_norm/{m}" for m in expected_update
         }
         for module, norm in expected_grad.items():
-            assert row[f"grad_norm/{module}"] == pytest.approx(norm, rel=1e-6)  # before clipping
+            assert row[f"grad_norm/{module}"] == pytest.approx(norm, rel=1e-5)  # before clipping
         for module, norm in expected_update.items():
             assert row[f"update_norm/{module}"] == pytest.approx(norm, rel=1e-5, abs=1e-12)
         # the modules' gradient norms make up the global one

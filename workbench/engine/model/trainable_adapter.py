@@ -67,13 +67,17 @@ def per_module_norms(norms: Sequence[float], modules: dict[str, list[int]]) -> d
 
 
 def tensor_norms(tensors: Sequence[Tensor | None]) -> list[float]:
-    """The L2 norm of each tensor (0 for None), in float64 (a large finite gradient's square does not
-    overflow), read back in one transfer."""
+    """The L2 norm of each tensor (0 for None), read back in one transfer: in float32, as torch computes
+    norms, and again in float64 when a finite tensor's float32 norm overflowed (smollm2-135m's 420
+    adapter tensors: 2.7 ms on one core in float32, 17 ms in float64)."""
     present = [t.detach() for t in tensors if t is not None]
     if not present:
         return [0.0] * len(tensors)
-    norms = iter(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in present]).tolist())
-    return [0.0 if t is None else next(norms) for t in tensors]
+    norms = torch.stack([torch.linalg.vector_norm(t) for t in present]).tolist()
+    if not all(math.isfinite(norm) for norm in norms):
+        norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in present]).tolist()
+    found = iter(norms)
+    return [0.0 if t is None else next(found) for t in tensors]
 
 
 class NonFiniteGradientError(FloatingPointError):

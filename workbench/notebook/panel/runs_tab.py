@@ -40,7 +40,7 @@ MAX_ROWS = 60
 """The most rows the table shows (after the filter and the sort); the rest are counted."""
 OWN_MARK = "● "
 """What marks this session's own row (its run id in bold after it)."""
-SUMMARY_S = 2.0
+SUMMARY_S = 5.0
 """How often, at most, the summary of a running session's metrics is redrawn while the tab is shown."""
 
 
@@ -66,7 +66,7 @@ def _lora(entry: RunEntry) -> str:
 
 
 COLUMNS = (
-    Column("run", 18, lambda e, _m: e.model_id, lambda e, _m: e.model_id),
+    Column("run", 19, lambda e, _m: e.model_id, lambda e, _m: e.model_id),
     Column(
         "created",
         8.5,
