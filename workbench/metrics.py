@@ -151,6 +151,10 @@ class MetricsHistory:
                 return row[name]
         return math.nan
 
+    def summary(self) -> dict[str, MetricSummary]:
+        """Every metric's last, least and greatest value and count (`summarize`)."""
+        return summarize(self.rows)
+
     def to_pandas(self) -> Any:
         """The rows as a DataFrame; `step` stays an integer column."""
         import pandas as pd

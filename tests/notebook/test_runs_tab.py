@@ -60,6 +60,12 @@ def test_the_runs_tab_sorts_filters_and_overlays_runs_in_one_click(
         runs = panel.runs
         assert _shown_ids(panel) == [sess.model_id, fast, slow]  # newest first
         rows = [row.children[1].value for row in runs.rows.children]
+        # the settings in full in the cells' tooltips
+        assert "policy: {&quot;beta1&quot;: 0.9," in rows[1] and "&quot;learning_rate&quot;: 0.01" in rows[1]
+        assert (
+            "policy: {&quot;loss_fn&quot;: &quot;cross_entropy&quot;, &quot;loss_fn_config&quot;: {}}"
+            in rows[1]
+        )
         assert "● " + sess.model_id in rows[0] and "a slow baseline" in rows[2] and "cross_entropy" in rows[1]
 
         runs.sort_by("lr")
@@ -96,7 +102,8 @@ def test_the_runs_tab_sorts_filters_and_overlays_runs_in_one_click(
         panel.tabs.selected_index = panel.tab_index("Runs")
         panel.refresh()
         summary = html.unescape(runs.summary.value)
-        expected = summarize(sess.history.rows)
+        expected = sess.history.summary()
+        assert expected == summarize(sess.history.rows)
         assert "grad_norm/" in summary and "system/rss_mb" in summary
         for name in ("loss:sum", "grad_norm", "learning_rate", "reward:mean", "system/rss_mb"):
             cells = re.search(rf"<td[^>]*>{re.escape(name)}</td>((?:<td[^>]*>[^<]*</td>){{4}})", summary)

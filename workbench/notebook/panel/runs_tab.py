@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import html
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,17 @@ class Column:
     width_em: float
     text: Callable[[RunEntry, str], str]
     key: Callable[[RunEntry, str], str | float]
+    detail: Callable[[RunEntry], str] | None = None
+    """What the cell's tooltip shows in full (default: its text)."""
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _settings(entry: RunEntry, key: str) -> str:
+    """Each role's `key` setting in full (AdamParams, or the loss and its config), for a tooltip."""
+    return "; ".join(f"{role}: {_json(found[key])}" for role, found in entry.settings.items() if key in found)
 
 
 def _lora(entry: RunEntry) -> str:
@@ -76,9 +88,21 @@ COLUMNS = (
     Column("base", 7, lambda e, _m: e.base_model, lambda e, _m: e.base_model),
     Column("tags", 7, lambda e, _m: ", ".join(e.tags), lambda e, _m: ", ".join(e.tags)),
     Column("notes", 9, lambda e, _m: e.notes, lambda e, _m: e.notes),
-    Column("LoRA", 4.5, lambda e, _m: _lora(e), lambda e, _m: float(e.lora.get("rank") or 0)),
-    Column("lr", 4.5, lambda e, _m: format_value(e.learning_rate), lambda e, _m: e.learning_rate),
-    Column("loss", 7.5, lambda e, _m: e.loss_fn, lambda e, _m: e.loss_fn),
+    Column(
+        "LoRA",
+        4.5,
+        lambda e, _m: _lora(e),
+        lambda e, _m: float(e.lora.get("rank") or 0),
+        lambda e: _json(e.lora),
+    ),
+    Column(
+        "lr",
+        4.5,
+        lambda e, _m: format_value(e.learning_rate),
+        lambda e, _m: e.learning_rate,
+        lambda e: _settings(e, "adam_params"),
+    ),
+    Column("loss", 7.5, lambda e, _m: e.loss_fn, lambda e, _m: e.loss_fn, lambda e: _settings(e, "loss")),
     Column("step", 3.5, lambda e, _m: str(e.last_step), lambda e, _m: float(e.last_step)),
     Column("last", 5, lambda e, m: format_value(e.metric(m).last), lambda e, m: e.metric(m).last),
     Column("min", 5, lambda e, m: format_value(e.metric(m).min), lambda e, m: e.metric(m).min),
@@ -101,11 +125,12 @@ def sorted_entries(
     return sorted(present, key=lambda e: key(e)[1], reverse=descending) + missing
 
 
-def _cell(text: str, width_em: float, bold: bool = False) -> str:
+def _cell(text: str, width_em: float, bold: bool = False, detail: str | None = None) -> str:
     escaped = html.escape(text)
     weight = "font-weight:bold;" if bold else ""
+    title = html.escape(text if detail is None else detail)
     return (
-        f'<span title="{escaped}" style="display:inline-block;box-sizing:border-box;width:{width_em + 0.4}em;'
+        f'<span title="{title}" style="display:inline-block;box-sizing:border-box;width:{width_em + 0.4}em;'
         f"overflow:hidden;text-overflow:ellipsis;white-space:nowrap;vertical-align:middle;"
         f'padding-right:.4em;{weight}">{escaped}</span>'
     )
@@ -278,6 +303,7 @@ class RunsTab:
                 (OWN_MARK if own and column.title == "run" else "") + column.text(entry, self.metric.value),
                 column.width_em,
                 bold=own and column.title == "run",
+                detail=None if column.detail is None else column.detail(entry),
             )
             for column in COLUMNS
         )
