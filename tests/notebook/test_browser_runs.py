@@ -1,4 +1,5 @@
-"""The Runs tab and a trigger's alert in a real browser (JupyterLab, Debian's chromium), in one page load.
+"""The Runs tab and a trigger's alert in a real browser (JupyterLab and Notebook 7, Debian's chromium), in
+one page load each.
 
 The notebook leaves two finished runs' folders (described with notes and tags), then shows a live
 session's panel and starts a run whose trigger pauses it after its second step. The test sees the
@@ -11,7 +12,6 @@ and sees the next trigger's alert as the panel's own toast. Fixtures and helpers
 from __future__ import annotations
 
 import re
-import secrets
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from tests.notebook.test_browser import (
     PANEL_RENDER_MS,
     STEP_MS,
     _browser_page,
-    _open,
+    _open_in,
     _serve,
     _tab,
     _write_notebook,
@@ -63,10 +63,14 @@ panel""",
 ]
 
 
-def test_the_runs_tab_and_a_triggers_alert_in_jupyterlab(tmp_path: Path) -> None:
-    with _serve(tmp_path, "lab") as lab, _browser_page(tmp_path, 1400, "browser-failure-runs.png") as page:
+@pytest.mark.parametrize("front_end", ["lab", "notebook"])
+def test_the_runs_tab_and_a_triggers_alert(front_end: str, tmp_path: Path) -> None:
+    with (
+        _serve(tmp_path, front_end) as server,
+        _browser_page(tmp_path, 1400, f"browser-failure-runs-{front_end}.png") as page,
+    ):
         _write_notebook(tmp_path / "notebooks" / "runs.ipynb", RUNS_CELLS)
-        _open(page, lab, secrets.token_hex(4), "runs.ipynb")
+        _open_in(page, server, front_end, "runs.ipynb")
         panel = page.locator(".wb-panel")
         try:
             expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
@@ -102,7 +106,8 @@ def test_the_runs_tab_and_a_triggers_alert_in_jupyterlab(tmp_path: Path) -> None
         for notes in ("slow baseline", "fast sweep"):
             rows.filter(has_text=notes).locator("input[type=checkbox]").check()
         page.wait_for_timeout(500)  # the ticks reach the kernel before the click
-        panel.screenshot(path=str(ARTIFACTS / "cockpit-runs.png"))
+        if front_end == "lab":
+            panel.screenshot(path=str(ARTIFACTS / "cockpit-runs.png"))
         panel.locator(".wb-runs-overlay").click()
         # one click: the Metrics tab opens with both runs overlaid
         expect(panel.locator(".lm-TabBar-tab.lm-mod-current")).to_have_text("Metrics", timeout=STEP_MS)
