@@ -146,9 +146,10 @@ class Panel(ipywidgets.VBox):
 
     Parts (each a thin view with a `refresh()`): `status` (the status bar), `progress` (the run's
     progress line: step, speed, ETA, latest loss and reward, a fired trigger), and one per row of `TABS`
-    in `parts`: `train`, `sample`, `checkpoints`, `metrics` and `rollouts` (the rollout explorer) name
-    them (and `runs`, the runs table); the tabs are in `tabs`. `refresh()` redraws everything at once; a timer does it every
-    `REFRESH_S` until the panel is closed or the session is.
+    in `parts`: `train`, `sample`, `checkpoints`, `metrics`, `runs` (the runs table) and `rollouts` (the
+    rollout explorer) name them; the tabs are in `tabs`; `alert` is a trigger's banner and notification.
+    `refresh()` redraws everything at once; a timer does it every `REFRESH_S` until the panel is closed or
+    the session is.
     """
 
     def __init__(
