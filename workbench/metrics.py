@@ -187,9 +187,14 @@ class MetricSummary:
     def add(self, value: float) -> None:
         self.last = value
         self.count += 1
-        if math.isfinite(value):
-            self.min = value if math.isnan(self.min) else min(self.min, value)
-            self.max = value if math.isnan(self.max) else max(self.max, value)
+        if value - value == 0.0:  # finite: NaN and ±inf give NaN
+            if not self.min <= value:  # also while min is NaN (no finite value yet)
+                self.min = value
+            if not self.max >= value:
+                self.max = value
+
+
+_NOT_METRICS = frozenset((*ROW_COLUMNS, DISCARDED))
 
 
 def summarize(
@@ -203,8 +208,12 @@ def summarize(
         if row.get(DISCARDED):
             continue
         for key, value in row.items():
-            if key not in ROW_COLUMNS and key != DISCARDED and isinstance(value, int | float):
-                summaries.setdefault(key, MetricSummary()).add(float(value))
+            if key in _NOT_METRICS or type(value) not in (float, int):
+                continue
+            summary = summaries.get(key)
+            if summary is None:
+                summary = summaries[key] = MetricSummary()
+            summary.add(float(value))
     return summaries
 
 
