@@ -101,6 +101,13 @@ def test_the_runs_tab_sorts_filters_and_overlays_runs_in_one_click(
         # every metric of this session, with its last / min / max
         panel.tabs.selected_index = panel.tab_index("Runs")
         panel.refresh()
+        own = next(entry for entry in runs.entries if entry.model_id == sess.model_id)
+        assert own.last_step == 1
+        # a run that ends is read again without a click
+        assert sess.run(_step, 1).wait(WAIT_S) is wb.RunState.FINISHED
+        panel.refresh()
+        own = next(entry for entry in runs.entries if entry.model_id == sess.model_id)
+        assert own.last_step == 2
         summary = html.unescape(runs.summary.value)
         expected = sess.history.summary()
         assert expected == summarize(sess.history.rows)
