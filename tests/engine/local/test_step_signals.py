@@ -99,3 +99,13 @@ def test_each_step_records_what_the_process_uses(tiny: wb.Session) -> None:
         if tiny.engine.device.type == "cuda"
         else []
     )
+
+
+def test_a_module_norm_that_overflows_float32_is_computed_in_float64() -> None:
+    from workbench.engine.model.trainable_adapter import tensor_norms
+
+    big = torch.full((2,), 3e38)  # each element finite in float32, the norm 4.2e38 is not
+    assert not math.isfinite(float(torch.linalg.vector_norm(big)))
+    assert tensor_norms([torch.ones(4), None, big]) == pytest.approx(
+        [2.0, 0.0, math.sqrt(2) * 3e38], rel=1e-6
+    )
