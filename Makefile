@@ -139,7 +139,7 @@ test-tutorial-tasks: env
 
 # The README's panel and cockpit screenshots, taken by the real-browser tests.
 screenshot: env browser
-	$(BIN)/python -m pytest -q tests/notebook/test_browser.py
+	$(BIN)/python -m pytest -q tests/notebook/test_browser.py tests/notebook/test_browser_runs.py
 	cp artifacts/panel.png artifacts/cockpit-*.png docs/
 
 bench: env

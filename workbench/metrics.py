@@ -20,12 +20,13 @@ instead of one line that zig-zags between them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -150,6 +151,10 @@ class MetricsHistory:
                 return row[name]
         return math.nan
 
+    def summary(self) -> dict[str, MetricSummary]:
+        """Every metric's last, least and greatest value and count (`summarize`)."""
+        return summarize(self.rows)
+
     def to_pandas(self) -> Any:
         """The rows as a DataFrame; `step` stays an integer column."""
         import pandas as pd
@@ -167,6 +172,49 @@ class MetricsHistory:
 
     def __repr__(self) -> str:
         return f"MetricsHistory({len(self.rows)} rows, metrics={self.names()})"
+
+
+@dataclasses.dataclass
+class MetricSummary:
+    """One metric over a run: its last value, the least and greatest of its finite values (NaN while
+    it has none), and how many rows carried it."""
+
+    last: float = math.nan
+    min: float = math.nan
+    max: float = math.nan
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        self.last = value
+        self.count += 1
+        if value - value == 0.0:  # finite: NaN and ±inf give NaN
+            if not self.min <= value:  # also while min is NaN (no finite value yet)
+                self.min = value
+            if not self.max >= value:
+                self.max = value
+
+
+_NOT_METRICS = frozenset((*ROW_COLUMNS, DISCARDED))
+
+
+def summarize(
+    rows: Iterable[Mapping[str, Any]], into: dict[str, MetricSummary] | None = None
+) -> dict[str, MetricSummary]:
+    """Every metric's `MetricSummary` over `rows` (rows marked discarded left out), by name in the order
+    first seen; with `into`, the summaries of earlier rows are carried on (a growing history is
+    summarized once per row, not once per look)."""
+    summaries = {} if into is None else into
+    for row in rows:
+        if row.get(DISCARDED):
+            continue
+        for key, value in row.items():
+            if key in _NOT_METRICS or type(value) not in (float, int):
+                continue
+            summary = summaries.get(key)
+            if summary is None:
+                summary = summaries[key] = MetricSummary()
+            summary.add(float(value))
+    return summaries
 
 
 def history_run_name(path: str | Path) -> str:
@@ -262,6 +310,17 @@ class WandbSink:
         (the latest checkpoint is the one worth showing there).
         """
         self._run.summary[f"event/{name}"] = dict(payload)
+
+    def describe(self, notes: str, tags: Sequence[str]) -> None:
+        """Set the run's notes and tags (what `sess.describe` writes to the model folder)."""
+        self._run.notes = notes
+        self._run.tags = tuple(tags)
+
+    def alert(self, title: str, text: str) -> None:
+        """Send a W&B alert at level WARN (`wandb.Run.alert`: an e-mail or Slack message per the user's
+        W&B settings; an offline run keeps it in its run file, and `wandb sync` sends it). W&B sends
+        at most one alert of a title per minute."""
+        self._run.alert(title=title[:63], text=text, level="WARN")
 
     def close(self) -> None:
         """Finish the run (an offline run is then complete and ready for `wandb sync`)."""

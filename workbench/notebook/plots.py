@@ -10,7 +10,8 @@ Metrics tab shows the same figure on an ipympl canvas (zoom, pan, the value unde
 A metric can come from several kinds of row (the training `forward_backward` loss and a held-out
 `forward` loss; the policy and the critic), so each axes draws one line per `model/op`, labelled when
 there is more than one; runs compared from their history files (`compare=`) add theirs, prefixed by the
-run's name. NaN values stay in the line data: matplotlib breaks the line there, so a diverged step
+run's name. A name ending in `/*` is a family (`grad_norm/*`: each adapter module's gradient norm), one
+line per member in one axes. NaN values stay in the line data: matplotlib breaks the line there, so a diverged step
 shows as a gap instead of being smoothed away.
 
 What researchers expect from W&B and TensorBoard, here: all axes share one x range (a metric recorded
@@ -32,7 +33,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -79,14 +80,42 @@ def held_limits(shown: tuple[float, float] | None, low: float, high: float, log:
     )
 
 
+FAMILY = "/*"
+"""A metric name ending in this names a family: every metric under the prefix, drawn in one axes (the
+optimizer step's `grad_norm/*` and `update_norm/*`, one line per adapter module; `system/*`)."""
+MAX_LEGEND_LINES = 12
+"""Beyond this many lines an axes shows no legend (a family of 200 modules); the footer names each."""
+
+
+def row_values(row: Mapping[str, Any], name: str) -> list[tuple[str, float]]:
+    """What `row` holds of metric `name`: [("", value)], or for a family (`"grad_norm/*"`) each member's
+    (its name past the prefix, value); [] when it holds none."""
+    if not name.endswith(FAMILY):
+        return [("", row[name])] if name in row else []
+    prefix = name[: -len(FAMILY) + 1]
+    return [(key[len(prefix) :], value) for key, value in row.items() if key.startswith(prefix)]
+
+
+def families(names: Sequence[str]) -> list[str]:
+    """The family names (`"grad_norm/*"`) of the metrics in `names` that share a prefix with another."""
+    counts: dict[str, int] = {}
+    for name in names:
+        if "/" in name and not name.endswith(FAMILY):
+            family = name.rsplit("/", 1)[0] + FAMILY
+            counts[family] = counts.get(family, 0) + 1
+    return [family for family, count in counts.items() if count > 1]
+
+
 def metric_lines(history: MetricsHistory, name: str) -> dict[str, tuple[list[int], list[float]]]:
-    """The steps and values of one metric, split by the `model/op` of the rows that carry it."""
+    """The steps and values of one metric, split by the `model/op` of the rows that carry it (and, for a
+    family, by member: `"policy/optim_step layers.0.mlp.up_proj"`)."""
     lines: dict[str, tuple[list[int], list[float]]] = {}
     for row in history:
-        if name in row:
-            steps, values = lines.setdefault(f"{row['model']}/{row['op']}", ([], []))
+        for member, value in row_values(row, name):
+            label = f"{row['model']}/{row['op']}" + (f" {member}" if member else "")
+            steps, values = lines.setdefault(label, ([], []))
             steps.append(row["step"])
-            values.append(row[name])
+            values.append(value)
     return lines
 
 
@@ -169,10 +198,11 @@ def metric_points(
     start = history.rows[0]["time"] if origin is None else origin
     lines: dict[str, tuple[list[float], list[float]]] = {}
     for row in history:
-        if name in row:
-            times, values = lines.setdefault(f"{row['model']}/{row['op']}", ([], []))
+        for member, value in row_values(row, name):
+            label = f"{row['model']}/{row['op']}" + (f" {member}" if member else "")
+            times, values = lines.setdefault(label, ([], []))
             times.append(row["time"] - start)
-            values.append(row[name])
+            values.append(value)
     return lines
 
 
@@ -325,7 +355,7 @@ class LivePlot:
             return False
         new_rows = history.rows[self._scanned_rows :]
         self._scanned_rows = len(history)
-        carried = sum(1 for row in new_rows if any(name in row for name in self.names))
+        carried = sum(1 for row in new_rows if any(row_values(row, name) for name in self.names))
         if self._drawn_rows >= 0 and carried == 0:  # rows of other metrics only: the figure is unchanged
             self._drawn_rows = len(history)
             return False
@@ -336,7 +366,7 @@ class LivePlot:
                     self._draw(name, ax, prefix + label, xs, values)
             has_data = bool(lines)
             self._notes[name].set_visible(not has_data)
-            if len(lines) > 1:
+            if 1 < len(lines) <= MAX_LEGEND_LINES:
                 ax.legend(fontsize="small")
             values = [v for line in lines.values() for v in line.get_ydata() if math.isfinite(v)]
             scale = "log" if self.log_scale and values and min(values) > 0 else "linear"

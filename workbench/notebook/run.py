@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from workbench.engine.interface import Restore
 from workbench.engine.remote.engine import EngineUnreachableError
 from workbench.loops.data_checks import DataProblem
+from workbench.notebook.alerts import alert_wandb
 from workbench.notebook.run_checkpoints import RUN_KEY, RunCheckpoint, checkpoint_name, to_prune
 from workbench.notebook.triggers import PauseIf, Trigger, first_trigger, pause_rules
 from workbench.notebook.watchdog import Stall, Watchdog
@@ -470,6 +471,8 @@ class Run:
                 self._adam_params, self._pending_adam = self._pending_adam, None
                 self.adam_params_from = self.i
             self._changed.notify_all()
+        if trigger is not None:
+            alert_wandb(self.session.wandb_run, self.session.model_id, trigger)
         assert self._progress is not None
         self._progress.update(1)
         if self._saving:

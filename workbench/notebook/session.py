@@ -77,6 +77,7 @@ from workbench.sdk_conversion import to_datum, to_lora_config
 from workbench.server import ServerConfig, TinkerServer
 from workbench.storage.checkpoint_store import STATE_DIR, CheckpointError, CheckpointInfo, CheckpointKind
 from workbench.storage.model_folders import models_root, new_model_id
+from workbench.storage.run_description import read_notes, write_notes
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.tinker_api.service_client import ServiceClient
 from workbench.types import ForwardBackwardOutput, LoadWeightsResponse, LoraConfig
@@ -756,6 +757,17 @@ class Session:
         return plot_history(
             self.history, *names, smoothing=smoothing, log_scale=log_scale, x_axis=x_axis, compare=others
         )
+
+    def describe(self, notes: str | None = None, tags: Sequence[str] | None = None) -> None:
+        """Note what this model is for: free-text `notes` and short `tags` (None keeps what is there),
+        kept in the model folder's `notes.json` and set on the W&B run. The panel's Runs tab lists them,
+        and filters on them, for every model folder under the models root."""
+        old_notes, old_tags = read_notes(self.model_dir)
+        notes = old_notes if notes is None else notes
+        tags = old_tags if tags is None else list(tags)
+        write_notes(self.model_dir, notes, tags)
+        if self.wandb_run is not None:
+            self.wandb_run.describe(notes, tags)
 
     def panel(
         self, train_data: Sequence[Any] | None = None, *, metrics: Sequence[str] = ("loss:sum",)

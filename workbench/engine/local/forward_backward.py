@@ -151,6 +151,10 @@ def submit(
 ) -> APIFuture[ForwardBackwardOutput]:
     """Validate a `forward` (backward=False) or `forward_backward` call, then queue it."""
     call = check_call(state, model_id, role, data, loss_fn, loss_fn_config, backward)
+    if backward:
+        state.lora_model(model_id).settings.note(
+            role.value, "loss", {"loss_fn": loss_fn, "loss_fn_config": call.config}
+        )
     return state.submit(
         lambda: run_loss(
             state,
@@ -186,6 +190,8 @@ def submit_custom(
     """Validate a `forward_backward_custom` call, then queue it."""
     batch = check_custom(state, model_id, role, data, loss_fn)
     user_data = list(data)
+    name = f"custom: {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}"
+    state.lora_model(model_id).settings.note(role.value, "loss", {"loss_fn": name, "loss_fn_config": {}})
     return state.submit(
         lambda: run_custom(state, state.lora_model(model_id), role, batch, loss_fn, user_data)
     )

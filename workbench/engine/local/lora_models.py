@@ -20,6 +20,7 @@ from workbench.engine.model.trainable_adapter import TrainableAdapter
 from workbench.engine.model.value_head import ValueHead
 from workbench.engine.model.weight_versions import WeightSnapshots
 from workbench.engine.roles import Role
+from workbench.storage.run_description import RunSettings
 from workbench.types import LoraConfig
 
 
@@ -65,6 +66,11 @@ class LoraModel:
     inflight_version: int | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
+    settings: RunSettings = field(init=False)
+    """The AdamParams and loss each role trains with, kept in the folder's `settings.json`."""
+
+    def __post_init__(self) -> None:
+        self.settings = RunSettings(self.model_dir)
 
     def role_adapter(self, role: Role) -> RoleAdapter:
         """The model's adapter for `role`; a clear error when the model has none."""

@@ -9,11 +9,14 @@ non-finite gradient, a step that would leave non-finite weights or optimizer mom
 
 The response's `metrics` carry only what the step measured (`grad_norm`), never keys a caller keeps
 for itself (`step`, `learning_rate`): training loops merge them into their own metrics. The history
-row also records the learning rate and whether the step was applied.
+row also records the learning rate, whether the step was applied, each adapter module's gradient and
+update norms when it was (`grad_norm/<module>`, `update_norm/<module>`: `TrainableAdapter.module_norms`)
+and what the process uses (`system/...`: `workbench.engine.local.resource_use`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from workbench.engine.local.ranks import RankOp
@@ -26,8 +29,10 @@ from workbench.types import AdamParams, OptimStepResponse
 
 def submit(state: EngineState, model_id: str, role: Role, adam_params: Any) -> APIFuture[OptimStepResponse]:
     state.check_open()
-    state.lora_model(model_id).role_adapter(role)
+    lora_model = state.lora_model(model_id)
+    lora_model.role_adapter(role)
     params = to_adam_params(adam_params)
+    lora_model.settings.note(role.value, "adam_params", dataclasses.asdict(params))
     return state.submit(
         lambda: run(state, model_id, role, params),
         mirror=lambda: RankOp("optim_step", (model_id, role, params)),
@@ -44,6 +49,8 @@ def run(state: EngineState, model_id: str, role: Role, params: AdamParams) -> Op
         **response.metrics,
         "learning_rate": params.learning_rate,
         "applied": float(response.applied),
+        **(model.trainable.module_norms if response.applied else {}),
+        **state.resources.read(),
     }
     state.record("optim_step", lora_model, model.adapter, history_metrics)
     return response

@@ -22,6 +22,7 @@ from workbench.engine.config import EngineConfig
 from workbench.engine.local.collectives import Collectives
 from workbench.engine.local.lora_models import LoraModel, RoleAdapter
 from workbench.engine.local.ranks import FollowerRanks, RankOp
+from workbench.engine.local.resource_use import ResourceMeter
 from workbench.engine.local.stability_records import StabilityRecords
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import BaseModelInfo
@@ -71,6 +72,7 @@ class EngineState:
         # single-threaded streams for a CPU pass over several datums (`workbench.engine.local.streams`)
         self.streams = streams
         self.history = MetricsHistory()
+        self.resources = ResourceMeter(device)  # the `system/` metrics of each optim_step row
         self.lora_models: dict[str, LoraModel] = {}
         # Draws the seeds of sampling requests that give none, on the worker in submission order, so a
         # run's samples are reproducible from the engine seed; its state is saved with checkpoints.

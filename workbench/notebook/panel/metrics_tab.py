@@ -10,7 +10,8 @@ per step on a loaded machine, against a budget of 20 KB per step for the whole p
 sent more than PLOT_BYTES_PER_STEP (a rescaled axis, the first points) waits as many steps before the
 next as its bytes take at that rate. The chosen metrics are tags (× removes one); a
 metric is added by picking it in the box beside them (type to filter, Enter adds it: the same input in
-JupyterLab and Notebook 7); smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
+JupyterLab and Notebook 7; a family of per-module metrics is one name, `grad_norm/*`, `update_norm/*`,
+`system/*`: one plot with a line per member); smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
 `history.jsonl` files) are controls of their own. When the history first holds an asynchronous run's
 signals (`ASYNC_METRICS`: its staleness, the trainer's wait for samples and the samples' wait for the
 trainer, per step), they join the chosen metrics beside the RL signals already plotted, once: a tag
@@ -35,7 +36,7 @@ from PIL import Image
 
 from workbench.metrics import MetricsHistory, history_run_name
 from workbench.notebook.panel.feedback import Feedback
-from workbench.notebook.plots import MAX_COLUMNS, LivePlot, NotebookFigure
+from workbench.notebook.plots import MAX_COLUMNS, LivePlot, NotebookFigure, families
 from workbench.notebook.run import RunMark, RunState
 
 if TYPE_CHECKING:
@@ -198,7 +199,7 @@ class MetricsTab:
         names = [*self.session.history.names(), *selected]
         for other in self.compared.values():
             names += other.names()
-        return sorted(dict.fromkeys(names))
+        return sorted(dict.fromkeys([*names, *families(names)]))
 
     def _with_new_async_metrics(self, chosen: list[str]) -> list[str]:
         """`chosen` plus the ASYNC_METRICS the history holds and that were not added before."""
@@ -216,6 +217,13 @@ class MetricsTab:
         name = history_run_name(path)
         self.compared[name] = history
         self.feedback.info(f"overlaid {name} ({len(history)} rows)")
+        self._replot()
+
+    def show_runs(self, paths: Sequence[str | Path]) -> None:
+        """Overlay exactly the runs whose folders (or `history.jsonl` files) are `paths`, in place of
+        those overlaid before (the Runs tab's ticked rows); none removes every overlay."""
+        self.compared = {history_run_name(path): MetricsHistory.from_jsonl(path) for path in paths}
+        self.feedback.info(f"overlaid {', '.join(self.compared) or 'no run'}")
         self._replot()
 
     def add(self, name: str) -> None:

@@ -1,5 +1,5 @@
 """The notebook panel: one widget over a Session: a status bar and Train / Sample / Checkpoints /
-Metrics / Rollouts tabs.
+Metrics / Runs / Rollouts tabs.
 
 The tabs are one table, `TABS`: a row says a tab's title, how its part is built, and when it is redrawn
 while hidden (`HiddenRedraw`); the tab bar, the parts and each refresh are made from it, so a new tab is
@@ -33,18 +33,22 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import ipywidgets
 from IPython.display import display
 
 from workbench.engine.worker import SessionClosedError
+from workbench.notebook.alerts import ALERT_TITLE, alert_text
+from workbench.notebook.panel.alert_banner import AlertBanner
 from workbench.notebook.panel.checkpoints_tab import CheckpointsTab
 from workbench.notebook.panel.feedback import FREED, Feedback
 from workbench.notebook.panel.metrics_tab import MetricsTab
 from workbench.notebook.panel.progress_line import ProgressLine
 from workbench.notebook.panel.record import HIDE_WHILE_LIVE, PanelRecord
 from workbench.notebook.panel.rollouts_tab import RolloutExplorer, RolloutsTab
+from workbench.notebook.panel.runs_tab import RunsTab
 from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
 from workbench.notebook.panel.train_tab import TrainTab
@@ -84,6 +88,8 @@ class TabInputs:
     metrics: Sequence[str]
     sample_prompt: Callable[[list[int]], None]
     """Open the Sample tab on these exact prompt tokens."""
+    overlay_runs: Callable[[Sequence[Path]], None]
+    """Overlay these model folders' histories in the Metrics tab, and open it."""
 
 
 class HiddenRedraw(enum.Enum):
@@ -122,6 +128,11 @@ TABS = (
     PanelTab("Checkpoints", lambda given: CheckpointsTab(given.session), HiddenRedraw.EVERY_REFRESH),
     PanelTab("Metrics", lambda given: MetricsTab(given.session, given.metrics), HiddenRedraw.WHEN_OPENED),
     PanelTab(
+        "Runs",
+        lambda given: RunsTab(given.session, (*given.metrics, "loss:sum")[0], given.overlay_runs),
+        HiddenRedraw.WHEN_OPENED,
+    ),
+    PanelTab(
         "Rollouts", lambda given: RolloutsTab(given.session, given.sample_prompt), HiddenRedraw.WHEN_OPENED
     ),
 )
@@ -135,9 +146,10 @@ class Panel(ipywidgets.VBox):
 
     Parts (each a thin view with a `refresh()`): `status` (the status bar), `progress` (the run's
     progress line: step, speed, ETA, latest loss and reward, a fired trigger), and one per row of `TABS`
-    in `parts`: `train`, `sample`, `checkpoints`, `metrics` and `rollouts` (the rollout explorer) name
-    them; the tabs are in `tabs`. `refresh()` redraws everything at once; a timer does it every
-    `REFRESH_S` until the panel is closed or the session is.
+    in `parts`: `train`, `sample`, `checkpoints`, `metrics`, `runs` (the runs table) and `rollouts` (the
+    rollout explorer) name them; the tabs are in `tabs`; `alert` is a trigger's banner and notification.
+    `refresh()` redraws everything at once; a timer does it every `REFRESH_S` until the panel is closed or
+    the session is.
     """
 
     def __init__(
@@ -152,9 +164,11 @@ class Panel(ipywidgets.VBox):
         self.feedback = Feedback()
         self.status = StatusBar(view)
         self.progress = ProgressLine(view)
+        self.alert = AlertBanner()
+        """The banner and page notification of a trigger that paused the run."""
         self.tab_rows = TABS
         """The table the tabs were made from (`TABS` when the panel was made)."""
-        given = TabInputs(view, train_data, metrics, self._sample_prompt)
+        given = TabInputs(view, train_data, metrics, self._sample_prompt, self._overlay_runs)
         self.parts: tuple[TabPart, ...] = tuple(tab.build(given) for tab in self.tab_rows)
         self.tabs = ipywidgets.Tab(
             children=[part.widget for part in self.parts], titles=[tab.title for tab in self.tab_rows]
@@ -165,6 +179,7 @@ class Panel(ipywidgets.VBox):
                 ipywidgets.HTML(HIDE_WHILE_LIVE),
                 self.status.widget,
                 self.progress.widget,
+                self.alert.widget,
                 self.tabs,
                 self.feedback.widget,
             ]
@@ -212,6 +227,10 @@ class Panel(ipywidgets.VBox):
     def rollouts(self) -> RolloutExplorer:
         return self._part(RolloutsTab).explorer
 
+    @property
+    def runs(self) -> RunsTab:
+        return self._part(RunsTab)
+
     def tab_index(self, title: str) -> int:
         """The position of the tab titled `title` (for `tabs.selected_index`)."""
         return next(i for i, tab in enumerate(self.tab_rows) if tab.title == title)
@@ -236,6 +255,11 @@ class Panel(ipywidgets.VBox):
         self.sample.use_prompt(tokens)
         self.tabs.selected_index = self.tab_index("Sample")
 
+    def _overlay_runs(self, folders: Sequence[Path]) -> None:
+        """The Runs tab's "Overlay in Metrics": these runs on the Metrics tab's plots, which opens."""
+        self.metrics.show_runs(folders)
+        self.tabs.selected_index = self.tab_index("Metrics")
+
     @property
     def session(self) -> Session:
         """The session shown (SessionClosedError once it was freed)."""
@@ -258,6 +282,10 @@ class Panel(ipywidgets.VBox):
             self.progress.refresh()
             run = session.current_run
             running = run is not None and run.taking_steps
+            if run is not None and run.trigger is not None:
+                self.alert.show(run.trigger, ALERT_TITLE, alert_text(session.model_id, run.trigger))
+            else:
+                self.alert.clear()
             for i, (tab, part) in enumerate(zip(self.tab_rows, self.parts, strict=True)):
                 shown = self.tabs.selected_index == i
                 if tab.hidden.redraws(shown=shown, run_taking_steps=running, session_closed=session.closed):
