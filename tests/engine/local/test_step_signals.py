@@ -1,4 +1,4 @@
-"""optim_step's signals over time: each adapter module's gradient and update norms, and what the process
+"""optim_step's signals over time: each adapter layer's gradient and update norms, and what the process
 uses, in the step's history row (so in history.jsonl and W&B), checked against the tensors by hand."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tests.datums import sft_datum
 
 
 def _module(tensor_name: str) -> str:
-    """peft's `base_model.model.model.layers.0.self_attn.q_proj.lora_A.policy.weight` ->
-    `layers.0.self_attn.q_proj`, spelled out again here as the test's own reading of the names."""
+    """peft's `base_model.model.model.layers.0.self_attn.q_proj.lora_A.policy.weight` -> `layers.0` (its
+    decoder layer), spelled out again here as the test's own reading of the names."""
     parts = tensor_name.split(".")
     lora = next(i for i, part in enumerate(parts) if part.startswith("lora_"))
     parts = parts[:lora]
@@ -24,6 +24,8 @@ def _module(tensor_name: str) -> str:
         parts = parts[2:]
     if parts[:1] == ["model"]:
         parts = parts[1:]
+    if parts[0] == "layers":
+        parts = parts[:2]
     return ".".join(parts)
 
 
@@ -36,7 +38,7 @@ def _by_module(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("clip", [0.0, 1e-3])
-def test_each_adapter_module_gets_its_gradient_and_update_norm(tiny: wb.Session, clip: float) -> None:
+def test_each_adapter_layer_gets_its_gradient_and_update_norm(tiny: wb.Session, clip: float) -> None:
     data = [
         sft_datum(tiny.tokenizer, "User: Hello!", " Assistant: Hi there."),
         sft_datum(tiny.tokenizer, "The quick brown fox", " jumps over the lazy dog."),
@@ -54,7 +56,8 @@ def test_each_adapter_module_gets_its_gradient_and_update_norm(tiny: wb.Session,
 
         expected_grad = _by_module(gradients)
         expected_update = _by_module({name: after[name].detach() - before[name] for name in before})
-        assert len(expected_grad) == len(before) // 2  # one module per A and B pair
+        layers = tiny.engine.base_info.num_layers
+        assert {m for m in expected_grad if m.startswith("layers.")} == {f"layers.{k}" for k in range(layers)}
         assert {k for k in row if k.startswith("grad_norm/")} == {f"grad_norm/{m}" for m in expected_grad}
         assert {k for k in row if k.startswith("update_norm/")} == {
             f"update_norm/{m}" for m in expected_update

@@ -10,7 +10,7 @@ non-finite gradient, a step that would leave non-finite weights or optimizer mom
 The response's `metrics` carry only what the step measured (`grad_norm`), never keys a caller keeps
 for itself (`step`, `learning_rate`): training loops merge them into their own metrics. The history
 row also records the learning rate, whether the step was applied, each adapter module's gradient and
-update norms when it was (`grad_norm/<module>`, `update_norm/<module>`: `TrainableAdapter.module_norms`)
+update norms when it was (`grad_norm/<layer>`, `update_norm/<layer>`: `TrainableAdapter.module_norms`)
 and what the process uses (`system/...`: `workbench.engine.local.resource_use`).
 """
 

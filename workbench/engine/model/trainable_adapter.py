@@ -14,11 +14,13 @@ leave a non-finite weight or optimizer moment behind, e.g. a gradient near float
 square overflows Adam's second moment; its response says why. No step is reported applied that left a
 non-finite number in the model's trainable state.
 
-An applied step also measures each adapter module (a LoRA'd linear layer: its A and B together) on its
-own, `module_norms`: the L2 norm of its accumulated gradient before clipping, sqrt(|grad A|² + |grad B|²),
-and of the change the step made to its weights, sqrt(|ΔA|² + |ΔB|²). The whole adapter's `grad_norm` says
-that a step was large; these say where (which layer's gradient vanished or exploded, which the step
-moved). They cost one norm per tensor: the step already keeps a copy of the weights it may undo.
+An applied step also measures the adapter layer by layer, `module_norms`: for each decoder layer (every
+LoRA'd linear layer in it, A and B together; a module outside the layers, such as `lm_head`, on its own)
+the L2 norm of its accumulated gradient before clipping, sqrt(Σ |grad|²) over its tensors, and of the
+change the step made to its weights, sqrt(Σ |Δ|²). The whole adapter's `grad_norm` says that a step was
+large; these say where (which layer's gradient vanished or exploded, which the step moved), in one value
+per layer (smollm2-135m: 30 layers, not its 210 adapted modules). They cost one norm per tensor: the step
+already keeps a copy of the weights it may undo.
 """
 
 from __future__ import annotations
@@ -46,11 +48,19 @@ _ADAPTER_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?P<module>.
 weight` is module `layers.0.self_attn.q_proj`'s."""
 
 
+_LAYER = re.compile(r"^(?P<layer>(?:.+\.)?layers\.\d+)\.")
+"""A module inside a decoder layer: `layers.0.self_attn.q_proj` is in layer `layers.0`."""
+
+
 def adapter_module(tensor_name: str) -> str:
-    """The module an adapter tensor belongs to, named as in the base model without peft's wrapping
-    (`layers.0.self_attn.q_proj`, `lm_head`); a name of another form is its own module."""
+    """The part of the model an adapter tensor's norms are reported under: its decoder layer, named as in
+    the base model without peft's wrapping (`layers.0`), or its module outside the layers (`lm_head`); a
+    name of another form is its own part."""
     match = _ADAPTER_TENSOR.match(tensor_name)
-    return match["module"] if match else tensor_name
+    if not match:
+        return tensor_name
+    layer = _LAYER.match(match["module"] + ".")
+    return layer["layer"] if layer else match["module"]
 
 
 def modules_of(tensor_names: Sequence[str]) -> dict[str, list[int]]:
@@ -130,8 +140,8 @@ class TrainableAdapter:
         self.modules = modules_of(list(parameters))
         """Each adapter module's tensors (their positions in `parameters`), for `module_norms`."""
         self.module_norms: dict[str, float] = {}
-        """The last applied step's per-module norms: `grad_norm/<module>` (its accumulated gradient before
-        clipping) and `update_norm/<module>` (the change to its weights), see the module docstring."""
+        """The last applied step's per-layer norms: `grad_norm/<layer>` (its accumulated gradient before
+        clipping) and `update_norm/<layer>` (the change to its weights), see the module docstring."""
 
     def _fresh_optimizer(self) -> torch.optim.AdamW:
         """AdamW with no moments yet and `AdamParams`' defaults (every `optim_step` sets its own)."""

@@ -10,7 +10,7 @@ per step on a loaded machine, against a budget of 20 KB per step for the whole p
 sent more than PLOT_BYTES_PER_STEP (a rescaled axis, the first points) waits as many steps before the
 next as its bytes take at that rate. The chosen metrics are tags (× removes one); a
 metric is added by picking it in the box beside them (type to filter, Enter adds it: the same input in
-JupyterLab and Notebook 7; a family of per-module metrics is one name, `grad_norm/*`, `update_norm/*`,
+JupyterLab and Notebook 7; a family of per-layer metrics is one name, `grad_norm/*`, `update_norm/*`,
 `system/*`: one plot with a line per member); smoothing, a log scale, the x axis (step or wall clock) and runs to overlay (their model folders or
 `history.jsonl` files) are controls of their own. When the history first holds an asynchronous run's
 signals (`ASYNC_METRICS`: its staleness, the trainer's wait for samples and the samples' wait for the

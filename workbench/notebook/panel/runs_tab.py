@@ -12,7 +12,7 @@ none and clicking removes the overlays.
 The folders are read when the tab is opened, when "Refresh" is clicked and when a run of this session
 ends, never at every refresh of the panel: a listing reads every folder's new history lines. Below the
 table, every metric this session's history holds, with its last, least and greatest value and count
-(`workbench.metrics.summarize`, carried on row by row), the families of per-module metrics (`grad_norm/…`,
+(`workbench.metrics.summarize`, carried on row by row), the families of per-layer metrics (`grad_norm/…`,
 `update_norm/…`) folded under one line each.
 """
 
