@@ -119,13 +119,10 @@ BUSY_CELLS = [
     """panel = sess.panel(metrics=("reward:mean", "step_index"))
 panel""",
     """run = sess.run(rl_step, 100_000)
-run.wait()  # blocks this cell until the panel's Pause""",
-    """print("paused at", run.i)
-run.resume()
-run.wait()  # blocks again, until the panel's Stop""",
+run.wait()  # blocks this cell through the panel's Pause and Resume, until its Stop""",
     """print("ended", run.state.value)""",
 ]
-"""Run All of a notebook whose cells block in `run.wait()`: the panel is driven while they do."""
+"""Run All of a notebook whose cell blocks in `run.wait()`: the panel is driven while it does."""
 
 
 TRAFFIC_STEPS = 10
@@ -632,43 +629,71 @@ def _drive_while_busy(page: Page, server: Lab, front_end: str) -> None:
     print(f"{front_end}: kernel-to-page bytes per step while a cell waits {per_step}")
     assert max(per_step.values()) <= BYTES_PER_STEP_BUDGET, per_step
 
-    def waiting_for_pause() -> bool:
-        return _prompt(page, "until the panel's Pause") == "[*]:"
+    def waiting_on_the_run() -> bool:
+        return _prompt(page, "until its Stop") == "[*]:"
 
-    assert waiting_for_pause()
+    assert waiting_on_the_run()
     timings = {
-        "learning_rate": _edit_learning_rate(panel, waiting_for_pause),
-        "histogram": _click_histogram(panel, waiting_for_pause),
-        "zoom": _zoom(page, panel, waiting_for_pause),
+        "learning_rate": _edit_learning_rate(panel, waiting_on_the_run),
+        "histogram": _click_histogram(panel, waiting_on_the_run),
+        "zoom": _zoom(page, panel, waiting_on_the_run),
     }
+    timings.update(_pause_resume_stop(page, panel, waiting_on_the_run))
+    # the cell ends only when the run does: the Stop was handled while it waited (the panel's text may
+    # say "stopped" a refresh after the cell has ended)
+    expect(page.locator(".jp-OutputArea-output", has_text="ended stopped")).to_be_visible(timeout=STEP_MS)
+    expect(panel.locator('[data-field="run-progress"]')).to_contain_text("stopped", timeout=STEP_MS)
+    print(f"{front_end}: acknowledged in seconds {timings}")
+    if front_end == "lab":
+        _stale_and_reopened(page, server, panel)
+
+
+def _pause(page: Page, panel: Locator, busy: Callable[[], bool]) -> float:
+    """Pause from the panel while a cell waits on the run: acknowledged, and the wait goes on through
+    the pause (the cell stays busy, the run takes no step)."""
     _tab(panel, "Train")
     panel.locator(".wb-train-pause").click()
     progress = panel.locator('[data-field="run-progress"]')
-    timings["pause"] = _acknowledged(
-        lambda: expect(progress).to_contain_text("paused", timeout=ACK_MS), lambda: True
-    )
-    # the paused run ends the first wait; the next cell resumes and waits again
-    expect(progress).to_contain_text("running", timeout=STEP_MS)
+    took = _acknowledged(lambda: expect(progress).to_contain_text("paused", timeout=ACK_MS), busy)
+    expect(progress).not_to_contain_text("step in progress", timeout=STEP_MS)  # the last step's end
+    paused_at = _run_step(panel)
+    page.wait_for_timeout(2000)  # a refresh or two of the panel, and of the cell's prompt
+    assert busy() and _run_step(panel) == paused_at, "the paused run ended the wait, or took a step"
+    expect(progress).to_contain_text("paused")
+    return took
 
+
+def _resume_and_stop(page: Page, panel: Locator, busy: Callable[[], bool]) -> dict[str, float]:
+    """Resume a paused run from the panel, then Stop it, each acknowledged while the cell still waits."""
+    _tab(panel, "Train")
+    progress = panel.locator('[data-field="run-progress"]')
+    panel.locator(".wb-train-run").click()
+    timings = {
+        "resume": _acknowledged(lambda: expect(progress).to_contain_text("running", timeout=ACK_MS), busy)
+    }
     expect(panel.locator(".wb-train-stop")).to_be_enabled(timeout=STEP_MS)
-    page.wait_for_function(
-        "() => window.jupyterapp.shell.currentWidget.content.widgets.some("
-        'c => c.model.sharedModel.getSource().includes("until the panel\'s Stop")'
-        " && c.promptNode.textContent.trim() === '[*]:')",
-        timeout=STEP_MS,
-    )
     panel.locator(".wb-train-stop").click()
     timings["stop"] = _acknowledged(
         lambda: expect(progress).to_contain_text(re.compile("stopping|stopped"), timeout=ACK_MS),
         lambda: True,
     )
-    # the cell ends only when the run does: the Stop was handled while it waited (the panel's text may
-    # say "stopped" a refresh after the cell has ended)
-    expect(page.locator(".jp-OutputArea-output", has_text="ended stopped")).to_be_visible(timeout=STEP_MS)
-    expect(progress).to_contain_text("stopped", timeout=STEP_MS)
-    print(f"{front_end}: acknowledged in seconds {timings}")
-    if front_end == "lab":
-        _stale_and_reopened(page, server, panel)
+    return timings
+
+
+def _pause_resume_stop(page: Page, panel: Locator, busy: Callable[[], bool]) -> dict[str, float]:
+    return {"pause": _pause(page, panel, busy), **_resume_and_stop(page, panel, busy)}
+
+
+def _ran_to_the_end(page: Page, timeout_ms: int) -> None:
+    """Every code cell of the notebook has run (a number in its prompt), and none shows an error."""
+    page.wait_for_function(
+        r"""() => window.jupyterapp.shell.currentWidget.content.widgets
+            .filter(c => c.model.type === 'code')
+            .every(c => /^\[\d+\]:$/.test(c.promptNode.textContent.trim()))""",
+        timeout=timeout_ms,
+    )
+    errors = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]')
+    assert errors.count() == 0, errors.all_inner_texts()
 
 
 def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
@@ -713,10 +738,11 @@ more at once, and a count begins at the counter's next move)."""
 @pytest.mark.parametrize("front_end", ["lab", "notebook"])
 def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_path: Path) -> None:
     """Run All of tutorial 04 as shipped: while its loop cell blocks in `run.wait()` (15 RL steps on
-    smollm2-135m), the LR field (3.1e-4 for the run's 3e-4: a value it already has would send nothing), a
-    histogram bar and the plot's zoom are each acknowledged while the cell is still busy,
-    and the run then finishes all its steps. The Rollouts and Metrics tabs' traffic per step is within
-    the budget."""
+    smollm2-135m), the LR field (3.1e-4 for the run's 3e-4: a value it already has would send nothing)
+    and Pause are acknowledged while the cell is still busy; paused, the cell keeps waiting, a histogram
+    bar and the plot's zoom answer, then Resume and Stop; the notebook then runs to its end with the
+    steps the run trained, as its text promises. The Rollouts and Metrics tabs' traffic per step is
+    within the budget."""
     with (
         _serve(tmp_path, front_end) as server,
         _browser_page(tmp_path, 1400, f"browser-failure-04-{front_end}.png") as page,
@@ -745,8 +771,13 @@ def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_
         assert waiting_on_the_run()
         timings = {
             "learning_rate": _edit_learning_rate(panel, waiting_on_the_run, value="0.00031"),
+            "pause": _pause(page, panel, waiting_on_the_run),
             "histogram": _click_histogram(panel, waiting_on_the_run),
             "zoom": _zoom(page, panel, waiting_on_the_run),
+            **_resume_and_stop(page, panel, waiting_on_the_run),
         }
         print(f"{front_end} 04: acknowledged in seconds {timings}")
-        expect(panel.locator('[data-field="run-progress"]')).to_contain_text("finished", timeout=STEP_MS * 10)
+        expect(page.locator(".jp-OutputArea-output", has_text="stopped after")).to_be_visible(
+            timeout=STEP_MS * 2
+        )
+        _ran_to_the_end(page, STEP_MS * 10)

@@ -201,6 +201,7 @@ class Run:
         self._state = RunState.PAUSED if paused else RunState.RUNNING
         self._stop_requested = False
         self._single_steps = 0  # steps granted by step() while paused
+        self._paused_itself = False  # a trigger, a failed step or save paused it: wait() returns
         self._busy = False  # the step function is executing
         self._changed = threading.Condition()
         self._thread = threading.Thread(
@@ -298,6 +299,7 @@ class Run:
                 self._single_steps = 0
                 self.trigger = None
                 self.error = self.traceback = None  # a failed step is retried
+                self._paused_itself = False
                 self._changed.notify_all()
 
     def step(self) -> None:
@@ -308,6 +310,7 @@ class Run:
             self._single_steps += 1
             self.trigger = None
             self.error = self.traceback = None  # a failed step is retried
+            self._paused_itself = False
             self._changed.notify_all()
 
     def stop(self) -> None:
@@ -341,19 +344,28 @@ class Run:
             return edited
 
     def wait(self, timeout: float | None = None) -> RunState:
-        """Block until the run is idle: ended, or paused with no step executing or granted; or until
-        the watchdog names the step in progress stalled (`stall`), which it says in a RuntimeWarning
-        naming the step and where it waits: a stuck step does not block the cell for good.
+        """Block until the run is done with what it was asked before the call; or until the watchdog
+        names the step in progress stalled (`stall`), which it says in a RuntimeWarning naming the step
+        and where it waits: a stuck step does not block the cell for good.
+
+        Called on a running run, `wait()` returns when the run ends (finished, stopped, failed) or
+        pauses itself for the user to look (a trigger fired, a step raised, a save failed: `trigger`,
+        `error`, `save_error`). A Pause asked meanwhile (the panel's, during `run.wait()` or Run All)
+        keeps it waiting, paused, until Resume or Stop: the cell, and the cells after it, go on only
+        once the run has ended or needs them, never half-way through a run someone paused to watch.
+        Called on a paused run (`pause()`, `step()`, `paused=True` before it), it returns once that
+        has taken effect: no step executing, saving or granted.
 
         Returns:
-            The state then (still `running` or `paused`-and-busy if `timeout` ran out or the step
-            stalled first).
+            The state then (still `running` or `paused` if `timeout` ran out or the step stalled
+            first).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         stall = None
         try:
             with self._changed:
-                while not self._idle():
+                through_pauses = self._state is RunState.RUNNING
+                while not (self._paused_for_the_user() if through_pauses else self._idle()):
                     left = (
                         PAUSED_POLL_S if deadline is None else min(deadline - time.monotonic(), PAUSED_POLL_S)
                     )
@@ -369,6 +381,13 @@ class Run:
         if stall is not None:
             warnings.warn(f"stopped waiting: {stall}", RuntimeWarning, stacklevel=2)
         return state
+
+    def _paused_for_the_user(self) -> bool:
+        """Idle and either ended or paused by the run itself (a trigger, a failed step or save): what a
+        wait on a running run returns at. Called with the lock held."""
+        if not self.active:
+            return self._idle()
+        return self._paused_itself and self._idle()
 
     def _idle(self) -> bool:
         if not self.active:
@@ -456,7 +475,7 @@ class Run:
         with self._changed:
             self.step_seconds.append(time.monotonic() - started)
             if trigger is not None:
-                self.trigger = trigger
+                self.trigger, self._paused_itself = trigger, True
                 if self._state is RunState.RUNNING:
                     self._state = RunState.PAUSED
                 self._single_steps = 0
@@ -478,7 +497,7 @@ class Run:
         class docstring)."""
         with self._changed:
             self.error, self.traceback, self.failed_step = error, formatted, self.i
-            self._dirty = True
+            self._dirty = self._paused_itself = True
         try:
             if self._last_save is not None:
                 self._rewind(*self._last_save)
@@ -548,6 +567,7 @@ class Run:
                     f"the run checkpoint at step {self.i} could not be saved ({error!r}); the run paused, "
                     "its previous checkpoints are intact"
                 )
+                self._paused_itself = True
                 if self._state is RunState.RUNNING:
                     self._state = RunState.PAUSED
                 self._single_steps = 0
