@@ -38,7 +38,9 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from IPython.display import DisplayHandle, display
 from tqdm.auto import tqdm
+from tqdm.notebook import tqdm_notebook
 
 from workbench.engine.interface import Restore
 from workbench.engine.remote.engine import EngineUnreachableError
@@ -208,13 +210,25 @@ class Run:
             target=_run_thread, args=(weakref.WeakMethod(self._advance),), name="workbench-run", daemon=True
         )
         self._progress: tqdm[Any] | None = None
+        self._progress_output: DisplayHandle | None = None  # a notebook's bar, rewritten as text at the end
 
     def start(self) -> Run:
         """Start the run thread. The progress bar is created here, in the caller's thread, so a notebook
-        shows it under the cell that started the run."""
+        shows it under the cell that started the run. In a notebook the bar is shown with a display id:
+        at the run's end its output becomes the bar's last line as text, what a saved notebook (an HTML
+        export, a kernel-less reopening) then shows, rather than the text form tqdm's widget had when it
+        was first shown ("0/15")."""
+        in_notebook = issubclass(tqdm, tqdm_notebook)
         self._progress = tqdm(
-            total=self.steps, initial=self.i, desc="run", unit="step", bar_format=PROGRESS_FORMAT
+            total=self.steps,
+            initial=self.i,
+            desc="run",
+            unit="step",
+            bar_format=PROGRESS_FORMAT,
+            **({"display": False} if in_notebook else {}),
         )
+        if in_notebook:
+            self._progress_output = display(self._progress.container, display_id=True)
         self.started_at = time.time()
         self.started_step = self.session.step
         self._thread.start()
@@ -588,6 +602,8 @@ class Run:
     def _end(self) -> None:
         assert self._progress is not None
         self._progress.close()
+        if self._progress_output is not None:
+            self._progress_output.update({"text/plain": str(self._progress)}, raw=True)
         with self._changed:
             if self._pending_adam is not None:
                 self._adam_params, self._pending_adam = self._pending_adam, None

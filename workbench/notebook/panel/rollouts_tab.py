@@ -60,7 +60,7 @@ SHARED_PROMPT_MIN_CHARS = 40
 """A start of line(s) common to a batch's prompts at least this long is shown once above the cards."""
 GROUPS_STYLE = (
     "<style>"
-    ".wb-rollout-cards{display:flex;gap:8px;overflow-x:auto;padding-bottom:4px}"
+    ".wb-rollout-cards{display:flex;flex-wrap:wrap;gap:8px;padding-bottom:4px}"  # rows within the width
     ".wb-rollout-group{flex:0 0 auto;min-width:18em;max-width:30em;border:1px solid #ddd;"
     "border-radius:4px;padding:4px 6px;font-size:smaller}"
     ".wb-rollout-group>div:first-child{color:#444}"
