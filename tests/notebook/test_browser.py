@@ -417,6 +417,7 @@ def _drive_the_cockpit(page: Page, lab: Lab, workspace: str, artifacts: Path) ->
     panel.locator(".lm-TabBar-tab", has_text="Rollouts").click()
     groups = panel.locator(".wb-rollout-group")
     expect(groups).to_have_count(2, timeout=STEP_MS)
+    expect(panel.locator(".wb-rollouts-follow", has_text="follow newest")).to_be_visible()
     bars = panel.locator(".wb-reward-bar")
     expect(bars.first).to_be_visible()
     bar = bars.last
