@@ -486,7 +486,9 @@ def _prompt(page: Page, code: str) -> str:
 
 
 def _run_step(panel: Locator) -> int:
-    text = panel.locator('[data-field="run-step"]').inner_text()  # "step 12/100000"
+    # the text, not what is drawn: a long notebook's Run All scrolls the panel out of view, where
+    # JupyterLab skips drawing it (content-visibility) and its inner text reads empty
+    text = panel.locator('[data-field="run-step"]').text_content() or ""  # "step 12/100000"
     return int(text.split()[1].split("/")[0])
 
 
