@@ -13,6 +13,7 @@ starts (server, kernel, browser) is stopped at teardown.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import re
@@ -115,17 +116,18 @@ panel""",
 """An RL run whose trigger fires at every step: it pauses after step 0, and again after each Resume."""
 
 BUSY_CELLS = [
-    COCKPIT_CELLS[0],
-    """panel = sess.panel(metrics=("reward:mean", "step_index"))
+    COCKPIT_CELLS[0].replace(
+        '("Question one:", "Question two:")', 'tuple(f"Question {n}:" for n in range(8))'
+    ),
+    """panel = sess.panel(metrics=("reward:mean", "step_index", "kl_sample_train_v1:mean"))
+server = sess.serve()  # its address makes the status bar long
 panel""",
     """run = sess.run(rl_step, 100_000)
-run.wait()  # blocks this cell until the panel's Pause""",
-    """print("paused at", run.i)
-run.resume()
-run.wait()  # blocks again, until the panel's Stop""",
+run.wait()  # blocks this cell through the panel's Pause and Resume, until its Stop""",
     """print("ended", run.state.value)""",
 ]
-"""Run All of a notebook whose cells block in `run.wait()`: the panel is driven while they do."""
+"""Run All of a notebook whose cell blocks in `run.wait()`: the panel is driven while it does. Its run
+samples 8 groups a step and its panel plots 3 metrics, as tutorial 04's do: what the layout must fit."""
 
 
 TRAFFIC_STEPS = 10
@@ -361,8 +363,8 @@ def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path
     )
     page.wait_for_timeout(1500)  # let the last redraw land before the picture is taken
     box = plot.bounding_box()
-    # two metrics side by side at the figure's own size (2 × 370 × 280 px), not stretched to the page
-    assert box is not None and abs(box["width"] - 740) <= 10 and abs(box["height"] - 280) <= 10
+    # two metrics side by side at the figure's own size (2 × 340 × 260 px), not stretched to the page
+    assert box is not None and abs(box["width"] - 680) <= 10 and abs(box["height"] - 260) <= 10
     panel.screenshot(path=str(screenshot))
 
 
@@ -415,6 +417,7 @@ def _drive_the_cockpit(page: Page, lab: Lab, workspace: str, artifacts: Path) ->
     panel.locator(".lm-TabBar-tab", has_text="Rollouts").click()
     groups = panel.locator(".wb-rollout-group")
     expect(groups).to_have_count(2, timeout=STEP_MS)
+    expect(panel.locator(".wb-rollouts-follow", has_text="follow newest")).to_be_visible()
     bars = panel.locator(".wb-reward-bar")
     expect(bars.first).to_be_visible()
     bar = bars.last
@@ -483,7 +486,9 @@ def _prompt(page: Page, code: str) -> str:
 
 
 def _run_step(panel: Locator) -> int:
-    text = panel.locator('[data-field="run-step"]').inner_text()  # "step 12/100000"
+    # the text, not what is drawn: a long notebook's Run All scrolls the panel out of view, where
+    # JupyterLab skips drawing it (content-visibility) and its inner text reads empty
+    text = panel.locator('[data-field="run-step"]').text_content() or ""  # "step 12/100000"
     return int(text.split()[1].split("/")[0])
 
 
@@ -593,6 +598,48 @@ def test_the_controls_answer_while_a_cell_waits_on_the_run(front_end: str, tmp_p
         _drive_while_busy(page, server, front_end)
 
 
+def _fits_1400_px(panel: Locator) -> None:
+    """In a 1400 × 1000 window, the panel's parts stay within it: the three plots within the plot's
+    box (Notebook 7 cut the third), the toolbar off every plot (it covered the rightmost one's title),
+    every field of the status bar within the bar (its tail was clipped), every rollout card within the
+    tab (they ran off to the right)."""
+
+    def measured(script: str) -> dict[str, object]:
+        return panel.evaluate(
+            "panel => { const box = e => { const b = e.getBoundingClientRect();"
+            " return {left: b.left, top: b.top, right: b.right, bottom: b.bottom}; };" + script + "}"
+        )
+
+    _tab(panel, "Metrics")
+    expect(panel.locator(".wb-metrics-plot canvas").first).to_be_visible(timeout=STEP_MS)
+    plot = measured(
+        """const plot = panel.querySelector('.wb-metrics-plot');
+        const scroller = plot.querySelector('.jupyter-matplotlib-canvas-container');
+        return {panel: box(panel), plot: box(plot), canvas: box(plot.querySelector('canvas')),
+                toolbar: box(plot.querySelector('.jupyter-matplotlib-toolbar')),
+                hidden: scroller.scrollWidth - scroller.clientWidth};"""
+    )
+    canvas, toolbar = plot["canvas"], plot["toolbar"]
+    assert canvas["right"] <= plot["plot"]["right"] <= plot["panel"]["right"] and plot["hidden"] <= 0, plot
+    overlap = min(canvas["right"], toolbar["right"]) > max(canvas["left"], toolbar["left"]) and min(
+        canvas["bottom"], toolbar["bottom"]
+    ) > max(canvas["top"], toolbar["top"])
+    assert not overlap, plot
+    status = measured(
+        """const bar = panel.querySelector('.wb-status');
+        return {bar: box(bar), fields: [...bar.querySelectorAll('[data-field]')].map(f => box(f).right),
+                hidden: Math.max(...[...bar.querySelectorAll('div')].map(d => d.scrollWidth - d.clientWidth))};"""
+    )
+    assert max(status["fields"]) <= status["bar"]["right"] and status["hidden"] <= 0, status
+    _tab(panel, "Rollouts")
+    expect(panel.locator(".wb-rollout-group")).to_have_count(8, timeout=STEP_MS)
+    cards = measured(
+        """const tab = panel.querySelector('.wb-rollouts');
+        return {tab: box(tab), cards: [...tab.querySelectorAll('.wb-rollout-group')].map(c => box(c).right)};"""
+    )
+    assert max(cards["cards"]) <= cards["tab"]["right"], cards
+
+
 class KernelTraffic:
     """Bytes the page receives on its kernel websockets (`/api/kernels/<id>/channels`): every widget
     update, plot image and output the kernel sends."""
@@ -628,52 +675,83 @@ def _drive_while_busy(page: Page, server: Lab, front_end: str) -> None:
     panel = page.locator(".wb-panel")
     expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
     _wait_for_steps(page, panel, 2, STEP_MS * 2)  # a batch of rollouts and a point on the plot
+    _fits_1400_px(panel)
     per_step = {tab: _bytes_per_step(page, panel, traffic, tab) for tab in ("Metrics", "Rollouts")}
     print(f"{front_end}: kernel-to-page bytes per step while a cell waits {per_step}")
     assert max(per_step.values()) <= BYTES_PER_STEP_BUDGET, per_step
 
-    def waiting_for_pause() -> bool:
-        return _prompt(page, "until the panel's Pause") == "[*]:"
+    def waiting_on_the_run() -> bool:
+        return _prompt(page, "until its Stop") == "[*]:"
 
-    assert waiting_for_pause()
+    assert waiting_on_the_run()
     timings = {
-        "learning_rate": _edit_learning_rate(panel, waiting_for_pause),
-        "histogram": _click_histogram(panel, waiting_for_pause),
-        "zoom": _zoom(page, panel, waiting_for_pause),
+        "learning_rate": _edit_learning_rate(panel, waiting_on_the_run),
+        "histogram": _click_histogram(panel, waiting_on_the_run),
+        "zoom": _zoom(page, panel, waiting_on_the_run),
     }
-    _tab(panel, "Train")
-    panel.locator(".wb-train-pause").click()
-    progress = panel.locator('[data-field="run-progress"]')
-    timings["pause"] = _acknowledged(
-        lambda: expect(progress).to_contain_text("paused", timeout=ACK_MS), lambda: True
-    )
-    # the paused run ends the first wait; the next cell resumes and waits again
-    expect(progress).to_contain_text("running", timeout=STEP_MS)
-
-    expect(panel.locator(".wb-train-stop")).to_be_enabled(timeout=STEP_MS)
-    page.wait_for_function(
-        "() => window.jupyterapp.shell.currentWidget.content.widgets.some("
-        'c => c.model.sharedModel.getSource().includes("until the panel\'s Stop")'
-        " && c.promptNode.textContent.trim() === '[*]:')",
-        timeout=STEP_MS,
-    )
-    panel.locator(".wb-train-stop").click()
-    timings["stop"] = _acknowledged(
-        lambda: expect(progress).to_contain_text(re.compile("stopping|stopped"), timeout=ACK_MS),
-        lambda: True,
-    )
+    timings.update(_pause_resume_stop(page, panel, waiting_on_the_run))
     # the cell ends only when the run does: the Stop was handled while it waited (the panel's text may
     # say "stopped" a refresh after the cell has ended)
     expect(page.locator(".jp-OutputArea-output", has_text="ended stopped")).to_be_visible(timeout=STEP_MS)
-    expect(progress).to_contain_text("stopped", timeout=STEP_MS)
+    expect(panel.locator('[data-field="run-progress"]')).to_contain_text("stopped", timeout=STEP_MS)
     print(f"{front_end}: acknowledged in seconds {timings}")
     if front_end == "lab":
         _stale_and_reopened(page, server, panel)
 
 
+def _pause(page: Page, panel: Locator, busy: Callable[[], bool]) -> float:
+    """Pause from the panel while a cell waits on the run: acknowledged, and the wait goes on through
+    the pause (the cell stays busy, the run takes no step)."""
+    _tab(panel, "Train")
+    panel.locator(".wb-train-pause").click()
+    progress = panel.locator('[data-field="run-progress"]')
+    took = _acknowledged(lambda: expect(progress).to_contain_text("paused", timeout=ACK_MS), busy)
+    expect(progress).not_to_contain_text("step in progress", timeout=STEP_MS)  # the last step's end
+    paused_at = _run_step(panel)
+    page.wait_for_timeout(2000)  # a refresh or two of the panel, and of the cell's prompt
+    assert busy() and _run_step(panel) == paused_at, "the paused run ended the wait, or took a step"
+    expect(progress).to_contain_text("paused")
+    return took
+
+
+def _resume_and_stop(page: Page, panel: Locator, busy: Callable[[], bool]) -> dict[str, float]:
+    """Resume a paused run from the panel, then Stop it, each acknowledged while the cell still waits."""
+    _tab(panel, "Train")
+    progress = panel.locator('[data-field="run-progress"]')
+    panel.locator(".wb-train-run").click()
+    timings = {
+        "resume": _acknowledged(lambda: expect(progress).to_contain_text("running", timeout=ACK_MS), busy)
+    }
+    expect(panel.locator(".wb-train-stop")).to_be_enabled(timeout=STEP_MS)
+    panel.locator(".wb-train-stop").click()
+    timings["stop"] = _acknowledged(
+        lambda: expect(progress).to_contain_text(re.compile("stopping|stopped"), timeout=ACK_MS),
+        lambda: True,
+    )
+    return timings
+
+
+def _pause_resume_stop(page: Page, panel: Locator, busy: Callable[[], bool]) -> dict[str, float]:
+    return {"pause": _pause(page, panel, busy), **_resume_and_stop(page, panel, busy)}
+
+
+def _ran_to_the_end(page: Page, timeout_ms: int) -> None:
+    """Every code cell of the notebook has run (a number in its prompt), and none shows an error."""
+    page.wait_for_function(
+        r"""() => window.jupyterapp.shell.currentWidget.content.widgets
+            .filter(c => c.model.type === 'code')
+            .every(c => /^\[\d+\]:$/.test(c.promptNode.textContent.trim()))""",
+        timeout=timeout_ms,
+    )
+    errors = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]')
+    assert errors.count() == 0, errors.all_inner_texts()
+
+
 def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
-    """Restart the kernel: the panel says it is stale and its controls are greyed; save, and reopen the
-    notebook in a new page: the record under the panel shows the stopped run."""
+    """Restart the kernel: the panel says it is stale and its controls are greyed and take neither the
+    mouse nor the keyboard; save, and reopen the notebook in a new page: the record under the panel shows
+    the stopped run, with no widget error above it. The saved notebook's HTML export shows the record,
+    the panel's one-line text form and the run's last progress line."""
     # the record under the panel (hidden while the panel lives) has the run's end
     hidden_record = page.locator('.wb-record [data-field="run-progress"]')
     expect(hidden_record).to_contain_text("stopped", timeout=STEP_MS)
@@ -682,6 +760,7 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     expect(panel.locator('[data-field="stale"]')).to_be_visible(timeout=STEP_MS)
     pointer = panel.locator(".wb-train-stop").evaluate("button => getComputedStyle(button).pointerEvents")
     assert pointer == "none"
+    _keyboard_proof(page, panel)
     page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
     page.wait_for_function(
         "() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=STEP_MS
@@ -690,6 +769,7 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     outputs = [output for cell in saved["cells"] for output in cell.get("outputs", [])]
     records = [o for o in outputs if "wb-record" in o.get("data", {}).get("text/html", "")]
     assert len(records) == 1
+    _exported(saved)
     reopened = page.context.new_page()  # a new page, as a later visit is
     page.close()
     reopened.goto(
@@ -700,6 +780,34 @@ def _stale_and_reopened(page: Page, server: Lab, panel: Locator) -> None:
     expect(record.locator('[data-field="run-progress"]')).to_contain_text("stopped")
     expect(record.locator("img")).to_be_visible()
     expect(reopened.locator(".wb-panel")).to_have_count(0)
+    expect(reopened.get_by_text("Error displaying widget")).to_be_hidden(timeout=PANEL_RENDER_MS)
+
+
+def _keyboard_proof(page: Page, panel: Locator) -> None:
+    """A stale panel's controls take no focus, so neither Tab + Enter (which sent a click on the closed
+    comm: "Cannot send") nor typing (the LR field took it) reaches them."""
+    controls = panel.locator("button, input, select, textarea")
+    assert controls.count() > 0
+    focusable = controls.evaluate_all(
+        """elements => elements.filter(e => { e.focus(); return document.activeElement === e; })
+            .map(e => e.textContent || e.value)"""
+    )
+    assert not focusable, f"controls of the stale panel take the keyboard's focus: {focusable}"
+
+
+def _exported(saved: dict[str, object]) -> None:
+    """The notebook as `jupyter nbconvert --to html` writes it (what GitHub and nbviewer show): the
+    record, the panel's one-line text form rather than its widget repr, the run's last progress line
+    rather than the "0/N" its bar had when first shown."""
+    from nbconvert import HTMLExporter
+
+    from workbench.notebook.panel.record import PANEL_TEXT
+
+    body, _resources = HTMLExporter().from_notebook_node(nbformat.from_dict(saved))
+    assert "wb-record" in body and html.escape(PANEL_TEXT) in body
+    assert "Panel(children" not in body
+    bars = re.findall(r"(\d+)/100000", body)
+    assert bars and "0" not in bars, bars
 
 
 TUTORIAL_STEPS = 15
@@ -713,10 +821,11 @@ more at once, and a count begins at the counter's next move)."""
 @pytest.mark.parametrize("front_end", ["lab", "notebook"])
 def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_path: Path) -> None:
     """Run All of tutorial 04 as shipped: while its loop cell blocks in `run.wait()` (15 RL steps on
-    smollm2-135m), the LR field (3.1e-4 for the run's 3e-4: a value it already has would send nothing), a
-    histogram bar and the plot's zoom are each acknowledged while the cell is still busy,
-    and the run then finishes all its steps. The Rollouts and Metrics tabs' traffic per step is within
-    the budget."""
+    smollm2-135m), the LR field (3.1e-4 for the run's 3e-4: a value it already has would send nothing)
+    and Pause are acknowledged while the cell is still busy; paused, the cell keeps waiting, a histogram
+    bar and the plot's zoom answer, then Resume and Stop; the notebook then runs to its end with the
+    steps the run trained, as its text promises. The Rollouts and Metrics tabs' traffic per step is
+    within the budget."""
     with (
         _serve(tmp_path, front_end) as server,
         _browser_page(tmp_path, 1400, f"browser-failure-04-{front_end}.png") as page,
@@ -745,8 +854,13 @@ def test_tutorial_04_answers_while_run_all_waits_on_its_run(front_end: str, tmp_
         assert waiting_on_the_run()
         timings = {
             "learning_rate": _edit_learning_rate(panel, waiting_on_the_run, value="0.00031"),
+            "pause": _pause(page, panel, waiting_on_the_run),
             "histogram": _click_histogram(panel, waiting_on_the_run),
             "zoom": _zoom(page, panel, waiting_on_the_run),
+            **_resume_and_stop(page, panel, waiting_on_the_run),
         }
         print(f"{front_end} 04: acknowledged in seconds {timings}")
-        expect(panel.locator('[data-field="run-progress"]')).to_contain_text("finished", timeout=STEP_MS * 10)
+        expect(page.locator(".jp-OutputArea-output", has_text="stopped after")).to_be_visible(
+            timeout=STEP_MS * 2
+        )
+        _ran_to_the_end(page, STEP_MS * 10)

@@ -11,6 +11,8 @@ import pytest
 
 matplotlib.use("Agg")
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
 from workbench.metrics import MetricsHistory
 from workbench.notebook.plots import HEADROOM, MARGIN, LivePlot, held_limits, plot_history
 
@@ -335,3 +337,38 @@ def test_a_live_plot_keeps_a_zoom_of_the_toolbar_while_rows_arrive() -> None:
     history.record("forward_backward", "policy", 30, {"loss:sum": 100.0})
     assert plot.update(history) is True
     assert ax.get_xlim() == (2.0, 4.0) and ax.get_ylim() == (6.0, 8.0)
+
+
+def test_step_ticks_stay_apart_past_thousands_of_steps() -> None:
+    """On the Metrics tab's 340-pixel plot, the step labels of a long run neither touch nor overlap
+    ("12500" and its neighbours ran together): at most five, shortened past a thousand."""
+    from workbench.notebook.plots import step_label
+
+    assert [step_label(x) for x in (0, 999, 2500, 12_500, 120_000, 1_250_000)] == [
+        "0",
+        "999",
+        "2.5k",
+        "12.5k",
+        "120k",
+        "1.25M",
+    ]
+    history = MetricsHistory()
+    for step in range(0, 13_000, 100):
+        history.record("forward_backward", "policy", step, {"loss:sum": 1.0 + step % 7})
+    plot = LivePlot(["loss:sum"])
+    plot.figure.set_size_inches(3.4, 2.6)  # the panel's plot
+    plot.update(history, until_step=13_000)
+    canvas = FigureCanvasAgg(plot.figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    ax = plot.axes["loss:sum"]
+    shown = [
+        t
+        for t in ax.get_xticklabels()
+        if t.get_text() and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]
+    ]
+    boxes = sorted((t.get_window_extent(renderer) for t in shown), key=lambda box: box.x0)
+    assert 3 <= len(boxes) <= 6, [t.get_text() for t in shown]
+    assert all(left.x1 + 4 <= right.x0 for left, right in itertools.pairwise(boxes)), [
+        t.get_text() for t in shown
+    ]

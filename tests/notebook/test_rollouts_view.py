@@ -136,6 +136,37 @@ def test_a_finished_run_is_explored_from_its_files_and_a_live_one_follows_new_ba
     assert from_files.batch == 2 and from_files.groups.value == tiny.rollout_explorer().groups.value
 
 
+def test_following_a_new_batch_keeps_the_open_bar_and_reply_until_follow_is_turned_off(
+    tiny: wb.Session,
+) -> None:
+    explorer = tiny.rollout_explorer()
+    _record_step(tiny, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]], seed=0)
+    explorer.refresh()
+    assert explorer.follow.value and explorer.follow.description == "follow newest"
+    explorer.open_bin(1)  # reward 1
+    explorer.show_reply(0, 3, "advantage")
+    _record_step(tiny, [[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]], seed=1)
+    explorer.refresh()  # follows to the new batch with the reward-1 bar still open, the reply kept
+    assert explorer.batch == 1 and explorer.bin == 1
+    assert explorer.replies() == [(0, 1), (0, 2), (1, 2)]
+    bars = [box.children[0] for box in explorer.histogram.children]
+    assert [bar.button_style for bar in bars] == ["", "info"]
+    assert explorer.reply.value == (0, 1) and explorer.view.value == "advantage"
+    explorer.show_reply(1, 2)
+    _record_step(tiny, [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]], seed=2)
+    explorer.refresh()
+    assert explorer.batch == 2 and explorer.bin == 1 and explorer.reply.value == (1, 2)
+
+    explorer.follow.value = False  # the toggle off: new batches wait
+    _record_step(tiny, [[1.0, 1.0, 0.0, 0.0]], seed=3)
+    explorer.refresh()
+    assert explorer.batch == 2 and explorer.slider.max == 3
+    explorer.follow.value = True  # and on again: the newest at once
+    assert explorer.batch == 3 and explorer.bin == 1
+    explorer.select_batch(0)  # an older batch chosen: following stops
+    assert not explorer.follow.value
+
+
 def test_the_panel_has_a_live_rollouts_tab(tiny: wb.Session) -> None:
     panel = tiny.panel()
     try:

@@ -117,6 +117,57 @@ def test_pause_takes_effect_after_the_current_step(tiny: wb.Session) -> None:
     assert run.wait(WAIT_S) is RunState.FINISHED and run.i == 5
 
 
+def _wait_in_a_thread(run: wb.Run) -> tuple[threading.Thread, list[RunState]]:
+    """`run.wait()` blocking a thread as it blocks a cell under Run All; the state it returned."""
+    returned: list[RunState] = []
+    waiter = threading.Thread(target=lambda: returned.append(run.wait(WAIT_S)), daemon=True)
+    waiter.start()
+    return waiter, returned
+
+
+def test_a_pause_during_wait_keeps_it_waiting_until_resume_and_stop(tiny: wb.Session) -> None:
+    """The panel's Pause while a cell waits on a running run: the wait goes on through the pause (the
+    cell does not move on with half a run), and returns once the run ends; Stop ends it with the steps
+    trained."""
+    gate = Gate()
+    gate.open(0)
+    run = tiny.run(gate, steps=10)
+    waiter, returned = _wait_in_a_thread(run)
+    gate.wait_entered(1)
+    run.pause()
+    gate.open(1)
+    waiter.join(1.0)
+    assert waiter.is_alive() and run.state is RunState.PAUSED and not run.busy and run.i == 2
+    run.resume()
+    gate.open(2)
+    gate.wait_entered(3)
+    assert waiter.is_alive()
+    run.stop()
+    gate.open(3)
+    waiter.join(WAIT_S)
+    assert returned == [RunState.STOPPED] and run.i == 4
+
+
+def test_a_wait_returns_when_the_run_pauses_itself(tiny: wb.Session) -> None:
+    """A trigger or a raising step pauses the run for the user to look: a wait on it returns."""
+    run = tiny.run(
+        lambda sess, i: {"reward:mean": float(i)}, steps=5, pause_if={"reward:mean": ("above", 0.5)}
+    )
+    assert run.wait(WAIT_S) is RunState.PAUSED and run.trigger is not None and run.i == 2
+
+    def raising(sess: wb.Session, i: int) -> None:
+        if i == 1:
+            raise ValueError("step 1")
+
+    run.stop()
+    run.wait(WAIT_S)
+    with pytest.warns(RuntimeWarning, match="raised ValueError"):
+        run = tiny.run(raising, steps=3)
+        assert run.wait(WAIT_S) is RunState.PAUSED and run.failed_step == 1
+    run.stop()
+    assert run.wait(WAIT_S) is RunState.STOPPED
+
+
 def test_step_then_resume_then_pause_runs_no_extra_step(tiny: wb.Session) -> None:
     """Step and Run clicked quickly while a step executes, then Pause: the granted single step is part of
     the running, so after the step in progress ends the run is paused, with no extra step owed."""

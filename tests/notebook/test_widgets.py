@@ -254,7 +254,7 @@ def test_without_training_data_the_buttons_only_control_runs(tiny: wb.Session) -
 def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) -> None:
     m = panel.metrics
     assert m.select.value == ["loss:sum"] and m.plot is not None and m.plot.names == ["loss:sum"]
-    assert m.figure.get_size_inches().tolist() == [3.7, 2.8]  # shown at its own size, not stretched
+    assert m.figure.get_size_inches().tolist() == [3.4, 2.6]  # shown at its own size, not stretched
     panel.tabs.selected_index = 3  # a hidden plot is not redrawn
     renders = m.renders
     panel.refresh()
@@ -281,7 +281,7 @@ def test_the_metrics_tab_follows_the_history(panel: wb.Panel, tiny: wb.Session) 
     assert m.select.value == ["loss:sum", "grad_norm"] and m.add_metric.value == ""
     m.select.value = ["grad_norm", "loss:sum"]
     assert m.plot.names == ["grad_norm", "loss:sum"]
-    assert m.figure.get_size_inches().tolist() == [7.4, 2.8]
+    assert m.figure.get_size_inches().tolist() == [6.8, 2.6]
     steps, values = m.plot.lines["grad_norm"]["policy/optim_step"].get_data()
     assert list(steps) == [1, 2] and len(values) == 2
     m.select.value = []
@@ -912,6 +912,7 @@ def test_the_rollouts_tab_follows_a_run_of_slow_steps_every_other_step(
     from workbench.notebook.panel import rollouts_tab
 
     monkeypatch.setattr(rollouts_tab, "FOLLOW_S", 0.0)
+    panel.stop_polling()  # the refreshes are the test's: a timer's between two steps would follow too
     recorded = [threading.Event() for _ in range(3)]
     go_on = [threading.Event() for _ in range(3)]
 
@@ -1027,3 +1028,28 @@ def test_a_tab_added_as_one_row_shows_its_title_and_is_redrawn_hidden_as_its_row
         assert run.wait(WAIT_S) is RunState.FINISHED
     finally:
         panel.close()
+
+
+def test_the_saved_record_names_each_counter_and_draws_the_plot_unzoomed(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    """What a kernel-less front end shows of the panel: a one-line text form, not ipywidgets' repr of
+    every child; a record whose optimizer and run counters say which is which; plots without a zoom
+    the user left on the toolbar."""
+    from workbench.notebook.panel.record import PANEL_TEXT
+
+    assert panel._repr_mimebundle_()["text/plain"] == PANEL_TEXT
+    panel.train.steps.value = 3
+    panel.train.run_button.click()
+    _wait(tiny)
+    panel.refresh()
+    body, png = panel._snapshot()
+    text = " ".join(html.unescape(re.sub("<[^>]+>", " ", body)).split())
+    assert "optimizer step 3" in text and "run step 3/3" in text, text
+    ax = panel.metrics.plot.axes["loss:sum"]
+    shown = ax.get_xlim(), ax.get_ylim()
+    ax.set_xlim(1.2, 1.8)  # the toolbar's zoom sets limits so, turning autoscaling off
+    ax.set_ylim(0.0, 1.0)
+    zoomed = panel._snapshot()[1]
+    assert zoomed == png and (ax.get_xlim(), ax.get_ylim()) == ((1.2, 1.8), (0.0, 1.0))
+    assert not ax.get_autoscalex_on() and shown != (ax.get_xlim(), ax.get_ylim())

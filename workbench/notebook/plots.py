@@ -30,9 +30,10 @@ sends is the changed pixels); a zoom of the toolbar is kept while rows arrive.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from matplotlib.axes import Axes
@@ -41,7 +42,7 @@ from matplotlib.layout_engine import ConstrainedLayoutEngine
 from matplotlib.lines import Line2D
 from matplotlib.text import Text
 from matplotlib.textpath import text_to_path
-from matplotlib.ticker import AutoLocator, LogLocator, MaxNLocator, NullLocator
+from matplotlib.ticker import AutoLocator, FuncFormatter, LogLocator, MaxNLocator, NullLocator
 from matplotlib.transforms import nonsingular
 
 from workbench.metrics import MetricsHistory
@@ -82,9 +83,9 @@ def held_limits(shown: tuple[float, float] | None, low: float, high: float, log:
 
 FAMILY = "/*"
 """A metric name ending in this names a family: every metric under the prefix, drawn in one axes (the
-optimizer step's `grad_norm/*` and `update_norm/*`, one line per adapter module; `system/*`)."""
+optimizer step's `grad_norm/*` and `update_norm/*`, one line per adapter layer; `system/*`)."""
 MAX_LEGEND_LINES = 12
-"""Beyond this many lines an axes shows no legend (a family of 200 modules); the footer names each."""
+"""Beyond this many lines an axes shows no legend (a family of 30 layers); the footer names each."""
 
 
 def row_values(row: Mapping[str, Any], name: str) -> list[tuple[str, float]]:
@@ -104,6 +105,19 @@ def families(names: Sequence[str]) -> list[str]:
             family = name.rsplit("/", 1)[0] + FAMILY
             counts[family] = counts.get(family, 0) + 1
     return [family for family, count in counts.items() if count > 1]
+
+
+X_TICKS = 5
+"""At most this many ticks on the x axis: a panel's plot is 340 px wide, room for five labels of "12.5k"."""
+
+
+def step_label(x: float, _position: int | None = None) -> str:
+    """A step tick's label, short past a thousand ("2.5k", "120k", "1.2M"): "12500" and its neighbours
+    ran together on a panel's 340-pixel plot after a few thousand steps."""
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:g}"
 
 
 def metric_lines(history: MetricsHistory, name: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -316,7 +330,9 @@ class LivePlot:
             ax.xaxis.set_major_locator(NullLocator())
             ax.yaxis.set_major_locator(NullLocator())
             return
-        ax.xaxis.set_major_locator(MaxNLocator(integer=self.x_axis == "step"))
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=X_TICKS, integer=self.x_axis == "step"))
+        if self.x_axis == "step":
+            ax.xaxis.set_major_formatter(FuncFormatter(step_label))
         ax.yaxis.set_major_locator(LogLocator() if ax.get_yscale() == "log" else AutoLocator())
 
     def _reader(self, name: str) -> Callable[[float, float], str]:
@@ -406,6 +422,26 @@ class LivePlot:
         else:
             self._held[key] = held_limits(self._held.get(key), low, high, log=False)
         first.set_xlim(*self._held[key], auto=None)
+
+    @contextlib.contextmanager
+    def unzoomed(self, until_step: int | None = None) -> Iterator[None]:
+        """The axes at the limits the plot itself holds (as `update(history, until_step)` sets them),
+        without the toolbar's zoom or pan: a picture of the run (the panel's saved record) rather than
+        of where its user last looked. The zoom is put back afterwards."""
+        saved = [
+            (ax, ax.get_xlim(), ax.get_ylim(), ax.get_autoscalex_on(), ax.get_autoscaley_on())
+            for ax in self.axes.values()
+        ]
+        try:
+            for name, ax in self.axes.items():
+                ax.set_autoscale_on(True)
+                self._hold_y(name, ax)
+            self._hold_x(until_step)
+            yield
+        finally:
+            for ax, xlim, ylim, autoscale_x, autoscale_y in saved:
+                ax.set_xlim(*xlim, auto=autoscale_x)
+                ax.set_ylim(*ylim, auto=autoscale_y)
 
     def _draw(self, name: str, ax: Axes, label: str, xs: list[float], values: list[float]) -> None:
         skipped_x: list[float] = []

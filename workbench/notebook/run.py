@@ -38,7 +38,9 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from IPython.display import DisplayHandle, display
 from tqdm.auto import tqdm
+from tqdm.notebook import tqdm_notebook
 
 from workbench.engine.interface import Restore
 from workbench.engine.remote.engine import EngineUnreachableError
@@ -204,19 +206,32 @@ class Run:
         self._state = RunState.PAUSED if paused else RunState.RUNNING
         self._stop_requested = False
         self._single_steps = 0  # steps granted by step() while paused
+        self._paused_itself = False  # a trigger, a failed step or save paused it: wait() returns
         self._busy = False  # the step function is executing
         self._changed = threading.Condition()
         self._thread = threading.Thread(
             target=_run_thread, args=(weakref.WeakMethod(self._advance),), name="workbench-run", daemon=True
         )
         self._progress: tqdm[Any] | None = None
+        self._progress_output: DisplayHandle | None = None  # a notebook's bar, rewritten as text at the end
 
     def start(self) -> Run:
         """Start the run thread. The progress bar is created here, in the caller's thread, so a notebook
-        shows it under the cell that started the run."""
+        shows it under the cell that started the run. In a notebook the bar is shown with a display id:
+        at the run's end its output becomes the bar's last line as text, what a saved notebook (an HTML
+        export, a kernel-less reopening) then shows, rather than the text form tqdm's widget had when it
+        was first shown ("0/15")."""
+        in_notebook = issubclass(tqdm, tqdm_notebook)
         self._progress = tqdm(
-            total=self.steps, initial=self.i, desc="run", unit="step", bar_format=PROGRESS_FORMAT
+            total=self.steps,
+            initial=self.i,
+            desc="run",
+            unit="step",
+            bar_format=PROGRESS_FORMAT,
+            **({"display": False} if in_notebook else {}),
         )
+        if in_notebook:
+            self._progress_output = display(self._progress.container, display_id=True)
         self.started_at = time.time()
         self.started_step = self.session.step
         self._thread.start()
@@ -301,6 +316,7 @@ class Run:
                 self._single_steps = 0
                 self.trigger = None
                 self.error = self.traceback = None  # a failed step is retried
+                self._paused_itself = False
                 self._changed.notify_all()
 
     def step(self) -> None:
@@ -311,6 +327,7 @@ class Run:
             self._single_steps += 1
             self.trigger = None
             self.error = self.traceback = None  # a failed step is retried
+            self._paused_itself = False
             self._changed.notify_all()
 
     def stop(self) -> None:
@@ -344,19 +361,28 @@ class Run:
             return edited
 
     def wait(self, timeout: float | None = None) -> RunState:
-        """Block until the run is idle: ended, or paused with no step executing or granted; or until
-        the watchdog names the step in progress stalled (`stall`), which it says in a RuntimeWarning
-        naming the step and where it waits: a stuck step does not block the cell for good.
+        """Block until the run is done with what it was asked before the call; or until the watchdog
+        names the step in progress stalled (`stall`), which it says in a RuntimeWarning naming the step
+        and where it waits: a stuck step does not block the cell for good.
+
+        Called on a running run, `wait()` returns when the run ends (finished, stopped, failed) or
+        pauses itself for the user to look (a trigger fired, a step raised, a save failed: `trigger`,
+        `error`, `save_error`). A Pause asked meanwhile (the panel's, during `run.wait()` or Run All)
+        keeps it waiting, paused, until Resume or Stop: the cell, and the cells after it, go on only
+        once the run has ended or needs them, never half-way through a run someone paused to watch.
+        Called on a paused run (`pause()`, `step()`, `paused=True` before it), it returns once that
+        has taken effect: no step executing, saving or granted.
 
         Returns:
-            The state then (still `running` or `paused`-and-busy if `timeout` ran out or the step
-            stalled first).
+            The state then (still `running` or `paused` if `timeout` ran out or the step stalled
+            first).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         stall = None
         try:
             with self._changed:
-                while not self._idle():
+                through_pauses = self._state is RunState.RUNNING
+                while not (self._paused_for_the_user() if through_pauses else self._idle()):
                     left = (
                         PAUSED_POLL_S if deadline is None else min(deadline - time.monotonic(), PAUSED_POLL_S)
                     )
@@ -372,6 +398,13 @@ class Run:
         if stall is not None:
             warnings.warn(f"stopped waiting: {stall}", RuntimeWarning, stacklevel=2)
         return state
+
+    def _paused_for_the_user(self) -> bool:
+        """Idle and either ended or paused by the run itself (a trigger, a failed step or save): what a
+        wait on a running run returns at. Called with the lock held."""
+        if not self.active:
+            return self._idle()
+        return self._paused_itself and self._idle()
 
     def _idle(self) -> bool:
         if not self.active:
@@ -459,7 +492,7 @@ class Run:
         with self._changed:
             self.step_seconds.append(time.monotonic() - started)
             if trigger is not None:
-                self.trigger = trigger
+                self.trigger, self._paused_itself = trigger, True
                 if self._state is RunState.RUNNING:
                     self._state = RunState.PAUSED
                 self._single_steps = 0
@@ -483,7 +516,7 @@ class Run:
         class docstring)."""
         with self._changed:
             self.error, self.traceback, self.failed_step = error, formatted, self.i
-            self._dirty = True
+            self._dirty = self._paused_itself = True
         try:
             if self._last_save is not None:
                 self._rewind(*self._last_save)
@@ -554,6 +587,7 @@ class Run:
                     f"the run checkpoint at step {self.i} could not be saved ({error!r}); the run paused, "
                     "its previous checkpoints are intact"
                 )
+                self._paused_itself = True
                 if self._state is RunState.RUNNING:
                     self._state = RunState.PAUSED
                 self._single_steps = 0
@@ -574,6 +608,8 @@ class Run:
     def _end(self) -> None:
         assert self._progress is not None
         self._progress.close()
+        if self._progress_output is not None:
+            self._progress_output.update({"text/plain": str(self._progress)}, raw=True)
         with self._changed:
             if self._pending_adam is not None:
                 self._adam_params, self._pending_adam = self._pending_adam, None

@@ -62,9 +62,10 @@ def steps_between_renders(rendered_bytes: int) -> int:
 ASYNC_METRICS = ("async/staleness:max", "async/trainer_wait_s", "async/sample_wait_s")
 """What `sess.run_async` records per step and the tab plots once they appear (see `async_run`)."""
 
-INCHES_PER_PLOT = (3.7, 2.8)
-"""One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 370 × 280 px, so
-three side by side and the toolbar fit a 1280 px window)."""
+INCHES_PER_PLOT = (3.4, 2.6)
+"""One metric's plot, in inches; ipympl shows the figure at its own size (100 dpi: 340 × 260 px, so
+three side by side fit Notebook 7's page, about 1070 px for an output, as they do JupyterLab's at 1280
+px; at 370 px the third was cut)."""
 
 
 def paletted_png(png: bytes) -> bytes:
@@ -95,7 +96,7 @@ class LockedCanvas(Canvas):
 
     It sends the page PNGs of the changed pixels from its first draw. ipympl 0.10 starts a canvas
     "syncing its data URL" until the front end's `initialized` message is read, and meanwhile sends
-    each redraw as the raw RGBA buffer (740 × 280 × 4 = 829 KB for two plots) plus a base64 PNG in the
+    each redraw as the raw RGBA buffer (680 × 260 × 4 = 707 KB for two plots) plus a base64 PNG in the
     widget state; a kernel busy with a cell, or a slow route to the widget subshell, leaves it so for a
     whole run. The data URL serves pages without a live kernel, which the panel's saved record serves
     instead."""
@@ -290,14 +291,16 @@ class MetricsTab:
         return run.steps_since(self._rendered_mark) + periods >= steps_between_renders(self.rendered_bytes)
 
     def png(self) -> bytes | None:
-        """The plots as PNG bytes (None with no metric chosen), for the panel's saved record."""
+        """The plots as PNG bytes (None with no metric chosen), for the panel's saved record: the whole
+        run, without a zoom the user left on the toolbar."""
         with self._lock:
             if self.plot is None:
                 return None
             # up to date even while the tab is hidden
             if self.plot.update(self.session.history, self._run_end_step()):
                 self._unsent = True
-            return self.figure._repr_png_()
+            with self.plot.unzoomed(self._run_end_step()):
+                return self.figure._repr_png_()
 
     def opened(self) -> None:
         """Nothing to catch up on: its next refresh draws what is new."""

@@ -46,7 +46,7 @@ from workbench.notebook.panel.checkpoints_tab import CheckpointsTab
 from workbench.notebook.panel.feedback import FREED, Feedback
 from workbench.notebook.panel.metrics_tab import MetricsTab
 from workbench.notebook.panel.progress_line import ProgressLine
-from workbench.notebook.panel.record import HIDE_WHILE_LIVE, PanelRecord
+from workbench.notebook.panel.record import HIDE_WHILE_LIVE, PANEL_TEXT, PanelRecord, record_body
 from workbench.notebook.panel.rollouts_tab import RolloutExplorer, RolloutsTab
 from workbench.notebook.panel.runs_tab import RunsTab
 from workbench.notebook.panel.sample_tab import SampleTab
@@ -64,6 +64,18 @@ CPU_SHARE = 0.03
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
 `max(REFRESH_S, refresh CPU seconds / CPU_SHARE)` between refreshes (a costly redraw, a busy machine:
 the panel refreshes less often instead of slowing the run more)."""
+
+
+PANEL_STYLE = (
+    "<style>"
+    # ipympl lays its toolbar over the figure's top right corner, on the rightmost plot's title
+    ".wb-metrics-plot .jupyter-matplotlib-toolbar{position:static;order:-1;align-self:flex-end}"
+    # an HTML widget's content takes its width from the panel, so the status bar's fields and the
+    # rollout cards wrap within it instead of running past its right edge
+    ".wb-status>.widget-html-content,.wb-rollout-groups>.widget-html-content{min-width:0;flex:1 1 auto}"
+    "</style>"
+)
+"""The panel's layout rules at widths down to Notebook 7's page (1400 px windows and narrower)."""
 
 
 class TabPart(Protocol):
@@ -176,7 +188,7 @@ class Panel(ipywidgets.VBox):
         self.record = PanelRecord(self._snapshot)
         super().__init__(
             [
-                ipywidgets.HTML(HIDE_WHILE_LIVE),
+                ipywidgets.HTML(PANEL_STYLE + HIDE_WHILE_LIVE),
                 self.status.widget,
                 self.progress.widget,
                 self.alert.widget,
@@ -240,13 +252,14 @@ class Panel(ipywidgets.VBox):
         display(self._repr_mimebundle_(), raw=True)
         self.record.display()
 
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        """The widget's view, and a short `text/plain` for where there is no kernel (`PANEL_TEXT`)."""
+        return {**super()._repr_mimebundle_(**kwargs), "text/plain": PANEL_TEXT}
+
     def _snapshot(self) -> tuple[str, bytes | None]:
         self.train.refresh()  # hidden while a run runs, the tab is not redrawn at every step
-        run_state = self.train.progress_text.value
-        body = (
-            self.status.widget.value
-            + self.progress.widget.value
-            + (f"<div>{run_state}</div>" if run_state else "")
+        body = record_body(
+            self.status.widget.value, self.progress.widget.value, self.train.progress_text.value
         )
         return body, self.metrics.png()
 

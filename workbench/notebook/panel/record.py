@@ -7,6 +7,11 @@ progress line, the run's state and the Metrics tab's plots as a PNG, the way HF'
 `sess.plot` leave theirs. While the live panel is on the page, a rule of its stylesheet hides the record
 (`:has()`, so only the record of its own cell); without the panel the record is what shows.
 
+Where the live panel was, a front end without its kernel shows "Error displaying widget: model not
+found" (JupyterLab, Notebook 7) or the widget's text form (an HTML export, nbviewer, GitHub): the record's
+stylesheet hides the first, the panel's text form is one short line. The record says which counter is
+which (the optimizer's step, the run's step) and draws the plots unzoomed.
+
 The record is updated through its display id when the run settles (pauses, ends, is stopped) or a new
 run starts, and at most every `RECORD_S` while it runs: a PNG of the plots is 50-90 KB, sent seldom
 enough to stay a small part of the panel's traffic per step.
@@ -34,6 +39,9 @@ HIDE_WHILE_LIVE = (
     ".wb-panel.jupyter-widgets-disconnected button,.wb-panel.jupyter-widgets-disconnected input,"
     ".wb-panel.jupyter-widgets-disconnected select,.wb-panel.jupyter-widgets-disconnected canvas"
     "{pointer-events:none;opacity:.45}"
+    # nothing in a stale panel takes the keyboard either (Tab + Enter, typing): each would send a message
+    # on a closed comm ("Cannot send"); `interactivity` is Chromium's (135+)
+    ".wb-panel.jupyter-widgets-disconnected{interactivity:inert}"
     ".wb-stale-note{display:none}"
     ".wb-panel.jupyter-widgets-disconnected .wb-stale-note{display:block}"
     "</style>"
@@ -42,7 +50,37 @@ HIDE_WHILE_LIVE = (
     "Run the cells again for a live panel.</div>"
 )
 """The live panel's stylesheet: the record under it hidden, and once the front end has lost the kernel
-(ipywidgets marks every view `jupyter-widgets-disconnected`) its controls greyed out and a note."""
+(ipywidgets marks every view `jupyter-widgets-disconnected`) its controls greyed out and inert, and a
+note."""
+
+PANEL_TEXT = "workbench panel (live only in the kernel that drew it; its record follows)"
+"""The panel's `text/plain` form: what an HTML export (nbconvert, nbviewer, GitHub) shows of the widget
+without its kernel, instead of ipywidgets' `Panel(children=(HTML(value='<style>…` repr."""
+
+HIDE_MISSING_PANEL = (
+    "<style>"
+    ".jp-OutputArea-child:has(+ .jp-OutputArea-child .wb-record)"
+    ':has(> .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.widget-view+json"])'
+    ":not(:has(.wb-panel)){display:none}"
+    "</style>"
+)
+"""The record's stylesheet: the output just above it, the panel's, hidden while it holds no live panel
+(a reopened notebook's "Error displaying widget: model not found")."""
+
+COUNTER_LABELS = (
+    ('<span data-field="step"><b>step</b>', '<span data-field="step"><b>optimizer step</b>'),
+    ('<span data-field="run-step">step ', '<span data-field="run-step">run step '),
+)
+"""What the record calls the status bar's and the progress line's counters: side by side without the
+live panel around them, "step 12" and "step 15/15" read as one counter that disagrees with itself."""
+
+
+def record_body(status: str, progress: str, run_state: str) -> str:
+    """The record's text: the status bar, the progress line and the run's state, each counter named."""
+    body = status + progress + (f"<div>{run_state}</div>" if run_state else "")
+    for live, recorded in COUNTER_LABELS:
+        body = body.replace(live, recorded)
+    return body
 
 
 class PanelRecord:
@@ -83,6 +121,7 @@ class PanelRecord:
         self.writes += 1
         return {
             "text/html": (
+                f"{HIDE_MISSING_PANEL}"
                 '<div class="wb-record" style="border:1px solid #ddd;border-radius:4px;padding:4px 8px">'
                 '<div style="color:#666;font-size:smaller">workbench panel as last saved (the live panel '
                 "needs the kernel that drew it: run the cells again for one)</div>"

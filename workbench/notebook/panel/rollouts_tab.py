@@ -12,7 +12,8 @@ For any recorded batch (one `Session.record_rollouts` call, usually one RL step)
   advantage, the loss weight, or the sampler-vs-trainer mismatch (hover a token for its value).
 
 It reads a `RolloutLog`: the live session's (`sess.rollout_explorer()`, which follows new batches as
-they are recorded when `refresh()` is called) or a finished run's folder
+they are recorded when `refresh()` is called, while its "follow newest" toggle is on) or a finished run's
+folder
 (`RolloutExplorer.from_model_dir(model_dir, tokenizer)`). The panel's tab (`RolloutsTab`) is the live
 explorer, following a running run's batches at a pace the page can take.
 """
@@ -59,7 +60,7 @@ SHARED_PROMPT_MIN_CHARS = 40
 """A start of line(s) common to a batch's prompts at least this long is shown once above the cards."""
 GROUPS_STYLE = (
     "<style>"
-    ".wb-rollout-cards{display:flex;gap:8px;overflow-x:auto;padding-bottom:4px}"
+    ".wb-rollout-cards{display:flex;flex-wrap:wrap;gap:8px;padding-bottom:4px}"  # rows within the width
     ".wb-rollout-group{flex:0 0 auto;min-width:18em;max-width:30em;border:1px solid #ddd;"
     "border-radius:4px;padding:4px 6px;font-size:smaller}"
     ".wb-rollout-group>div:first-child{color:#444}"
@@ -94,6 +95,16 @@ def in_bin(reward: float, bins: Sequence[tuple[float, float]], index: int) -> bo
     return low <= reward < high or (last and reward == high)
 
 
+def matching_bin(bins: Sequence[tuple[float, float]], opened: tuple[float, float]) -> int | None:
+    """The bar of `bins` that shows the rewards the `opened` bar of another batch did: the one with the
+    same bounds, else the one holding its middle; None when no bar does. Following a new batch keeps
+    the user's open bar this way (a 0/1 reward's bars are the same two every batch)."""
+    if opened in bins:
+        return list(bins).index(opened)
+    middle = (opened[0] + opened[1]) / 2
+    return next((i for i in range(len(bins)) if in_bin(middle, bins, i)), None)
+
+
 def _bin_label(low: float, high: float) -> str:
     return f"{low:.3g}" if low == high else f"{low:.2g}–{high:.2g}"
 
@@ -119,8 +130,13 @@ def _text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int]) -> str:
 class RolloutExplorer(ipywidgets.VBox):
     """Browse the recorded rollouts of a run (see the module docstring).
 
-    `select_batch(k)`, `open_bin(i)` (a histogram bar's click), `show_reply(group, reply, view)` and
-    `refresh()` do from code what the controls do.
+    `select_batch(k)`, `open_bin(i)` (a histogram bar's click), `show_reply(group, reply, view)`,
+    `follow.value = ...` and `refresh()` do from code what the controls do.
+
+    While `follow` ("follow newest") is on, `refresh()` shows each new batch as it is recorded, keeping
+    what the user chose: the open bar (the same rewards'), the reply (the same group and reply, when
+    the bar has it) and the colouring. Choosing an older batch turns following off, choosing the
+    newest turns it on; the toggle shows which.
     """
 
     def __init__(
@@ -140,6 +156,14 @@ class RolloutExplorer(ipywidgets.VBox):
         self.slider = ipywidgets.IntSlider(
             value=0, min=0, max=0, description="batch", continuous_update=False, disabled=True
         )
+        self.follow = ipywidgets.ToggleButton(
+            value=True,
+            description="follow newest",
+            icon="forward",
+            tooltip="show each new batch as it is recorded, keeping the open bar and reply",
+            layout=ipywidgets.Layout(width="auto"),
+        )
+        self.follow.add_class("wb-rollouts-follow")
         self.summary = ipywidgets.HTML()
         self.histogram = ipywidgets.HBox(layout=ipywidgets.Layout(align_items="flex-end"))
         self.histogram.add_class("wb-reward-histogram")
@@ -158,11 +182,12 @@ class RolloutExplorer(ipywidgets.VBox):
         if sample_prompt is not None:
             self.sample_button.on_click(lambda _button: self._sample_selected(sample_prompt))
         self.slider.observe(lambda change: self.select_batch(change["new"]), names="value")
+        self.follow.observe(lambda change: self._followed(change["new"]), names="value")
         self.reply.observe(lambda change: self._show_selected(), names="value")
         self.view.observe(lambda change: self._show_selected(), names="value")
         super().__init__(
             [
-                self.slider,
+                ipywidgets.HBox([self.slider, self.follow]),
                 self.summary,
                 ipywidgets.HTML(
                     '<div style="color:#666;font-size:smaller">rewards (click a bar for its replies)</div>'
@@ -208,7 +233,7 @@ class RolloutExplorer(ipywidgets.VBox):
                 "<code>sess.record_rollouts(groups, trained=out)</code>.</i>"
             )
             return
-        following = self.batch is None or self.batch == self.slider.max
+        following = self.batch is None or self.follow.value
         with self.slider.hold_sync():  # one message for the slider's changes (see BYTES_PER_STEP)
             self.slider.disabled = False
             self.slider.max = count - 1
@@ -220,13 +245,15 @@ class RolloutExplorer(ipywidgets.VBox):
     def select_batch(self, batch: int) -> None:
         if not 0 <= batch < len(self.rollouts):
             raise ValueError(f"batch must be in [0, {len(self.rollouts) - 1}], got {batch}")
+        opened = self.bins[self.bin] if self.bin is not None else None
         self.batch = batch
         if self.slider.value != batch:
             self.slider.value = batch
+        self.follow.value = batch == len(self.rollouts) - 1
         groups = self._groups()
         rewards = [r for group in groups for r in group.rewards]
         self.bins = reward_bins(rewards)
-        self.bin = None
+        self.bin = None if opened is None else matching_bin(self.bins, opened)
         versions = sorted({g.weights_version for g in groups if g.weights_version is not None})
         step = groups[0].step
         replies = len(rewards)
@@ -241,6 +268,12 @@ class RolloutExplorer(ipywidgets.VBox):
         )
         self._draw_histogram(rewards)
         self._update_replies()
+
+    def _followed(self, on: bool) -> None:
+        """The toggle turned on: show the newest batch now (turned off: stay where the view is)."""
+        newest = len(self.rollouts) - 1
+        if on and newest >= 0 and self.batch != newest:
+            self.select_batch(newest)
 
     def open_bin(self, index: int | None) -> None:
         """Open histogram bar `index` (None: every reply): its replies are highlighted and listed."""
@@ -274,11 +307,13 @@ class RolloutExplorer(ipywidgets.VBox):
         top = max(counts, default=1) or 1
         while len(self._bars) < len(self.bins):
             self._bars.append(self._new_bar(len(self._bars)))
-        for (low, high), count, (_column, bar, label) in zip(self.bins, counts, self._bars, strict=False):
+        for i, ((low, high), count, (_column, bar, label)) in enumerate(
+            zip(self.bins, counts, self._bars, strict=False)
+        ):
             with bar.hold_sync():
                 bar.description = str(count)
                 bar.tooltip = f"the replies of reward {_bin_label(low, high)} (click to open them)"
-                bar.button_style = ""
+                bar.button_style = "info" if i == self.bin else ""
             bar.layout.height = f"{max(round(BAR_HEIGHT_PX * count / top), 18)}px"
             label.value = f'<div style="text-align:center;font-size:smaller;width:4.5em">{html.escape(_bin_label(low, high))}</div>'
         shown = tuple(column for column, _bar, _label in self._bars[: len(self.bins)])
@@ -297,6 +332,7 @@ class RolloutExplorer(ipywidgets.VBox):
     def _update_replies(self) -> None:
         groups = self._groups()
         chosen = set(self.replies())
+        kept = self.reply.value if self.reply.value in chosen else None  # the same group and reply
         options = []
         for g, r in self.replies():
             group = groups[g]
@@ -310,7 +346,7 @@ class RolloutExplorer(ipywidgets.VBox):
             )
         with self.reply.hold_sync():
             self.reply.options = options
-            self.reply.value = options[0][1] if options else None
+            self.reply.value = kept if kept is not None else options[0][1] if options else None
         self.groups.value = self._groups_html(groups, chosen)
         self._show_selected()
 

@@ -190,7 +190,9 @@ class StatusBar:
             _field("wandb", "W&B", wandb_field(sess)),
         ]
         self.widget.value = (
-            # one line: fields never wrap; a window too narrow for them scrolls the bar sideways
-            '<div style="display:flex;flex-wrap:nowrap;gap:0 .9em;white-space:nowrap;overflow-x:auto;'
-            'font-size:.92em">' + "".join(fields) + "</div>"
+            # a field never wraps; a window too narrow for all of them on one line wraps between fields
+            # (a bar that scrolled sideways hid its tail: the run and W&B fields)
+            '<div style="display:flex;flex-wrap:wrap;gap:0 .9em;white-space:nowrap;font-size:.92em">'
+            + "".join(fields)
+            + "</div>"
         )
