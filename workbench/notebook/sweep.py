@@ -47,6 +47,7 @@ from workbench.engine.interface import Restore
 from workbench.engine.local.engine import Engine
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
+from workbench.futures import APIFuture
 from workbench.loops.health import rollout_health
 from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
 from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
@@ -192,7 +193,10 @@ class Member:
         self.busy = False  # the step function is executing
         self.single_steps = 0  # steps granted by step_once() while paused
         self.stop_requested = False  # stop() came during a step
-        self.rng_state = rng_state  # the member's sampling generator state between its steps
+        self._rng_state = rng_state
+        self.rng_swap: APIFuture[torch.Tensor] | None = None
+        """The swap that handed the engine its generator back after this member's last step: it resolves
+        to the member's stream, read when first needed (by its next step, long done by then)."""
         status = engine.model_status(model_id)
         self.history = MetricsHistory()
         """This member's rows of the engine's history (also in its folder's `history.jsonl`)."""
@@ -224,6 +228,13 @@ class Member:
             return None
 
     # ------------------------------------------------------------------------------------------ a session's face
+
+    @property
+    def rng_state(self) -> torch.Tensor:
+        """The member's sampling generator state between its steps."""
+        if self.rng_swap is not None:
+            self._rng_state, self.rng_swap = self.rng_swap.result(), None
+        return self._rng_state
 
     @property
     def current_run(self) -> Member:
@@ -368,6 +379,7 @@ class Sweep:
         halve_at: Sequence[int] = (),
         by: str | None = None,
         mode: Mode = "min",
+        wandb: WandbSetting = None,
     ) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be a function step_fn(member, i) -> metrics, got {step_fn!r}")
@@ -386,6 +398,8 @@ class Sweep:
         self.name = name
         """The sweep's name: its members' W&B group and the stem of their model ids."""
         self.by, self.mode = by, mode
+        self.wandb = wandb
+        """The members' W&B setting (clones' too)."""
         self.halve_at = sorted(set(halve_at))
         self.halvings: list[tuple[int, list[str]]] = []
         """`(step, names of the members it stopped)` for each halving done."""
@@ -396,7 +410,7 @@ class Sweep:
 
     # ------------------------------------------------------------------------------------------ members
 
-    def add(self, settings: MemberSettings, wandb: WandbSetting) -> Member:
+    def add(self, settings: MemberSettings) -> Member:
         """A new member: a LoRA model of its settings on the base, its sampling stream seeded as a
         session of its seed seeds its own."""
         model_id = f"{self.name}-{len(self.members)}"
@@ -405,7 +419,7 @@ class Sweep:
             settings.lora, seed=settings.seed, model_id=model_id, model_dir=folder
         ).result()
         rng = torch.Generator().manual_seed(settings.seed).get_state()
-        return self._append(Member(self, settings, model_id, rng, wandb))
+        return self._append(Member(self, settings, model_id, rng, self.wandb))
 
     def _append(self, member: Member) -> Member:
         with self.changed:
@@ -443,7 +457,7 @@ class Sweep:
                 model_id=model_id,
                 model_dir=self.session.model_dir.parent / model_id,
             ).result()
-            clone = Member(self, settings, model_id, member.rng_state.clone(), False)
+            clone = Member(self, settings, model_id, member.rng_state.clone(), self.wandb)
             clone.i, clone.loop_state = member.i, copy.deepcopy(member.loop_state)
             clone.state = RunState.RUNNING if member.i < self.steps else RunState.FINISHED
         self._append(clone)
@@ -577,7 +591,8 @@ class Sweep:
         """One step of `member`, with the engine's sampling generator on the member's own stream."""
         first_row = len(member.history.rows)
         failure: BaseException | None = None
-        previous = self.engine.swap_sampling_generator(member.rng_state).result()
+        # neither swap is waited for here: the worker runs them in order with the step's operations
+        swap_in = self.engine.swap_sampling_generator(member.rng_state)
         try:
             member.step_started_at = member.step
             metrics = self.step_fn(member, member.i)  # type: ignore[arg-type]  # a member answers as a session
@@ -589,7 +604,7 @@ class Sweep:
         finally:
             member.step_started_at = None
             if not self.engine.closed:
-                member.rng_state = self.engine.swap_sampling_generator(previous).result()
+                member.rng_swap = self.engine.swap_sampling_generator(swap_in.result())
         trigger = first_trigger(member.pause_rules, member.history.rows[first_row:], member.i)
         with self.changed:
             member.busy = False
@@ -675,7 +690,9 @@ def start_sweep(
         for k, config in enumerate(configs)
     ]
     name = f"{session.model_id}-sweep-{secrets.token_hex(2)}"
-    sweep = Sweep(session, engine, step_fn, steps, name=name, halve_at=halve_at, by=by, mode=mode)
+    sweep = Sweep(
+        session, engine, step_fn, steps, name=name, halve_at=halve_at, by=by, mode=mode, wandb=wandb
+    )
     for member in settings:
-        sweep.add(member, wandb)
+        sweep.add(member)
     return sweep.start()
