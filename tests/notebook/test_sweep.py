@@ -169,6 +169,8 @@ def test_a_stopped_member_frees_its_adapter_and_optimizer_memory(tmp_path: Path)
         # the adapter and AdamW's two moments per parameter, at least (gradients may be freed already)
         assert freed >= 3 * adapter_bytes, (freed, adapter_bytes)
         assert sweep.members[1].model_id in sess.engine.model_ids()
+        sweep.stop()  # the finished member too: the sweep is over
+        assert sess.engine.model_ids() == [sess.model_id]
 
 
 def test_members_are_w_and_b_runs_of_one_group_and_controls_act_between_steps(

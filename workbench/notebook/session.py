@@ -667,7 +667,8 @@ class Session:
                 reached it, the worse half by `by` is stopped.
             by: The metric that ranks members (a step function's, or an op's such as `"loss:sum"`).
             mode: `"min"` when lower `by` is better, `"max"` when higher is.
-            wandb: The members' W&B runs, as for `Session(...)`; they share the sweep's group.
+            wandb: The members' W&B runs, as for `Session(...)`, in one group (the sweep's name); None:
+                as the session, a run each when the session has one.
         """
         engine = self._local_engine(
             f"a sweep keeps its members in this process's engine; this session drives {self.engine.endpoint}"

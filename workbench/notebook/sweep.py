@@ -511,10 +511,10 @@ class Sweep:
             member.resume()
 
     def stop(self) -> None:
-        """Stop every member still training (each after its current step), freeing their models."""
+        """Stop every member (one training, after its current step), freeing their models: the sweep
+        is over. Promote or clone a member first to keep it."""
         for member in list(self.members):
-            if member.active:
-                member.stop()
+            member.stop()
 
     def wait(self, timeout: float | None = None) -> RunState:
         """Block until no member trains: each has ended or waits paused (or until `timeout`)."""
@@ -684,6 +684,8 @@ def start_sweep(
             f"{len(configs)} members need {len(configs)} more models; the engine holds {free} more "
             f"(Session(max_models=...))"
         )
+    if wandb is None and session.wandb_run is None:
+        wandb = False  # as the session: no W&B run for it, none for its members
     lora, seed = session.config.lora, session.config.seed
     settings = [
         member_settings(config, lora, seed, ",".join(f"{k}={v}" for k, v in config.items()) or f"m{k}")
