@@ -13,6 +13,7 @@ import torch
 
 import workbench as wb
 from tests.notebook.test_run_checkpoints import rl_step, sft_step
+from workbench.notebook.sweep import member_settings
 
 WAIT_S = 60.0
 STEPS = 3
@@ -189,3 +190,23 @@ def test_members_are_w_and_b_runs_of_one_group_and_controls_act_between_steps(
         assert {r._run.group for r in runs if r is not None} == {sweep.name}
         sweep.stop()
         assert second.state is wb.RunState.STOPPED
+
+
+def test_grid_is_the_product_and_a_config_splits_into_adapter_optimizer_and_options() -> None:
+    configs = wb.grid(learning_rate=[1e-3, 1e-4], rank=[4, 8])
+    assert configs == [
+        {"learning_rate": 1e-3, "rank": 4},
+        {"learning_rate": 1e-3, "rank": 8},
+        {"learning_rate": 1e-4, "rank": 4},
+        {"learning_rate": 1e-4, "rank": 8},
+    ]
+    settings = member_settings(
+        {"rank": 8, "weight_decay": 0.1, "loss_fn": "ppo", "seed": 3}, wb.LoraConfig(rank=4, alpha=16), 0, "m"
+    )
+    assert settings.lora == wb.LoraConfig(rank=8, alpha=16)  # the session's, with the config's changes
+    assert settings.adam_params == wb.AdamParams(weight_decay=0.1)
+    assert settings.seed == 3 and settings.options == {"loss_fn": "ppo"} and settings.name == "m"
+    with pytest.raises(ValueError, match="non-empty list"):
+        wb.grid(learning_rate=[])
+    with pytest.raises(ValueError, match="pause_if"):
+        member_settings({"pause_if": {"loss": ("sideways", 1.0)}}, wb.LoraConfig(), 0, "m")
