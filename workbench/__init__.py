@@ -56,6 +56,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "workbench.notebook.rollout_log": ("RolloutLog",),
     "workbench.notebook.run": ("Run", "RunActiveError", "RunState", "WaitInterrupted", "train_step"),
     "workbench.notebook.session": ("Session",),
+    "workbench.notebook.sweep": ("Member", "MemberSettings", "Sweep", "grid"),
     "workbench.notebook.triggers": ("PauseRule", "Trigger"),
     "workbench.notebook.token_view": ("render_datum", "render_sample", "render_tokens", "TokenView"),
     "workbench.storage.archive": ("export_archive", "import_archive", "UnsafeArchiveError"),

@@ -72,6 +72,7 @@ from workbench.notebook.run_checkpoints import (
     newest_run_checkpoint,
     rewind_logs,
 )
+from workbench.notebook.sweep import Mode, Sweep, start_sweep
 from workbench.notebook.triggers import PauseIf
 from workbench.sdk_conversion import to_datum, to_lora_config
 from workbench.server import ServerConfig, TinkerServer
@@ -642,6 +643,46 @@ class Session:
         resume_from, self.resume_point = self.resume_point, None
         return start_run(
             self, step_fn, steps, adam_params, paused, pause_if, save_every, keep, keep_every, resume_from
+        )
+
+    def sweep(
+        self,
+        step_fn: StepFn,
+        configs: Sequence[Mapping[str, Any]],
+        steps: int,
+        *,
+        halve_at: Sequence[int] = (),
+        by: str | None = None,
+        mode: Mode = "min",
+        wandb: WandbSetting = None,
+    ) -> Sweep:
+        """Train one LoRA model per config on this session's base, side by side: `step_fn(member, i)`
+        for each member in turn, a step each, on a sweep thread; returns the `Sweep` at once.
+
+        A step function written for `run` runs unmodified: a member answers what it uses of a session
+        (`policy`, `tokenizer`, `current_run.adam_params`, `record_rollouts`, ...) for its own model, and
+        each member trains bit for bit as its config would alone in a session of its seed (see
+        `workbench.notebook.sweep`). Every member is also a model of this engine (up to `max_models`).
+
+        Args:
+            step_fn: One training step of a member.
+            configs: One dict of settings per member (`wb.grid(...)` makes a product): `lora` or its
+                fields (`rank`, `train_mlp`, ...), `adam_params` or its fields (`learning_rate`, ...),
+                `seed`, `pause_if`, `name`; other keys are `member.options` for the step function. What
+                a config leaves out is this session's (its `LoraConfig`, its seed).
+            steps: How many steps each member takes.
+            halve_at: Successive halving: at each of these steps, once every member still training has
+                reached it, the worse half by `by` is stopped.
+            by: The metric that ranks members (a step function's, or an op's such as `"loss:sum"`).
+            mode: `"min"` when lower `by` is better, `"max"` when higher is.
+            wandb: The members' W&B runs, as for `Session(...)`, in one group (the sweep's name); None:
+                as the session, a run each when the session has one.
+        """
+        engine = self._local_engine(
+            f"a sweep keeps its members in this process's engine; this session drives {self.engine.endpoint}"
+        )
+        return start_sweep(
+            self, engine, step_fn, configs, steps, halve_at=halve_at, by=by, mode=mode, wandb=wandb
         )
 
     def run_async(

@@ -746,6 +746,22 @@ class Engine:
 
         return self._state.submit(append)
 
+    def swap_sampling_generator(self, state: torch.Tensor) -> APIFuture[torch.Tensor]:
+        """After the queued operations, set the sampling generator (which draws the seeds of sampling
+        requests that give none) to `state`; resolves to the state it replaces. A sweep gives each of
+        its models its own stream this way (`workbench.notebook.sweep`), so each samples as it would
+        alone on an engine of its seed."""
+        self.check_open()
+        generator = self._state.sampling_generator
+        torch.Generator().set_state(state)  # a state no generator takes fails here, in the caller's thread
+
+        def swap() -> torch.Tensor:
+            previous = generator.get_state()
+            generator.set_state(state)
+            return previous
+
+        return self._state.submit(swap)
+
     def state_digest(self, model_id: str | None = None, role: Role | None = None) -> str:
         """A sha256 over everything training can change: weights, accumulated gradients, optimizer state
         and counters, of every model (or of one model, or one role of it), between operations; unless one

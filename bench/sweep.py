@@ -1,0 +1,132 @@
+"""What a sweep costs: four SFT configurations (learning rates 3e-3, 1e-3, 3e-4, 1e-4; one datum a step)
+trained three ways, each in a fresh child process, so that one way's memory never counts in another's:
+
+- `sweep`: one session, `sess.sweep(step, 4 configs, steps)`: four LoRA members on one base, in turn;
+- `sequential`: one session, four `sess.run`s one after another, the policy reset to its initial state
+  (`load_state`) before each;
+- `sessions`: four sessions held at once (four bases, as four notebooks would hold), their runs going
+  at the same time.
+
+Each child reports its wall time (from the first session's creation to the last step, base loads
+included) and its peak resident memory (`ru_maxrss`, the process's high-water mark). The parent
+prints the figures and the ratios. Targets: sweep time <= 1.05x sequential, sweep memory <= 0.4x
+sessions. On a shared machine the times are noisy: `--repeat` runs each way that many times, keeping
+the fastest (noise only ever slows a run down) and the largest peak.
+
+    python bench/sweep.py --model tiny
+    python bench/sweep.py --model smollm2-135m --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+LEARNING_RATES = (3e-3, 1e-3, 3e-4, 1e-4)
+WAYS = ("sweep", "sequential", "sessions")
+RANK = 8
+
+
+def _child(way: str, model: str, steps: int, folder: Path) -> dict[str, float]:
+    """Train the four configurations `way`; the wall time and this process's peak RSS."""
+    import workbench as wb
+    from tests.datums import sft_datum
+
+    def step(sess: wb.Session, i: int) -> None:
+        run = sess.current_run
+        assert run is not None
+        datum = sft_datum(sess.tokenizer, f"User: question {i % 8}.", f" Assistant: answer {i % 8 * 7}.")
+        sess.policy.forward_backward([datum], "cross_entropy").result()
+        sess.policy.optim_step(run.adam_params).result()
+
+    def session(name: str) -> wb.Session:
+        return wb.Session(model, wb.LoraConfig(rank=RANK), seed=0, model_dir=folder / name, wandb=False)
+
+    started = time.perf_counter()
+    if way == "sweep":
+        with session("sweep") as sess:
+            sweep = sess.sweep(step, wb.grid(learning_rate=list(LEARNING_RATES)), steps)
+            assert sweep.wait() is wb.RunState.FINISHED
+    elif way == "sequential":
+        with session("sequential") as sess:
+            initial = sess.policy.save_state("initial").result().path
+            for lr in LEARNING_RATES:
+                sess.load_state(initial)
+                run = sess.run(step, steps, adam_params={"learning_rate": lr})
+                assert run.wait() is wb.RunState.FINISHED, run.traceback
+    else:
+        sessions = [session(f"session-{k}") for k in range(len(LEARNING_RATES))]
+        try:
+            runs = [
+                s.run(step, steps, adam_params={"learning_rate": lr})
+                for s, lr in zip(sessions, LEARNING_RATES, strict=True)
+            ]
+            assert all(run.wait() is wb.RunState.FINISHED for run in runs)
+        finally:
+            for s in sessions:
+                s.close()
+    wall = time.perf_counter() - started
+    return {"wall_s": wall, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _measure(way: str, model: str, steps: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as folder:
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            way,
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--folder",
+            folder,
+        ]
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=50, help="steps per configuration")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(_child(args.child, args.model, args.steps, args.folder)))
+        return
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(args.repeat):
+        for way in WAYS:
+            measured = _measure(way, args.model, args.steps)
+            kept = best.setdefault(way, measured)
+            kept["wall_s"] = min(kept["wall_s"], measured["wall_s"])
+            kept["peak_rss_bytes"] = max(kept["peak_rss_bytes"], measured["peak_rss_bytes"])
+    print(f"{args.model}: 4 configurations x {args.steps} steps, rank {RANK}")
+    for way in WAYS:
+        print(
+            f"  {way:<11} {best[way]['wall_s']:8.1f} s   peak RSS {best[way]['peak_rss_bytes'] / 2**20:8.0f} MiB"
+        )
+    time_ratio = best["sweep"]["wall_s"] / best["sequential"]["wall_s"]
+    memory_ratio = best["sweep"]["peak_rss_bytes"] / best["sessions"]["peak_rss_bytes"]
+    print(f"  sweep time / sequential time:     {time_ratio:.2f}x (target <= 1.05x)")
+    print(f"  sweep memory / 4 sessions memory: {memory_ratio:.2f}x (target <= 0.40x)")
+
+
+if __name__ == "__main__":
+    main()
