@@ -46,9 +46,10 @@ def _trained_bytes(owner: wb.Session | wb.Member) -> dict[str, bytes]:
 
 
 def _metrics(history: wb.MetricsHistory) -> list[dict[str, float]]:
-    """The metric values of the training rows, without the columns that name the model or the time."""
+    """The metric values of the training rows, without the columns that name the model or the time, or
+    measure the process (`system/...`: its memory and CPU use, which no two runs share)."""
     return [
-        {k: v for k, v in row.items() if k not in ("model", "time")}
+        {k: v for k, v in row.items() if k not in ("model", "time") and not k.startswith("system/")}
         for row in history.rows
         if row["op"] in ("forward_backward", "optim_step", "run_step")
     ]
