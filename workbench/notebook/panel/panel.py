@@ -53,8 +53,11 @@ from workbench.notebook.widget_subshell import answer_while_busy
 if TYPE_CHECKING:
     from workbench.notebook.session import Session
 
-REFRESH_S = 0.5
-"""How often the panel re-reads the session, at most."""
+REFRESH_S = 1.0
+"""How often the panel re-reads the session, at most. Each refresh that a run moved sends the page the
+status bar and the progress line, which chromium lays out and paints again: at 0.5 s a displayed panel
+took ~1.2 ms of the browser's CPU per step of a 30 steps/s run on the run's two cores, as much as the
+kernel's own share of the panel."""
 CPU_SHARE = 0.03
 """The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
@@ -258,12 +261,17 @@ class Panel(ipywidgets.VBox):
             self.progress.refresh()
             run = session.current_run
             running = run is not None and run.taking_steps
+            redrawn = []
             for i, (tab, part) in enumerate(zip(self.tab_rows, self.parts, strict=True)):
                 shown = self.tabs.selected_index == i
                 if tab.hidden.redraws(shown=shown, run_taking_steps=running, session_closed=session.closed):
                     part.refresh()
+                    redrawn.append(part)
             self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
-        answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
+        # the widgets a refresh added (histogram bars) answer while a cell runs; only the tabs redrawn
+        # can have added any, and walking the whole panel's ~200 widgets at every refresh took ~7 ms
+        for part in redrawn:
+            answer_while_busy(part.widget)
 
     def _tab_opened(self) -> None:
         """A tab opened shows what is new at once."""

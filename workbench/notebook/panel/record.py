@@ -7,9 +7,10 @@ progress line, the run's state and the Metrics tab's plots as a PNG, the way HF'
 `sess.plot` leave theirs. While the live panel is on the page, a rule of its stylesheet hides the record
 (`:has()`, so only the record of its own cell); without the panel the record is what shows.
 
-The record is updated through its display id when the run settles (pauses, ends, is stopped) or a new
-run starts, and at most every `RECORD_S` while it runs: a PNG of the plots is 50-90 KB, sent seldom
-enough to stay a small part of the panel's traffic per step.
+The record is updated through its display id when the run settles (pauses, ends, is stopped), and at
+most every `RECORD_S` while it runs: a PNG of the plots is 50-90 KB, sent seldom enough to stay a small
+part of the panel's traffic per step. A run's start does not rewrite it: the PNG takes ~80 ms of the
+GIL that the starting run's thread needs, for a record that would say "running" only until it settles.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ class PanelRecord:
         `RECORD_S` passed while it runs (`settled` None)."""
         if self.handle is None:
             return
-        due = settled != self._settled or (settled is None and time.monotonic() - self.written_at >= RECORD_S)
+        running_due = time.monotonic() - self.written_at >= RECORD_S
+        due = running_due if settled is None else settled != self._settled
         if not due:
             return
-        self._settled = settled
+        if settled is not None:
+            self._settled = settled
         self.handle.update(self._bundle(), raw=True)
         self.written_at = time.monotonic()
 
