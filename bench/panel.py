@@ -18,6 +18,10 @@ CPU time the Jupyter server and chromium take on the same cores to relay and ren
     python bench/panel.py --model tiny
     python bench/panel.py --model smollm2-135m --steps 6 --rounds 2
     python bench/panel.py --model tiny --browser notebook   # the browser row in Notebook 7
+    python bench/panel.py --model tiny --browser-only --steps 200 --rounds 5
+
+Each browser round prints its ratio (a loaded machine moves single rounds by ±30%: read the median of
+the rounds' ratios with the CPU time each process took per step, printed beside it).
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from workbench.notebook.panel.train_tab import TrainTab
 from workbench.notebook.widget_subshell import answer_while_busy
 
 if TYPE_CHECKING:
+    from workbench.notebook.run import Run
     from workbench.notebook.session import Session
 
 REFRESH_S = 1.0
@@ -63,6 +64,14 @@ CPU_SHARE = 0.03
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
 `max(REFRESH_S, refresh CPU seconds / CPU_SHARE)` between refreshes (a costly redraw, a busy machine:
 the panel refreshes less often instead of slowing the run more)."""
+
+
+def run_settled(run: Run | None) -> object:
+    """What the saved record is rewritten for: None while `run` takes steps, else the run and where it
+    stopped (a new value: the record is rewritten)."""
+    if run is not None and run.taking_steps:
+        return None
+    return (id(run), run and run.state, run and run.i)
 
 
 class TabPart(Protocol):
@@ -222,7 +231,8 @@ class Panel(ipywidgets.VBox):
     def _ipython_display_(self) -> None:
         """Show the panel and, under it, its saved record (see `workbench.notebook.panel.record`)."""
         display(self._repr_mimebundle_(), raw=True)
-        self.record.display()
+        session = self._session()
+        self.record.display(run_settled(None if session is None else session.current_run))
 
     def _snapshot(self) -> tuple[str, bytes | None]:
         self.train.refresh()  # hidden while a run runs, the tab is not redrawn at every step
@@ -267,7 +277,7 @@ class Panel(ipywidgets.VBox):
                 if tab.hidden.redraws(shown=shown, run_taking_steps=running, session_closed=session.closed):
                     part.refresh()
                     redrawn.append(part)
-            self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
+            self.record.refresh(run_settled(run))
         # the widgets a refresh added (histogram bars) answer while a cell runs; only the tabs redrawn
         # can have added any, and walking the whole panel's ~200 widgets at every refresh took ~7 ms
         for part in redrawn:

@@ -57,10 +57,12 @@ class PanelRecord:
         self._settled: object = None
         self.writes = 0
 
-    def display(self) -> None:
-        """Show the record under the panel (a cell displaying the panel calls this)."""
+    def display(self, settled: object) -> None:
+        """Show the record under the panel (a cell displaying the panel calls this), as of `settled`
+        (what `refresh` is given): the next refresh rewrites it only once that changes."""
         self.handle = display(self._bundle(), raw=True, display_id=True)
         self.written_at = time.monotonic()
+        self._settled = settled
 
     def refresh(self, settled: object) -> None:
         """Rewrite the record if `settled` (what the run's state is, when it is not running) changed, or
