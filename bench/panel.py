@@ -119,7 +119,7 @@ KERNEL_SETUP = """import json, os, pathlib, time
 import psutil
 import threading
 import workbench as wb
-from IPython.display import display
+from IPython.display import clear_output, display
 
 EXCHANGE = pathlib.Path({exchange!r})
 sess = wb.Session({model!r}, wb.LoraConfig(rank=4), wandb=False)
@@ -143,6 +143,7 @@ def serve_rounds():
         asked = json.loads(command.read_text())
         if asked["stop"]:
             return
+        clear_output()  # the last round's outputs (JupyterLab shows a cell's first 50 only)
         panel = None
         if asked["panel"]:
             panel = sess.panel(train_data=data, metrics=("loss:sum", "grad_norm"))
@@ -274,16 +275,18 @@ def browser_kernel(model: str, front_end: str) -> Iterator[BrowserKernel]:
 
 
 def measure_in_browser(kernel: BrowserKernel, steps: int, rounds: int) -> list[BrowserRound]:
-    """Rounds alternating no panel with a displayed one, in the same kernel (a warm panel run first)."""
+    """Rounds of a run with no panel and one with a displayed panel, in the same kernel, the two in
+    turn first (a warm panel run before them)."""
     kernel.run(True, max(steps // 10, 2))  # warm: the first plot in the page
-    return [kernel.run(panel, steps) for _ in range(rounds) for panel in (False, True)]
+    orders = ((False, True), (True, False))
+    return [kernel.run(panel, steps) for i in range(rounds) for panel in orders[i % 2]]
 
 
 def describe_browser(rounds: list[BrowserRound], steps: int) -> str:
     """The displayed panel's steps/s against none's (medians, and each round's ratio), and where the
     CPU time went per step."""
     shown = [r for r in rounds if r.panel]
-    none = [r for r in rounds if not r.panel]
+    none = [r for r in rounds if not r.panel]  # the i-th of each are one round's
     floor, with_panel = (
         statistics.median(r.steps_per_s for r in none),
         statistics.median(r.steps_per_s for r in shown),

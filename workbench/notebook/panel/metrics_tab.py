@@ -49,8 +49,8 @@ have arrived (a slow step's, or those of a run that never steps the optimizer)."
 RUNNING_RENDER_S = 5.0
 """The shortest time between two redraws of a running run's plot. A redraw of two plots takes ~75 ms
 of CPU (Agg, the PNG, its palette), most of it holding the GIL that the run's thread needs between torch
-calls: on `tiny` at 30 steps/s in a real browser, a redraw every 0.5-2.5 s (each step's, as the timer's
-CPU share let it) cost 8-13% of steps/s against a 5% budget; one every 5 s costs ~1.5% of a core."""
+calls: on `tiny` at 30 steps/s in a real kernel, a redraw every 0.5-2.5 s (each step's, as the timer's
+CPU share let it) took 0.6-1.0 ms per step of the GIL; one every 5 s takes ~1.5% of a core."""
 
 PLOT_BYTES_PER_STEP = 12_000
 """What the plot sends the page per step of a running run, at most on average: a redraw that sent N

@@ -56,9 +56,8 @@ if TYPE_CHECKING:
 
 REFRESH_S = 1.0
 """How often the panel re-reads the session, at most. Each refresh that a run moved sends the page the
-status bar and the progress line, which chromium lays out and paints again: at 0.5 s a displayed panel
-took ~1.2 ms of the browser's CPU per step of a 30 steps/s run on the run's two cores, as much as the
-kernel's own share of the panel."""
+status bar and the progress line, which the browser lays out and paints again on the cores the run
+trains on; once a second is as often as a reader follows a changing number."""
 CPU_SHARE = 0.03
 """The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
