@@ -8,7 +8,9 @@ serves the Tinker REST protocol for a session on this machine's GPU (or CPU) unt
 unmodified `tinker` SDK and tinker-cookbook scripts train on it. The first `--base-model` is the
 session's; every `--base-model` is loaded at start, and each `--allow-base-model` when a client first
 names it (a teacher, a grader, a KL reference), within `--memory-budget` (idle base models are freed
-first; a load that still does not fit is refused, naming the budget and what holds it).
+first; a load that still does not fit is refused, naming the budget and what holds it). On a loopback
+address a base that loads from this machine alone (a built-in, a model folder, an HF id in the local
+HF cache) loads on a client's first use without a flag; anything else is refused, naming the flags.
 
 On SIGINT or SIGTERM it stops within `SHUTDOWN_BOUND_S` plus one decoding step: the server stops
 answering, the sampling in progress (HF or vLLM) fails with "sampling was interrupted" at its next
@@ -71,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-base-model",
         action="append",
         default=[],
-        help="a base model loaded when a client first names it (repeatable)",
+        help="a base model loaded when a client first names it (repeatable; on a loopback address a "
+        "built-in, a model folder or an HF id in the local HF cache needs none)",
     )
     serve.add_argument(
         "--memory-budget",

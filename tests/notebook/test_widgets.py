@@ -7,6 +7,7 @@ import html
 import math
 import re
 import threading
+import time
 from pathlib import Path
 
 import ipywidgets
@@ -749,6 +750,7 @@ def test_the_metrics_tab_redraws_once_per_step_while_a_run_runs(
 
     monkeypatch.setattr(metrics_tab, "MAX_RENDER_INTERVAL_S", 600.0)
     monkeypatch.setattr(metrics_tab, "PLOT_BYTES_PER_STEP", 10**9)
+    monkeypatch.setattr(metrics_tab, "RUNNING_RENDER_S", 0.0)
     m = panel.metrics
     panel.tabs.selected_index = 3
     data = _data(tiny)
@@ -793,6 +795,7 @@ def test_a_costly_metrics_redraw_is_followed_by_steps_without_one(
     from workbench.notebook.panel import metrics_tab
 
     monkeypatch.setattr(metrics_tab, "MAX_RENDER_INTERVAL_S", 600.0)
+    monkeypatch.setattr(metrics_tab, "RUNNING_RENDER_S", 0.0)
     m = panel.metrics
     panel.tabs.selected_index = 3
     data = _data(tiny)
@@ -821,6 +824,38 @@ def test_a_costly_metrics_redraw_is_followed_by_steps_without_one(
     for event in go_on:
         event.set()
     assert run.wait(WAIT_S) is RunState.STOPPED
+
+
+def test_a_running_runs_plot_redraws_at_a_fixed_rate_whatever_its_step_rate(
+    panel: wb.Panel, tiny: wb.Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run of fast steps, the panel refreshed as fast as it goes for 3 s: the plot is redrawn at most
+    once per RUNNING_RENDER_S (injected: 1 s), not at every refresh that sees a new step; the status
+    bar and the progress line keep up meanwhile. A redraw holds the GIL the run's thread needs."""
+    from workbench.notebook.panel import metrics_tab
+
+    monkeypatch.setattr(metrics_tab, "RUNNING_RENDER_S", 1.0)
+    monkeypatch.setattr(metrics_tab, "PLOT_BYTES_PER_STEP", 10**9)  # any step ends the wait for bytes
+    m = panel.metrics
+    panel.tabs.selected_index = panel.tab_index("Metrics")
+    panel.stop_polling()  # only this test's refreshes
+    run = tiny.run(wb.train_step(_data(tiny)), steps=100_000, adam_params=wb.AdamParams(learning_rate=1e-4))
+    try:
+        renders, refreshes, steps = m.renders, 0, run.i
+        started = time.monotonic()
+        while (elapsed := time.monotonic() - started) < 3.0:
+            panel.refresh()
+            refreshes += 1
+            time.sleep(0.02)  # the run's thread gets the GIL between refreshes
+        drawn = m.renders - renders
+        stepped = run.i - steps
+        assert stepped >= 8 and refreshes >= 8, (stepped, refreshes)  # a redraw per step was possible
+        assert 1 <= drawn <= math.floor(elapsed / 1.0) + 1, (drawn, stepped, refreshes)
+        shown = re.search(r"step (\d+)/100000", panel.progress.widget.value)
+        assert shown is not None and int(shown[1]) > steps  # the progress line moved meanwhile
+    finally:
+        run.stop()
+        run.wait(WAIT_S)
 
 
 def test_the_metrics_plot_reaches_the_page_as_png_before_the_front_end_says_it_is_ready(

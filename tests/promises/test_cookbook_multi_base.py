@@ -4,8 +4,8 @@ reference of another base model (`KLReferenceConfig(base_model=...)`), and rubri
 another base model. The student is `tiny`; the other base model is its 3-layer twin (`tiny_teacher`).
 
 In-process the recipes' `tinker.ServiceClient` is the session's service client, which loads the other
-base model into the session on first use; over HTTP the session's server serves what its service client
-has loaded (`sess.serve()`), and the recipe names it by its folder, as it would an HF id.
+base model into the session on first use; over HTTP the session's server (`sess.serve()`, on 127.0.0.1)
+loads it when the recipe first names it by its folder, as it would an HF id in the local HF cache.
 """
 
 from __future__ import annotations
@@ -43,13 +43,12 @@ def sess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sdk_clients: SdkClient
     session.close()
 
 
-def _mode(sess: wb.Session, mode: str, other: str, monkeypatch: pytest.MonkeyPatch) -> str | None:
+def _mode(sess: wb.Session, mode: str, monkeypatch: pytest.MonkeyPatch) -> str | None:
     """The recipe's base_url: None in-process (the session's service client stands in for the SDK's);
-    the session's server over HTTP, serving the other base model its service client loaded."""
+    the session's server over HTTP, which loads the other base model when the recipe first names it."""
     if mode == "in-process":
         monkeypatch.setattr(tinker, "ServiceClient", sess.service_client)
         return None
-    sess.service_client().create_sampling_client(base_model=other).result()  # loads it into the session
     url = sess.serve().url
     monkeypatch.setenv("TINKER_BASE_URL", url)  # for recipe parts that take no base_url (the grader)
     return url
@@ -60,8 +59,8 @@ def _metrics(log_path: Path) -> list[dict]:
 
 
 def _other_engine(sess: wb.Session, other: str) -> wb.Engine:
-    """The other base model's engine, loaded beside the session's (a request naming a base model the
-    session does not hold would have been refused over HTTP)."""
+    """The other base model's engine, loaded beside the session's (over HTTP by the recipe's first
+    request naming it)."""
     assert sess.base_models is not None
     engines = {engine.base_info.path: engine for engine in sess.base_models.engines()}
     assert list(engines)[1:] == [other]
@@ -73,7 +72,7 @@ def test_on_policy_distillation_from_a_teacher_of_another_base_model(
     sess: wb.Session, tiny_teacher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     _deepmath_cache(tmp_path / "datasets", monkeypatch)
-    base_url = _mode(sess, mode, tiny_teacher, monkeypatch)
+    base_url = _mode(sess, mode, monkeypatch)
     config = on_policy_distillation.CLIConfig(
         model_name=resolve_model_path("tiny"),
         renderer_name="qwen3_instruct",
@@ -103,7 +102,7 @@ def test_on_policy_distillation_from_a_teacher_of_another_base_model(
 def test_rl_with_a_kl_reference_of_another_base_model(
     sess: wb.Session, tiny_teacher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    base_url = _mode(sess, mode, tiny_teacher, monkeypatch)
+    base_url = _mode(sess, mode, monkeypatch)
     model = resolve_model_path("tiny")
     config = rl_train.Config(
         learning_rate=1e-3,
@@ -149,7 +148,7 @@ def test_rubric_rl_graded_by_an_llm_on_another_base_model(
     ]
     data = tmp_path / "rubric.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    base_url = _mode(sess, mode, tiny_teacher, monkeypatch)
+    base_url = _mode(sess, mode, monkeypatch)
     config = rubric_train.CLIConfig(
         model_name=resolve_model_path("tiny"),
         renderer_name="qwen3_instruct",

@@ -116,7 +116,7 @@ def test_multi_teacher_distillation_with_two_teachers_on_two_other_base_models(
         log_path=str(tmp_path / "log"),
         behavior_if_log_dir_exists="delete",
         max_steps=2,
-        base_url=_mode(sess, mode, math_teacher, monkeypatch),
+        base_url=_mode(sess, mode, monkeypatch),
     )
     asyncio.run(on_policy_multi_teacher.cli_main(config))
     rows_logged = _metrics(tmp_path / "log")
@@ -134,7 +134,7 @@ def test_twenty_questions_with_the_answerer_on_another_base_model(
     build_tiny_twin(tmp_path / answerer, layers=3, seed=1)
     student = build_tiny_twin(tmp_path / "student", layers=2, seed=0)  # a 20-turn game needs 4,096 positions
     sess = open_session(student)
-    _mode(sess, mode, answerer, monkeypatch)  # the recipe takes no base_url: TINKER_BASE_URL over HTTP
+    _mode(sess, mode, monkeypatch)  # the recipe takes no base_url: TINKER_BASE_URL over HTTP
     config = twenty_questions.build_config(
         twenty_questions.CLIConfig(
             model_name=student,
@@ -195,7 +195,7 @@ def test_off_policy_reasoning_distillation(
         log_path=str(tmp_path / "log"),
         behavior_if_log_dir_exists="delete",
         max_steps=3,
-        base_url=_mode(sess, mode, resolve_model_path("tiny"), monkeypatch),
+        base_url=_mode(sess, mode, monkeypatch),
     )
     off_policy_reasoning.cli_main(config)
     losses = [row["train_mean_nll"] for row in _metrics(tmp_path / "log") if "train_mean_nll" in row]
@@ -232,7 +232,7 @@ def test_the_rl_numerics_check_finds_sampler_and_trainer_agree(
             eval_every=0,
             save_every=0,
             max_steps=2,
-            base_url=_mode(sess, mode, student, monkeypatch),
+            base_url=_mode(sess, mode, monkeypatch),
             log_path=str(tmp_path / "log"),
             behavior_if_log_dir_exists="delete",
         )
@@ -254,7 +254,7 @@ def test_the_true_thinking_score_experiment_runs_on_another_base_model(
     build_tiny_twin(tmp_path / model, layers=3, seed=1)
     monkeypatch.setattr(true_thinking_score, "PROBLEMS", true_thinking_score.PROBLEMS[:1])
     sess = open_session("tiny")
-    _mode(sess, mode, model, monkeypatch)  # the recipe takes no base_url: TINKER_BASE_URL over HTTP
+    _mode(sess, mode, monkeypatch)  # the recipe takes no base_url: TINKER_BASE_URL over HTTP
     asyncio.run(true_thinking_score.main())
     results = json.loads((tmp_path / "cookbook-runs" / "tts-experiment" / "tts_results.json").read_text())
     assert [problem.get("error") for problem in results["problems"]] == [None]

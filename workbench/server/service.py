@@ -10,8 +10,10 @@ then runs on the engine's worker in the order it was handed over, which `Sequenc
 Base models: every base model the server holds has its engine (`BaseModels`, the one map from a base
 model to its engine); a model or sampler records the engine it lives on, so each operation goes to its
 base model's worker, in its model's order, and the ordering, limits and hostile-input checks hold per
-model as with one base. A request naming a base model not yet loaded loads it when the server allows it
-(`ServerConfig.allowed_base_models`), within the memory budget; others are refused.
+model as with one base. A request naming a base model not yet loaded loads it, within the memory
+budget, when the server allows it (`ServerConfig.allowed_base_models`) or, on a loopback address, when
+it loads from this machine alone (a built-in, a model folder, the local HF cache); others are refused,
+with the flags that would serve them.
 
 Models: a client's `create_model` adds a model to its base model's engine (a LoRA policy sharing the base, up to the
 engine's `max_models`), under the id the SDK itself derives for `create_training_client_from_state`,
@@ -37,14 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from workbench.engine.interface import Restore
-from workbench.engine.local.base_models import BaseModels
+from workbench.engine.local.base_models import BaseModels, MemoryBudgetError
 from workbench.engine.local.engine import Engine
-from workbench.engine.model.base_model import resolve_model_path
+from workbench.engine.model.base_model import loads_without_download, resolve_model_path
 from workbench.engine.roles import Role
 from workbench.futures import APIFuture
 from workbench.losses import LOSSES
 from workbench.server import schemas, wire
-from workbench.server.config import ServerConfig
+from workbench.server.config import ServerConfig, is_loopback
 from workbench.server.errors import RequestError, message_of
 from workbench.server.future_table import FutureTable, PendingResult
 from workbench.server.ordering import Sequencer, digest_of
@@ -148,7 +150,8 @@ class TinkerService:
 
     async def engine_for(self, name: str, where: str) -> Engine:
         """The engine of the base model a request names (its alias, its folder or its hub id), loaded
-        now (off the event loop) when the server allows it on first use; refused otherwise."""
+        now (off the event loop) when `loads_on_first_use` says so; refused otherwise, naming what
+        would serve it."""
         if not isinstance(name, str) or not name:
             raise RequestError(f"{where}: base_model must be a non-empty string")
         found = self.base_models.find(name)
@@ -156,14 +159,46 @@ class TinkerService:
             found = next((e for e in self.engines() if name in (e.config.base_model, e.base_info.path)), None)
         if found is not None:
             return found
-        allowed = {resolve_model_path(n) for n in self.config.allowed_base_models}
-        if name not in self.config.allowed_base_models and resolve_model_path(name) not in allowed:
-            served = ", ".join(repr(served) for served in self.served_names())
-            raise RequestError(f"{where}: this server serves {served}, not {name!r}")
+        if not self.loads_on_first_use(name):
+            raise RequestError(f"{where}: {self._not_served(name)}")
         try:
             return await asyncio.to_thread(self.base_models.engine, name)
+        except MemoryBudgetError as error:
+            raise RequestError(
+                f"{where}: {message_of(error)} (`workbench serve --memory-budget`; in a notebook "
+                "`wb.Session(..., memory_budget_bytes=...)`)"
+            ) from None
         except (ValueError, OSError) as error:
             raise RequestError(f"{where}: {message_of(error)}") from None
+
+    def loads_on_first_use(self, name: str) -> bool:
+        """Whether a client naming base model `name` has it loaded: one the server allows
+        (`ServerConfig.allowed_base_models`), and on a loopback address any base that loads from this
+        machine alone (`loads_without_download`: a built-in, a model folder, the local HF cache), as
+        hosted Tinker serves every base it lists. Clients of a server other machines reach load only
+        what it allows."""
+        allowed = {resolve_model_path(n) for n in self.config.allowed_base_models}
+        if name in self.config.allowed_base_models or resolve_model_path(name) in allowed:
+            return True
+        return is_loopback(self.config.host) and loads_without_download(name)
+
+    def _not_served(self, name: str) -> str:
+        """The refusal of a base model that does not load on first use: why, and what would serve it."""
+        served = ", ".join(repr(served) for served in self.served_names())
+        if is_loopback(self.config.host):
+            why = (
+                "it is not a built-in, a model folder on this machine nor in its HF cache, and a server "
+                "downloads only the base models it was started with"
+            )
+        else:
+            why = f"a server bound to {self.config.host} loads for its clients only the base models it allows"
+        return (
+            f"this server serves {served}, not {name!r}: {why}. Serve it with `workbench serve "
+            f"--base-model {name}` (loaded at start; the first --base-model is the session's) or "
+            f"`--allow-base-model {name}` (loaded when a client first names it); from a notebook, load it "
+            "into the session first (`sess.service_client().create_sampling_client(base_model=...)`): "
+            "`sess.serve()` serves the base models its session holds"
+        )
 
     def engine_of_model(self, model_id: str) -> Engine | None:
         """The engine a model is live on, if any."""

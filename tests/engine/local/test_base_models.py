@@ -1,6 +1,7 @@
 """Several base models in one process and one server, within a memory budget: two held side by side, a
 third that does not fit refused with a message naming the budget and what holds it (nothing changes),
-idle ones freed first; over `TinkerServer` with the unmodified SDK as well as in-process."""
+idle ones freed first; over `TinkerServer` with the unmodified SDK as well as in-process, where a
+loopback server loads a base on this machine when a client first names it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from workbench.engine.local.base_models import (
     engine_bytes,
     parse_size,
 )
+from workbench.engine.model.base_model import loads_without_download
 from workbench.engine.samplers.vllm import CPU_KV_CACHE_BYTES, vllm_memory_bytes
 from workbench.notebook.panel.status import StatusBar
 from workbench.sdk_conversion import to_sdk_datum
@@ -169,3 +171,64 @@ def test_session_connect_drives_the_second_base_model_of_a_server(
         assert run.base_model == tiny_teacher
     finally:
         remote.close()
+
+
+def test_a_loopback_server_loads_a_local_base_on_first_use_and_names_the_flags_for_others(
+    sess: wb.Session, tiny_teacher: str, big_twin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started with no allowed base model, a server on 127.0.0.1 loads a second base that is a model
+    folder here when an SDK client first names it, for sampling and for training; a name that would need
+    a download, a folder without a model and one over the memory budget are refused with the flags that
+    would serve them, and nothing is loaded."""
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local")
+    assert sess.base_models is not None
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    prompt = tinker.ModelInput.from_ints([1, 2, 3])
+    with (
+        TinkerServer(sess.base_models, ServerConfig()) as server,
+        tinker.ServiceClient(base_url=server.url) as client,
+    ):
+        for unservable in ("Qwen/Qwen3-8B", str(not_a_model), str(tmp_path / "missing")):
+            with pytest.raises(tinker.BadRequestError) as refused:
+                client.create_sampling_client(base_model=unservable).result()
+            message = str(refused.value)
+            assert f"not {unservable!r}" in message, message
+            assert f"--allow-base-model {unservable}" in message and f"--base-model {unservable}" in message
+            assert len(sess.base_models.engines()) == 1
+
+        sampler = client.create_sampling_client(base_model=tiny_teacher).result()
+        assert sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=2)).result().sequences
+        assert [e.base_info.path for e in sess.base_models.engines()][1:] == [tiny_teacher]
+        student = client.create_lora_training_client(base_model=tiny_teacher, rank=4).result()
+        datum = wb.chat_datum(
+            student.get_tokenizer(),
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        )
+        loss = student.forward_backward([to_sdk_datum(datum)], "cross_entropy").result().metrics["loss:sum"]
+        assert loss > 0 and len(sess.base_models.engines()[1].model_ids()) == 1
+
+        sess.base_models.memory_budget_bytes = sess.base_models.held_bytes() + 1024
+        with pytest.raises(tinker.BadRequestError) as refused:
+            client.create_lora_training_client(base_model=big_twin, rank=4).result()
+        assert "memory budget of" in str(refused.value) and "--memory-budget" in str(refused.value)
+        assert [e.base_info.path for e in sess.base_models.engines()][1:] == [tiny_teacher]
+
+
+def test_an_hf_id_in_the_local_hf_cache_loads_without_a_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`loads_without_download`: the built-ins, a model folder, and an HF id whose config is in the HF
+    cache; not an id the cache lacks, a folder without a model, nor a malformed name."""
+    import huggingface_hub
+
+    snapshot = tmp_path / "hub" / "models--acme--chat" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--acme--chat" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--chat" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert loads_without_download("acme/chat") and loads_without_download("tiny")
+    assert loads_without_download(str(snapshot))
+    for elsewhere in ("acme/other", str(tmp_path), "a/b/c/../d", ""):
+        assert not loads_without_download(elsewhere), elsewhere

@@ -39,6 +39,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import huggingface_hub
 import peft
 import torch
 import transformers
@@ -159,6 +160,20 @@ def resolve_model_path(name: str) -> str:
     if name in BUILTIN_MODELS:
         return str(BUILTIN_MODELS[name]())
     return name
+
+
+def loads_without_download(name: str) -> bool:
+    """Whether base model `name` loads from this machine alone: a built-in alias (prepared from the
+    installed packages), a folder holding an HF model's `config.json`, or an HF id whose files are in
+    this machine's HF cache (`HF_HUB_CACHE`)."""
+    if name in BUILTIN_MODELS:
+        return True
+    if (Path(name).expanduser() / "config.json").is_file():
+        return True
+    try:
+        return isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not an HF id either (huggingface_hub's HFValidationError)
+        return False
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:

@@ -4,7 +4,8 @@ The plot is a `LivePlot` (the same figure `sess.plot(...)` draws) on an ipympl c
 widget: its toolbar zooms and pans, and the value under the cursor shows beside it. A refresh redraws
 only when the history has new rows, with `canvas.draw()`, which pushes the changed pixels to the page
 from the panel's timer thread (while a cell is busy too). While a run is running it redraws at most
-once per step of it (or after MAX_RENDER_INTERVAL_S): a step's rows (sampling, `forward_backward`,
+every RUNNING_RENDER_S, whatever the run's step rate (a redraw holds the GIL that the run's thread
+needs for ~75 ms), and at most once per step of it (or after MAX_RENDER_INTERVAL_S): a step's rows (sampling, `forward_backward`,
 `optim_step`) arrive over its duration, and a redraw for each refresh that saw one of them sent 31 KB
 per step on a loaded machine, against a budget of 20 KB per step for the whole panel. A redraw that
 sent more than PLOT_BYTES_PER_STEP (a rescaled axis, the first points) waits as many steps before the
@@ -45,6 +46,12 @@ if TYPE_CHECKING:
 MAX_RENDER_INTERVAL_S = 5.0
 """The longest a plot waits, while a run is running, for its step to end before it shows the rows that
 have arrived (a slow step's, or those of a run that never steps the optimizer)."""
+
+RUNNING_RENDER_S = 5.0
+"""The shortest time between two redraws of a running run's plot. A redraw of two plots takes ~75 ms
+of CPU (Agg, the PNG, its palette), most of it holding the GIL that the run's thread needs between torch
+calls: on `tiny` at 30 steps/s in a real kernel, a redraw every 0.5-2.5 s (each step's, as the timer's
+CPU share let it) took 0.6-1.0 ms per step of the GIL; one every 5 s takes ~1.5% of a core."""
 
 PLOT_BYTES_PER_STEP = 12_000
 """What the plot sends the page per step of a running run, at most on average: a redraw that sent N
@@ -281,13 +288,17 @@ class MetricsTab:
         return None if run is None else run.started_step + run.steps
 
     def _render_due(self) -> bool:
-        """Whether new rows are drawn now: always when no run is running; during one, once the steps of
-        it since the last render (the first refresh that sees its step counter past the last render's)
-        and the MAX_RENDER_INTERVAL_S periods since then add up to `steps_between_renders`."""
+        """Whether new rows are drawn now: always when no run is running; during one, once
+        RUNNING_RENDER_S have passed since the last render and the steps of the run since then (the
+        first refresh that sees its step counter past the last render's) and the MAX_RENDER_INTERVAL_S
+        periods add up to `steps_between_renders`."""
         run = self.session.current_run
         if run is None or run.state is not RunState.RUNNING:
             return True
-        periods = int((time.monotonic() - self._rendered_at) / MAX_RENDER_INTERVAL_S)
+        since = time.monotonic() - self._rendered_at
+        if since < RUNNING_RENDER_S:
+            return False
+        periods = int(since / MAX_RENDER_INTERVAL_S)
         return run.steps_since(self._rendered_mark) + periods >= steps_between_renders(self.rendered_bytes)
 
     def png(self) -> bytes | None:

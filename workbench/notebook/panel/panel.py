@@ -55,10 +55,13 @@ from workbench.notebook.panel.train_tab import TrainTab
 from workbench.notebook.widget_subshell import answer_while_busy
 
 if TYPE_CHECKING:
+    from workbench.notebook.run import Run
     from workbench.notebook.session import Session
 
-REFRESH_S = 0.5
-"""How often the panel re-reads the session, at most."""
+REFRESH_S = 1.0
+"""How often the panel re-reads the session, at most. Each refresh that a run moved sends the page the
+status bar and the progress line, which the browser lays out and paints again on the cores the run
+trains on; once a second is as often as a reader follows a changing number."""
 CPU_SHARE = 0.03
 """The share of one core's time the panel's timer may spend refreshing. A refresh holds the GIL that the
 run's thread needs between torch calls, so it slows training by about this share: the timer waits
@@ -76,6 +79,14 @@ PANEL_STYLE = (
     "</style>"
 )
 """The panel's layout rules at widths down to Notebook 7's page (1400 px windows and narrower)."""
+
+
+def run_settled(run: Run | None) -> object:
+    """What the saved record is rewritten for: None while `run` takes steps, else the run and where it
+    stopped (a new value: the record is rewritten)."""
+    if run is not None and run.taking_steps:
+        return None
+    return (id(run), run and run.state, run and run.i)
 
 
 class TabPart(Protocol):
@@ -250,7 +261,8 @@ class Panel(ipywidgets.VBox):
     def _ipython_display_(self) -> None:
         """Show the panel and, under it, its saved record (see `workbench.notebook.panel.record`)."""
         display(self._repr_mimebundle_(), raw=True)
-        self.record.display()
+        session = self._session()
+        self.record.display(run_settled(None if session is None else session.current_run))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         """The widget's view, and a short `text/plain` for where there is no kernel (`PANEL_TEXT`)."""
@@ -299,12 +311,17 @@ class Panel(ipywidgets.VBox):
                 self.alert.show(run.trigger, ALERT_TITLE, alert_text(session.model_id, run.trigger))
             else:
                 self.alert.clear()
+            redrawn = []
             for i, (tab, part) in enumerate(zip(self.tab_rows, self.parts, strict=True)):
                 shown = self.tabs.selected_index == i
                 if tab.hidden.redraws(shown=shown, run_taking_steps=running, session_closed=session.closed):
                     part.refresh()
-            self.record.refresh(None if running else (id(run), run and run.state, run and run.i))
-        answer_while_busy(self)  # the widgets a refresh added (histogram bars) answer while a cell runs
+                    redrawn.append(part)
+            self.record.refresh(run_settled(run))
+        # the widgets a refresh added (histogram bars) answer while a cell runs; only the tabs redrawn
+        # can have added any, and walking the whole panel's ~200 widgets at every refresh took ~7 ms
+        for part in redrawn:
+            answer_while_busy(part.widget)
 
     def _tab_opened(self) -> None:
         """A tab opened shows what is new at once."""

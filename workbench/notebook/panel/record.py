@@ -12,9 +12,10 @@ found" (JupyterLab, Notebook 7) or the widget's text form (an HTML export, nbvie
 stylesheet hides the first, the panel's text form is one short line. The record says which counter is
 which (the optimizer's step, the run's step) and draws the plots unzoomed.
 
-The record is updated through its display id when the run settles (pauses, ends, is stopped) or a new
-run starts, and at most every `RECORD_S` while it runs: a PNG of the plots is 50-90 KB, sent seldom
-enough to stay a small part of the panel's traffic per step.
+The record is updated through its display id when the run settles (pauses, ends, is stopped), and at
+most every `RECORD_S` while it runs: a PNG of the plots is 50-90 KB, sent seldom enough to stay a small
+part of the panel's traffic per step. A run's start does not rewrite it: the PNG takes ~80 ms of the
+GIL that the starting run's thread needs, for a record that would say "running" only until it settles.
 """
 
 from __future__ import annotations
@@ -94,20 +95,24 @@ class PanelRecord:
         self._settled: object = None
         self.writes = 0
 
-    def display(self) -> None:
-        """Show the record under the panel (a cell displaying the panel calls this)."""
+    def display(self, settled: object) -> None:
+        """Show the record under the panel (a cell displaying the panel calls this), as of `settled`
+        (what `refresh` is given): the next refresh rewrites it only once that changes."""
         self.handle = display(self._bundle(), raw=True, display_id=True)
         self.written_at = time.monotonic()
+        self._settled = settled
 
     def refresh(self, settled: object) -> None:
         """Rewrite the record if `settled` (what the run's state is, when it is not running) changed, or
         `RECORD_S` passed while it runs (`settled` None)."""
         if self.handle is None:
             return
-        due = settled != self._settled or (settled is None and time.monotonic() - self.written_at >= RECORD_S)
+        running_due = time.monotonic() - self.written_at >= RECORD_S
+        due = running_due if settled is None else settled != self._settled
         if not due:
             return
-        self._settled = settled
+        if settled is not None:
+            self._settled = settled
         self.handle.update(self._bundle(), raw=True)
         self.written_at = time.monotonic()
 
