@@ -160,6 +160,37 @@ def test_record_rollouts_inside_a_run_uses_the_step_the_run_started_from(tiny: w
     assert [batch[0].step for batch in tiny.rollouts] == [0, 1]
 
 
+def test_record_rollouts_follows_the_model_that_sampled(tiny: wb.Session) -> None:
+    """A loop that trains another model of the session (a tinker SDK client through `sess.serve()`, here
+    the in-process service client) leaves the session's policy at step 0: the rows and the explorer go by
+    that model's steps and weights, and its groups, built from bare sequences as the SDK's responses
+    give them, take its weights version."""
+    from workbench.notebook.panel.rollouts_tab import RolloutExplorer
+
+    service = tiny.service_client()
+    student = service.create_lora_training_client(base_model="tiny", rank=4)
+    prompt = wb.ModelInput.from_ints(tiny.tokenizer.encode("Hi"))
+    versions = []
+    for i in range(2):
+        sampler = student.save_weights_and_get_sampling_client()
+        response = sampler.sample(prompt, 2, wb.SamplingParams(max_tokens=3, seed=i)).result()
+        versions.append(response.weights_version)
+        group = RolloutGroup.of(prompt, list(response.sequences), [1.0, 0.0])  # no weights version
+        student.forward_backward(rollout_data([group]), "importance_sampling").result()
+        tiny.record_rollouts(
+            [group], model_id=student.model_id
+        )  # before optim_step: the weights that sampled
+        student.optim_step(wb.AdamParams(learning_rate=1e-3)).result()
+    label = tiny.engine.model_status(student.model_id).adapter
+    rows = [r for r in tiny.history if r["op"] == "rollouts"]
+    assert tiny.step == 0 and [(r["step"], r["model"]) for r in rows] == [(0, label), (1, label)]
+    assert [batch[0].weights_version for batch in tiny.rollouts] == versions == [0, 1]
+    explorer = RolloutExplorer(tiny.rollouts, tiny.tokenizer)
+    explorer.select_batch(1)
+    assert "optimizer step 1</span> · weights v1 ·" in explorer.summary.value
+    service.close("success")
+
+
 @pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo", "dro"])
 def test_policy_losses_report_the_sampler_trainer_mismatch(tiny: wb.Session, loss: str) -> None:
     """Sampler logprobs q = trainer logprobs p + δ_t on the trained tokens: the loss's metrics are

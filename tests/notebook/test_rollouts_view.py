@@ -13,7 +13,7 @@ import pytest
 import workbench as wb
 from tests.notebook import BYTES_PER_STEP_BUDGET
 from workbench.loops.rollout_groups import RolloutGroup, rollout_data
-from workbench.notebook.panel.rollouts_tab import RolloutExplorer, reward_bins, shared_prompt_start
+from workbench.notebook.panel.rollouts_tab import RolloutExplorer, in_bin, reward_bins, shared_prompt_start
 
 
 def _plain(fragment: str) -> str:
@@ -42,6 +42,12 @@ def test_reward_bins() -> None:
     assert reward_bins([0.0, 1.0, 1.0]) == [(0.0, 0.0), (1.0, 1.0)]
     bins = reward_bins([i / 20 for i in range(21)])
     assert len(bins) == 10 and bins[0][0] == 0.0 and bins[-1][1] == 1.0
+    assert reward_bins([0.0, 0.5, 1.0, 1.0, 0.5, 0.0]) == [(0.0, 0.0), (0.5, 0.5), (1.0, 1.0)]  # graded
+    # a grader's probabilities, each reply its own: binned, not a bar per reply
+    scores = [0.12, 0.31, 0.33, 0.48, 0.52, 0.77, 0.81, 0.9]
+    bins = reward_bins(scores)
+    assert len(bins) == 10 and bins[0][0] == 0.12 and bins[-1][1] == 0.9
+    assert sum(in_bin(s, bins, i) for s in scores for i in range(len(bins))) == len(scores)
 
 
 def test_the_lines_all_prompts_start_with_are_said_once_above_the_cards() -> None:

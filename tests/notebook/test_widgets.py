@@ -672,6 +672,29 @@ def test_the_progress_line_shows_speed_eta_loss_reward_and_a_trigger(
     assert "paused by trigger" not in panel.progress.widget.value and "ETA" not in panel.progress.widget.value
 
 
+def test_an_rl_runs_progress_line_shows_reward_kl_and_entropy_not_its_loss(
+    panel: wb.Panel, tiny: wb.Session
+) -> None:
+    """A run that records rollouts is an RL run: its policy loss is a surrogate that says nothing to a
+    reader, so the line shows the reward, the KL and the entropy instead."""
+    prompt = wb.ModelInput.from_ints(tiny.tokenizer.encode("Hi"))
+
+    def rl_step(sess: wb.Session, i: int) -> None:
+        sampler = sess.policy.save_weights_and_get_sampling_client()
+        response = sampler.sample(prompt, 4, wb.SamplingParams(max_tokens=3, seed=i)).result()
+        group = wb.RolloutGroup.of(prompt, response, [1.0, 0.0, 0.0, 1.0])
+        out = sess.policy.forward_backward(wb.rollout_data([group]), "importance_sampling").result()
+        sess.policy.optim_step(sess.current_run.adam_params).result()
+        sess.record_rollouts([group], trained=out)
+
+    assert tiny.run(rl_step, steps=2).wait(WAIT_S) is RunState.FINISHED
+    panel.refresh()
+    text = " ".join(html.unescape(re.sub("<[^>]+>", " ", panel.progress.widget.value)).split())
+    assert "reward 0.5" in text and "loss" not in text, text
+    assert f"KL (sampler–trainer) {tiny.history.last('kl_sample_train_v1:mean'):.3g}" in text, text
+    assert f"entropy {tiny.history.last('entropy:mean'):.3g}" in text, text
+
+
 def test_an_asynchronous_run_plots_and_shows_its_staleness_and_waits(
     panel: wb.Panel, tiny: wb.Session
 ) -> None:

@@ -725,6 +725,7 @@ class Session:
         *,
         trained: ForwardBackwardOutput | None = None,
         pass_threshold: float = 1.0,
+        model_id: str | None = None,
     ) -> dict[str, float]:
         """Record one RL step's rollout groups: for the rollout explorer (`self.rollouts`, the run
         folder's `rollouts.jsonl`) and as the step's health signals (`workbench.loops.health`), a history
@@ -737,10 +738,16 @@ class Session:
             trained: The `forward_backward` output of `rollout_data(groups)`: its logprobs give the
                 sampler-vs-trainer mismatch (`kl_sample_train_v1/v2`) and the explorer's token view.
             pass_threshold: The reward at or above which a reply counts as passed.
+            model_id: The model whose policy sampled the groups, when it is not the session's: another
+                model on the session's engine, such as the one a `tinker` SDK training client creates
+                through `sess.serve()` (its `model_id`). The row then goes under that model's label at
+                its optimizer step, and groups that carry no weights version (the SDK's sample
+                responses carry none) take its current one, so the cockpit follows the model that
+                trains rather than the session's policy, which does not move.
 
         The row's step is, inside a run, the optimizer step the run's step started from (the weights
-        that sampled, even when called after `optim_step`); outside a run the current one (call it
-        before `optim_step` there).
+        that sampled, even when called after `optim_step`); outside a run the model's current one (call
+        it before `optim_step` there).
 
         Returns:
             The health signals recorded.
@@ -749,12 +756,20 @@ class Session:
         if trained is not None:
             groups = attach_trainer_logprobs(groups, trained)
         metrics = rollout_health(groups, pass_threshold)
-        run = self.current_run
+        sampler = self.engine.model_status(model_id or self.model_id)
+        run = self.current_run if model_id in (None, self.model_id) else None
         started = run.step_started_at if run is not None else None
-        step = started if started is not None else self.step
+        step = started if started is not None else sampler.step
+        if model_id is not None:
+            groups = [
+                group
+                if group.weights_version is not None
+                else dataclasses.replace(group, weights_version=sampler.weights_version)
+                for group in groups
+            ]
         groups = [dataclasses.replace(group, step=step) for group in groups]
         self.rollouts.append(groups)
-        label = self.engine.model_status(self.model_id).adapter
+        label = sampler.adapter
         # a built-in RL loss's own row already has the mismatch (over the tokens it trained on): one
         # metric, one line in a plot
         recorded = {

@@ -1,7 +1,8 @@
 """The panel's progress line: where the current run is and how fast it goes, in one line.
 
 `step 12/40 · 3.1 s/step · ETA 1m27s · trained 410 tok/s · sampled 95 tok/s · computed 23% of tokens ·
-loss 12.3 · reward 0.41`, then, when a pause trigger fired, why the run paused. Seconds per step is the
+loss 12.3`, then, when a pause trigger fired, why the run paused. A run that records rollouts (an RL
+run) shows its reward, KL and entropy where the loss would be (`rl_fields`). Seconds per step is the
 mean of the last `RECENT_STEPS` steps (the first step is often slower: compilation, caches), the ETA that
 times the steps left (a paused run has none: it says "paused"); trained tokens per second counts the
 trained tokens (`num_tokens:sum` of the run's `forward_backward` rows), sampled tokens per second the
@@ -83,6 +84,45 @@ def async_fields(run: AsyncRun, history: MetricsHistory) -> list[tuple[str, str]
     ]
 
 
+def supervised_fields(history: MetricsHistory, since: float) -> list[tuple[str, str]]:
+    """The latest loss, and a reward where the step function returned one."""
+    fields = []
+    loss = _latest(history, "loss:sum", "forward_backward", since)
+    if math.isfinite(loss):
+        fields.append(("loss", f"loss {loss:.4g}"))
+    reward = _latest(history, "reward:mean", None, since)
+    if not math.isnan(reward):
+        fields.append(("reward", f"reward {reward:.3g}"))
+    return fields
+
+
+def rl_fields(history: MetricsHistory, since: float) -> list[tuple[str, str]]:
+    """An RL run's latest reward, KL and entropy, where its rows have them. Its loss is left out: a policy
+    loss's value is a surrogate (importance sampling's −Σ ρ·A sums to about 0 with advantages centred
+    on their group), which says nothing about how the run goes. The KL is the policy's to its reference
+    (`kl_policy_reference:mean`, recorded where groups carry reference logprobs), else the sampler's to
+    the trainer (`kl_sample_train_v1:mean`: ~0 unless they disagree); the entropy is the policy's on the
+    trained tokens (`entropy:mean`, the built-in losses'), else the sampler's (`sampler_entropy:mean`)."""
+    fields = []
+    reward = _latest(history, "reward:mean", None, since)
+    if not math.isnan(reward):
+        fields.append(("reward", f"reward {reward:.3g}"))
+    for field, label, names in (
+        (
+            "kl",
+            "KL",
+            (("kl_policy_reference:mean", "to reference"), ("kl_sample_train_v1:mean", "sampler–trainer")),
+        ),
+        ("entropy", "entropy", (("entropy:mean", ""), ("sampler_entropy:mean", "sampler"))),
+    ):
+        for name, which in names:
+            value = _latest(history, name, None, since)
+            if math.isfinite(value):
+                fields.append((field, f"{label} {f'({which}) ' if which else ''}{value:.3g}"))
+                break
+    return fields
+
+
 def progress_fields(run: Run, history: MetricsHistory, sampled: int = 0) -> list[tuple[str, str]]:
     """The line's `(field, text)` pairs for `run` (those with no value yet are left out); `sampled` is the
     number of tokens its steps sampled (`sampled_tokens`)."""
@@ -115,12 +155,11 @@ def progress_fields(run: Run, history: MetricsHistory, sampled: int = 0) -> list
     cached = sum(row.get("prefill_cached_tokens:sum", 0.0) for row in run_rows)
     if cached:
         fields.append(("prompt-cache", f"prompt cache {cached / prefilled:.0%}"))
-    loss = _latest(history, "loss:sum", "forward_backward", since)
-    if math.isfinite(loss):
-        fields.append(("loss", f"loss {loss:.4g}"))
-    reward = _latest(history, "reward:mean", None, since)
-    if not math.isnan(reward):
-        fields.append(("reward", f"reward {reward:.3g}"))
+    fields += (
+        rl_fields(history, since)
+        if any(row["op"] == "rollouts" for row in run_rows)
+        else supervised_fields(history, since)
+    )
     if isinstance(run, AsyncRun):
         fields += async_fields(run, history)
     return fields

@@ -48,7 +48,8 @@ FOLLOW_STEPS = 2
 longest replies) is ~18 KB for the page, and a run whose steps take longer than FOLLOW_S sent one at
 every step, 24 KB per step with the rest of the panel against a budget of 20 KB."""
 MAX_DISTINCT_REWARDS = 8
-"""Up to this many distinct rewards get a bar each (0/1 rewards: two bars); more are binned."""
+"""Up to this many distinct rewards get a bar each (0/1 rewards: two bars) when the replies share them;
+more, or values that no two replies share (a continuous score), are binned."""
 NUM_BINS = 10
 BAR_HEIGHT_PX = 90
 REPLY_PREVIEW_CHARS = 60
@@ -77,10 +78,14 @@ VIEWS = ("sampler logprob", "trainer logprob", "advantage", "weight", "mismatch"
 
 
 def reward_bins(rewards: Sequence[float]) -> list[tuple[float, float]]:
-    """`(low, high)` bins covering `rewards`: one per distinct value when there are few (low == high),
-    else `NUM_BINS` equal-width bins, the last one closed on the right."""
+    """`(low, high)` bins covering `rewards`: one per distinct value (low == high) for a discrete reward,
+    whose few values the replies share (at most `MAX_DISTINCT_REWARDS` values, at most two or at most
+    half as many as the replies), else `NUM_BINS` equal-width bins, the last one closed on the right: a
+    continuous score (a grader's probability) gives every reply its own value, and a bar per value would
+    be a list of bars of height 1."""
     distinct = sorted(set(rewards))
-    if len(distinct) <= MAX_DISTINCT_REWARDS:
+    discrete = len(distinct) <= 2 or 2 * len(distinct) <= len(rewards)
+    if len(distinct) <= MAX_DISTINCT_REWARDS and discrete:
         return [(v, v) for v in distinct]
     low, high = distinct[0], distinct[-1]
     width = (high - low) / NUM_BINS
