@@ -1,10 +1,12 @@
 """Sweeps: each member trains bit for bit as its config would alone (SFT, and RL with seeded sampling);
 clone starts from another member's state; promote makes a member the session's policy; successive
-halving stops the worse half; a stopped member's adapter and optimizer memory is freed."""
+halving stops the worse half; a stopped member's adapter and optimizer memory is freed; no run starts
+beside an active sweep."""
 
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -143,6 +145,32 @@ def test_successive_halving_stops_the_worse_half(tmp_path: Path) -> None:
             (2, [m.settings.name for m in sorted(stopped, key=lambda m: losses_at_2[m.settings.name])])
         ]
         assert sorted(sess.engine.model_ids()) == sorted([sess.model_id, *(m.model_id for m in kept)])
+
+
+def test_a_run_is_refused_while_a_sweep_of_the_session_trains_or_waits_paused(tmp_path: Path) -> None:
+    release = threading.Event()
+
+    def held_step(member: wb.Member, i: int) -> object:
+        assert release.wait(WAIT_S), "the test never released the step"
+        return sft_step(member, i)  # type: ignore[arg-type]  # a member answers as a session
+
+    with _session(tmp_path / "sweep") as sess:
+        own_digest = sess.state_digest()
+        sweep = sess.sweep(held_step, [{"learning_rate": 1e-2}], 2)
+        for state in (wb.RunState.RUNNING, wb.RunState.PAUSED):
+            assert sweep.state is state
+            with pytest.raises(wb.RunActiveError, match=f"a sweep of this session is still {state.value}"):
+                sess.run(sft_step, 1)
+            with pytest.raises(wb.RunActiveError, match="sweep"):
+                sess.run_async(lambda s, client, j: [], lambda s, groups, j: {}, 1)
+            assert sess.current_run is None and sess.state_digest() == own_digest  # nothing started
+            sweep.members[0].pause()  # after the held step: the sweep then waits paused
+            release.set()
+            assert sweep.wait(WAIT_S) is wb.RunState.PAUSED
+        sweep.stop()
+        run = sess.run(sft_step, 1)
+        assert run.wait(WAIT_S) is wb.RunState.FINISHED, run.traceback
+        assert sess.step == 1
 
 
 def _live_tensor_bytes() -> int:

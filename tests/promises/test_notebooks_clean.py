@@ -26,6 +26,7 @@ def test_the_tutorials_are_there() -> None:
         "11_distillation.ipynb",
         "12_evaluating_with_lm_eval.ipynb",
         "13_rl_with_an_llm_grader.ipynb",
+        "14_sweeps.ipynb",
     ]
 
 

@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from workbench.loops.rollout_groups import RolloutGroup
-from workbench.notebook.run import Run, RunState, check_no_active_run
+from workbench.notebook.run import Run, RunState, check_no_active_run, check_no_active_sweep
 from workbench.notebook.triggers import PauseIf
 from workbench.sdk_conversion import to_adam_params
 from workbench.types import AdamParams
@@ -290,8 +290,9 @@ def start_async_run(
     pause_if: PauseIf | None,
 ) -> AsyncRun:
     """Create and start an asynchronous run (what `Session.run_async` does), refusing while another
-    run is active."""
+    run, or a sweep of the session, is active."""
     check_no_active_run(session)
+    check_no_active_sweep(session)
     run = AsyncRun(
         session,
         sample_fn,

@@ -684,6 +684,18 @@ def check_no_active_run(session: Session) -> None:
     session.engine.check_open()
 
 
+def check_no_active_sweep(session: Session) -> None:
+    """Refuse a run of `session` while one of its sweeps trains or waits paused: the sweep's thread
+    swaps the engine's sampling generator around each member's step, so a run beside it would draw
+    from a member's stream (and its steps would interleave with the members')."""
+    for sweep in session.sweeps:
+        if sweep.active:
+            raise RunActiveError(
+                f"a sweep of this session is still {sweep.state.value}: wait() for it or stop() it "
+                f"before starting a run ({sweep!r})"
+            )
+
+
 def start_run(
     session: Session,
     step_fn: StepFn,
@@ -696,8 +708,10 @@ def start_run(
     keep_every: int | None = None,
     resume_from: RunCheckpoint | None = None,
 ) -> Run:
-    """Create and start a run of `session` (what `Session.run` does), refusing while another is active."""
+    """Create and start a run of `session` (what `Session.run` does), refusing while another run, or a
+    sweep of the session, is active."""
     check_no_active_run(session)
+    check_no_active_sweep(session)
     run = Run(
         session,
         step_fn,

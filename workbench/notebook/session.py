@@ -297,6 +297,9 @@ class Session:
         """The latest run started by `run()` (active or ended; its state, error and traceback stay
         readable), None before the first. Step functions read their live settings from it:
         `sess.current_run.adam_params`."""
+        self.sweeps: list[Sweep] = []
+        """The sweeps `sweep()` started (ended ones included), newest last: no `run()` starts while
+        one is active."""
         self.servers: list[TinkerServer] = []
         """The servers `serve()` started (stopped ones included), newest last."""
         self.resume_point = resume_point

@@ -500,6 +500,11 @@ class Sweep:
             return RunState.RUNNING
         return RunState.PAUSED if RunState.PAUSED in states else RunState.FINISHED
 
+    @property
+    def active(self) -> bool:
+        """Whether a member trains or waits paused (`Session.run` refuses meanwhile)."""
+        return self.state is not RunState.FINISHED
+
     def pause(self) -> None:
         """Pause every running member after its current step."""
         for member in list(self.members):
@@ -697,4 +702,5 @@ def start_sweep(
     )
     for member in settings:
         sweep.add(member)
+    session.sweeps.append(sweep)  # from here on the session refuses a run beside it
     return sweep.start()
