@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from tests.datums import ragged_ce_batch, random_tokens, rl_datum
 from workbench.engine.local.engine import choose_sharding
 from workbench.engine.local.ranks import RankFailedError
 from workbench.engine.model.base_model import resolve_model_path
+from workbench.notebook.panel.status import StatusBar, devices_memory
 
 RELATIVE = 1e-5
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +128,12 @@ def test_the_session_names_its_devices(pair: tuple[wb.Session, wb.Session]) -> N
     assert two.engine.devices == ["cpu", "cpu"] and one.engine.devices == ["cpu"]
     assert "2 ranks on cpu, cpu" in repr(two)
     assert len(two.engine.rank_pids) == 1 and one.engine.rank_pids == []
+    bar = StatusBar(two)  # each rank's device and its memory in use, rank 0 first
+    bar.refresh()
+    memory = re.search(r'"memory"><b>memory</b> ([^<]*)<', bar.widget.value)
+    assert memory is not None and re.fullmatch(r"cpu [\d.]+ [KMG]iB · cpu [\d.]+ [KMG]iB", memory.group(1))
+    assert all(used > 2**20 for used in two.engine.rank_memory_bytes())
+    assert devices_memory(["cuda:0", "cuda:1"], [3 * 2**30, 640 * 2**20]) == "cuda:0 3 GiB · cuda:1 640 MiB"
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import threading
 import warnings
 import weakref
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -369,6 +371,24 @@ class Engine:
     def devices(self) -> list[str]:
         """The device of each rank, rank 0's first (this process); one device: `[config.device]`."""
         return list(self._devices) or [self.config.device]
+
+    def rank_memory_bytes(self) -> list[int]:
+        """The memory each rank's model lives in, rank 0 first, read from this process without waiting
+        on the operations queued (a status bar refreshes during a step): CUDA memory allocated by this
+        process on rank 0's GPU and the memory in use on each follower's GPU (NVML), or each rank's
+        process RSS on CPUs. One device: `[rank 0's]`."""
+        device = self._state.device
+        if device.type == "cuda":
+            own = torch.cuda.memory_allocated(device)
+            return [own, *(torch.cuda.device_memory_used(name) for name in self._devices[1:])]
+        pids = [os.getpid(), *self.rank_pids]
+        used = []
+        for pid in pids:
+            try:
+                used.append(psutil.Process(pid).memory_info().rss)
+            except psutil.NoSuchProcess:  # a follower that died: the session says so on its next op
+                used.append(0)
+        return used
 
     @property
     def rank_pids(self) -> list[int]:
