@@ -274,7 +274,7 @@ def test_a_sharded_base_trains_as_one_device_with_half_the_base_per_rank(
 ) -> None:
     """On a base sharded over two ranks, every built-in loss call, a custom loss and an optimizer step
     equal the one-device engine's (a fresh model on each, made alike), and each rank holds half of the
-    base's weights; sampling is refused."""
+    base's weights; sampling and removing the last model are refused."""
     _, one = pair
     assert sharded.engine.sharded and "base sharded" in repr(sharded)
     whole = one.engine.rank_base_bytes()[0]
@@ -321,6 +321,8 @@ def test_a_sharded_base_trains_as_one_device_with_half_the_base_per_rank(
     finally:
         sharded.engine.delete_model(mine).result()
         one.engine.delete_model(theirs).result()
+    with pytest.raises(ValueError, match="last model"):  # its adapters' removal would unwrap the base
+        sharded.engine.delete_model(sharded.model_id)
 
 
 def test_a_base_that_fits_no_device_is_sharded_saying_so(tmp_path: Path) -> None:

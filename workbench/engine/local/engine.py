@@ -502,8 +502,16 @@ class Engine:
         )
 
     def delete_model(self, model_id: str) -> APIFuture[None]:
-        """Remove a model's models from the engine and free their memory (its files stay)."""
-        return model_lifecycle.delete_model(self._state, model_id)
+        """Remove a model's models from the engine and free their memory (its files stay). On a sharded
+        base the last model stays (removing its adapters would unwrap the sharded base:
+        `sharded_base.shard_base`): close the session instead."""
+        state = self._state
+        if state.sharded is not None and list(state.lora_models) == [model_id]:
+            raise ValueError(
+                f"{model_id} is the last model on a base sharded across ranks, which cannot be unwrapped: "
+                "close the session instead"
+            )
+        return model_lifecycle.delete_model(state, model_id)
 
     def create_critic(self, model_id: str, lora: LoraConfig | None = None) -> APIFuture[None]:
         """Give a model a critic: a LoRA adapter (default: the policy's rank and alpha on attention and MLP
