@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import gc
 import importlib.util
-import inspect
 import io
 import os
 import random
@@ -321,14 +320,9 @@ def check(case: Case, device: torch.device, sizes: Sizes, device_flops: float, e
 
 
 def session_arguments(devices: str | None) -> dict:
-    """`devices=` for `wb.Session` when asked for; refused at once where Session does not take it."""
+    """`devices=` for `wb.Session` when asked for."""
     if devices is None:
         return {}
-    if "devices" not in inspect.signature(wb.Session).parameters:
-        raise SystemExit(
-            f"--devices {devices}: devices= needs a wb.Session that takes devices= (training on several "
-            "devices), which this workbench's Session does not; run without --devices"
-        )
     return {"devices": int(devices) if devices.isdigit() else devices}
 
 

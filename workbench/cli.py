@@ -99,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
         "without CUDA), 'all', or names (cuda:0,cuda:1); default one device",
     )
     serve.add_argument(
+        "--shard-base",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --devices: shard the frozen base across the ranks (FSDP2), about 1/N each; default: "
+        "only when the base does not fit one device",
+    )
+    serve.add_argument(
         "--model-dir",
         "--run-dir",  # the deprecated spelling, still accepted
         dest="model_dir",
@@ -146,6 +153,7 @@ def _print_serving(
     for engine in session.base_models.engines():
         info, engine_config = engine.base_info, engine.config
         quantized = "" if engine_config.quantization is None else f" {engine_config.quantization.describe()}"
+        quantized += ", base sharded" if engine.sharded else ""
         print(
             f"workbench: base model {engine_config.base_model} ({info.path}) on "
             f"{'+'.join(engine.devices)}/{engine_config.dtype}{quantized}, up to {engine_config.max_models} models",
@@ -190,6 +198,7 @@ def serve(args: argparse.Namespace) -> int:
         base_models[0],
         device=args.device,
         devices=args.devices,
+        shard_base=args.shard_base,
         sampler=args.sampler,
         max_models=args.max_models,
         threads=args.threads,

@@ -2,13 +2,17 @@
 
 The two-rank session and its one-device twin are made once for the module (starting a rank takes
 seconds) and every test does the same operations on both, so their models stay in step: each test
-compares what the two return and hold.
+compares what the two return and hold. A process holds one multi-device session at a time, so the
+session with a sharded base starts once the pair's two-rank one is closed, and is compared with fresh
+models on the one-device twin.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +26,10 @@ import torch
 
 import workbench as wb
 from tests.datums import ragged_ce_batch, random_tokens, rl_datum
+from workbench.engine.local.engine import choose_sharding
 from workbench.engine.local.ranks import RankFailedError
+from workbench.engine.model.base_model import resolve_model_path
+from workbench.notebook.panel.status import StatusBar, devices_memory
 
 RELATIVE = 1e-5
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +48,14 @@ def pair() -> Iterator[tuple[wb.Session, wb.Session]]:
     yield two, one
     two.close()
     one.close()
+
+
+@pytest.fixture(scope="module")
+def sharded() -> Iterator[wb.Session]:
+    """Two ranks with the base sharded across them (FSDP2), rank-4 LoRA, seed 0."""
+    sess = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, devices=2, shard_base=True)
+    yield sess
+    sess.close()
 
 
 def _close(a: float, b: float) -> bool:
@@ -113,6 +128,12 @@ def test_the_session_names_its_devices(pair: tuple[wb.Session, wb.Session]) -> N
     assert two.engine.devices == ["cpu", "cpu"] and one.engine.devices == ["cpu"]
     assert "2 ranks on cpu, cpu" in repr(two)
     assert len(two.engine.rank_pids) == 1 and one.engine.rank_pids == []
+    bar = StatusBar(two)  # each rank's device and its memory in use, rank 0 first
+    bar.refresh()
+    memory = re.search(r'"memory"><b>memory</b> ([^<]*)<', bar.widget.value)
+    assert memory is not None and re.fullmatch(r"cpu [\d.]+ [KMG]iB · cpu [\d.]+ [KMG]iB", memory.group(1))
+    assert all(used > 2**20 for used in two.engine.rank_memory_bytes())
+    assert devices_memory(["cuda:0", "cuda:1"], [3 * 2**30, 640 * 2**20]) == "cuda:0 3 GiB · cuda:1 640 MiB"
 
 
 @pytest.mark.parametrize(
@@ -217,7 +238,7 @@ def test_a_state_moves_bit_exact_between_two_ranks_and_one(pair: tuple[wb.Sessio
 
 
 def test_a_killed_rank_fails_every_pending_call_naming_it(pair: tuple[wb.Session, wb.Session]) -> None:
-    """Next to last: the pair's two-rank session is broken after it."""
+    """The pair's two-rank session is broken after it: the next test closes it."""
     two, _ = pair
     engine, model_id = two.engine, two.model_id
     data = ragged_ce_batch(6, 64, 32, 64, VOCAB)
@@ -239,13 +260,85 @@ def test_a_killed_rank_fails_every_pending_call_naming_it(pair: tuple[wb.Session
 
 
 def test_close_leaves_no_process(pair: tuple[wb.Session, wb.Session]) -> None:
-    """The last test of the module: it closes the pair (its two-rank session after its rank died)."""
-    two, one = pair
+    """After the killed-rank test: it closes the pair's two-rank session (its rank dead), so that the
+    sharded session (one multi-device session per process) can start."""
+    two, _ = pair
     pids = two.engine.rank_pids
     two.close()
-    one.close()
     assert not any(psutil.pid_exists(pid) for pid in pids)
     assert psutil.Process().children(recursive=True) == []
+
+
+def test_a_sharded_base_trains_as_one_device_with_half_the_base_per_rank(
+    pair: tuple[wb.Session, wb.Session], sharded: wb.Session
+) -> None:
+    """On a base sharded over two ranks, every built-in loss call, a custom loss and an optimizer step
+    equal the one-device engine's (a fresh model on each, made alike), and each rank holds half of the
+    base's weights; sampling and removing the last model are refused."""
+    _, one = pair
+    assert sharded.engine.sharded and "base sharded" in repr(sharded)
+    whole = one.engine.rank_base_bytes()[0]
+    assert all(0.45 * whole <= held <= 0.55 * whole for held in sharded.engine.rank_base_bytes())
+    lora = wb.LoraConfig(rank=4)
+    mine, theirs = (
+        sharded.engine.create_model(lora, seed=7).result(),
+        one.engine.create_model(lora, seed=7).result(),
+    )
+
+    def squared_mean(_data: list[wb.Datum], logprobs_list: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        return torch.cat(logprobs_list).mean() ** 2, {}
+
+    try:
+        for loss_fn, data in (("cross_entropy", ragged_ce_batch(7, 6, 3, 16, VOCAB)), ("ppo", _rl_batch(8))):
+            for engine_call in ("forward", "forward_backward"):
+                _assert_same_call(
+                    getattr(sharded.engine, engine_call)(mine, wb.Role.POLICY, data, loss_fn).result(),
+                    getattr(one.engine, engine_call)(theirs, wb.Role.POLICY, data, loss_fn).result(),
+                )
+        data = ragged_ce_batch(9, 5, 4, 14, VOCAB)
+        _assert_same_call(
+            sharded.engine.forward_backward_custom(mine, wb.Role.POLICY, data, squared_mean).result(),
+            one.engine.forward_backward_custom(theirs, wb.Role.POLICY, data, squared_mean).result(),
+        )
+        _assert_gradients_close(
+            sharded.engine.inspect(mine, wb.Role.POLICY).gradients,
+            one.engine.inspect(theirs, wb.Role.POLICY).gradients,
+        )
+        adam = wb.AdamParams(learning_rate=1e-2)
+        stepped = sharded.engine.optim_step(mine, wb.Role.POLICY, adam).result()
+        assert _close(
+            stepped.metrics["grad_norm"],
+            one.engine.optim_step(theirs, wb.Role.POLICY, adam).result().metrics["grad_norm"],
+        )
+        digests = sharded.engine.rank_digests(mine)
+        assert digests[0] == digests[1]
+        _assert_same_call(
+            sharded.engine.forward(mine, wb.Role.POLICY, data, "cross_entropy").result(),
+            one.engine.forward(theirs, wb.Role.POLICY, data, "cross_entropy").result(),
+        )
+        with pytest.raises(ValueError, match="sharded"):
+            sharded.sampling_client().sample(wb.ModelInput.from_ints([1, 2, 3]), 1, {"max_tokens": 2})
+    finally:
+        sharded.engine.delete_model(mine).result()
+        one.engine.delete_model(theirs).result()
+    with pytest.raises(ValueError, match="last model"):  # its adapters' removal would unwrap the base
+        sharded.engine.delete_model(sharded.model_id)
+
+
+def test_a_base_that_fits_no_device_is_sharded_saying_so(tmp_path: Path) -> None:
+    """The automatic choice (shard_base left out), decided before anything loads: tiny fits, and a
+    config whose embeddings alone outgrow the host's available memory does not (counted on the meta
+    device, nothing allocated)."""
+    cpu, ranks = torch.device("cpu"), ["cpu", "cpu"]
+    assert not choose_sharding(None, "tiny", ranks, cpu, torch.float32, None)
+    config = json.loads((Path(resolve_model_path("tiny")) / "config.json").read_text())
+    config["vocab_size"] = psutil.virtual_memory().available // (config["hidden_size"] * 4) + 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="do not fit one cpu device.*sharding them across 2 ranks"):
+        assert choose_sharding(None, str(tmp_path), ranks, cpu, torch.float32, None)
+    assert not choose_sharding(False, str(tmp_path), ranks, cpu, torch.float32, None)
+    with pytest.raises(ValueError, match="give devices="):
+        choose_sharding(True, "tiny", [], cpu, torch.float32, None)
 
 
 def _gone(pid: int) -> bool:

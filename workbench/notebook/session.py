@@ -150,6 +150,10 @@ class Session:
             data parallel through torch.distributed (two CPU ranks on a machine without CUDA for
             `devices=2`), with the same results as one device; the ranks are processes the session starts
             and ends. See docs/architecture.md.
+        shard_base: With several devices: True shards the frozen base across the ranks (FSDP2), each
+            holding about 1/N of it, for a base bigger than one device (every rank then runs every pass,
+            and sampling is refused); None (default) does so when the base does not fit one device,
+            with a warning saying so; False never.
     """
 
     def __init__(
@@ -172,6 +176,7 @@ class Session:
         quantize: str | QuantizationConfig | None = None,
         run_dir: str | Path | None = None,  # deprecated name of model_dir
         devices: int | str | Sequence[str] | None = None,
+        shard_base: bool | None = None,
     ):
         model_dir = _model_dir_from(model_dir, run_dir)
         lora_config = to_lora_config(lora if lora is not None else LoraConfig())
@@ -182,6 +187,8 @@ class Session:
             or memory_budget_bytes <= 0
         ):
             raise ValueError(f"memory_budget_bytes must be a positive integer, got {memory_budget_bytes!r}")
+        if shard_base and devices in (None, 1):
+            raise ValueError("shard_base=True shards the base across several ranks: give devices= too")
         engine = Engine(
             base_model,
             seed=seed,
@@ -194,6 +201,7 @@ class Session:
             threads=threads,
             quantize=quantize,
             devices=devices,
+            shard_base=shard_base,
         )
         folder = (
             Path(model_dir) if model_dir is not None else models_root() / new_model_id(base_model)
@@ -933,6 +941,8 @@ class Session:
         where = self.engine.endpoint or f"{config.device}/{config.dtype}"
         if isinstance(self.engine, Engine) and len(self.engine.devices) > 1:
             where = f"{len(self.engine.devices)} ranks on {', '.join(self.engine.devices)}/{config.dtype}"
+            if self.engine.sharded:
+                where += ", base sharded"
         quantized = self.quantized_base()
         if quantized is not None:
             where += f", base {quantized}"

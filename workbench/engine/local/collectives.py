@@ -116,6 +116,28 @@ class Collectives:
             else:
                 param.grad = total.reshape(param.shape).to(param.dtype).clone()
 
+    def agree_on_call(self, failed: bool) -> None:
+        """On a sharded base, where every rank runs the whole call and computes the same gradient: one
+        all_reduce of the failure flag, so that a call that failed on one rank is undone on every rank
+        (`RankCallFailedError` where this one did not fail)."""
+        flag = torch.tensor([float(failed)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        if int(flag.item()):
+            raise RankCallFailedError(
+                f"{int(flag.item())} rank(s) failed their part of the call; it was undone on all"
+            )
+
+    def combine_call_gradient(
+        self, parameters: Sequence[torch.nn.Parameter], failed: bool, replicated: bool
+    ) -> None:
+        """The end of a training call's part on this rank: its gradient summed over the ranks
+        (`sum_call_gradient`), or, when every rank ran the whole call (`replicated`: a sharded base),
+        only the ranks' agreement that it succeeded (`agree_on_call`)."""
+        if replicated:
+            self.agree_on_call(failed)
+        else:
+            self.sum_call_gradient(parameters, failed)
+
     def leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -11,6 +11,13 @@ The split (`split_by_tokens`) balances the real tokens per rank: whole shared-pr
 prompt's completions, `shared_prefix.find_groups`) and single datums, largest first, each to the rank
 with the fewest tokens so far; each rank keeps its datums in call order.
 
+On a sharded base (`shard_base=True`) every pass is collective (FSDP all-gathers each layer's weights
+as it runs), so every rank must run the same passes in the same order: every rank then runs the whole
+call (`shards_for`), computes the same gradient from the same gathered weights, and the ranks only agree
+that the call succeeded (`Collectives.agree_on_call`); rank 0's result is the call's. Such a call takes
+a one-device call's time; the base's memory is what it saves. Each rank frees the gathered weights
+after its part (`ShardedBase.reshard`).
+
 A custom loss (`forward_backward_custom`) is a function of every datum's logprobs, so it runs on rank
 0 only, as the SDK runs one: every rank computes its datums' logprobs without a graph, rank 0 calls the
 loss on leaf copies of all of them, and each rank then backpropagates the surrogate
@@ -20,7 +27,7 @@ loss on leaf copies of all of them, and each rank then backpropagates the surrog
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -58,6 +65,30 @@ def split_by_tokens(batch: Sequence[PreparedDatum], ranks: int) -> list[list[int
         shards[rank].extend(unit)
         load[rank] += sum(batch[i].length for i in unit)
     return [sorted(shard) for shard in shards]
+
+
+def shards_for(state: EngineState, batch: Sequence[PreparedDatum], ranks: int) -> list[list[int]]:
+    """Each rank's datum indices: split by tokens, or every datum on every rank on a sharded base."""
+    if state.sharded is not None:
+        return [list(range(len(batch)))] * ranks
+    return split_by_tokens(batch, ranks)
+
+
+def _combined(
+    state: EngineState, shards: list[list[int]], results: list[ShardResult], size: int
+) -> ShardResult:
+    """The call's result from every rank's: merged in datum order, or rank 0's on a sharded base."""
+    return results[0] if state.sharded is not None else _merge(shards, results, size)
+
+
+@contextlib.contextmanager
+def resharding(state: EngineState) -> Iterator[None]:
+    """A rank's part of a call, after which a sharded base frees every weight it gathered."""
+    try:
+        yield
+    finally:
+        if state.sharded is not None:
+            state.sharded.reshard()
 
 
 @dataclass(frozen=True)
@@ -143,10 +174,11 @@ def _loss_call(state: EngineState, shard: LossShard) -> LossCall:
     return LossCall.start(state, lora_model, shard.role, shard.op, spec, config, shard.with_loss)
 
 
-def _run_loss_call(call: LossCall, shard: LossShard) -> ShardResult:
-    parts = call.partition(shard.batch)
-    call.accumulate(parts)
-    return call.outcome(parts, len(shard.batch))
+def _run_loss_call(state: EngineState, call: LossCall, shard: LossShard) -> ShardResult:
+    with resharding(state):
+        parts = call.partition(shard.batch)
+        call.accumulate(parts)
+        return call.outcome(parts, len(shard.batch))
 
 
 def run_loss(
@@ -162,14 +194,14 @@ def run_loss(
 ) -> ForwardBackwardOutput:
     """Rank 0's `forward` / `forward_backward` over every rank (worker thread)."""
     with followers.during(op):
-        shards = split_by_tokens(batch, len(followers.ranks) + 1)
+        shards = shards_for(state, batch, len(followers.ranks) + 1)
         pieces = [
             LossShard(model_id, role, op, [batch[i] for i in shard], loss_fn, loss_fn_config, with_loss)
             for shard in shards
         ]
         call = _loss_call(state, pieces[0])
-        results = _everywhere(followers, pieces, lambda: _run_loss_call(call, pieces[0]))
-        return call.record(_merge(shards, results, len(batch)))
+        results = _everywhere(followers, pieces, lambda: _run_loss_call(state, call, pieces[0]))
+        return call.record(_combined(state, shards, results, len(batch)))
 
 
 def _custom_plan(state: EngineState, batch: list[PreparedDatum]) -> CallPlan:
@@ -211,9 +243,9 @@ def _custom_backward(state: EngineState, shard: CustomBackwardShard) -> dict[str
                 release_freed_memory()
         except BaseException:
             with contextlib.suppress(RankCallFailedError):  # the others undo the call too
-                state.collectives.sum_call_gradient(parameters, failed=True)
+                state.collectives.combine_call_gradient(parameters, True, state.sharded is not None)
             raise
-        state.collectives.sum_call_gradient(parameters, failed=False)
+        state.collectives.combine_call_gradient(parameters, False, state.sharded is not None)
     return token_counts(plan)
 
 
@@ -229,12 +261,13 @@ def run_custom(
     """Rank 0's `forward_backward_custom` over every rank (worker thread)."""
     op = "forward_backward_custom"
     with followers.during(op):
-        shards = split_by_tokens(batch, len(followers.ranks) + 1)
+        shards = shards_for(state, batch, len(followers.ranks) + 1)
         parts = [[batch[i] for i in shard] for shard in shards]
         requests = [CustomLogprobsShard(model_id, role, part) for part in parts]
-        gathered = _everywhere(followers, requests, lambda: _custom_logprobs(state, requests[0]))
+        gathered = _everywhere(followers, requests, lambda: run_shard(state, requests[0]))
+        counted = 1 if state.sharded is not None else len(shards)  # sharded: rank 0's are the call's
         logprobs_list: list[Tensor] = [torch.empty(0)] * len(batch)
-        for indices, logprobs in zip(shards, gathered, strict=True):
+        for indices, logprobs in zip(shards[:counted], gathered[:counted], strict=True):
             for index, logprobs_N in zip(indices, logprobs, strict=True):
                 logprobs_list[index] = logprobs_N.to(state.device).requires_grad_(True)
         loss, user_metrics = call_custom_loss(loss_fn, user_data, logprobs_list)
@@ -244,7 +277,7 @@ def run_custom(
             CustomBackwardShard(model_id, role, part, [gradients[i] for i in shard])
             for shard, part in zip(shards, parts, strict=True)
         ]
-        counts = _everywhere(followers, pieces, lambda: _custom_backward(state, pieces[0]))
+        counts = _everywhere(followers, pieces, lambda: run_shard(state, pieces[0]))[:counted]
     outputs = [{"logprobs": TensorData.from_torch(logprobs_N.detach())} for logprobs_N in logprobs_list]
     metrics = {**user_metrics, "loss:sum": float(loss.detach())}
     totals = {name: sum(count[name] for count in counts) for name in counts[0]}
@@ -258,7 +291,8 @@ def run_custom(
 def run_shard(state: EngineState, shard: Shard) -> Any:
     """A follower's part of a call (worker thread): what rank 0 gathers from it."""
     if isinstance(shard, LossShard):
-        return _run_loss_call(_loss_call(state, shard), shard)
-    if isinstance(shard, CustomLogprobsShard):
-        return _custom_logprobs(state, shard)
-    return _custom_backward(state, shard)
+        return _run_loss_call(state, _loss_call(state, shard), shard)
+    with resharding(state):
+        if isinstance(shard, CustomLogprobsShard):
+            return _custom_logprobs(state, shard)
+        return _custom_backward(state, shard)

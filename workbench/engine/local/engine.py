@@ -19,16 +19,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedTokenizerBase
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from workbench.engine.config import (
     DEFAULT_MAX_MODELS,
@@ -59,8 +63,16 @@ from workbench.engine.model.base_model import (
     adapts_by_parametrization,
     load_base_model,
     resolve_device_and_dtype,
+    resolve_model_path,
 )
 from workbench.engine.model.quantization import base_memory_bytes
+from workbench.engine.model.sharded_base import (
+    fits_one_device,
+    resident_base_bytes,
+    shard_base,
+    sharding_notice,
+    unsharded_base_bytes,
+)
 from workbench.engine.model.value_head import default_critic_lora
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
@@ -134,8 +146,46 @@ def _shutdown(state: EngineState) -> None:
     state.worker.close(wait=False)
 
 
+def choose_sharding(
+    shard: bool | None,
+    base_model: str,
+    ranks: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: QuantizationConfig | None,
+) -> bool:
+    """Whether rank 0 shards the base: `shard_base` as asked, or, left out (None) on several ranks,
+    whether the whole base does not fit one device (`sharded_base.fits_one_device`; CPU ranks share the
+    host's memory, so N copies must fit it), saying so when it shards. A quantized base is never
+    sharded (bitsandbytes' layers hold their own packed tensors)."""
+    if shard and len(ranks) < 2:
+        raise ValueError("shard_base=True shards the base across several ranks: give devices= too")
+    if shard and quantization is not None:
+        raise ValueError("a quantized base cannot be sharded (bitsandbytes packs its own tensors)")
+    if len(ranks) < 2 or quantization is not None:
+        return False
+    if shard is not None:
+        return shard
+    base_bytes = unsharded_base_bytes(AutoConfig.from_pretrained(resolve_model_path(base_model)), dtype)
+    copies = len(ranks) if device.type == "cpu" else 1
+    if fits_one_device(copies * base_bytes, device):
+        return False
+    warnings.warn(sharding_notice(base_bytes, device, len(ranks)), stacklevel=3)
+    return True
+
+
+def _shard(state: EngineState) -> None:
+    """Shard the frozen base across the group (FSDP2, `sharded_base.shard_base`; on every rank, on its
+    worker, collective). Its passes then run one at a time, on the worker (FSDP keeps per-pass state on
+    the model), and every rank runs every pass of a call (`data_parallel`)."""
+    assert state.collectives is not None
+    mesh = init_device_mesh(state.device.type, (state.collectives.world_size,))
+    state.sharded = shard_base(state.model.base, mesh)
+    state.streams = 1
+
+
 def _start_followers(
-    config: EngineConfig, ranks: list[str], device: torch.device
+    config: EngineConfig, ranks: list[str], device: torch.device, shard: bool
 ) -> tuple[FollowerRanks, GroupAddress, dist.TCPStore]:
     """Start ranks 1..N-1 (each on its device of `ranks`), and open the group's store: rank 0's address."""
     if dist.is_initialized():
@@ -159,6 +209,7 @@ def _start_followers(
                 config.threads,
                 config.quantization,
                 addresses[rank],
+                shard,
             )
             for rank in range(1, len(ranks))
         ],
@@ -189,6 +240,14 @@ class Engine:
             without CUDA, `devices=2` is two CPU ranks), joined by torch.distributed. Rank 0 is this
             engine; the others are processes it starts and ends (`workbench.engine.local.ranks`), and
             every training call is split across them (`workbench.engine.local.data_parallel`).
+        shard_base: With several devices: True shards the frozen base across the ranks with FSDP2
+            (`workbench.engine.model.sharded_base`), each rank holding about 1/N of it, for a base bigger
+            than one device; every rank then runs every pass of a call (the same passes in the same
+            order, as FSDP needs), so a call takes one device's time. False keeps a whole base on every
+            rank; None (default) shards when the whole base does not fit one device, with a warning
+            saying so. Sampling and merged exports are refused on a sharded base. On one device (a
+            follower rank's engine before `join_group`) True only loads a CUDA base on the CPU, where
+            sharding takes it to its device.
     """
 
     def __init__(
@@ -205,6 +264,7 @@ class Engine:
         threads: int | None = None,
         quantize: str | QuantizationConfig | None = None,
         devices: Devices = None,
+        shard_base: bool | None = None,
     ):
         ranks = rank_devices(devices, None if device is None else str(device), torch.cuda.device_count())
         if len(ranks) == 1:
@@ -214,6 +274,12 @@ class Engine:
             device if len(ranks) < 2 else ranks[0], dtype
         )
         quantization = to_quantization_config(quantize)
+        follower_rank = shard_base is True and not devices  # `rank_follower`: sharded once it joins
+        shard = not follower_rank and choose_sharding(
+            shard_base, base_model, ranks, resolved_device, resolved_dtype, quantization
+        )
+        # a base to be sharded may not fit its device whole: it loads on the CPU, shards go to the device
+        load_device = torch.device("cpu") if shard or follower_rank else resolved_device
         config = EngineConfig(
             base_model=base_model,
             seed=seed,
@@ -237,14 +303,14 @@ class Engine:
         worker = Worker(before_each=thread_policy.apply)
 
         def load() -> tuple[AdaptedModel, PreTrainedTokenizerBase]:
-            base, tokenizer, info = load_base_model(base_model, resolved_device, resolved_dtype, quantization)
+            base, tokenizer, info = load_base_model(base_model, load_device, resolved_dtype, quantization)
             return AdaptedModel(base, info, resolved_device), tokenizer
 
         followers: FollowerRanks | None = None
         collectives: Collectives | None = None
         try:
             if self._devices:  # the followers load their engines while this one loads its own
-                followers, address, store = _start_followers(config, ranks, resolved_device)
+                followers, address, store = _start_followers(config, ranks, resolved_device, shard)
             model, tokenizer = worker.submit(load).result()
             if followers is not None:
                 followers.wait_loaded()
@@ -281,12 +347,15 @@ class Engine:
             falls_back=sampler == "auto",
         )
         state.collectives, state.followers = collectives, followers
+        self._shards_on_joining = follower_rank
         if followers is not None:
             # every operation still queued fails at once, naming the rank that died and its op
             followers.watch(state.worker.fail_queued)
         thread_policy.count_as_own(lambda: state.sampler.processes)
         self._thread_policy = thread_policy
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
+        if shard and followers is not None:
+            self._shard_now(thread_policy)
 
     # ------------------------------------------------------------------------------------------ identity
 
@@ -302,6 +371,24 @@ class Engine:
     def devices(self) -> list[str]:
         """The device of each rank, rank 0's first (this process); one device: `[config.device]`."""
         return list(self._devices) or [self.config.device]
+
+    def rank_memory_bytes(self) -> list[int]:
+        """The memory each rank's model lives in, rank 0 first, read from this process without waiting
+        on the operations queued (a status bar refreshes during a step): CUDA memory allocated by this
+        process on rank 0's GPU and the memory in use on each follower's GPU (NVML), or each rank's
+        process RSS on CPUs. One device: `[rank 0's]`."""
+        device = self._state.device
+        if device.type == "cuda":
+            own = torch.cuda.memory_allocated(device)
+            return [own, *(torch.cuda.device_memory_used(name) for name in self._devices[1:])]
+        pids = [os.getpid(), *self.rank_pids]
+        used = []
+        for pid in pids:
+            try:
+                used.append(psutil.Process(pid).memory_info().rss)
+            except psutil.NoSuchProcess:  # a follower that died: the session says so on its next op
+                used.append(0)
+        return used
 
     @property
     def rank_pids(self) -> list[int]:
@@ -415,8 +502,16 @@ class Engine:
         )
 
     def delete_model(self, model_id: str) -> APIFuture[None]:
-        """Remove a model's models from the engine and free their memory (its files stay)."""
-        return model_lifecycle.delete_model(self._state, model_id)
+        """Remove a model's models from the engine and free their memory (its files stay). On a sharded
+        base the last model stays (removing its adapters would unwrap the sharded base:
+        `sharded_base.shard_base`): close the session instead."""
+        state = self._state
+        if state.sharded is not None and list(state.lora_models) == [model_id]:
+            raise ValueError(
+                f"{model_id} is the last model on a base sharded across ranks, which cannot be unwrapped: "
+                "close the session instead"
+            )
+        return model_lifecycle.delete_model(state, model_id)
 
     def create_critic(self, model_id: str, lora: LoraConfig | None = None) -> APIFuture[None]:
         """Give a model a critic: a LoRA adapter (default: the policy's rank and alpha on attention and MLP
@@ -551,9 +646,51 @@ class Engine:
 
     def join_group(self, address: GroupAddress) -> None:
         """Make this engine rank `address.rank` of a multi-device engine's group (what a follower rank's
-        process does once its engine is loaded: `workbench.engine.local.rank_follower`)."""
+        process does once its engine is loaded: `workbench.engine.local.rank_follower`), and shard its
+        base across the group when it was made with `shard_base=True`."""
         state = self._state
         state.collectives = state.submit(lambda: Collectives.join(address, state.device)).result()
+        if self._shards_on_joining:
+            self._shard_now(self._thread_policy)
+
+    def _shard_now(self, thread_policy: ThreadPolicy) -> None:
+        thread_policy.keep_passes_on_the_worker()
+        state = self._state
+        try:
+            state.submit(lambda: _shard(state)).result()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the frozen base is sharded across the ranks (`shard_base`)."""
+        return self._state.sharded is not None
+
+    @property
+    def resident_base_bytes(self) -> int:
+        """The bytes of base weights this rank holds: its shards on a sharded base, else the whole base
+        (`sharded_base.resident_base_bytes`)."""
+        state = self._state
+        return state.submit(lambda: resident_base_bytes(state.model.base)).result()
+
+    def rank_base_bytes(self) -> list[int]:
+        """`resident_base_bytes` on every rank, rank 0 first."""
+        own = self.resident_base_bytes
+        followers = self._state.followers
+        if followers is None:
+            return [own]
+        others = self._state.submit(
+            lambda: [followers.ask(rank, ("base_bytes",)) for rank in followers.ranks]
+        ).result()
+        return [own, *others]
+
+    def _refuse_on_sharded(self, what: str) -> None:
+        if self._state.sharded is not None:
+            raise ValueError(
+                f"{what} does not run on a base sharded across ranks yet (shard_base=True): sample "
+                "from a session whose base is whole (save_weights_for_sampler, then load it there)"
+            )
 
     def run_shard(self, shard: data_parallel.Shard) -> Any:
         """A follower rank's part of a training call, on its worker, in turn (`data_parallel.run_shard`)."""
@@ -607,10 +744,12 @@ class Engine:
     ) -> APIFuture[SampleResponse]:
         """The request is checked against the model in the caller's thread (`requests.prepare_request`),
         and `token_sink` is told each sequence's tokens as the sampler draws them."""
+        self._refuse_on_sharded("sampling")
         return sample.submit_sample(self._state, pin, request, token_sink)
 
     def check_sample(self, request: SampleRequest) -> None:
         """`requests.prepare_request`'s checks against the model and `max_samples_per_request`."""
+        self._refuse_on_sharded("sampling")
         sample.check_sample(self._state, request)
 
     def compute_logprobs(
@@ -620,6 +759,7 @@ class Engine:
         *,
         prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[list[float | None]]:
+        self._refuse_on_sharded("compute_logprobs")
         return sample.submit_compute_logprobs(self._state, pin, prompt, prompt_logprobs_last_n)
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -732,6 +872,7 @@ class Engine:
 
     def export_merged(self, model_id: str, path: str | Path) -> APIFuture[Path]:
         """Write the model's policy merged into the base weights as a new HF model folder."""
+        self._refuse_on_sharded("a merged export")
         return merged_export.export_merged(self._state, model_id, path)
 
     # ------------------------------------------------------------------------------------------ misc
@@ -819,4 +960,6 @@ class Engine:
         where = (
             f"{self.config.device}" if not self._devices else f"{len(self._devices)} ranks on {self._devices}"
         )
+        if self.sharded:
+            where += ", base sharded"
         return f"Engine({self.config.base_model!r}, {where}/{self.config.dtype}, {state})"

@@ -294,13 +294,14 @@ class LossCall:
             if collectives is None:
                 self._run(parts)
                 return
+            replicated = state.sharded is not None  # every rank ran the whole call (`data_parallel`)
             try:  # on several ranks: the call's gradient is the sum of every rank's (`collectives`)
                 self._run(parts)
             except BaseException:
                 with contextlib.suppress(RankCallFailedError):  # the others undo the call too
-                    collectives.sum_call_gradient(self.compute.parameters, failed=True)
+                    collectives.combine_call_gradient(self.compute.parameters, True, replicated)
                 raise
-            collectives.sum_call_gradient(self.compute.parameters, failed=False)
+            collectives.combine_call_gradient(self.compute.parameters, False, replicated)
 
     def _run(self, parts: list[CallPart]) -> None:
         """Every part's passes: those with stream chunks together on the streams (the training part's

@@ -87,6 +87,8 @@ def _answer(engine: Engine, message: tuple[Any, ...], folder: Path) -> object:
         return engine.run_shard(message[1])
     if kind == "digest":
         return engine.state_digest(message[1])
+    if kind == "base_bytes":
+        return engine.resident_base_bytes
     raise ValueError(f"unknown message {kind!r}")
 
 
@@ -122,13 +124,14 @@ def main() -> None:
             sampler="hf",
             threads=settings.threads,
             quantize=settings.quantization,
+            shard_base=settings.shard_base,
         )
     except Exception as error:
         send(connection, ("error", f"loading the base model failed: {type(error).__name__}: {error}"))
         return
     send(connection, ("ok", None))
     try:
-        engine.join_group(settings.address)
+        engine.join_group(settings.address)  # and shards the base, when asked
         with tempfile.TemporaryDirectory(prefix=f"workbench-rank{settings.address.rank}-") as folder:
             serve(engine, connection, Path(folder))
     finally:

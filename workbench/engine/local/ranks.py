@@ -74,6 +74,7 @@ class FollowerSettings:
     threads: int | None
     quantization: QuantizationConfig | None
     address: GroupAddress
+    shard_base: bool  # the base sharded across the group once joined (`Engine.join_group`)
 
 
 def send(connection: Connection, message: Any) -> None:

@@ -26,6 +26,7 @@ from workbench.engine.local.resource_use import ResourceMeter
 from workbench.engine.local.stability_records import StabilityRecords
 from workbench.engine.model.adapted_model import AdaptedModel
 from workbench.engine.model.base_model import BaseModelInfo
+from workbench.engine.model.sharded_base import ShardedBase
 from workbench.engine.roles import Role
 from workbench.engine.samplers.factory import EngineSampler
 from workbench.engine.samplers.hf import HFSampler
@@ -100,6 +101,8 @@ class EngineState:
         # the follower ranks; both None on one device
         self.collectives: Collectives | None = None
         self.followers: FollowerRanks | None = None
+        # the base sharded across the group (`shard_base=True`): every rank then runs every pass
+        self.sharded: ShardedBase | None = None
         self._sequences_sampled = 0
 
     @property

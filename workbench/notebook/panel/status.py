@@ -15,6 +15,7 @@ import ipywidgets
 import psutil
 import torch
 
+from workbench.engine.local.engine import Engine
 from workbench.notebook.run_checkpoints import stopped_run_note
 
 if TYPE_CHECKING:
@@ -26,6 +27,22 @@ def memory_in_use(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     return psutil.Process().memory_info().rss
+
+
+def memory_field(session: Session) -> str:
+    """The memory in use: one figure on one device; on several, each rank's device and its figure
+    (`Engine.rank_memory_bytes`), rank 0 first."""
+    engine = session.engine
+    if not isinstance(engine, Engine) or len(engine.devices) < 2:
+        return format_memory(memory_in_use(session.device))
+    return devices_memory(engine.devices, engine.rank_memory_bytes())
+
+
+def devices_memory(devices: list[str], used: list[int]) -> str:
+    """ "cpu 640 MiB · cpu 610 MiB": each device's memory in use, in rank order."""
+    return " · ".join(
+        f"{html.escape(device)} {format_memory(size)}" for device, size in zip(devices, used, strict=True)
+    )
 
 
 def format_bytes(size: float) -> str:
@@ -143,7 +160,7 @@ class StatusBar:
         now = time.monotonic()
         if now - self._measured_at >= MEASURED_REFRESH_S:
             self._measured = [
-                _field("memory", "memory", format_memory(memory_in_use(self.session.device))),
+                _field("memory", "memory", memory_field(self.session)),
                 _field("threads", "threads", threads_field(self.session)),
             ]
             self._measured_at = now
