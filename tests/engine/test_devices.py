@@ -9,6 +9,7 @@ models on the one-device twin.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -259,6 +260,12 @@ def test_a_killed_rank_fails_every_pending_call_naming_it(pair: tuple[wb.Session
         two.policy.forward_backward(data, "cross_entropy")
 
 
+def _is_follower(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return "workbench.engine.local.rank_follower" in process.cmdline()
+    return False
+
+
 def test_close_leaves_no_process(pair: tuple[wb.Session, wb.Session]) -> None:
     """After the killed-rank test: it closes the pair's two-rank session (its rank dead), so that the
     sharded session (one multi-device session per process) can start."""
@@ -266,7 +273,8 @@ def test_close_leaves_no_process(pair: tuple[wb.Session, wb.Session]) -> None:
     pids = two.engine.rank_pids
     two.close()
     assert not any(psutil.pid_exists(pid) for pid in pids)
-    assert psutil.Process().children(recursive=True) == []
+    # no follower of any session: other tests' helpers (a forkserver) may outlive their own test
+    assert not [child for child in psutil.Process().children(recursive=True) if _is_follower(child)]
 
 
 def test_a_sharded_base_trains_as_one_device_with_half_the_base_per_rank(
