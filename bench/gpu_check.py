@@ -265,7 +265,8 @@ def grpo_line(sess: wb.Session, sizes: Sizes, vocab: int) -> str:
 
 
 def flops_text(flops: float) -> str:
-    return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e11 else f"{flops / 1e9:.2f} GFLOP/s"
+    """FLOP/s to four significant figures (the ratios printed beside are computed before rounding)."""
+    return f"{flops / 1e12:.4g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.4g} GFLOP/s"
 
 
 def memory_line(sess: wb.Session, device: torch.device) -> str:
