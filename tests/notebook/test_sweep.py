@@ -178,7 +178,8 @@ def _live_tensor_bytes() -> int:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
+        # type(), not isinstance(): isinstance reads a dead weakref.proxy's __class__ and raises
+        if issubclass(type(obj), torch.Tensor):
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -25,6 +25,7 @@ import tinker
 
 import workbench as wb
 from tests.promises.conftest import SdkClients
+from workbench.engine.local.ranks import FOLLOWER_MODULE
 from workbench.engine.model.base_model import resolve_model_path
 
 cookbook = pytest.importorskip("tinker_cookbook")
@@ -116,9 +117,9 @@ def test_the_cookbook_supervised_loop_trains_through_the_server(
 @contextlib.contextmanager
 def _workbench_serve(
     monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients, tmp_path: Path, *options: str
-) -> Iterator[tuple[str, list[str]]]:
-    """`workbench serve --base-model tiny` with `options` in a subprocess: its URL and its startup lines;
-    stopped with SIGINT after the SDK clients are closed, and checked to exit 0."""
+) -> Iterator[tuple[str, list[str], int]]:
+    """`workbench serve --base-model tiny` with `options` in a subprocess: its URL, its startup lines and
+    its pid; stopped with SIGINT after the SDK clients are closed, and checked to exit 0."""
     monkeypatch.setattr(cost_estimation, "load_model_pricing", lambda **_: None)  # no pricing download
     env = {
         **os.environ,
@@ -143,7 +144,7 @@ def _workbench_serve(
             if "workbench: base model " in line:
                 break
         (url,) = [line.split(" at ")[-1].strip() for line in lines if "serving the Tinker API at" in line]
-        yield url, lines
+        yield url, lines, server.pid
         sdk_clients.close()  # while the server still answers
     finally:
         server.send_signal(signal.SIGINT)
@@ -156,7 +157,7 @@ def test_the_cookbook_supervised_loop_trains_through_a_quantized_server(
     monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients, tmp_path: Path
 ) -> None:
     """`workbench serve --quantize nf4` says so at startup, and the cookbook's loop runs on it unmodified."""
-    with _workbench_serve(monkeypatch, sdk_clients, tmp_path, "--quantize", "nf4") as (url, lines):
+    with _workbench_serve(monkeypatch, sdk_clients, tmp_path, "--quantize", "nf4") as (url, lines, _):
         asyncio.run(sl_train.main(_sl_config(tmp_path / "sl", url, max_steps=2, save_every=0)))
     (base_line,) = [line for line in lines if "workbench: base model " in line]
     assert "nf4+dq" in base_line, lines
@@ -169,13 +170,20 @@ def test_the_cookbook_supervised_loop_trains_through_a_server_on_two_devices(
 ) -> None:
     """`workbench serve --devices 2` (two CPU ranks) says so at startup, the cookbook's loop runs on it
     unmodified (a checkpoint each step), and the server ends its follower rank when it stops."""
-    with _workbench_serve(monkeypatch, sdk_clients, tmp_path, "--devices", "2") as (url, lines):
+    with _workbench_serve(monkeypatch, sdk_clients, tmp_path, "--devices", "2") as (url, lines, pid):
         asyncio.run(sl_train.main(_sl_config(tmp_path / "sl", url, max_steps=2, save_every=1)))
     (base_line,) = [line for line in lines if "workbench: base model " in line]
     assert "on cpu+cpu/" in base_line, lines
     nll = [row["train_mean_nll"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row]
     assert len(nll) == 2 and all(math.isfinite(x) and x > 0 for x in nll), nll
-    assert psutil.Process().children(recursive=True) == []
+    followers = [
+        process.pid
+        for process in psutil.process_iter(["cmdline"])
+        if process.info["cmdline"]
+        and process.info["cmdline"][-3:-2] == [FOLLOWER_MODULE]
+        and process.info["cmdline"][-1] == str(pid)
+    ]
+    assert followers == []  # the server's follower rank (given the server's pid) ended with it
 
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "stable_reinforce"])
