@@ -216,6 +216,7 @@ def _measure_sharded_smollm2(rank: int, folder: Path) -> None:
 
 @pytest.mark.integration
 def test_each_rank_holds_at_most_0_6_of_smollm2s_base(tmp_path: Path) -> None:
+    resolve_model_path("smollm2-135m")  # built here, once: inside a process group only rank 0 could write it
     _run_on_ranks(_measure_sharded_smollm2, tmp_path)
     for rank in range(RANKS):
         measured = torch.load(tmp_path / f"rank{rank}.pt")

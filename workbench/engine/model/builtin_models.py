@@ -95,6 +95,13 @@ def _build_atomically(target: Path, record: dict, build: Callable[[Path], None])
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             build(tmp)
+            if not (tmp / "config.json").exists():
+                # transformers' save_pretrained writes nothing on a rank other than 0 of a process group
+                raise RuntimeError(
+                    f"building {target.name} wrote no model (inside torch.distributed, transformers "
+                    "saves only on rank 0): resolve the built-in model before the process group starts, "
+                    "or on rank 0 first"
+                )
             (tmp / "workbench_model.json").write_text(json.dumps(record))
             tmp.chmod(0o755)
             if target.exists():  # a folder this environment would not write: set aside, then removed
