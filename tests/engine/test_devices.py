@@ -31,6 +31,7 @@ from workbench.engine.local.engine import choose_sharding
 from workbench.engine.local.ranks import RankFailedError
 from workbench.engine.model.base_model import resolve_model_path
 from workbench.notebook.panel.status import StatusBar, devices_memory
+from workbench.storage.run_description import read_settings
 
 RELATIVE = 1e-5
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,6 +170,9 @@ def test_a_custom_loss_equals_one_device(pair: tuple[wb.Session, wb.Session]) ->
     mine = two.policy.forward_backward_custom(data, squared_mean).result()
     theirs = one.policy.forward_backward_custom(data, squared_mean).result()
     _assert_same_call(mine, theirs)
+    # the loss the Runs tab lists, recorded on several devices as on one
+    assert read_settings(two.model_dir)["policy"]["loss"] == read_settings(one.model_dir)["policy"]["loss"]
+    assert read_settings(two.model_dir)["policy"]["loss"]["loss_fn"].startswith("custom: ")
     _assert_same_gradients(two, one)
     _step_both(two, one)
 

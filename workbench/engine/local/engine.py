@@ -626,6 +626,8 @@ class Engine:
         if followers is None:
             return forward_backward.submit(state, model_id, role, data, loss_fn, loss_fn_config, backward)
         call = forward_backward.check_call(state, model_id, role, data, loss_fn, loss_fn_config, backward)
+        if backward:
+            forward_backward.note_loss(state, model_id, role, loss_fn, call.config)
         return state.submit(
             lambda: data_parallel.run_loss(
                 state, followers, model_id, role, call.op, call.batch, loss_fn, loss_fn_config, call.with_loss
@@ -639,6 +641,7 @@ class Engine:
         if followers is None:
             return forward_backward.submit_custom(state, model_id, role, data, loss_fn)
         batch = forward_backward.check_custom(state, model_id, role, data, loss_fn)
+        forward_backward.note_loss(state, model_id, role, loss_fn, {})
         user_data = list(data)
         return state.submit(
             lambda: data_parallel.run_custom(state, followers, model_id, role, batch, loss_fn, user_data)

@@ -140,6 +140,19 @@ def check_call(
     return CheckedCall("forward_backward" if backward else "forward", batch, spec, config, with_loss)
 
 
+def note_loss(
+    state: EngineState, model_id: str, role: Role, loss_fn: str | CustomLossFn, config: Mapping[str, float]
+) -> None:
+    """Record the loss a model trains with in its settings (`settings.json`, the Runs tab), on one
+    device or several; a custom loss is named by its function."""
+    name = (
+        loss_fn
+        if isinstance(loss_fn, str)
+        else f"custom: {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}"
+    )
+    state.lora_model(model_id).settings.note(role.value, "loss", {"loss_fn": name, "loss_fn_config": config})
+
+
 def submit(
     state: EngineState,
     model_id: str,
@@ -152,9 +165,7 @@ def submit(
     """Validate a `forward` (backward=False) or `forward_backward` call, then queue it."""
     call = check_call(state, model_id, role, data, loss_fn, loss_fn_config, backward)
     if backward:
-        state.lora_model(model_id).settings.note(
-            role.value, "loss", {"loss_fn": loss_fn, "loss_fn_config": call.config}
-        )
+        note_loss(state, model_id, role, loss_fn, call.config)
     return state.submit(
         lambda: run_loss(
             state,
@@ -190,8 +201,7 @@ def submit_custom(
     """Validate a `forward_backward_custom` call, then queue it."""
     batch = check_custom(state, model_id, role, data, loss_fn)
     user_data = list(data)
-    name = f"custom: {getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}"
-    state.lora_model(model_id).settings.note(role.value, "loss", {"loss_fn": name, "loss_fn_config": {}})
+    note_loss(state, model_id, role, loss_fn, {})
     return state.submit(
         lambda: run_custom(state, state.lora_model(model_id), role, batch, loss_fn, user_data)
     )
