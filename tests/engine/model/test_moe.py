@@ -13,11 +13,11 @@ import pytest
 import safetensors.torch
 import tinker
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM
 
 import workbench as wb
+from tests.engine.model.gpt2_twin import save_gpt2_twin
 from tests.engine.model.moe_twins import EXPERTS_PER_TOKEN, FAMILIES, NUM_EXPERTS, save_twin
-from workbench.engine.model.base_model import load_tokenizer
 from workbench.notebook.probes import check_logprob_agreement
 
 TRAINED = ("qwen3_moe", "gpt_oss", "deepseek_v3")  # the families hosted Tinker trains most
@@ -102,20 +102,7 @@ def test_every_mlp_weight_gets_an_adapter_and_every_expert_its_own_pair(twins, f
 def test_what_a_config_asks_for_and_the_model_cannot_provide_is_refused(tmp_path) -> None:
     """GPT-2 keeps its projections in `Conv1D` layers, which are no `nn.Linear`: asking for attention
     or MLP adapters is refused with the names, never skipped; the output layer alone still works."""
-    config = GPT2Config(
-        vocab_size=934,
-        n_positions=512,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
-    load_tokenizer("tiny").save_pretrained(tmp_path / "gpt2")
-    folder = str(tmp_path / "gpt2")
+    folder = save_gpt2_twin(tmp_path / "gpt2")
     with pytest.raises(ValueError, match=r"train_attn=True.*c_attn"):
         wb.Session(folder, wb.LoraConfig(rank=2, train_mlp=False))
     with pytest.raises(ValueError, match=r"train_mlp=True.*mlp\.c_fc"):

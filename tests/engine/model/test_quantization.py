@@ -19,11 +19,12 @@ from pathlib import Path
 import peft
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 import workbench as wb
 from tests.checkpoint_child import continue_run, train_step
 from tests.datums import ce_datum, random_tokens, rl_datum
+from tests.engine.model.gpt2_twin import save_gpt2_twin
 from tests.engine.model.moe_twins import FAMILIES, save_twin
 from workbench.engine.local.base_models import BaseModels, MemoryBudgetError, base_model_bytes
 from workbench.engine.model.builtin_models import tiny_base_model_dir
@@ -292,26 +293,6 @@ def test_sampler_weights_load_in_peft_on_the_quantized_base() -> None:
     torch.testing.assert_close(got, expected.to_torch(), rtol=0, atol=1e-4)
 
 
-def _gpt2_twin(folder: Path) -> str:
-    """A GPT-2 twin: its projections are `Conv1D` layers, not `nn.Linear`."""
-    config = GPT2Config(
-        vocab_size=934,
-        n_positions=512,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        GPT2LMHeadModel(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tiny_base_model_dir() / name, folder / name)
-    return str(folder)
-
-
 def _engine_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "workbench-worker"}
 
@@ -335,7 +316,7 @@ def test_bad_quantizations_are_refused_before_loading(
         ({"quantize": "nf4", "device": "mps"}, "not on 'mps'"),
         ({"base": str(already), "quantize": "nf4"}, "already quantized \\('gptq'\\)"),
         ({"base": save_twin("deepseek_v3", tmp_path / "mla"), "quantize": "int8"}, "multi-head latent"),
-        ({"base": _gpt2_twin(tmp_path / "gpt2"), "quantize": "nf4"}, "GPT-2 style Conv1D layers"),
+        ({"base": save_gpt2_twin(tmp_path / "gpt2"), "quantize": "nf4"}, "GPT-2 style Conv1D layers"),
     ]
     before = _engine_threads()
     for kwargs, message in refusals:
