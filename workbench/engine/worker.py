@@ -122,13 +122,7 @@ class Worker:
     def fail_queued(self, error: BaseException) -> None:
         """Fail every operation still queued with `error`, from any thread (an engine whose other rank
         died: nothing queued can run); the operation running now ends as it will."""
-        leftovers: list[Any] = []
-        while True:
-            try:
-                leftovers.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        for job in leftovers:
+        for job in self._take_queued():
             if job is _STOP:
                 self._queue.put(_STOP)
             elif job.future is not None and job.future.set_running_or_notify_cancel():
@@ -175,15 +169,19 @@ class Worker:
                 break
         self._fail_leftovers()
 
-    def _fail_leftovers(self) -> None:
-        """Resolve whatever is still queued after the stop: nothing submitted is left hanging."""
-        leftovers = list(self._pending)
-        self._pending.clear()
+    def _take_queued(self) -> list[Any]:
+        """Every job still in the queue, taken out of it (from any thread)."""
+        jobs: list[Any] = []
         while True:
             try:
-                leftovers.append(self._queue.get_nowait())
+                jobs.append(self._queue.get_nowait())
             except queue.Empty:
-                break
+                return jobs
+
+    def _fail_leftovers(self) -> None:
+        """Resolve whatever is still queued after the stop: nothing submitted is left hanging."""
+        leftovers = [*self._pending, *self._take_queued()]
+        self._pending.clear()
         for job in leftovers:
             if job is not _STOP and job.future is not None and job.future.set_running_or_notify_cancel():
                 job.future.set_exception(
