@@ -128,14 +128,14 @@ def rewind_logs(model_dir: Path, saved: RunCheckpoint) -> list[dict[str, Any]]:
             rows = [json.loads(line) for line in lines if line.strip()]
         for row in rows[saved.history_rows :]:
             row[DISCARDED] = True
-        _replace(history, "".join(json.dumps(row) + "\n" for row in rows))
+        write_text_atomically(history, "".join(json.dumps(row) + "\n" for row in rows))
     rollouts = model_dir / ROLLOUTS_FILE
     if rollouts.exists():
         with rollouts.open(encoding="utf-8") as lines:
             kept = [
                 line for line in lines if line.strip() and json.loads(line)["batch"] < saved.rollout_batches
             ]
-        _replace(rollouts, "".join(kept))
+        write_text_atomically(rollouts, "".join(kept))
     return rows
 
 
@@ -148,12 +148,14 @@ def discard_history(model_dir: Path) -> int:
     with history.open(encoding="utf-8") as lines:
         rows = [json.loads(line) for line in lines if line.strip()]
     if any(not row.get(DISCARDED) for row in rows):
-        _replace(history, "".join(json.dumps({**row, DISCARDED: True}) + "\n" for row in rows))
+        write_text_atomically(history, "".join(json.dumps({**row, DISCARDED: True}) + "\n" for row in rows))
     return len(rows)
 
 
-def _replace(path: Path, text: str) -> None:
-    aside = path.with_name(f".{path.name}.rewind")
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text`: written aside, flushed to disk, then renamed over it, so a reader finds
+    the old file or the new one, never a part."""
+    aside = path.with_name(f".{path.name}.partial")
     with open(aside, "w", encoding="utf-8") as handle:
         handle.write(text)
         handle.flush()

@@ -666,6 +666,10 @@ class Session:
         by: str | None = None,
         mode: Mode = "min",
         wandb: WandbSetting = None,
+        save_every: int | None = None,
+        keep: int = 3,
+        name: str | None = None,
+        resume: str | Path | None = None,
     ) -> Sweep:
         """Train one LoRA model per config on this session's base, side by side: `step_fn(member, i)`
         for each member in turn, a step each, on a sweep thread; returns the `Sweep` at once.
@@ -688,12 +692,36 @@ class Session:
             mode: `"min"` when lower `by` is better, `"max"` when higher is.
             wandb: The members' W&B runs, as for `Session(...)`, in one group (the sweep's name); None:
                 as the session, a run each when the session has one.
+            save_every: Save the whole sweep every this many rounds (a round: each member that may,
+                one step), and where it starts, waits paused or ends, and a member when it stops: each
+                member's run checkpoint in its folder, the sweep's own state in `sweep.folder`
+                (`workbench.notebook.sweep_checkpoints`). A member whose step raises then goes back to
+                its newest save. None: nothing saved. Options must then be JSON values.
+            keep: How many run checkpoints of each member pruning keeps (the newest).
+            name: The sweep's name (its folder beside the session's, the stem of its members' model
+                ids, their W&B group); default `<model id>-sweep-<4 hex digits>`.
+            resume: A saved sweep's name (a folder beside this session's) or folder: rebuild its
+                members where it saved them and continue, calling `step_fn` from each member's saved
+                step on. `configs` must be the saved sweep's (its clones come back by themselves);
+                `halve_at`, `by` and `mode` are the saved ones.
         """
         engine = self._local_engine(
             f"a sweep keeps its members in this process's engine; this session drives {self.engine.endpoint}"
         )
         return start_sweep(
-            self, engine, step_fn, configs, steps, halve_at=halve_at, by=by, mode=mode, wandb=wandb
+            self,
+            engine,
+            step_fn,
+            configs,
+            steps,
+            halve_at=halve_at,
+            by=by,
+            mode=mode,
+            wandb=wandb,
+            save_every=save_every,
+            keep=keep,
+            name=name,
+            resume=resume,
         )
 
     def run_async(

@@ -23,6 +23,16 @@ and optimizer state with changed settings; `promote(member)` makes a member the 
 Early stopping: a `pause_if` per member (as for `Session.run`), and successive halving (`halve_at`: at
 each of those steps the worse half of the members still training, by a metric, is stopped). A stopped
 member's model is deleted from the engine, freeing its adapter, gradients and optimizer state.
+
+With `save_every=k` the whole sweep is saved every k rounds (a round: each member that may, one step),
+where it starts, waits paused or ends, and a member when it stops: each member's run checkpoint in its
+folder, the sweep's own state in `sweep.json` (`workbench.notebook.sweep_checkpoints`); a member whose
+step raises goes back to its newest save. `Session.sweep(..., resume=<name>)` in a new session continues
+it, each member ending as it would have without the interruption, bit for bit.
+
+Members are models of the session's engine, so a served session (`Session.serve`) lists, samples and
+checkpoints them over REST like any model; on a session of several devices each member trains
+data-parallel over all of them, as the session's own model does.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import json
 import math
 import secrets
 import threading
@@ -50,12 +61,31 @@ from workbench.engine.roles import Role
 from workbench.futures import APIFuture
 from workbench.loops.health import rollout_health
 from workbench.loops.rollout_groups import RolloutGroup, attach_trainer_logprobs
-from workbench.metrics import JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
+from workbench.metrics import DISCARDED, JsonlSink, MetricsHistory, WandbSetting, WandbSink, open_wandb_run
 from workbench.notebook.rollout_log import ROLLOUTS_FILE, RolloutLog
 from workbench.notebook.run import PAUSED_POLL_S, RunState, StepFn, check_no_active_run
-from workbench.notebook.run_checkpoints import HISTORY_FILE
+from workbench.notebook.run_checkpoints import (
+    HISTORY_FILE,
+    RUN_KEY,
+    RunCheckpoint,
+    checkpoint_name,
+    rewind_logs,
+    run_checkpoints,
+    to_prune,
+)
+from workbench.notebook.sweep_checkpoints import (
+    SWEEP_FILE,
+    SavedMember,
+    SavedSweep,
+    check_json_options,
+    decode_rng,
+    encode_rng,
+    read_sweep,
+    write_sweep,
+)
 from workbench.notebook.triggers import PauseIf, Trigger, first_trigger, pause_rules
 from workbench.sdk_conversion import to_adam_params, to_lora_config
+from workbench.storage.model_folders import check_model_id
 from workbench.tinker_api.clients import SamplingClient, TrainingClient
 from workbench.types import AdamParams, ForwardBackwardOutput, LoraConfig
 
@@ -93,6 +123,34 @@ class MemberSettings:
     seed: int
     pause_if: PauseIf | None = None
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings as `sweep.json` holds them (`workbench.notebook.sweep_checkpoints`)."""
+        rules = pause_rules(self.pause_if)
+        return json.loads(
+            json.dumps(
+                {
+                    "name": self.name,
+                    "lora": dataclasses.asdict(self.lora),
+                    "adam_params": dataclasses.asdict(self.adam_params),
+                    "seed": self.seed,
+                    "pause_if": {rule.metric: [rule.direction, rule.threshold] for rule in rules},
+                    "options": dict(self.options),
+                }
+            )
+        )
+
+    @classmethod
+    def from_json(cls, fields: Mapping[str, Any]) -> MemberSettings:
+        pause_if = {metric: (rule[0], rule[1]) for metric, rule in fields["pause_if"].items()}
+        return cls(
+            name=fields["name"],
+            lora=to_lora_config(fields["lora"]),
+            adam_params=to_adam_params(fields["adam_params"]),
+            seed=fields["seed"],
+            pause_if=pause_if or None,
+            options=fields["options"],
+        )
 
 
 def member_settings(config: Mapping[str, Any], lora: LoraConfig, seed: int, name: str) -> MemberSettings:
@@ -200,7 +258,8 @@ class Member:
         status = engine.model_status(model_id)
         self.history = MetricsHistory()
         """This member's rows of the engine's history (also in its folder's `history.jsonl`)."""
-        self.history.sinks.append(JsonlSink(status.model_dir / HISTORY_FILE))
+        self.history_file = JsonlSink(status.model_dir / HISTORY_FILE)
+        self.history.sinks.append(self.history_file)
         self.wandb_run = self._open_wandb(wandb, status.model_dir)
         if self.wandb_run is not None:
             self.history.sinks.append(self.wandb_run)
@@ -208,6 +267,12 @@ class Member:
         """Forwards the engine's rows of this member's model (`rows.label`) to `history`."""
         engine.history.sinks.append(self.rows)
         self.rollouts = RolloutLog(status.model_dir / ROLLOUTS_FILE)
+        self.clone_of: str | None = None
+        """The model id of the member this one was cloned from (None for a config's)."""
+        # with save_every: the newest run checkpoint with the sampling stream at it, and the member's
+        # entry in sweep.json (`workbench.notebook.sweep_checkpoints`)
+        self.saved: tuple[RunCheckpoint, torch.Tensor] | None = None
+        self.saved_entry: SavedMember | None = None
 
     def _open_wandb(self, setting: WandbSetting, folder: Path) -> WandbSink | None:
         """The member's W&B run, in the sweep's group; a W&B failure leaves it off with a warning."""
@@ -303,6 +368,21 @@ class Member:
         self.engine.record("rollouts", self.rows.label, step, recorded).result()
         return metrics
 
+    def rewind_to(self, saved: RunCheckpoint, rng_state: torch.Tensor) -> None:
+        """Put the member's step index, `loop_state`, sampling stream and logs (rows since marked
+        discarded) back to its run checkpoint `saved`, which its model was just loaded back to."""
+        rewind_logs(self.model_dir, saved)
+        self.history_file.reopen()
+        for row in self.history.rows[saved.history_rows :]:
+            row[DISCARDED] = True
+        self.rollouts = RolloutLog(self.model_dir / ROLLOUTS_FILE)
+        _ = self.rng_state  # the failed step's stream, handed back by its swap: dropped
+        with self.sweep.changed:
+            self._rng_state = rng_state.clone()
+            self.loop_state.clear()
+            self.loop_state.update(copy.deepcopy(saved.state))
+            self.i = saved.next_step
+
     def latest(self, metric: str) -> float:
         """The member's newest value of `metric` (NaN when it has none)."""
         _, values = self.history.series(metric)
@@ -315,6 +395,7 @@ class Member:
         with self.sweep.changed:
             if self.state is RunState.RUNNING:
                 self.state = RunState.PAUSED
+                self.sweep.claim_save()
                 self.sweep.changed.notify_all()
 
     def resume(self) -> None:
@@ -365,7 +446,8 @@ class Sweep:
 
     `members` in config order (clones after them); `wait()`; sweep-wide `pause()`, `resume()`, `stop()`;
     `clone(member, **changes)`; `promote(member)`; successive halving at `halve_at` steps by `by`.
-    `halvings` lists what each halving stopped.
+    `halvings` lists what each halving stopped. With `save_every`, the whole sweep is saved in `folder`
+    (`workbench.notebook.sweep_checkpoints`); `save_error` says why a save failed.
     """
 
     def __init__(
@@ -380,17 +462,19 @@ class Sweep:
         by: str | None = None,
         mode: Mode = "min",
         wandb: WandbSetting = None,
+        save_every: int | None = None,
+        keep: int = 3,
+        folder: Path | None = None,
     ) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be a function step_fn(member, i) -> metrics, got {step_fn!r}")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {steps!r}")
-        if halve_at and by is None:
-            raise ValueError("halve_at needs by=<metric> to rank the members")
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 < s < steps for s in halve_at):
-            raise ValueError(f"halve_at must be steps between 1 and {steps - 1}, got {list(halve_at)!r}")
+        _check_schedule(steps, halve_at, by, mode)
+        if save_every is not None and (
+            isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1
+        ):
+            raise ValueError(f"save_every must be a positive integer or None, got {save_every!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be a positive integer, got {keep!r}")
         self.session = session
         self.engine = engine
         self.step_fn = step_fn
@@ -404,8 +488,20 @@ class Sweep:
         self.halvings: list[tuple[int, list[str]]] = []
         """`(step, names of the members it stopped)` for each halving done."""
         self.members: list[Member] = []
+        self.save_every, self.keep = save_every, keep
+        self.folder = folder if folder is not None else session.model_dir.parent / name
+        """Where `sweep.json` goes (with `save_every`): beside the members' folders."""
+        self.rounds = 0
+        """Rounds taken: in each, every member that may takes one step."""
+        self.save_error: str | None = None
+        """Why the newest save failed (the sweep paused), None after a save that succeeded."""
+        self._saved_text: str | None = None  # what sweep.json holds now
+        self._restoring = False  # members are being rebuilt from sweep.json: it is not rewritten meanwhile
+        self._saving = False  # the loop saves the sweep where it now waits (`_claim_save`)
+        self._looping = False  # the loop thread runs, or is about to
         self.changed = threading.Condition()
-        self._between_steps = threading.Lock()  # held while a member takes a step
+        # held while a member takes a step, and by saves and clones; re-entered when a step stops a member
+        self._between_steps = threading.RLock()
         self._thread = threading.Thread(target=self._loop, name="workbench-sweep", daemon=True)
 
     # ------------------------------------------------------------------------------------------ members
@@ -414,7 +510,7 @@ class Sweep:
         """A new member: a LoRA model of its settings on the base, its sampling stream seeded as a
         session of its seed seeds its own."""
         model_id = f"{self.name}-{len(self.members)}"
-        folder = self.session.model_dir.parent / model_id
+        folder = self.folder.parent / model_id
         self.engine.create_model(
             settings.lora, seed=settings.seed, model_id=model_id, model_dir=folder
         ).result()
@@ -455,12 +551,14 @@ class Sweep:
                 saved.path,
                 restore=Restore.WITH_OPTIMIZER,
                 model_id=model_id,
-                model_dir=self.session.model_dir.parent / model_id,
+                model_dir=self.folder.parent / model_id,
             ).result()
             clone = Member(self, settings, model_id, member.rng_state.clone(), self.wandb)
             clone.i, clone.loop_state = member.i, copy.deepcopy(member.loop_state)
             clone.state = RunState.RUNNING if member.i < self.steps else RunState.FINISHED
-        self._append(clone)
+            clone.clone_of = member.model_id
+            self._append(clone)
+            self._save([clone])
         self._start_thread()
         return clone
 
@@ -483,7 +581,10 @@ class Sweep:
 
     def free(self, member: Member) -> None:
         """Delete a stopped member's model from the engine (its adapter, gradients, optimizer state) and
-        close its history's files; its folder stays."""
+        close its history's files; its folder stays. With `save_every` it is saved first, stopped."""
+        if self.save_every is not None and not self.engine.closed:
+            with self._between_steps:
+                self._save([member])
         if member.rows in self.engine.history.sinks:
             self.engine.history.sinks.remove(member.rows)
         member.rows.close()
@@ -528,19 +629,31 @@ class Sweep:
             return self.state
 
     def _idle(self) -> bool:
-        return not any(
-            member.busy or member.state is RunState.RUNNING or member.single_steps for member in self.members
-        )
+        return not self._saving and not self._runnable(busy=True)
+
+    def _runnable(self, busy: bool = False) -> bool:
+        """Whether a member trains or may take a step (or, with `busy`, is taking one). With `changed` held."""
+        return any(m.state is RunState.RUNNING or m.single_steps or (busy and m.busy) for m in self.members)
+
+    def claim_save(self) -> None:
+        """Called with `changed` held when the sweep may have become idle: with `save_every`, `wait()`
+        returns only after the loop has saved it where it waits."""
+        if self.save_every is not None and not self._runnable(busy=True):
+            self._saving = True
 
     def start(self) -> Sweep:
+        """Save the sweep where it starts (with `save_every`: what a step failing before the first
+        periodic save goes back to) and start its thread."""
+        self._save()
         self._start_thread()
         return self
 
     def _start_thread(self) -> None:
         with self.changed:
-            if not self._thread.is_alive():
+            if not self._looping:
                 if self._thread.ident is not None:  # it ended (every member had); a clone trains on
                     self._thread = threading.Thread(target=self._loop, name="workbench-sweep", daemon=True)
+                self._looping = True
                 self._thread.start()
 
     def __repr__(self) -> str:
@@ -558,31 +671,51 @@ class Sweep:
         return False
 
     def _loop(self) -> None:
-        """Each member that may, in submission order, takes one step; then again, until none is left."""
+        """Each member that may, in submission order, takes one step; then again, until none is left.
+        With `save_every` the sweep is saved every that many rounds, and where it waits or ends."""
         while True:
             if self.session.closed:
                 self._fail_all(RuntimeError("the session was closed"))
                 return
             with self.changed:
-                if not any(member.active for member in self.members):
-                    return
-                turn = list(self.members)
-                if not any(m.state is RunState.RUNNING or m.single_steps for m in turn):
-                    self.changed.wait(PAUSED_POLL_S)
-                    continue
-            for member in turn:
+                turn, waiting = list(self.members), not self._runnable()
+            if waiting:
+                if self.save_error is None:  # a failed save is retried by the next round's, not here
+                    self._save()
                 with self.changed:
-                    if not self._granted(member):
-                        continue
-                    member.busy = True
+                    self._saving = False
                     self.changed.notify_all()
-                try:
-                    with self._between_steps:
-                        self._take_step(member)
-                except BaseException as error:  # the engine is gone (closed): nothing can train on
-                    self._fail_all(error)
-                    return
-                self._halve()
+                    if not any(member.active for member in self.members):
+                        self._looping = False
+                        return
+                    if not self._runnable():
+                        self.changed.wait(PAUSED_POLL_S)
+                continue
+            if not self._take_turn(turn):
+                return
+
+    def _take_turn(self, turn: Sequence[Member]) -> bool:
+        """A round: one step of each member of `turn` that may take one. False once nothing can train."""
+        stepped = False
+        for member in turn:
+            with self.changed:
+                if not self._granted(member):
+                    continue
+                member.busy = True
+                self.changed.notify_all()
+            try:
+                with self._between_steps:
+                    self._take_step(member)
+            except BaseException as error:  # the engine is gone (closed): nothing can train on
+                self._fail_all(error)
+                return False
+            stepped = True
+            self._halve()
+        if stepped:
+            self.rounds += 1
+            if self.save_every is not None and self.rounds % self.save_every == 0:
+                self._save()
+        return True
 
     def _fail_all(self, error: BaseException) -> None:
         """End every member that is still active, `failed` with `error` (its session can take no steps)."""
@@ -590,6 +723,7 @@ class Sweep:
             for member in self.members:
                 if member.active or member.busy:
                     member.state, member.busy, member.error = RunState.FAILED, False, error
+            self._saving = self._looping = False
             self.changed.notify_all()
 
     def _take_step(self, member: Member) -> None:
@@ -630,15 +764,169 @@ class Sweep:
                 member.state, member.stop_requested = RunState.STOPPED, False
             elif failure is None and member.i >= self.steps:
                 member.state = RunState.FINISHED
+            self.claim_save()
             self.changed.notify_all()
         if failure is not None:
-            warnings.warn(
-                f"{member.settings.name}: step {member.i} raised {failure!r}; it paused",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            self._after_failure(member, failure)
         if stop:
             self.free(member)
+
+    def _after_failure(self, member: Member, failure: BaseException) -> None:
+        """A member's step raised: with `save_every` it goes back to its newest save; it is paused."""
+        rewound = self.save_every is not None and member.saved is not None and not self.engine.closed
+        if rewound:
+            self._rewind(member)
+        warnings.warn(
+            f"{member.settings.name}: step {member.i} raised {failure!r}; it paused"
+            + (" (rewound to its newest save)" if rewound else ""),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    # ------------------------------------------------------------------------------------------ saving
+
+    def _save(self, members: Sequence[Member] | None = None) -> None:
+        """Save `members` (default: every member not stopped) where they are, then `sweep.json`, then
+        prune their older run checkpoints (`workbench.notebook.sweep_checkpoints`). A failed save pauses
+        the sweep and says why in `save_error`; the previous save is untouched."""
+        if self.save_every is None or self.engine.closed:
+            return
+        with self._between_steps:
+            chosen = (
+                [m for m in self.members if m.state is not RunState.STOPPED] if members is None else members
+            )
+            try:
+                for member in chosen:
+                    self._save_member(member)
+                self._write_file()
+                for member in chosen:
+                    for name in to_prune(member.model_dir, self.keep, None):
+                        self.engine.delete_checkpoint(member.model_id, name).result()
+            except Exception as error:
+                self._save_failed(error)
+                return
+            self.save_error = None
+
+    def _save_member(self, member: Member) -> None:
+        """A run checkpoint of `member` at its step (unless it has one there), and its `sweep.json` entry."""
+        if member.saved is None or member.saved[0].next_step != member.i:
+            # a queued row: once it is recorded, every row of the member's steps before is in its history
+            self.engine.record(
+                "run_checkpoint", member.rows.label, member.step, {"run_step": member.i}
+            ).result()
+            wandb = member.wandb_run
+            saved = RunCheckpoint(
+                next_step=member.i,
+                adam_params=dataclasses.asdict(member.adam_params),
+                adam_params_from=member.i,
+                history_rows=len(member.history.rows),
+                rollout_batches=len(member.rollouts),
+                wandb_run_id=wandb.run_id if wandb is not None else None,
+                state=copy.deepcopy(member.loop_state),
+                steps=self.steps,
+                pause_if={rule.metric: (rule.direction, rule.threshold) for rule in member.pause_rules},
+            )
+            member.policy.save_state(
+                checkpoint_name(member.i), overwrite=True, user_metadata={RUN_KEY: saved.to_json()}
+            ).result()
+            member.saved = (saved, member.rng_state.clone())
+        saved, rng = member.saved
+        member.saved_entry = SavedMember(
+            model_id=member.model_id,
+            settings=member.settings.to_json(),
+            state=member.state.value,
+            adam_params=dataclasses.asdict(member.adam_params),
+            rng_state=encode_rng(rng),
+            checkpoint=checkpoint_name(saved.next_step),
+            clone_of=member.clone_of,
+        )
+
+    def _write_file(self) -> None:
+        """Write `sweep.json` from the members' entries, unless it holds them already."""
+        if self._restoring:
+            return
+        saved = SavedSweep(
+            name=self.name,
+            steps=self.steps,
+            rounds=self.rounds,
+            by=self.by,
+            mode=self.mode,
+            halve_at=list(self.halve_at),
+            halvings=[(step, list(names)) for step, names in self.halvings],
+            members=[m.saved_entry for m in self.members if m.saved_entry is not None],
+        )
+        text = saved.to_json()
+        if text != self._saved_text:
+            write_sweep(self.folder, saved)
+            self._saved_text = text
+
+    def _save_failed(self, error: Exception) -> None:
+        with self.changed:
+            self.save_error = (
+                f"the sweep could not be saved after round {self.rounds} ({error!r}); it paused, its "
+                "previous save is intact"
+            )
+            for member in self.members:
+                if member.state is RunState.RUNNING:
+                    member.state = RunState.PAUSED
+                member.single_steps = 0
+            self.changed.notify_all()
+        warnings.warn(self.save_error, RuntimeWarning, stacklevel=3)
+
+    def _rewind(self, member: Member) -> None:
+        """Put a member whose step raised back at its newest run checkpoint: its model (adapter,
+        optimizer state, counters, pending gradients), sampling stream, step index, `loop_state` and logs
+        (rows since marked discarded), so that `resume()` retrains from there as if the step never ran."""
+        assert member.saved is not None
+        saved, rng = member.saved
+        self.engine.load_state(
+            member.model_id, checkpoint_name(saved.next_step), Restore.WITH_OPTIMIZER
+        ).result()
+        member.rewind_to(saved, rng)
+
+    def restore_members(self, entries: Sequence[SavedMember]) -> None:
+        """Rebuild the members `sweep.json` lists (`restore`), in order; if one cannot be, those
+        rebuilt are freed again and the error raised. `sweep.json` is left as it is meanwhile."""
+        self._restoring = True
+        try:
+            for entry in entries:
+                self.restore(entry)
+        except BaseException:
+            for member in self.members:
+                if member.state is not RunState.STOPPED:
+                    self.free(member)
+            raise
+        finally:
+            self._restoring = False
+
+    def restore(self, entry: SavedMember) -> Member:
+        """Rebuild the member `entry` of `sweep.json` describes: its model from its run checkpoint
+        (`Restore.WITH_OPTIMIZER`: the engine's RNGs stay the session's), its folder's logs rewound to
+        it, its step index, `loop_state`, optimizer settings, sampling stream and state as saved. A
+        stopped member's model is freed again at once."""
+        model_dir = self.folder.parent / entry.model_id
+        found = {info.name: (info, saved) for info, saved in run_checkpoints(model_dir)}
+        if entry.checkpoint not in found:
+            raise FileNotFoundError(
+                f"{model_dir} holds no run checkpoint {entry.checkpoint}, which {self.folder} names"
+            )
+        info, saved = found[entry.checkpoint]
+        self.engine.create_model_from_state(
+            info.path, restore=Restore.WITH_OPTIMIZER, model_id=entry.model_id, model_dir=model_dir
+        ).result()
+        rows = rewind_logs(model_dir, saved)
+        rng = decode_rng(entry.rng_state)
+        member = Member(self, MemberSettings.from_json(entry.settings), entry.model_id, rng, self.wandb)
+        member.history.rows[:0] = rows
+        member.i, member.loop_state = saved.next_step, copy.deepcopy(saved.state)
+        member.adam_params = to_adam_params(entry.adam_params)
+        member.clone_of = entry.clone_of
+        member.saved, member.saved_entry = (saved, rng.clone()), entry
+        member.state = _resumed_state(entry.state, saved.next_step, self.steps)
+        self._append(member)
+        if member.state is RunState.STOPPED:
+            self.free(member)
+        return member
 
     def _halve(self) -> None:
         """At each `halve_at` step that every member still training has reached, stop the worse half
@@ -661,9 +949,86 @@ class Sweep:
 
         ranked = sorted(contestants, key=badness)  # stable: ties keep submission order
         losers = ranked[math.ceil(len(ranked) / 2) :]
+        self.halvings.append((at, [member.settings.name for member in losers]))  # before a stop saves
         for member in losers:
             member.stop()
-        self.halvings.append((at, [member.settings.name for member in losers]))
+
+
+def _check_schedule(steps: int, halve_at: Sequence[int], by: str | None, mode: str) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if halve_at and by is None:
+        raise ValueError("halve_at needs by=<metric> to rank the members")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 0 < s < steps for s in halve_at):
+        raise ValueError(f"halve_at must be steps between 1 and {steps - 1}, got {list(halve_at)!r}")
+
+
+def _resumed_state(saved: str, next_step: int, steps: int) -> RunState:
+    """A resumed member's state: paused and stopped as saved; otherwise running until its last step."""
+    if saved in (RunState.PAUSED.value, RunState.STOPPED.value):
+        return RunState(saved)
+    return RunState.RUNNING if next_step < steps else RunState.FINISHED
+
+
+def _check_room(engine: Engine, members: int) -> None:
+    free = engine.config.max_models - len(engine.model_ids())
+    if members > free:
+        raise ValueError(
+            f"{members} members need {members} more models; the engine holds {free} more "
+            f"(Session(max_models=...))"
+        )
+
+
+def _saved_folder(session: Session, resume: str | Path) -> Path:
+    """A saved sweep's folder: a path, or a sweep's name (a folder beside the session's)."""
+    if isinstance(resume, Path) or "/" in resume:
+        return Path(resume).absolute()
+    return session.model_dir.parent / resume
+
+
+def _resume(
+    session: Session,
+    engine: Engine,
+    step_fn: StepFn,
+    settings: Sequence[MemberSettings],
+    steps: int,
+    resume: str | Path,
+    **options: Any,
+) -> Sweep:
+    """The sweep saved in `resume`'s folder, its members rebuilt where they were saved."""
+    folder = _saved_folder(session, resume)
+    saved = read_sweep(folder)
+    originals = [entry.settings for entry in saved.members if entry.clone_of is None]
+    if [member.to_json() for member in settings] != originals:
+        raise ValueError(
+            f"a resumed sweep continues the members it saved: the configs differ from those of the sweep "
+            f"in {folder} ({[entry['name'] for entry in originals]})"
+        )
+    _check_room(engine, sum(entry.state != RunState.STOPPED.value for entry in saved.members))
+    sweep = Sweep(
+        session,
+        engine,
+        step_fn,
+        steps,
+        name=saved.name,
+        halve_at=saved.halve_at,
+        by=saved.by,
+        mode=saved.mode,  # type: ignore[arg-type]  # written from a Mode
+        folder=folder,
+        **options,
+    )
+    sweep.rounds, sweep.halvings = saved.rounds, saved.halvings
+    sweep.restore_members(saved.members)
+    return sweep
+
+
+def _new_name(session: Session, name: str | None) -> str:
+    if name is None:
+        return f"{session.model_id}-sweep-{secrets.token_hex(2)}"
+    check_model_id(f"{name}-0")  # the members' model ids
+    return name
 
 
 def start_sweep(
@@ -677,18 +1042,17 @@ def start_sweep(
     by: str | None = None,
     mode: Mode = "min",
     wandb: WandbSetting = None,
+    save_every: int | None = None,
+    keep: int = 3,
+    name: str | None = None,
+    resume: str | Path | None = None,
 ) -> Sweep:
-    """Create the members of `configs` on `session`'s engine and start the sweep (`Session.sweep`)."""
+    """Create the members of `configs` on `session`'s engine and start the sweep (`Session.sweep`), or,
+    with `resume`, rebuild the sweep saved there and continue it."""
     check_no_active_run(session)
     configs = list(configs)
     if not configs:
         raise ValueError("a sweep needs at least one config")
-    free = engine.config.max_models - len(engine.model_ids())
-    if len(configs) > free:
-        raise ValueError(
-            f"{len(configs)} members need {len(configs)} more models; the engine holds {free} more "
-            f"(Session(max_models=...))"
-        )
     if wandb is None and session.wandb_run is None:
         wandb = False  # as the session: no W&B run for it, none for its members
     lora, seed = session.config.lora, session.config.seed
@@ -696,11 +1060,23 @@ def start_sweep(
         member_settings(config, lora, seed, ",".join(f"{k}={v}" for k, v in config.items()) or f"m{k}")
         for k, config in enumerate(configs)
     ]
-    name = f"{session.model_id}-sweep-{secrets.token_hex(2)}"
-    sweep = Sweep(
-        session, engine, step_fn, steps, name=name, halve_at=halve_at, by=by, mode=mode, wandb=wandb
-    )
-    for member in settings:
-        sweep.add(member)
+    if save_every is not None:
+        for member in settings:
+            check_json_options(member.name, member.options)
+    saving = {"wandb": wandb, "save_every": save_every, "keep": keep}
+    if resume is not None:
+        sweep = _resume(session, engine, step_fn, settings, steps, resume, **saving)
+    else:
+        _check_room(engine, len(configs))
+        sweep_name = _new_name(session, name)
+        sweep = Sweep(
+            session, engine, step_fn, steps, name=sweep_name, halve_at=halve_at, by=by, mode=mode, **saving
+        )
+        if save_every is not None and (sweep.folder / SWEEP_FILE).exists():
+            raise ValueError(
+                f"a sweep is saved in {sweep.folder}: resume={sweep_name!r} continues it, or name another"
+            )
+        for member in settings:
+            sweep.add(member)
     session.sweeps.append(sweep)  # from here on the session refuses a run beside it
     return sweep.start()
