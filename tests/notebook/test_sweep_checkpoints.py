@@ -5,6 +5,8 @@ as saved; a raising step puts its member back at its newest save; bad resumes ar
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,8 +45,8 @@ def _kept_steps(history: wb.MetricsHistory) -> list[int]:
 
 
 class _Recorded:
-    """`step_fn`, recording the `(model id, i)` of each call; the session is closed (as a lost kernel
-    leaves it) when the first member reaches step `close_at`."""
+    """`step_fn`, recording the `(model id, i)` of each call; the engine is closed beneath the session
+    (as a lost kernel leaves it: nothing saved after) when the first member reaches step `close_at`."""
 
     def __init__(self, step_fn: Callable[[wb.Session, int], object], close_at: int | None = None) -> None:
         self.step_fn, self.close_at = step_fn, close_at
@@ -52,7 +54,7 @@ class _Recorded:
 
     def __call__(self, member: wb.Member, i: int) -> object:
         if i == self.close_at:
-            member.sweep.session.close()
+            member.engine.close()
             return None
         self.seen.append((member.model_id, i))
         return self.step_fn(member, i)  # type: ignore[arg-type]  # a member answers as a session
@@ -67,10 +69,10 @@ def test_an_interrupted_sweep_resumed_by_a_new_session_ends_bit_exact(
 
     # saved after rounds 2; round 3 trained and lost; the session closes as round 4 begins
     interrupted = _Recorded(step_fn, close_at=3)
-    sess = _session()
-    sweep = sess.sweep(interrupted, CONFIGS, STEPS, save_every=2, name="lr")
-    assert sweep.wait(WAIT_S) is not wb.RunState.RUNNING
-    assert sess.closed and sweep.members[1].state is wb.RunState.FAILED  # its step found no engine
+    with _session() as sess:
+        sweep = sess.sweep(interrupted, CONFIGS, STEPS, save_every=2, name="lr")
+        assert sweep.wait(WAIT_S) is not wb.RunState.RUNNING
+        assert sess.closed and sweep.members[1].state is wb.RunState.FAILED  # its step found no engine
     first, second = (m.model_id for m in sweep.members)
     assert sweep.folder == models_root / "lr" and (sweep.folder / "sweep.json").is_file()
     assert interrupted.seen == [(model, i) for i in range(3) for model in (first, second)]
@@ -169,3 +171,33 @@ def test_a_raising_step_puts_its_member_back_at_its_newest_save() -> None:
         assert _kept_steps(failed.history) == list(range(1, STEPS + 1))
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert [g[2] for g in got] == [e[2] for e in expected]
+
+
+def test_closing_the_session_saves_the_sweep_after_each_members_step_to_train_on_when_resumed() -> None:
+    held, release = threading.Event(), threading.Event()
+
+    def holds_once(member: wb.Member, i: int) -> object:
+        if i == 1 and not held.is_set():
+            held.set()
+            assert release.wait(WAIT_S), "the test never released the step"
+        return sft_step(member, i)  # type: ignore[arg-type]  # a member answers as a session
+
+    sess = _session()
+    sweep = sess.sweep(holds_once, CONFIGS, STEPS, save_every=100, name="closed")  # no round saves
+    assert held.wait(WAIT_S)
+    closer = threading.Thread(target=sess.close)
+    closer.start()
+    deadline = time.monotonic() + WAIT_S
+    while any(m.state is not wb.RunState.PAUSED for m in sweep.members) and time.monotonic() < deadline:
+        time.sleep(0.01)  # close() pauses the members first, the held one during its step
+    release.set()
+    closer.join(WAIT_S)
+    assert not closer.is_alive() and sess.closed
+    assert [(m.state, m.i) for m in sweep.members] == [(wb.RunState.PAUSED, 2), (wb.RunState.PAUSED, 1)]
+
+    resumed = _Recorded(sft_step)
+    with _session() as again:
+        sweep = again.sweep(resumed, CONFIGS, STEPS, resume="closed")
+        _finished(sweep)
+        first, second = (m.model_id for m in sweep.members)
+        assert sorted(resumed.seen) == sorted([(first, 2), (first, 3), (second, 1), (second, 2), (second, 3)])

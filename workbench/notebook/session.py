@@ -937,13 +937,18 @@ class Session:
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Stop the servers and the run loop (after its current step), finish queued work, then free the
-        model and optimizer memory. Safe to call twice, and again after an interrupted call."""
+        """Stop the servers and the run loop (after its current step), pause the sweeps (after each
+        member's current step; one with `save_every` is saved there, to train on when resumed), finish
+        queued work, then free the model and optimizer memory. Safe to call twice, and again after an
+        interrupted call."""
         for server in self.servers:
             server.stop()
         if self.current_run is not None and self.current_run.active:
             self.current_run.stop()  # the step in progress finishes; none starts after it
             self.current_run.wait()
+        for sweep in self.sweeps:
+            if sweep.active:
+                sweep.close()
         if self.base_models is not None:
             self.base_models.close()  # the other base models (a teacher, a grader); its own is next
         self.engine.close()

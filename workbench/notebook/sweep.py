@@ -499,6 +499,7 @@ class Sweep:
         self._restoring = False  # members are being rebuilt from sweep.json: it is not rewritten meanwhile
         self._saving = False  # the loop saves the sweep where it now waits (`_claim_save`)
         self._looping = False  # the loop thread runs, or is about to
+        self._closing: set[str] = set()  # members paused by close(): saved as running
         self.changed = threading.Condition()
         # held while a member takes a step, and by saves and clones; re-entered when a step stops a member
         self._between_steps = threading.RLock()
@@ -621,6 +622,16 @@ class Sweep:
         is over. Promote or clone a member first to keep it."""
         for member in list(self.members):
             member.stop()
+
+    def close(self) -> None:
+        """Pause every running member after its current step and wait for that (`Session.close`); with
+        `save_every` the sweep is saved there, those members recorded running, so that a resumed sweep
+        trains on at once."""
+        with self.changed:
+            self._closing = {m.model_id for m in self.members if m.state is RunState.RUNNING}
+        self.pause()
+        if threading.current_thread() is not self._thread:  # a step that closes its session goes on
+            self.wait()
 
     def wait(self, timeout: float | None = None) -> RunState:
         """Block until no member trains: each has ended or waits paused (or until `timeout`)."""
@@ -796,10 +807,9 @@ class Sweep:
                 [m for m in self.members if m.state is not RunState.STOPPED] if members is None else members
             )
             try:
-                for member in chosen:
-                    self._save_member(member)
+                saved = [member for member in chosen if self._save_member(member)]
                 self._write_file()
-                for member in chosen:
+                for member in saved:
                     for name in to_prune(member.model_dir, self.keep, None):
                         self.engine.delete_checkpoint(member.model_id, name).result()
             except Exception as error:
@@ -807,9 +817,11 @@ class Sweep:
                 return
             self.save_error = None
 
-    def _save_member(self, member: Member) -> None:
-        """A run checkpoint of `member` at its step (unless it has one there), and its `sweep.json` entry."""
-        if member.saved is None or member.saved[0].next_step != member.i:
+    def _save_member(self, member: Member) -> bool:
+        """A run checkpoint of `member` at its step (unless it has one there: False), and its `sweep.json`
+        entry."""
+        saving = member.saved is None or member.saved[0].next_step != member.i
+        if saving:
             # a queued row: once it is recorded, every row of the member's steps before is in its history
             self.engine.record(
                 "run_checkpoint", member.rows.label, member.step, {"run_step": member.i}
@@ -834,12 +846,13 @@ class Sweep:
         member.saved_entry = SavedMember(
             model_id=member.model_id,
             settings=member.settings.to_json(),
-            state=member.state.value,
+            state=RunState.RUNNING.value if member.model_id in self._closing else member.state.value,
             adam_params=dataclasses.asdict(member.adam_params),
             rng_state=encode_rng(rng),
             checkpoint=checkpoint_name(saved.next_step),
             clone_of=member.clone_of,
         )
+        return saving
 
     def _write_file(self) -> None:
         """Write `sweep.json` from the members' entries, unless it holds them already."""
