@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import workbench as wb
-from tests.notebook.test_run_checkpoints import rl_step, sft_step
+from tests.notebook.test_run_checkpoints import _writes_fail_past, rl_step, sft_step
 from tests.notebook.test_sweep import _trained_bytes
 
 WAIT_S = 60.0
@@ -201,3 +201,23 @@ def test_closing_the_session_saves_the_sweep_after_each_members_step_to_train_on
         _finished(sweep)
         first, second = (m.model_id for m in sweep.members)
         assert sorted(resumed.seen) == sorted([(first, 2), (first, 3), (second, 1), (second, 2), (second, 3)])
+
+
+def test_a_failed_save_pauses_the_sweep_and_keeps_the_previous_save() -> None:
+    with _session() as sess:
+        configs = [{"learning_rate": 1e-2, "pause_if": {"cursor": ("above", 0.5)}}]
+        sweep = sess.sweep(sft_step, configs, STEPS, save_every=1, name="full")
+        assert sweep.wait(WAIT_S) is wb.RunState.PAUSED
+        member = sweep.members[0]
+        assert member.i == 2 and sweep.save_error is None  # cursor 1 crossed its rule
+        before = (sweep.folder / "sweep.json").read_text()
+        member.pause_rules = []
+        # the history and sweep.json fit; the adapter's file does not
+        with _writes_fail_past(32768), pytest.warns(RuntimeWarning, match="could not be saved after round 3"):
+            member.step_once()
+            assert sweep.wait(WAIT_S) is wb.RunState.PAUSED
+        assert member.i == 3 and sweep.save_error is not None and "File too large" in sweep.save_error
+        assert (sweep.folder / "sweep.json").read_text() == before  # still naming run-000002
+        member.resume()  # the disk has room again: the next save succeeds
+        assert sweep.wait(WAIT_S) is wb.RunState.FINISHED and sweep.save_error is None
+        assert sorted(p.name for p in (member.model_dir / "checkpoints").iterdir())[-1] == "run-000004"
