@@ -18,19 +18,23 @@ slower repeats of what is kept, so that the module stays within seconds past its
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import workbench as wb
 from tests import test_soft_targets as soft_targets
-from tests.datums import ragged_ce_batch
+from tests.datums import ce_datum, ragged_ce_batch, random_tokens
 from tests.engine.local import test_checkpoints as checkpoints
 from tests.engine.local import test_training as training
 from tests.engine.samplers import test_sampler_contract as sampler_contract
+from workbench.engine.local.data_parallel import split_by_tokens
 from workbench.engine.local.engine import Engine
+from workbench.engine.model.batching import PreparedDatum
 from workbench.sdk_conversion import to_lora_config
 from workbench.storage.model_folders import models_root, new_model_id
 
@@ -124,9 +128,17 @@ def test_the_sessions_here_are_models_on_two_ranks(tiny: wb.Session, ranks: Engi
 
 def test_a_datums_outputs_do_not_depend_on_the_call_it_is_in(tiny: wb.Session) -> None:
     """Per-datum independence across ranks: each datum's logprobs and loss in a call of ragged datums
-    (split over the two ranks by tokens) equal those of the datum alone (on rank 0) and of the call in
-    reverse order (another split), in datum order."""
-    data = ragged_ce_batch(seed=11, count=5, min_len=3, max_len=30, vocab=900)
+    and a shared-prefix group among them (split over the two ranks by tokens, the group whole on one,
+    in one shared-prefix pass) equal those of the datum alone (on rank 0, a plain pass) and of the call
+    in reverse order (another split), in datum order."""
+    rng = random.Random(12)
+    prompt = random_tokens(rng, 24, 900)
+    group = [ce_datum(prompt + random_tokens(rng, rng.randint(3, 6), 900)) for _ in range(3)]
+    loose = ragged_ce_batch(seed=11, count=4, min_len=3, max_len=30, vocab=900)
+    data = [loose[0], group[0], loose[1], group[1], loose[2], group[2], loose[3]]
+    tokens = [PreparedDatum(torch.tensor(datum.model_input.to_ints()), {}) for datum in data]
+    shards = split_by_tokens(tokens, 2)
+    assert all(shards) and any({1, 3, 5} <= set(shard) for shard in shards), shards
     whole = tiny.policy.forward(data, "cross_entropy").result()
     backwards = tiny.policy.forward(data[::-1], "cross_entropy").result()
     for index, datum in enumerate(data):
