@@ -180,12 +180,9 @@ test_soft_targets_train_as_their_hard_targets_accumulated = (
 )
 test_custom_losses_get_n_by_k_logprobs = soft_targets.test_custom_losses_get_n_by_k_logprobs
 
-# checkpoints and loads
+# a state's RNGs saved and loaded
 test_rng_states_round_trip_and_a_missing_cuda_state_is_loud = (
     checkpoints.test_rng_states_round_trip_and_a_missing_cuda_state_is_loud
-)
-test_a_sampling_client_keeps_its_weights_across_a_load = (
-    checkpoints.test_a_sampling_client_keeps_its_weights_across_a_load
 )
 
 # seeds and pinned samplers
