@@ -104,9 +104,10 @@ def sessions_on_two_ranks(ranks: Engine, monkeypatch: pytest.MonkeyPatch) -> Non
         seed: int = 0,
         model_dir: str | Path | None = None,
         wandb: object = None,
+        **engine_settings: object,
     ) -> ModelOnSharedRanks:
-        if base_model != "tiny" or seed != 0:
-            raise TypeError("the module's two ranks run tiny with seed 0")
+        if base_model != "tiny" or seed != 0 or engine_settings:
+            raise TypeError(f"the module's two ranks run tiny with seed 0 and no {sorted(engine_settings)}")
         return ModelOnSharedRanks(ranks, lora, critic, seed, model_dir)
 
     monkeypatch.setattr(wb, "Session", on_two_ranks)
@@ -121,9 +122,15 @@ def backend() -> str:
 sess = checkpoints.sess
 
 
-def test_the_sessions_here_are_models_on_two_ranks(tiny: wb.Session, ranks: Engine) -> None:
-    assert tiny.engine is ranks and ranks.devices == ["cpu", "cpu"] and len(ranks.rank_pids) == 1
-    assert ranks.config.sampler == "hf"
+def test_the_sessions_here_are_models_on_two_ranks(tiny: wb.Session, sess: wb.Session, ranks: Engine) -> None:
+    """The fixtures the tests below take, and the sessions their bodies make, are the module's models."""
+    assert ranks.devices == ["cpu", "cpu"] and len(ranks.rank_pids) == 1 and ranks.config.sampler == "hf"
+    with wb.Session("tiny", wb.LoraConfig(rank=4), seed=0) as made:
+        assert tiny.engine is sess.engine is made.engine is ranks
+        assert sess.critic is not None and made.model_id in ranks.model_ids()
+    assert made.model_id not in ranks.model_ids()
+    with pytest.raises(TypeError, match="tiny with seed 0"):
+        wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, max_tokens_per_microbatch=64)
 
 
 def test_a_datums_outputs_do_not_depend_on_the_call_it_is_in(tiny: wb.Session) -> None:
