@@ -165,17 +165,33 @@ def test_the_cookbook_supervised_loop_trains_through_a_quantized_server(
     assert len(nll) == 2 and all(math.isfinite(x) and x > 0 for x in nll), nll
 
 
-def test_the_cookbook_supervised_loop_trains_through_a_server_on_two_devices(
+def test_the_cookbook_loops_train_through_a_server_on_two_devices(
     monkeypatch: pytest.MonkeyPatch, sdk_clients: SdkClients, tmp_path: Path
 ) -> None:
-    """`workbench serve --devices 2` (two CPU ranks) says so at startup, the cookbook's loop runs on it
-    unmodified (a checkpoint each step), and the server ends its follower rank when it stops."""
+    """`workbench serve --devices 2` (two CPU ranks) says so at startup; the cookbook's supervised loop
+    (a checkpoint each step) and its synchronous RL loop (a KL penalty against the base model) run on it
+    unmodified, one server for both; the server ends its follower rank when it stops.
+
+    The RL loop's draws are unseeded and its concurrent sample requests reach the server in no fixed
+    order, so its numbers are not compared with a one-device run's (`tests/engine/test_devices.py` and
+    `tests/promises/test_invariants_two_ranks.py` compare the calls it makes); what it measures itself
+    is: the sampler's logprobs (rank 0's, one device's) against the trainer's over both ranks, the
+    cookbook's `kl_sample_train` (v1 their mean difference, v2 half its mean square), ~6e-8 measured."""
     with _workbench_serve(monkeypatch, sdk_clients, tmp_path, "--devices", "2") as (url, lines, pid):
         asyncio.run(sl_train.main(_sl_config(tmp_path / "sl", url, max_steps=2, save_every=1)))
+        reference = rl_train.KLReferenceConfig(base_model=resolve_model_path("tiny"))
+        rl = _arithmetic_rl_config(
+            url, tmp_path / "rl", "rl_test", kl_penalty_coef=0.1, kl_reference_config=reference
+        )
+        asyncio.run(rl_train.main(rl))
     (base_line,) = [line for line in lines if "workbench: base model " in line]
     assert "on cpu+cpu/" in base_line, lines
     nll = [row["train_mean_nll"] for row in _metrics(tmp_path / "sl") if "train_mean_nll" in row]
     assert len(nll) == 2 and all(math.isfinite(x) and x > 0 for x in nll), nll
+    steps = [row for row in _metrics(tmp_path / "rl") if "env/all/reward/total" in row]
+    assert len(steps) == 2 and all(math.isfinite(row["env/all/reward/total"]) for row in steps), steps
+    for row in steps:
+        assert abs(row["optim/kl_sample_train_v1"]) < 1e-5 and row["optim/kl_sample_train_v2"] < 1e-10, row
     followers = [
         process.pid
         for process in psutil.process_iter(["cmdline"])

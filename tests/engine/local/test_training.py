@@ -127,7 +127,8 @@ def test_gradient_accumulation_equals_one_big_batch() -> None:
     gradient's own size, so a parameter whose gradient is small moves by a relatively larger amount: with
     another seed an element differed by 1.6e-6 (1.4e-4 relative) after two steps of lr 1e-2. The weights
     are therefore compared to 1e-5, a thousandth of a step, and the gradients, which the lesson is about,
-    as the micro-batch test compares them."""
+    as the micro-batch test compares them. Tensors are matched in parameter order: on an engine that
+    holds several models (tests/promises/test_invariants_two_ranks.py) each adapter has its own name."""
     data = ragged_ce_batch(seed=1, count=8, min_len=4, max_len=40, vocab=900)
     gradients = []
     weights = []
@@ -141,11 +142,11 @@ def test_gradient_accumulation_equals_one_big_batch() -> None:
                 sess.policy.optim_step(wb.AdamParams(learning_rate=1e-2)).result()
             weights.append(_params(sess))
     for other in gradients[1:]:
-        for name, gradient in gradients[0].items():
-            torch.testing.assert_close(other[name], gradient, atol=1e-5, rtol=1e-4)
+        for (name, gradient), theirs in zip(gradients[0].items(), other.values(), strict=True):
+            torch.testing.assert_close(theirs, gradient, atol=1e-5, rtol=1e-4, msg=name)
     for other in weights[1:]:
-        for name, tensor in weights[0].items():
-            torch.testing.assert_close(other[name], tensor, atol=1e-5, rtol=0)
+        for (name, tensor), theirs in zip(weights[0].items(), other.values(), strict=True):
+            torch.testing.assert_close(theirs, tensor, atol=1e-5, rtol=0, msg=name)
 
 
 def test_microbatch_split_equals_one_pass_and_keeps_input_order() -> None:

@@ -700,15 +700,16 @@ class Engine:
         state = self._state
         return state.submit(lambda: data_parallel.run_shard(state, shard)).result()
 
-    def rank_digests(self, model_id: str) -> list[str]:
-        """`state_digest(model_id)` on every rank, rank 0 first: equal when every rank holds the same
-        model (weights, accumulated gradient, optimizer state, counters)."""
-        own = self.state_digest(model_id)
+    def rank_digests(self, model_id: str, role: Role | None = None) -> list[str]:
+        """`state_digest(model_id, role)` on every rank, rank 0 first: equal when every rank holds the
+        same model (weights, accumulated gradient, optimizer state, counters). Without a role it covers
+        the sampling generator too, which only rank 0's samples move; with one, the role's state alone."""
+        own = self.state_digest(model_id, role)
         followers = self._state.followers
         if followers is None:
             return [own]
         others = self._state.submit(
-            lambda: [followers.ask(rank, ("digest", model_id)) for rank in followers.ranks]
+            lambda: [followers.ask(rank, ("digest", model_id, role)) for rank in followers.ranks]
         ).result()
         return [own, *others]
 

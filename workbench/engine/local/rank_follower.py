@@ -5,7 +5,7 @@ workbench.engine.local.rank_follower <fd> <pid>`: one end of its control pipe as
 and rank 0's process id. It loads its engine from the settings rank 0 sends first, says so, joins the
 process group, and then answers each message in turn: an operation to repeat (`REPEATS`: rank 0 repeats
 every op that changes a model on every rank), its part of a training call (`Engine.run_shard`), a digest
-of a model's state. Its models live in a private temporary folder: rank 0 alone writes the models' files
+of a model's state (or of one role of it). Its models live in a private temporary folder: rank 0 alone writes the models' files
 (checkpoints, history), the followers only read checkpoints rank 0 names by their folder.
 
 It ends when told to, when its pipe reaches end of file, and when rank 0's process is gone.
@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,18 @@ REPEATS: dict[str, Callable[[Engine, tuple[Any, ...], Path], object]] = {
 }
 """What a follower does for each operation rank 0 mirrors (`RankOp.name`), with the op's arguments."""
 
+
+@dataclass(frozen=True)
+class AppliedAdamParams(AdamParams):
+    """An optimizer step's `AdamParams` as rank 0 applies them, taken as they are: rank 0 validated them
+    when the step was submitted, and whatever its step then does with them (undone, when the weights
+    would turn non-finite) every follower's must do alike. Validating them again here could only refuse
+    what rank 0 has already done, and leave the ranks apart."""
+
+    def __post_init__(self) -> None:
+        """Nothing to check again (see the class)."""
+
+
 MESSAGE_TYPES: dict[str, type] = {
     **SHARD_TYPES,
     **{
@@ -57,10 +70,10 @@ MESSAGE_TYPES: dict[str, type] = {
             QuantizationConfig,
             RankOp,
             LoraConfig,
-            AdamParams,
             Restore,
         )
     },
+    AdamParams.__name__: AppliedAdamParams,
 }
 """What rank 0's messages are built of, besides plain data and tensors (`rank_messages`)."""
 
@@ -86,7 +99,7 @@ def _answer(engine: Engine, message: tuple[Any, ...], folder: Path) -> object:
     if kind == "shard":
         return engine.run_shard(message[1])
     if kind == "digest":
-        return engine.state_digest(message[1])
+        return engine.state_digest(message[1], message[2])
     if kind == "base_bytes":
         return engine.resident_base_bytes
     raise ValueError(f"unknown message {kind!r}")
