@@ -4,8 +4,8 @@ One run measures, one session after the other (a process holds one multi-device 
   - the one-process engine (`wb.Session(model)`),
   - two ranks, data parallel (`devices=2`: two CPU ranks without CUDA, each call's datums split by tokens,
     gradients summed with one all_reduce),
-  - two ranks with the base sharded across them (`shard_base=True`, SFT only: sampling is refused on a
-    sharded base; every rank runs the whole call, so this is what the memory saving costs),
+  - two ranks with the base sharded across them (`shard_base=True`, SFT only; every rank runs the
+    whole call, so this is what the memory saving costs),
 and prints each one's SFT tokens/s (forward_backward + optim_step, median of `--steps` after one warm-up
 step) and GRPO step time (8 prompts × 4 samples, ≤ 16 new tokens, then forward_backward(importance_sampling)
 and optim_step), with the ratios against the one-process engine. On a CPU it measures twice, quiet and
