@@ -226,8 +226,8 @@ def test_a_sharded_base_samples_scores_and_exports_as_one_device(
     pair: tuple[wb.Session, wb.Session], sharded: wb.Session, tmp_path: Path
 ) -> None:
     """On a base sharded over two ranks (every rank runs every pass), after a step on a fresh model
-    made alike on both: seeded samples, `compute_logprobs` and the merged export equal the one-device
-    engine's."""
+    made alike on both: seeded samples (with prompt logprobs), `compute_logprobs`, samples of a saved
+    sampler checkpoint and the merged export equal the one-device engine's."""
     _, one = pair
     lora = wb.LoraConfig(rank=4)
     mine = sharded.engine.create_model(lora, seed=7).result()
@@ -264,6 +264,23 @@ def test_a_sharded_base_samples_scores_and_exports_as_one_device(
         torch.testing.assert_close(
             torch.tensor(logprobs[0][1:]), torch.tensor(logprobs[1][1:]), rtol=RELATIVE, atol=RELATIVE
         )
+        saved = [
+            engine.pin_sampler_checkpoint(engine.save_weights_for_sampler(model_id, "sharded").result().path)
+            for engine, model_id in ((sharded.engine, mine), (one.engine, theirs))
+        ]
+        try:  # a sampler checkpoint, loaded on every rank of the sharded base
+            _assert_same_samples(
+                *[
+                    [
+                        engine.sample(pin, wb.SampleRequest(p, 2, q)).result()
+                        for p, q in zip(prompts, _seeded(len(prompts), 600), strict=True)
+                    ]
+                    for engine, pin in zip((sharded.engine, one.engine), saved, strict=True)
+                ]
+            )
+        finally:
+            for engine, pin in zip((sharded.engine, one.engine), saved, strict=True):
+                engine.release_sampler(pin, wait=True)
         exported = [
             engine.export_merged(model_id, tmp_path / name).result()
             for engine, model_id, name in ((sharded.engine, mine, "sharded"), (one.engine, theirs, "one"))

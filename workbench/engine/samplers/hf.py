@@ -351,7 +351,10 @@ class HFSampler:
             for request in requests
             for sequence in range(request.asked.num_samples)
         ]
-        stops = _RowStops(row_requests, chooser, self.tokenizer, self.interrupted, sinks)
+        # collective passes: a rank that stopped mid-call would leave the others waiting at its next
+        # all-gather, so a shutdown's interrupt takes effect between calls only (`generate_as_is`)
+        interrupted = threading.Event() if self.collective_passes else self.interrupted
+        stops = _RowStops(row_requests, chooser, self.tokenizer, interrupted, sinks)
         config = GenerationConfig(
             max_new_tokens=max(request.max_tokens for request in requests),
             do_sample=False,
