@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -40,7 +40,6 @@ from torch import Tensor
 from workbench.engine.interface import SamplerPin
 from workbench.engine.local.ranks import FollowerRanks
 from workbench.engine.local.state import EngineState, LoadedAdapter
-from workbench.engine.samplers.hf import HFSampler
 from workbench.engine.samplers.requests import PreparedRequest, PromptScores, RequestResult, prepare_request
 from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.engine.samplers.sampler import PinnedWeights
@@ -180,7 +179,7 @@ def rank_weights(state: EngineState, held: SamplerPin) -> RankWeights:
     return RankWeights(held.weights_key, held.model_id, tensors, None)
 
 
-def _shard(
+def _message(
     state: EngineState,
     weights: RankWeights,
     requests: Sequence[PreparedRequest],
@@ -209,6 +208,33 @@ def _resharding(state: EngineState) -> Iterator[None]:
             state.sharded.reshard()
 
 
+def _gathered(
+    followers: FollowerRanks, messages: dict[int, SampleShard | LogprobsShard], own: Callable[[], T]
+) -> tuple[T, dict[int, Any]]:
+    """Each follower of `messages` runs its message while rank 0 runs `own`: rank 0's result and each
+    follower's reply. Every reply is taken before anything is raised (rank 0's error first), so the
+    pipes stay in step whatever fails."""
+    for rank, message in messages.items():
+        followers.request(rank, ("logprobs" if isinstance(message, LogprobsShard) else "sample", message))
+    try:
+        result = own()
+    except BaseException:
+        for rank in messages:
+            with contextlib.suppress(RuntimeError):  # rank 0's error is the one reported
+                followers.reply(rank)
+        raise
+    replies: dict[int, Any] = {}
+    error: RuntimeError | None = None
+    for rank in messages:
+        try:
+            replies[rank] = followers.reply(rank)
+        except RuntimeError as failure:
+            error = error or failure
+    if error is not None:
+        raise error
+    return result, replies
+
+
 def generate(
     state: EngineState,
     followers: FollowerRanks,
@@ -219,76 +245,36 @@ def generate(
 ) -> list[RequestResult]:
     """Rank 0's part of a sample call on several ranks (worker thread): see the module."""
     sampler = state.hf_sampler
+
+    def own(share: list[PreparedRequest]) -> Callable[[], list[RequestResult]]:
+        def run() -> list[RequestResult]:
+            with _resharding(state):
+                return sampler.generate(share, weights) if share else []
+
+        return run
+
     with followers.during("sample"):
-        if state.sharded is not None:
-            shard = _shard(state, rank_weights(state, held), requests, live)
-            return _on_every_rank(followers, shard, lambda: _own(state, sampler, requests, weights))
+        if state.sharded is not None:  # every rank runs the whole call; rank 0's result is the call's
+            message = _message(state, rank_weights(state, held), requests, live)
+            return _gathered(followers, dict.fromkeys(followers.ranks, message), own(requests))[0]
         shares = split_requests(requests, len(followers.ranks) + 1)
         sent = [rank for rank in followers.ranks if shares[rank]]
         if not sent:
-            return sampler.generate(requests, weights)
+            return own(requests)()
         rank_held = rank_weights(state, held)
-        for rank in sent:
-            followers.request(
-                rank, ("sample", _shard(state, rank_held, [requests[i] for i in shares[rank]], live))
-            )
-        own: list[RequestResult] = []
-        try:
-            if shares[0]:
-                own = sampler.generate([requests[i] for i in shares[0]], weights)
-        except BaseException:
-            for rank in sent:
-                with contextlib.suppress(RuntimeError):  # rank 0's error is the one reported
-                    followers.reply(rank)
-            raise
-        results: list[RequestResult | None] = [None] * len(requests)
-        for index, result in zip(shares[0], own, strict=True):
+        messages = {
+            rank: _message(state, rank_held, [requests[i] for i in shares[rank]], live) for rank in sent
+        }
+        mine, replies = _gathered(followers, messages, own([requests[i] for i in shares[0]]))
+    results: list[RequestResult | None] = [None] * len(requests)
+    for index, result in zip(shares[0], mine, strict=True):
+        results[index] = result
+    for rank, theirs in replies.items():
+        for index, result in zip(shares[rank], theirs, strict=True):
             results[index] = result
-        error: RuntimeError | None = None
-        for rank in sent:
-            try:
-                theirs = followers.reply(rank)
-            except RuntimeError as failure:
-                error = error or failure
-                continue
-            for index, result in zip(shares[rank], theirs, strict=True):
-                results[index] = result
-                _tell_sink(requests[index], result)
-        if error is not None:
-            raise error
-        assert all(result is not None for result in results)
-        return results  # type: ignore[return-value]
-
-
-def _own(
-    state: EngineState, sampler: HFSampler, requests: list[PreparedRequest], weights: PinnedWeights
-) -> list[RequestResult]:
-    with _resharding(state):
-        return sampler.generate(requests, weights)
-
-
-def _on_every_rank(followers: FollowerRanks, message: SampleShard | LogprobsShard, own: Callable[[], T]) -> T:
-    """Every follower runs `message` while rank 0 runs `own`: rank 0's result is the call's, once every
-    follower has answered (the pipes stay in step whatever fails)."""
-    kind = "sample" if isinstance(message, SampleShard) else "logprobs"
-    for rank in followers.ranks:
-        followers.request(rank, (kind, message))
-    try:
-        result = own()
-    except BaseException:
-        for rank in followers.ranks:
-            with contextlib.suppress(RuntimeError):
-                followers.reply(rank)
-        raise
-    error: RuntimeError | None = None
-    for rank in followers.ranks:
-        try:
-            followers.reply(rank)
-        except RuntimeError as failure:
-            error = error or failure
-    if error is not None:
-        raise error
-    return result
+            _tell_sink(requests[index], result)
+    assert all(result is not None for result in results)
+    return results  # type: ignore[return-value]
 
 
 def _tell_sink(request: PreparedRequest, result: RequestResult) -> None:
@@ -316,7 +302,7 @@ def compute_logprobs(
             return state.hf_sampler.compute_logprobs(prompt, weights)
 
     with followers.during("compute_logprobs"):
-        return _on_every_rank(followers, message, own)
+        return _gathered(followers, dict.fromkeys(followers.ranks, message), own)[0]
 
 
 # ---------------------------------------------------------------------------------------------- followers
