@@ -157,8 +157,9 @@ def test_unseeded_samples_follow_the_engine_seed_on_every_rank(pair: tuple[wb.Se
 
 
 def test_sampled_logprobs_agree_with_the_trainer_on_two_ranks(pair: tuple[wb.Session, wb.Session]) -> None:
-    """At temperature 1 the sampler's logprob of each token is what `forward` computes, as on one
-    device, for the sequences rank 0 drew and those the follower drew; top-k rides along."""
+    """At temperature 1 the sampler's logprob of each token is what `forward` and `compute_logprobs`
+    compute, as on one device, for the sequences rank 0 drew and those the follower drew; top-k rides
+    along."""
     two, _ = pair
     prompts = _prompts(13, 4)
     client = two.sampling_client()
@@ -182,7 +183,11 @@ def test_sampled_logprobs_agree_with_the_trainer_on_two_ranks(pair: tuple[wb.Ses
             full = prompt + sequence.tokens
             out = two.policy.forward([unweighted_datum(full)], "cross_entropy").result()
             scored = out.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
-            worst = max(worst, max(abs(a - b) for a, b in zip(scored, sequence.logprobs, strict=True)))
+            computed = client.compute_logprobs(full).result()[len(prompt) :]
+            for forward_logprobs in (scored, computed):
+                worst = max(
+                    worst, max(abs(a - b) for a, b in zip(forward_logprobs, sequence.logprobs, strict=True))
+                )
     assert worst <= 1e-4
 
 

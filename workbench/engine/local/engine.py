@@ -230,7 +230,9 @@ class Engine:
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
         sampler: a backend of `workbench.engine.samplers.factory.SAMPLERS` (`"hf"`, `"vllm"`) or
             `"auto"` (vLLM when a build for the device is installed and runs the model, else HF, with a
-            notice saying why).
+            notice saying why). On several devices HF, which spreads each sample call over the ranks
+            (`workbench.engine.local.rank_sampling`); a backend named that samples on one device
+            (vLLM) is refused before any rank starts (`factory.sampler_on_ranks`).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
         max_models: How many LoRA models may share the base at once.
         threads: torch CPU threads for every operation; None (default) chooses before each operation
