@@ -11,7 +11,9 @@ session per process), and is compared with fresh models on the one-device twin.
 from __future__ import annotations
 
 import random
+import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -297,3 +299,24 @@ def test_a_sharded_base_samples_scores_and_exports_as_one_device(
     finally:
         sharded.engine.delete_model(mine).result()
         one.engine.delete_model(theirs).result()
+
+
+def test_a_rank_that_cannot_take_the_weights_fails_the_sharded_call_at_once(sharded: wb.Session) -> None:
+    """A sampler checkpoint whose folder is gone before the follower loaded it: on a sharded base the
+    call fails on every rank before any collective pass, naming the follower's error, instead of rank 0
+    waiting at an all-gather until the group's timeout; the session samples on."""
+    path = sharded.policy.save_weights_for_sampler("gone").result().path
+    pin = sharded.engine.pin_sampler_checkpoint(
+        path
+    )  # loaded on rank 0 now; on the follower at its first call
+    pin.result()
+    shutil.rmtree(sharded.engine.checkpoint_folder(path, "sampler"))
+    request = wb.SampleRequest([1, 2, 3], 1, wb.SamplingParams(max_tokens=2, seed=0))
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="rank 1"):
+            sharded.engine.sample(pin, request).result()
+        assert time.monotonic() - start < 60  # the group's timeout is 300 s
+    finally:
+        sharded.engine.release_sampler(pin, wait=True)
+    assert sharded.sampling_client().sample([1, 2, 3], 1, {"max_tokens": 2, "seed": 0}).result().sequences

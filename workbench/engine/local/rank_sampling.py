@@ -21,8 +21,8 @@ On a sharded base (`shard_base=True`) every pass is collective (FSDP all-gathers
 runs), so every rank runs the whole call in the same order, as a training call does
 (`data_parallel`): the same requests, the same prefill passes (the sampler caches no prompts there,
 `HFSampler.collective_passes`) and `generate(synced_gpus=True)`, which keeps every rank stepping until
-every rank's rows have ended; rank 0's result is the call's. `compute_logprobs` runs on every rank the
-same way. Such a call takes one device's time; the base's memory is what it saves.
+every rank's rows have ended, once every rank has said it holds the pinned weights (`_agreed`); rank
+0's result is the call's. `compute_logprobs` runs on every rank the same way. Such a call takes one device's time; the base's memory is what it saves.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from workbench.engine.interface import SamplerPin
+from workbench.engine.local.collectives import RankCallFailedError
 from workbench.engine.local.ranks import FollowerRanks
 from workbench.engine.local.state import EngineState, LoadedAdapter
 from workbench.engine.samplers.requests import PreparedRequest, PromptScores, RequestResult, prepare_request
@@ -212,16 +213,21 @@ def _gathered(
     followers: FollowerRanks, messages: dict[int, SampleShard | LogprobsShard], own: Callable[[], T]
 ) -> tuple[T, dict[int, Any]]:
     """Each follower of `messages` runs its message while rank 0 runs `own`: rank 0's result and each
-    follower's reply. Every reply is taken before anything is raised (rank 0's error first), so the
-    pipes stay in step whatever fails."""
+    follower's reply. Every reply is taken before anything is raised (rank 0's error first, unless it
+    only says a follower failed), so the pipes stay in step whatever fails."""
     for rank, message in messages.items():
         followers.request(rank, ("logprobs" if isinstance(message, LogprobsShard) else "sample", message))
     try:
         result = own()
-    except BaseException:
+    except BaseException as error:
+        theirs: RuntimeError | None = None
         for rank in messages:
-            with contextlib.suppress(RuntimeError):  # rank 0's error is the one reported
+            try:
                 followers.reply(rank)
+            except RuntimeError as failure:
+                theirs = theirs or failure
+        if isinstance(error, RankCallFailedError) and theirs is not None:
+            raise theirs from error  # rank 0 only heard that a follower failed: its own words say why
         raise
     replies: dict[int, Any] = {}
     error: RuntimeError | None = None
@@ -249,6 +255,7 @@ def generate(
     def own(share: list[PreparedRequest]) -> Callable[[], list[RequestResult]]:
         def run() -> list[RequestResult]:
             with _resharding(state):
+                _agreed(state, lambda: None)  # rank 0's weights are pinned: rank 0 is ready
                 return sampler.generate(share, weights) if share else []
 
         return run
@@ -299,6 +306,7 @@ def compute_logprobs(
 
     def own() -> list[float | None]:
         with _resharding(state):
+            _agreed(state, lambda: None)
             return state.hf_sampler.compute_logprobs(prompt, weights)
 
     with followers.during("compute_logprobs"):
@@ -311,18 +319,45 @@ def compute_logprobs(
 def follower_sample(state: EngineState, shard: SampleShard) -> list[RequestResult] | None:
     """A follower's part of a sample call (its worker): its share's results, or None on a sharded base,
     where rank 0's results are the call's."""
-    _keep_live(state, shard.live, shard.live_folders)
-    requests = [request.prepared(state) for request in shard.requests]
-    with _resharding(state), _applied(state, shard.weights):
-        results = state.hf_sampler.generate_as_is(requests, shard.weights.key)
+    with _resharding(state), contextlib.ExitStack() as stack:
+
+        def prepare() -> list[PreparedRequest]:
+            _keep_live(state, shard.live, shard.live_folders)
+            requests = [request.prepared(state) for request in shard.requests]
+            stack.enter_context(_applied(state, shard.weights))
+            return requests
+
+        results = state.hf_sampler.generate_as_is(_agreed(state, prepare), shard.weights.key)
     return None if state.sharded is not None else results
 
 
 def follower_logprobs(state: EngineState, shard: LogprobsShard) -> None:
     """A follower's `compute_logprobs` pass on a sharded base (the result is rank 0's)."""
-    _keep_live(state, shard.live, shard.live_folders)
-    with _resharding(state), _applied(state, shard.weights):
+    with _resharding(state), contextlib.ExitStack() as stack:
+
+        def prepare() -> None:
+            _keep_live(state, shard.live, shard.live_folders)
+            stack.enter_context(_applied(state, shard.weights))
+
+        _agreed(state, prepare)
         state.hf_sampler.prompt_logprobs([tuple(shard.prompt)])
+
+
+def _agreed(state: EngineState, prepare: Callable[[], T]) -> T:
+    """`prepare()`, then, on a sharded base, every rank's word that it is ready (one all_reduce of a
+    failure flag) before the call's first collective pass: a rank that could not put its model in the
+    pinned weights' state (a sampler checkpoint's folder gone) fails the call on every rank at once,
+    where the others would wait at their first all-gather until the group's timeout."""
+    if state.sharded is None or state.collectives is None:
+        return prepare()
+    try:
+        value = prepare()
+    except BaseException:
+        with contextlib.suppress(RankCallFailedError):  # every rank learns of it; this one raises its own
+            state.collectives.agree_on_call(True)
+        raise
+    state.collectives.agree_on_call(False)
+    return value
 
 
 def _keep_live(state: EngineState, live: list[WeightsKey], folders: list[str]) -> None:
