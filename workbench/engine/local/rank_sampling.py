@@ -22,7 +22,8 @@ runs), so every rank runs the whole call in the same order, as a training call d
 (`data_parallel`): the same requests, the same prefill passes (the sampler caches no prompts there,
 `HFSampler.collective_passes`) and `generate(synced_gpus=True)`, which keeps every rank stepping until
 every rank's rows have ended, once every rank has said it holds the pinned weights (`_agreed`); rank
-0's result is the call's. `compute_logprobs` runs on every rank the same way. Such a call takes one device's time; the base's memory is what it saves.
+0's result is the call's. `compute_logprobs` runs on every rank the same way. Such a call takes one
+device's time; the base's memory is what it saves.
 """
 
 from __future__ import annotations
