@@ -4,8 +4,8 @@ One run measures, one session after the other (a process holds one multi-device 
   - the one-process engine (`wb.Session(model)`),
   - two ranks, data parallel (`devices=2`: two CPU ranks without CUDA, each call's datums split by tokens,
     gradients summed with one all_reduce),
-  - two ranks with the base sharded across them (`shard_base=True`, SFT only: sampling is refused on a
-    sharded base; every rank runs the whole call, so this is what the memory saving costs),
+  - two ranks with the base sharded across them (`shard_base=True`; every rank runs the whole call,
+    sample calls too, so this is what the memory saving costs),
 and prints each one's SFT tokens/s (forward_backward + optim_step, median of `--steps` after one warm-up
 step) and GRPO step time (8 prompts × 4 samples, ≤ 16 new tokens, then forward_backward(importance_sampling)
 and optim_step), with the ratios against the one-process engine. On a CPU it measures twice, quiet and
@@ -105,9 +105,9 @@ def measure(model: str, settings: Mapping[str, Any], steps: int, grpo: bool) -> 
 SETUPS: dict[str, tuple[dict[str, Any], bool]] = {
     "one process": ({}, True),
     "2 ranks": ({"devices": 2}, True),
-    "2 ranks, base sharded": ({"devices": 2, "shard_base": True}, False),
+    "2 ranks, base sharded": ({"devices": 2, "shard_base": True}, True),
 }
-"""Each setup's Session arguments, and whether it runs the GRPO step (sampling needs a whole base)."""
+"""Each setup's Session arguments, and whether it runs the GRPO step."""
 
 
 def measure_setups(model: str, steps: int) -> dict[str, Figures]:

@@ -9,5 +9,6 @@ single-threaded streams, and `heap.py`, each micro-batch's freed memory handed b
 `resource_use.py`, what the process uses, recorded with each optimizer step).
 On several devices, `ranks.py` starts and watches the follower ranks (`rank_follower.py` is one's
 process, `rank_messages.py` what crosses its pipe), `collectives.py` joins them in one process group and
-sums a call's gradient, and `data_parallel.py` splits a training call over them and gathers it back.
+sums a call's gradient, `data_parallel.py` splits a training call over them and gathers it back, and
+`rank_sampling.py` does the same for a sample call.
 """

@@ -51,6 +51,7 @@ from workbench.engine.local import (
     merged_export,
     model_lifecycle,
     optim_step,
+    rank_sampling,
     sample,
 )
 from workbench.engine.local.checkpoint_files import SavedState, model_config
@@ -76,7 +77,7 @@ from workbench.engine.model.sharded_base import (
 from workbench.engine.model.value_head import default_critic_lora
 from workbench.engine.roles import Role
 from workbench.engine.samplers import SamplerChoice
-from workbench.engine.samplers.factory import choose_sampler, sampler_for_model
+from workbench.engine.samplers.factory import choose_sampler, sampler_for_model, sampler_on_ranks
 from workbench.engine.samplers.prefix_cache import PromptPrefixCache
 from workbench.engine.samplers.requests import TokenSink
 from workbench.engine.samplers.sample_request import SampleRequest
@@ -177,10 +178,11 @@ def choose_sharding(
 def _shard(state: EngineState) -> None:
     """Shard the frozen base across the group (FSDP2, `sharded_base.shard_base`; on every rank, on its
     worker, collective). Its passes then run one at a time, on the worker (FSDP keeps per-pass state on
-    the model), and every rank runs every pass of a call (`data_parallel`)."""
+    the model), and every rank runs every pass of a call (`data_parallel`, `rank_sampling`)."""
     assert state.collectives is not None
     mesh = init_device_mesh(state.device.type, (state.collectives.world_size,))
     state.sharded = shard_base(state.model.base, mesh)
+    state.hf_sampler.make_passes_collective()
     state.streams = 1
 
 
@@ -213,7 +215,7 @@ def _start_followers(
             )
             for rank in range(1, len(ranks))
         ],
-        data_parallel.REPLY_TYPES,
+        {**data_parallel.REPLY_TYPES, **rank_sampling.REPLY_TYPES},
     )
     return followers, addresses[0], store
 
@@ -228,7 +230,9 @@ class Engine:
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
         sampler: a backend of `workbench.engine.samplers.factory.SAMPLERS` (`"hf"`, `"vllm"`) or
             `"auto"` (vLLM when a build for the device is installed and runs the model, else HF, with a
-            notice saying why).
+            notice saying why). On several devices HF, which spreads each sample call over the ranks
+            (`workbench.engine.local.rank_sampling`); a backend named that samples on one device
+            (vLLM) is refused before any rank starts (`factory.sampler_on_ranks`).
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
         max_models: How many LoRA models may share the base at once.
         threads: torch CPU threads for every operation; None (default) chooses before each operation
@@ -245,7 +249,8 @@ class Engine:
             than one device; every rank then runs every pass of a call (the same passes in the same
             order, as FSDP needs), so a call takes one device's time. False keeps a whole base on every
             rank; None (default) shards when the whole base does not fit one device, with a warning
-            saying so. Sampling and merged exports are refused on a sharded base. On one device (a
+            saying so. Sampling and `compute_logprobs` run on every rank then, the same passes
+            (`workbench.engine.local.rank_sampling`). On one device (a
             follower rank's engine before `join_group`) True only loads a CUDA base on the CPU, where
             sharding takes it to its device.
     """
@@ -286,8 +291,9 @@ class Engine:
             device=str(resolved_device),
             dtype=str(resolved_dtype).removeprefix("torch."),
             max_tokens_per_microbatch=max_tokens_per_microbatch,
-            # several ranks sample with HF generate on rank 0
-            sampler=choose_sampler("hf" if self._devices and sampler == "auto" else sampler, resolved_device),
+            sampler=sampler_on_ranks(sampler, resolved_device, len(ranks))
+            if self._devices
+            else choose_sampler(sampler, resolved_device),
             max_samples_per_request=max_samples_per_request,
             max_models=max_models,
             threads=threads,
@@ -318,10 +324,6 @@ class Engine:
                     lambda: Collectives.join(address, resolved_device, store)
                 ).result()
             chosen = sampler_for_model(config.sampler, sampler == "auto", base_model, model.info)
-            if followers is not None and chosen != "hf":
-                raise ValueError(
-                    f"sampler={chosen!r} does not run on an engine on several devices yet: use sampler='hf'"
-                )
         except BaseException:
             worker.close(wait=False)  # the thread ends once the load does (at once, if it failed)
             if followers is not None:
@@ -688,23 +690,31 @@ class Engine:
         ).result()
         return [own, *others]
 
-    def _refuse_on_sharded(self, what: str) -> None:
-        if self._state.sharded is not None:
-            raise ValueError(
-                f"{what} does not run on a base sharded across ranks yet (shard_base=True): sample "
-                "from a session whose base is whole (save_weights_for_sampler, then load it there)"
-            )
-
     def run_shard(self, shard: data_parallel.Shard) -> Any:
         """A follower rank's part of a training call, on its worker, in turn (`data_parallel.run_shard`)."""
         state = self._state
         return state.submit(lambda: data_parallel.run_shard(state, shard)).result()
 
+<<<<<<< HEAD
     def rank_digests(self, model_id: str, role: Role | None = None) -> list[str]:
         """`state_digest(model_id, role)` on every rank, rank 0 first: equal when every rank holds the
         same model (weights, accumulated gradient, optimizer state, counters). Without a role it covers
         the sampling generator too, which only rank 0's samples move; with one, the role's state alone."""
         own = self.state_digest(model_id, role)
+=======
+    def run_sample_shard(self, shard: rank_sampling.SampleShard | rank_sampling.LogprobsShard) -> Any:
+        """A follower rank's part of a sample call or of `compute_logprobs`, on its worker, in turn
+        (`rank_sampling`)."""
+        state = self._state
+        if isinstance(shard, rank_sampling.LogprobsShard):
+            return state.submit(lambda: rank_sampling.follower_logprobs(state, shard)).result()
+        return state.submit(lambda: rank_sampling.follower_sample(state, shard)).result()
+
+    def rank_digests(self, model_id: str) -> list[str]:
+        """`state_digest(model_id)` on every rank, rank 0 first: equal when every rank holds the same
+        model (weights, accumulated gradient, optimizer state, counters)."""
+        own = self.state_digest(model_id)
+>>>>>>> ranksample
         followers = self._state.followers
         if followers is None:
             return [own]
@@ -748,12 +758,10 @@ class Engine:
     ) -> APIFuture[SampleResponse]:
         """The request is checked against the model in the caller's thread (`requests.prepare_request`),
         and `token_sink` is told each sequence's tokens as the sampler draws them."""
-        self._refuse_on_sharded("sampling")
         return sample.submit_sample(self._state, pin, request, token_sink)
 
     def check_sample(self, request: SampleRequest) -> None:
         """`requests.prepare_request`'s checks against the model and `max_samples_per_request`."""
-        self._refuse_on_sharded("sampling")
         sample.check_sample(self._state, request)
 
     def compute_logprobs(
@@ -763,7 +771,6 @@ class Engine:
         *,
         prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[list[float | None]]:
-        self._refuse_on_sharded("compute_logprobs")
         return sample.submit_compute_logprobs(self._state, pin, prompt, prompt_logprobs_last_n)
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -876,7 +883,6 @@ class Engine:
 
     def export_merged(self, model_id: str, path: str | Path) -> APIFuture[Path]:
         """Write the model's policy merged into the base weights as a new HF model folder."""
-        self._refuse_on_sharded("a merged export")
         return merged_export.export_merged(self._state, model_id, path)
 
     # ------------------------------------------------------------------------------------------ misc

@@ -4,8 +4,8 @@ Started by rank 0 (`workbench.engine.local.ranks.FollowerRanks`) as `python -m
 workbench.engine.local.rank_follower <fd> <pid>`: one end of its control pipe as file descriptor `fd`,
 and rank 0's process id. It loads its engine from the settings rank 0 sends first, says so, joins the
 process group, and then answers each message in turn: an operation to repeat (`REPEATS`: rank 0 repeats
-every op that changes a model on every rank), its part of a training call (`Engine.run_shard`), a digest
-of a model's state (or of one role of it). Its models live in a private temporary folder: rank 0 alone writes the models' files
+every op that changes a model on every rank), its part of a training call (`Engine.run_shard`) or of a
+sample call (`Engine.run_sample_shard`), a digest of a model's state (or of one role of it). Its models live in a private temporary folder: rank 0 alone writes the models' files
 (checkpoints, history), the followers only read checkpoints rank 0 names by their folder.
 
 It ends when told to, when its pipe reaches end of file, and when rank 0's process is gone.
@@ -30,6 +30,7 @@ from workbench.engine.interface import Restore
 from workbench.engine.local.collectives import GroupAddress
 from workbench.engine.local.data_parallel import SHARD_TYPES
 from workbench.engine.local.engine import Engine
+from workbench.engine.local.rank_sampling import MESSAGE_TYPES as SAMPLING_TYPES
 from workbench.engine.local.ranks import PARENT_CHECK_S, FollowerSettings, RankOp, receive, send
 from workbench.types import AdamParams, LoraConfig
 
@@ -62,6 +63,7 @@ class AppliedAdamParams(AdamParams):
 
 MESSAGE_TYPES: dict[str, type] = {
     **SHARD_TYPES,
+    **SAMPLING_TYPES,
     **{
         cls.__name__: cls
         for cls in (
@@ -98,6 +100,8 @@ def _answer(engine: Engine, message: tuple[Any, ...], folder: Path) -> object:
         return None
     if kind == "shard":
         return engine.run_shard(message[1])
+    if kind in ("sample", "logprobs"):
+        return engine.run_sample_shard(message[1])
     if kind == "digest":
         return engine.state_digest(message[1], message[2])
     if kind == "base_bytes":

@@ -25,7 +25,7 @@ pinned weights (`PinnedWeights`: the training model with the right adapter activ
 version, its snapshot swapped in, or those weights written as an adapter). A group whose engine call
 fails is retried one request at a time, so a request that fails on the worker fails alone. Every request
 gets its own response and history row (op "sample": tokens, logprob mean, weight version, staleness,
-and the engine's sync time).
+and the engine's sync time). On several ranks an HF call is spread over them (`rank_sampling`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.engine.interface import SamplerPin
+from workbench.engine.local import rank_sampling
 from workbench.engine.local.heap import release_freed_memory
 from workbench.engine.local.lora_models import LoraModel
 from workbench.engine.local.stability_records import StabilityRecord
@@ -270,7 +271,13 @@ def submit_compute_logprobs(
 
     def work() -> list[float | None]:
         held = current_weights(state, pin_future.result())
-        logprobs = active_sampler(state).compute_logprobs(tokens, pinned(state, held))
+        sampler = active_sampler(state)
+        if state.followers is not None and state.sharded is not None:  # every rank runs every pass
+            logprobs = rank_sampling.compute_logprobs(
+                state, state.followers, held, tokens, pinned(state, held), _sampled_weights(state)
+            )
+        else:
+            logprobs = sampler.compute_logprobs(tokens, pinned(state, held))
         return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
 
     return state.submit(work)
@@ -283,9 +290,13 @@ def active_sampler(state: EngineState) -> Sampler:
     sampler = state.sampler.get(lambda: _sampler_start(state))
     if state.config.sampler != state.sampler.name:
         state.config = dataclasses.replace(state.config, sampler=state.sampler.name)
-    # the base stays: a client may sample it at any time
-    sampler.keep_only({*_live_weights(state), SamplerPin().weights_key})
+    sampler.keep_only(_sampled_weights(state))
     return sampler
+
+
+def _sampled_weights(state: EngineState) -> set[Hashable]:
+    """The weights a client can sample now; the base always (a client may sample it at any time)."""
+    return {*_live_weights(state), SamplerPin().weights_key}
 
 
 def _sampler_start(state: EngineState) -> SamplerStart:
@@ -335,7 +346,13 @@ def _live_weights(state: EngineState) -> set[Hashable]:
 
 
 def _generate(state: EngineState, held: SamplerPin, requests: list[PreparedRequest]) -> list[RequestResult]:
-    return active_sampler(state).generate(requests, pinned(state, held))
+    """One engine call: on several ranks with the HF sampler, spread over them (`rank_sampling`)."""
+    sampler = active_sampler(state)
+    if state.followers is None or state.sampler.name != "hf":
+        return sampler.generate(requests, pinned(state, held))
+    return rank_sampling.generate(
+        state, state.followers, held, requests, pinned(state, held), _sampled_weights(state)
+    )
 
 
 def run_sample_batch(

@@ -70,6 +70,30 @@ def choose_sampler(choice: SamplerChoice, device: torch.device) -> str:
     return FALLBACK
 
 
+def sampler_on_ranks(choice: SamplerChoice, device: torch.device, ranks: int) -> str:
+    """The backend for an engine on `ranks` devices of `device`'s kind (`ranks` > 1), before any rank
+    starts: HF `generate`, which spreads each call's requests over the ranks (or runs them on every rank
+    of a sharded base). A backend named that samples on one device only (vLLM) is refused, saying so;
+    `"auto"` takes HF, with a notice where it would otherwise have taken such a backend."""
+    if choice not in sampler_choices():
+        return choose_sampler(choice, device)  # its error names the choices
+    if choice not in (AUTO, FALLBACK):
+        raise ValueError(
+            f"sampler={choice!r} samples on one device and does not run on an engine on several devices "
+            f"yet ({ranks} ranks): use sampler='hf', which spreads each sample call over the ranks"
+        )
+    preferred = [
+        backend.title
+        for backend in SAMPLERS.values()
+        if backend.preferred_by_auto and backend.unavailable(device) is None
+    ]
+    if choice == AUTO and preferred:
+        notice_fallback(
+            f"{preferred[0]} samples on one device; on {ranks} ranks HF generate spreads each call over them"
+        )
+    return FALLBACK
+
+
 def sampler_for_model(name: str, falls_back: bool, base_model: str, info: BaseModelInfo) -> str:
     """The backend that samples this model (gate 2 of the module): `name`, unless it refuses it."""
     refusal = SAMPLERS[name].refuses(info)

@@ -290,6 +290,18 @@ class HFSampler:
         """Set from any thread (`Engine.interrupt_sampling`): the generation in progress stops at its
         next decoding step, and every later one at once, with `SamplingInterrupted`."""
         self.prefix_cache = PromptPrefixCache()
+        self.collective_passes = False
+        """True on a base sharded across ranks (`make_passes_collective`)."""
+
+    def make_passes_collective(self) -> None:
+        """For a base sharded across the ranks of a process group, where every pass is collective (FSDP
+        all-gathers each layer as it runs) and every rank samples the same call: `generate` keeps every
+        rank stepping until every rank's rows have ended (`synced_gpus`; a rank whose floats round
+        otherwise may end a row sooner), and no prompt is cached, so that every rank runs the same
+        prefill passes (a cache hit on one rank would skip a pass the others run)."""
+        self.collective_passes = True
+        self.prefix_cache.max_bytes = 0
+        self.prefix_cache.keep_only(())
 
     def generate(self, requests: Sequence[PreparedRequest], weights: PinnedWeights) -> list[RequestResult]:
         """Sample every request with the model in the state `weights` names (`weights.key` keys the
@@ -339,7 +351,10 @@ class HFSampler:
             for request in requests
             for sequence in range(request.asked.num_samples)
         ]
-        stops = _RowStops(row_requests, chooser, self.tokenizer, self.interrupted, sinks)
+        # collective passes: a rank that stopped mid-call would leave the others waiting at its next
+        # all-gather, so a shutdown's interrupt takes effect between calls only (`generate_as_is`)
+        interrupted = threading.Event() if self.collective_passes else self.interrupted
+        stops = _RowStops(row_requests, chooser, self.tokenizer, interrupted, sinks)
         config = GenerationConfig(
             max_new_tokens=max(request.max_tokens for request in requests),
             do_sample=False,
@@ -355,6 +370,7 @@ class HFSampler:
             generation_config=config,
             logits_processor=LogitsProcessorList([chooser]),
             stopping_criteria=StoppingCriteriaList([stops]),
+            synced_gpus=self.collective_passes,
         )
         tokens_S_N = torch.stack(chooser.tokens).cpu()
         logprobs_S_N = torch.stack(chooser.logprobs).cpu()
