@@ -695,13 +695,6 @@ class Engine:
         state = self._state
         return state.submit(lambda: data_parallel.run_shard(state, shard)).result()
 
-<<<<<<< HEAD
-    def rank_digests(self, model_id: str, role: Role | None = None) -> list[str]:
-        """`state_digest(model_id, role)` on every rank, rank 0 first: equal when every rank holds the
-        same model (weights, accumulated gradient, optimizer state, counters). Without a role it covers
-        the sampling generator too, which only rank 0's samples move; with one, the role's state alone."""
-        own = self.state_digest(model_id, role)
-=======
     def run_sample_shard(self, shard: rank_sampling.SampleShard | rank_sampling.LogprobsShard) -> Any:
         """A follower rank's part of a sample call or of `compute_logprobs`, on its worker, in turn
         (`rank_sampling`)."""
@@ -710,11 +703,11 @@ class Engine:
             return state.submit(lambda: rank_sampling.follower_logprobs(state, shard)).result()
         return state.submit(lambda: rank_sampling.follower_sample(state, shard)).result()
 
-    def rank_digests(self, model_id: str) -> list[str]:
-        """`state_digest(model_id)` on every rank, rank 0 first: equal when every rank holds the same
-        model (weights, accumulated gradient, optimizer state, counters)."""
-        own = self.state_digest(model_id)
->>>>>>> ranksample
+    def rank_digests(self, model_id: str, role: Role | None = None) -> list[str]:
+        """`state_digest(model_id, role)` on every rank, rank 0 first: equal when every rank holds the
+        same model (weights, accumulated gradient, optimizer state, counters). Without a role it covers
+        the sampling generator too, which only rank 0's samples move; with one, the role's state alone."""
+        own = self.state_digest(model_id, role)
         followers = self._state.followers
         if followers is None:
             return [own]
