@@ -27,7 +27,7 @@ loss on leaf copies of all of them, and each rank then backpropagates the surrog
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ from workbench.engine.local.ranks import FollowerRanks
 from workbench.engine.local.state import EngineState
 from workbench.engine.model import shared_prefix
 from workbench.engine.model.batching import PreparedDatum
+from workbench.engine.model.sharded_base import resharding
 from workbench.engine.roles import Role
 from workbench.losses import resolve_loss
 from workbench.types import ForwardBackwardOutput, TensorData
@@ -79,16 +80,6 @@ def _combined(
 ) -> ShardResult:
     """The call's result from every rank's: merged in datum order, or rank 0's on a sharded base."""
     return results[0] if state.sharded is not None else _merge(shards, results, size)
-
-
-@contextlib.contextmanager
-def resharding(state: EngineState) -> Iterator[None]:
-    """A rank's part of a call, after which a sharded base frees every weight it gathered."""
-    try:
-        yield
-    finally:
-        if state.sharded is not None:
-            state.sharded.reshard()
 
 
 @dataclass(frozen=True)
@@ -175,7 +166,7 @@ def _loss_call(state: EngineState, shard: LossShard) -> LossCall:
 
 
 def _run_loss_call(state: EngineState, call: LossCall, shard: LossShard) -> ShardResult:
-    with resharding(state):
+    with resharding(state.sharded):
         parts = call.partition(shard.batch)
         call.accumulate(parts)
         return call.outcome(parts, len(shard.batch))
@@ -292,7 +283,7 @@ def run_shard(state: EngineState, shard: Shard) -> Any:
     """A follower's part of a call (worker thread): what rank 0 gathers from it."""
     if isinstance(shard, LossShard):
         return _run_loss_call(state, _loss_call(state, shard), shard)
-    with resharding(state):
+    with resharding(state.sharded):
         if isinstance(shard, CustomLogprobsShard):
             return _custom_logprobs(state, shard)
         return _custom_backward(state, shard)

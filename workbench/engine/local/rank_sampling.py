@@ -42,6 +42,7 @@ from workbench.engine.interface import SamplerPin
 from workbench.engine.local.collectives import RankCallFailedError
 from workbench.engine.local.ranks import FollowerRanks
 from workbench.engine.local.state import EngineState, LoadedAdapter
+from workbench.engine.model.sharded_base import resharding
 from workbench.engine.samplers.requests import PreparedRequest, PromptScores, RequestResult, prepare_request
 from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.engine.samplers.sampler import PinnedWeights
@@ -200,16 +201,6 @@ def _folders(state: EngineState) -> list[str]:
     return [str(folder) for folder in state.loaded_adapters]
 
 
-@contextlib.contextmanager
-def _resharding(state: EngineState) -> Iterator[None]:
-    """A rank's part of a call on a sharded base frees every weight it gathered after it."""
-    try:
-        yield
-    finally:
-        if state.sharded is not None:
-            state.sharded.reshard()
-
-
 def _gathered(
     followers: FollowerRanks, messages: dict[int, SampleShard | LogprobsShard], own: Callable[[], T]
 ) -> tuple[T, dict[int, Any]]:
@@ -255,7 +246,7 @@ def generate(
 
     def own(share: list[PreparedRequest]) -> Callable[[], list[RequestResult]]:
         def run() -> list[RequestResult]:
-            with _resharding(state):
+            with resharding(state.sharded):
                 _agreed(state, lambda: None)  # rank 0's weights are pinned: rank 0 is ready
                 return sampler.generate(share, weights) if share else []
 
@@ -306,7 +297,7 @@ def compute_logprobs(
     message = LogprobsShard(rank_weights(state, held), list(prompt), _keys(live), _folders(state))
 
     def own() -> list[float | None]:
-        with _resharding(state):
+        with resharding(state.sharded):
             _agreed(state, lambda: None)
             return state.hf_sampler.compute_logprobs(prompt, weights)
 
@@ -320,7 +311,7 @@ def compute_logprobs(
 def follower_sample(state: EngineState, shard: SampleShard) -> list[RequestResult] | None:
     """A follower's part of a sample call (its worker): its share's results, or None on a sharded base,
     where rank 0's results are the call's."""
-    with _resharding(state), contextlib.ExitStack() as stack:
+    with resharding(state.sharded), contextlib.ExitStack() as stack:
 
         def prepare() -> list[PreparedRequest]:
             _keep_live(state, shard.live, shard.live_folders)
@@ -334,7 +325,7 @@ def follower_sample(state: EngineState, shard: SampleShard) -> list[RequestResul
 
 def follower_logprobs(state: EngineState, shard: LogprobsShard) -> None:
     """A follower's `compute_logprobs` pass on a sharded base (the result is rank 0's)."""
-    with _resharding(state), contextlib.ExitStack() as stack:
+    with resharding(state.sharded), contextlib.ExitStack() as stack:
 
         def prepare() -> None:
             _keep_live(state, shard.live, shard.live_folders)

@@ -49,6 +49,8 @@ call, under FSDP's gathered one); `shard_base` refuses the second by name.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import peft
@@ -85,6 +87,16 @@ class ShardedBase:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+
+@contextlib.contextmanager
+def resharding(sharded: ShardedBase | None) -> Iterator[None]:
+    """A rank's part of a call, after which a sharded base (if any) frees every weight it gathered."""
+    try:
+        yield
+    finally:
+        if sharded is not None:
+            sharded.reshard()
 
 
 def base_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
