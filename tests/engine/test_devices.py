@@ -39,20 +39,6 @@ VOCAB = 200
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[wb.Session, wb.Session]]:
-    """(two ranks, one device), each with the same rank-4 LoRA, seed 0, no W&B run."""
-    one = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
-    try:
-        two = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, devices=2)
-    except BaseException:
-        one.close()
-        raise
-    yield two, one
-    two.close()
-    one.close()
-
-
-@pytest.fixture(scope="module")
 def sharded() -> Iterator[wb.Session]:
     """Two ranks with the base sharded across them (FSDP2), rank-4 LoRA, seed 0."""
     sess = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, devices=2, shard_base=True)

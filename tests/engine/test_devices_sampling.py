@@ -30,20 +30,6 @@ RELATIVE = 1e-5
 VOCAB = 200
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[wb.Session, wb.Session]]:
-    """(two ranks, one device), each with the same rank-4 LoRA, seed 0, no W&B run."""
-    one = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
-    try:
-        two = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, devices=2)
-    except BaseException:
-        one.close()
-        raise
-    yield two, one
-    two.close()
-    one.close()
-
-
 def _prompts(seed: int, count: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [random_tokens(rng, rng.randrange(3, 12), VOCAB) for _ in range(count)]
