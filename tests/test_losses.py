@@ -111,6 +111,21 @@ def test_ppo_critic_clipped_and_unclipped() -> None:
     assert unclipped.elementwise_loss_B_T[0].tolist() == pytest.approx([0.5, 0.0, 0.605], rel=1e-5)
 
 
+def test_ppo_critic_counts_a_value_inside_the_band_as_unclipped() -> None:
+    """V_old + (V − V_old) rounds away from V for these float32 values (enough to make its squared error
+    the larger); a value inside the clip band must tie its unclipped term exactly and never count as
+    clipped."""
+    values = _row(0.1, -0.03, 0.01)
+    old = _row(0.02, -0.08, -0.14)
+    returns = _row(0.1, 0.7, 0.0)
+    # the rounding the loss must not see: the old form's clipped term beats the unclipped one
+    assert ((old + (values - old) - returns) ** 2 > (values - returns) ** 2).all()
+    inputs = {"values": old, "returns": returns, "weights": _row(1.0, 1.0, 1.0)}
+    out = ppo_critic(values, inputs, _mask(3), {"value_clip": 0.2})
+    assert out.diagnostics["value_clip_fraction"][0].tolist() == [0.0, 0.0, 0.0]
+    assert out.elementwise_loss_B_T[0].tolist() == (0.5 * (values - inputs["returns"]) ** 2)[0].tolist()
+
+
 def test_ppo_critic_weights_scale_the_loss() -> None:
     values = _row(1.0, 3.0)
     inputs = {"values": values.clone(), "returns": _row(0.0, 0.0), "weights": _row(2.0, 0.0)}

@@ -346,7 +346,9 @@ def ppo_critic(
     clip = config["value_clip"]
     weights_B_T = inputs["weights"] * mask_B_T
     old_values_B_T, returns_B_T = inputs["values"], inputs["returns"]
-    clipped_values_B_T = old_values_B_T + torch.clamp(values_B_T - old_values_B_T, -clip, clip)
+    # V itself inside the band, not V_old + (V − V_old), which can miss V by a rounding: the clipped
+    # term then ties the unclipped one exactly, and a token counts as clipped only where it was
+    clipped_values_B_T = torch.clamp(values_B_T, old_values_B_T - clip, old_values_B_T + clip)
     unclipped_sq_B_T = (values_B_T - returns_B_T) ** 2
     clipped_sq_B_T = (clipped_values_B_T - returns_B_T) ** 2
     residual_B_T = (returns_B_T - values_B_T).detach()
