@@ -83,7 +83,11 @@ def _assert_same_gradients(two: wb.Session, one: wb.Session, role: wb.Role = wb.
 
 
 def _step_both(two: wb.Session, one: wb.Session, role: wb.Role = wb.Role.POLICY) -> None:
-    """An optimizer step on both: the same gradient norm, and every rank with the same model."""
+    """An optimizer step on both: the same gradient norm, and every rank with the same model. Then the
+    two ranks take the one device's stepped state, bit for bit, so the next comparison starts from
+    equal weights: each test's bound is one call's sums in another order, not that plus the drift of
+    every step before it (Adam's first steps move each weight by about the learning rate whatever the
+    gradient's size, so a 1e-7 difference in a tiny gradient can become a visible one in the weight)."""
     adam = wb.AdamParams(learning_rate=1e-2)
     client_two, client_one = (two.policy, one.policy) if role is wb.Role.POLICY else (two.critic, one.critic)
     assert client_two is not None and client_one is not None
@@ -91,6 +95,11 @@ def _step_both(two: wb.Session, one: wb.Session, role: wb.Role = wb.Role.POLICY)
     assert _close(mine.metrics["grad_norm"], theirs.metrics["grad_norm"])
     digests = two.engine.rank_digests(two.model_id)
     assert len(digests) == 2 and digests[0] == digests[1]
+    if role is wb.Role.POLICY:
+        stepped = one.policy.save_state(f"stepped-{time.monotonic_ns()}").result().path
+        two.policy.load_state_with_optimizer(stepped).result()
+        one.policy.load_state_with_optimizer(stepped).result()  # a load bumps the weights version: both load
+        assert two.engine.rank_digests(two.model_id) == [one.engine.state_digest(one.model_id)] * 2
 
 
 def _rl_batch(seed: int) -> list[wb.Datum]:
