@@ -140,7 +140,6 @@ def test_the_sweep_tab_answers_while_a_cell_waits_on_the_sweep(front_end: str, t
             return _prompt(page, "blocks this cell") == "[*]:"
 
         expect(panel.locator(".lm-TabBar-tab", has_text="Sweep")).to_be_visible()
-        page.wait_for_function("() => document.querySelector('.wb-panel') !== null", timeout=PANEL_RENDER_MS)
         deadline = time.monotonic() + STEP_MS / 1000
         while not waiting_on_the_sweep():
             assert time.monotonic() < deadline, "the sweep's cell never started"

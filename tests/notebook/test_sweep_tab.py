@@ -12,6 +12,7 @@ from pathlib import Path
 import workbench as wb
 from tests.notebook import BYTES_PER_STEP_BUDGET
 from tests.notebook.test_run_checkpoints import sft_step
+from workbench.notebook.panel.panel import panel_settled
 from workbench.notebook.panel.sweep_tab import parse_changes
 
 WAIT_S = 120.0
@@ -120,6 +121,7 @@ def test_pause_and_resume_act_on_a_training_member_and_a_round_stays_in_budget(t
             sweep = sess.sweep(held_step, CONFIGS, 4)
             panel.refresh()
             tab = panel.sweep
+            assert panel_settled(sess) is None  # the saved record waits for the sweep to settle
             paused = sweep.members[1]
             tab.controls[paused.model_id].buttons["pause"].click()
             assert paused.state is wb.RunState.PAUSED  # at once, before its step is done
@@ -128,6 +130,8 @@ def test_pause_and_resume_act_on_a_training_member_and_a_round_stays_in_budget(t
             release.set()
             assert sweep.wait(WAIT_S) is wb.RunState.PAUSED
             assert paused.i < 4 and all(m.i == 4 for m in sweep.members if m is not paused)
+            settled = panel_settled(sess)
+            assert settled is not None  # settled: the record is rewritten, and again when it changes
 
             # bytes a round costs: every widget message the tab sends, counted as the comm sends it
             sent: list[int] = []
@@ -143,6 +147,7 @@ def test_pause_and_resume_act_on_a_training_member_and_a_round_stays_in_budget(t
             print(f"sweep tab: {sum(sent)} bytes over {rounds} rounds, {per_round:.0f} per round")
             assert per_round <= BYTES_PER_STEP_BUDGET, per_round
             assert paused.i == 4 and tab.chart_renders >= 1
+            assert panel_settled(sess) not in (None, settled)
         finally:
             panel.close()
 
