@@ -1057,7 +1057,16 @@ def test_a_tab_added_as_one_row_shows_its_title_and_is_redrawn_hidden_as_its_row
     panel = tiny.panel()
     try:
         panel.stop_polling()  # the test refreshes
-        assert panel.tabs.titles == ("Train", "Sample", "Checkpoints", "Metrics", "Runs", "Rollouts", *added)
+        assert panel.tabs.titles == (
+            "Train",
+            "Sample",
+            "Checkpoints",
+            "Metrics",
+            "Runs",
+            "Rollouts",
+            "Sweep",
+            *added,
+        )
         assert panel.tabs.children[-3:] == tuple(built[title].widget for title in added)
 
         def redraws_in_one_refresh() -> dict[str, int]:

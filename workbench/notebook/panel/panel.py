@@ -1,5 +1,5 @@
 """The notebook panel: one widget over a Session: a status bar and Train / Sample / Checkpoints /
-Metrics / Runs / Rollouts tabs.
+Metrics / Runs / Rollouts / Sweep tabs.
 
 The tabs are one table, `TABS`: a row says a tab's title, how its part is built, and when it is redrawn
 while hidden (`HiddenRedraw`); the tab bar, the parts and each refresh are made from it, so a new tab is
@@ -51,7 +51,9 @@ from workbench.notebook.panel.rollouts_tab import RolloutExplorer, RolloutsTab
 from workbench.notebook.panel.runs_tab import RunsTab
 from workbench.notebook.panel.sample_tab import SampleTab
 from workbench.notebook.panel.status import StatusBar
+from workbench.notebook.panel.sweep_tab import SweepTab
 from workbench.notebook.panel.train_tab import TrainTab
+from workbench.notebook.run import RunState
 from workbench.notebook.widget_subshell import answer_while_busy
 
 if TYPE_CHECKING:
@@ -87,6 +89,26 @@ def run_settled(run: Run | None) -> object:
     if run is not None and run.taking_steps:
         return None
     return (id(run), run and run.state, run and run.i)
+
+
+def sweep_settled(session: Session) -> object:
+    """`run_settled` for the session's newest sweep: None while a member trains, else the sweep and
+    where each member stopped."""
+    sweep = session.sweeps[-1] if session.sweeps else None
+    if sweep is None:
+        return ()
+    if sweep.state is RunState.RUNNING:
+        return None
+    return (id(sweep), tuple((m.model_id, m.state, m.i) for m in sweep.members))
+
+
+def panel_settled(session: Session | None) -> object:
+    """What the saved record is rewritten for: None while the current run or the newest sweep trains,
+    else both where they stopped."""
+    if session is None:
+        return run_settled(None)
+    run, sweep = run_settled(session.current_run), sweep_settled(session)
+    return None if run is None or sweep is None else (run, sweep)
 
 
 class TabPart(Protocol):
@@ -158,6 +180,7 @@ TABS = (
     PanelTab(
         "Rollouts", lambda given: RolloutsTab(given.session, given.sample_prompt), HiddenRedraw.WHEN_OPENED
     ),
+    PanelTab("Sweep", lambda given: SweepTab(given.session, given.metrics), HiddenRedraw.WHEN_OPENED),
 )
 """The panel's tabs, in their order: the tab bar, the parts and the refreshes are made from this table."""
 
@@ -169,8 +192,8 @@ class Panel(ipywidgets.VBox):
 
     Parts (each a thin view with a `refresh()`): `status` (the status bar), `progress` (the run's
     progress line: step, speed, ETA, latest loss and reward, a fired trigger), and one per row of `TABS`
-    in `parts`: `train`, `sample`, `checkpoints`, `metrics`, `runs` (the runs table) and `rollouts` (the
-    rollout explorer) name them; the tabs are in `tabs`; `alert` is a trigger's banner and notification.
+    in `parts`: `train`, `sample`, `checkpoints`, `metrics`, `runs` (the runs table), `rollouts` (the
+    rollout explorer) and `sweep` (the newest sweep's members) name them; the tabs are in `tabs`; `alert` is a trigger's banner and notification.
     `refresh()` redraws everything at once; a timer does it every `REFRESH_S` until the panel is closed or
     the session is.
     """
@@ -254,6 +277,10 @@ class Panel(ipywidgets.VBox):
     def runs(self) -> RunsTab:
         return self._part(RunsTab)
 
+    @property
+    def sweep(self) -> SweepTab:
+        return self._part(SweepTab)
+
     def tab_index(self, title: str) -> int:
         """The position of the tab titled `title` (for `tabs.selected_index`)."""
         return next(i for i, tab in enumerate(self.tab_rows) if tab.title == title)
@@ -262,7 +289,7 @@ class Panel(ipywidgets.VBox):
         """Show the panel and, under it, its saved record (see `workbench.notebook.panel.record`)."""
         display(self._repr_mimebundle_(), raw=True)
         session = self._session()
-        self.record.display(run_settled(None if session is None else session.current_run))
+        self.record.display(panel_settled(session))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         """The widget's view, and a short `text/plain` for where there is no kernel (`PANEL_TEXT`)."""
@@ -273,7 +300,7 @@ class Panel(ipywidgets.VBox):
         body = record_body(
             self.status.widget.value, self.progress.widget.value, self.train.progress_text.value
         )
-        return body, self.metrics.png()
+        return body + self.sweep.record_html(), self.metrics.png()
 
     def _sample_prompt(self, tokens: list[int]) -> None:
         """The Rollouts tab's "Sample this prompt": the Sample tab, on the rollout's exact prompt."""
@@ -317,7 +344,7 @@ class Panel(ipywidgets.VBox):
                 if tab.hidden.redraws(shown=shown, run_taking_steps=running, session_closed=session.closed):
                     part.refresh()
                     redrawn.append(part)
-            self.record.refresh(run_settled(run))
+            self.record.refresh(panel_settled(session))
         # the widgets a refresh added (histogram bars) answer while a cell runs; only the tabs redrawn
         # can have added any, and walking the whole panel's ~200 widgets at every refresh took ~7 ms
         for part in redrawn:
