@@ -41,6 +41,7 @@ from workbench.engine.local.ranks import RankOp
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import ADAPTER_CONFIG
 from workbench.engine.roles import Role
+from workbench.engine.worker import SessionClosedError
 from workbench.futures import APIFuture
 from workbench.storage import checkpoint_store, external_weights
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointKind, check_name, kind_dir
@@ -136,10 +137,20 @@ def save_state(
             except BaseException as error:  # the caller sees every failure
                 saved.set_exception(error)
                 return
-            # the sinks hear of the checkpoint on the worker, between operations, once it is on disk
-            if not state.worker.post(lambda: state.history.event("checkpoint", event)):
-                state.history.event("checkpoint", event)  # the worker has stopped: nothing runs beside
-            saved.set_result(SaveWeightsResponse(path=path, folder=str(target)))
+            response = SaveWeightsResponse(path=path, folder=str(target))
+
+            def announce() -> None:  # the sinks hear of the checkpoint before its caller does
+                if not saved.done():
+                    state.history.event("checkpoint", event)
+                    saved.set_result(response)
+
+            # on the worker, between operations, as every other event; once it has stopped, here
+            try:
+                announced = state.worker.submit(announce).future()
+            except SessionClosedError:
+                announce()
+            else:
+                announced.add_done_callback(lambda job: job.exception() is not None and announce())
 
         state.writes.start(write)  # the state is captured: the next operation need not wait for the disk
 
