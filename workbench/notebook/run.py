@@ -53,7 +53,9 @@ from workbench.sdk_conversion import to_adam_params
 from workbench.types import AdamParams
 
 if TYPE_CHECKING:
+    from workbench.futures import APIFuture
     from workbench.notebook.session import Session
+    from workbench.types import SaveWeightsResponse
 
 StepFn = Callable[["Session", int], Mapping[str, float] | None]
 """`step_fn(sess, i) -> metrics`: one training step; `i` counts the run's steps from 0."""
@@ -168,7 +170,10 @@ class Run:
         """The `tinker://` path of the newest run checkpoint this run saved."""
         self.save_error: str | None = None
         """Why the latest run checkpoint could not be saved (the run paused); None after a save succeeds."""
-        self._saving = False
+        self._saving = False  # a run checkpoint is due or being written: the run is not idle
+        self._writing: tuple[APIFuture[SaveWeightsResponse], RunCheckpoint] | None = None
+        """The run checkpoint being written beside the steps, and what it saves."""
+        self._claimed_at = self.saved_at  # the step of the newest run checkpoint saved or being written
         self._last_save: tuple[RunCheckpoint, str] | None = (
             (resume_from, str(resume_from.path)) if resume_from is not None and resume_from.path else None
         )  # what a failed step rewinds to: the newest run checkpoint and its path
@@ -442,11 +447,14 @@ class Run:
         try:
             self._save()  # the run's start: what a step failing before the first periodic save goes back to
             while self.i < self.steps:
+                if self._writing is not None and self._writing[0].done():
+                    self._finish_write()  # a failed write pauses the run here, before its next step
                 waiting = (
                     self._state is RunState.PAUSED and not self._single_steps and not self._stop_requested
                 )
-                if waiting and self.save_error is None:
-                    self._save()  # a paused run is saved where it waits (once; a failed save is not retried there)
+                if waiting:
+                    # a paused run is saved where it waits (once; a failed save is not retried there)
+                    self._save(start=self.save_error is None, wait=True)
                 self._changed.acquire()
                 granted = self._next_step_granted()
                 if granted is None:
@@ -472,7 +480,7 @@ class Run:
                 self._busy = False
                 self._dirty = True
             final = RunState.FAILED
-        self._save()  # before the state is final: close() waits for it, so the engine is still open
+        self._save(wait=True)  # before the state is final: close() waits for it, so the engine is still open
         with self._changed:
             self._state = final
         self._end()
@@ -499,7 +507,8 @@ class Run:
             self.i += 1
             self._busy = False
             # claimed here, with the step's end: wait() must not see the run idle before its save
-            self._saving = self.save_every is not None and self.i % self.save_every == 0
+            due = self.save_every is not None and self.i % self.save_every == 0
+            self._saving = due or self._writing is not None
             if self._pending_adam is not None:
                 self._adam_params, self._pending_adam = self._pending_adam, None
                 self.adam_params_from = self.i
@@ -508,7 +517,7 @@ class Run:
             alert_wandb(self.session.wandb_run, self.session.model_id, trigger)
         assert self._progress is not None
         self._progress.update(1)
-        if self._saving:
+        if due:
             self._save()
 
     def _pause_after_failure(self, error: Exception, formatted: str) -> None:
@@ -518,6 +527,7 @@ class Run:
             self.error, self.traceback, self.failed_step = error, formatted, self.i
             self._dirty = self._paused_itself = True
         try:
+            self._finish_write()  # the step before this one may still be being saved: what to rewind to
             if self._last_save is not None:
                 self._rewind(*self._last_save)
         finally:
@@ -548,15 +558,26 @@ class Run:
         self._progress.n = self.i
         self._progress.refresh()
 
-    def _save(self) -> None:
-        """Save a run checkpoint at step `i` unless there is one (see `workbench.notebook.run_checkpoints`),
-        then prune the older ones. A failed save pauses the run and says why in `save_error`; the
-        previous checkpoints are untouched. A failed step's state is never saved."""
-        if self.save_every is None or self.saved_at == self.i or self.session.closed or self._dirty:
-            with self._changed:
-                self._saving = False
-                self._changed.notify_all()
-            return
+    def _save(self, *, start: bool = True, wait: bool = False) -> None:
+        """Save a run checkpoint at step `i` unless there is one (see `workbench.notebook.run_checkpoints`):
+        once the write before it has finished, the model's state is captured and written beside the
+        steps that follow (`workbench.engine.local.checkpoint_writes`), and checked at the next save,
+        at the run's next idle point or end (`wait`), or at its first step after the write landed
+        (`_finish_write`). A failed step's state is never saved."""
+        if start and self._wants_save() and self._finish_write():
+            self._start_write()
+        if wait:
+            self._finish_write()
+        with self._changed:
+            self._saving = self._writing is not None
+            self._changed.notify_all()
+
+    def _wants_save(self) -> bool:
+        return not (
+            self.save_every is None or self._claimed_at == self.i or self.session.closed or self._dirty
+        )
+
+    def _start_write(self) -> None:
         with self._changed:
             self._saving = True
         try:
@@ -574,36 +595,51 @@ class Run:
                 + 1,  # + the save's row
                 rollout_batches=len(self.session.rollouts),
                 wandb_run_id=wandb.run_id if wandb is not None else None,
-                state=self.loop_state,
+                state=copy.deepcopy(self.loop_state),  # as it is now: the next steps go on editing it
                 steps=self.steps,
                 pause_if={rule.metric: (rule.direction, rule.threshold) for rule in self.pause_rules},
             )
-            response = self.session.policy.save_state(
+            written = self.session.policy.save_state(
                 checkpoint_name(self.i), overwrite=True, user_metadata={RUN_KEY: saved.to_json()}
-            ).result()
+            )
         except Exception as error:
-            with self._changed:
-                self.save_error = (
-                    f"the run checkpoint at step {self.i} could not be saved ({error!r}); the run paused, "
-                    "its previous checkpoints are intact"
-                )
-                self._paused_itself = True
-                if self._state is RunState.RUNNING:
-                    self._state = RunState.PAUSED
-                self._single_steps = 0
-                self._saving = False
-                self._changed.notify_all()
-            warnings.warn(self.save_error, RuntimeWarning, stacklevel=2)
+            self._save_failed(self.i, error)
             return
-        self.saved_at, self.checkpoint_path, self.save_error = self.i, response.path, None
-        self._last_save = (dataclasses.replace(saved, state=copy.deepcopy(saved.state)), response.path)
+        self._writing, self._claimed_at = (written, saved), self.i
+
+    def _finish_write(self) -> bool:
+        """Wait for the run checkpoint being written, if any; then prune the older ones, or, if the write
+        failed, pause the run and say why in `save_error` (the previous checkpoints are untouched).
+        Returns whether no save failed."""
+        writing, self._writing = self._writing, None
+        if writing is None:
+            return True
+        written, saved = writing
         try:
-            for name in to_prune(self.session.model_dir, self.keep, self.keep_every):
-                self.session.delete_checkpoint(name)
-        finally:
-            with self._changed:
-                self._saving = False
-                self._changed.notify_all()
+            response = written.result()
+        except Exception as error:
+            self._claimed_at = self.saved_at
+            self._save_failed(saved.next_step, error)
+            return False
+        self.saved_at, self.checkpoint_path, self.save_error = saved.next_step, response.path, None
+        self._last_save = (saved, response.path)
+        for name in to_prune(self.session.model_dir, self.keep, self.keep_every):
+            self.session.delete_checkpoint(name)
+        return True
+
+    def _save_failed(self, step: int, error: Exception) -> None:
+        with self._changed:
+            self.save_error = (
+                f"the run checkpoint at step {step} could not be saved ({error!r}); the run paused, "
+                "its previous checkpoints are intact"
+            )
+            self._paused_itself = True
+            if self._state is RunState.RUNNING:
+                self._state = RunState.PAUSED
+            self._single_steps = 0
+            self._saving = self._writing is not None
+            self._changed.notify_all()
+        warnings.warn(self.save_error, RuntimeWarning, stacklevel=3)
 
     def _end(self) -> None:
         assert self._progress is not None

@@ -38,9 +38,9 @@ RUN_KEY = "workbench.run"
 RUN_PREFIX = "run-"
 HISTORY_FILE = "history.jsonl"
 RECOMMENDED_SAVE_EVERY = 100
-"""The cadence to start from: a run checkpoint of `tiny` takes about 20 ms, two to three of its SFT steps
-(7-14 ms; `bench/run_checkpoints.py`), so every 100 steps it costs about 3% of the run even on the
-smallest model, and a larger model's step grows faster than its adapter's save. `save_every` stays off
+"""The cadence to start from: a run checkpoint of `tiny` holds its steps up for about 14 ms (the state's
+capture; the write beside the steps takes the rest of its ~23 ms), one to two of its SFT steps (9-14 ms;
+`bench/run_checkpoints.py`), so every 100 steps it costs under 5% of the run even on the smallest model, and a larger model's step grows faster than its adapter's save. `save_every` stays off
 (None) unless asked for: saves write to disk. Seconds, not steps, are what a crash loses: a run of
 10-second steps may want a smaller k."""
 

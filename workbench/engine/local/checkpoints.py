@@ -14,7 +14,10 @@ Both are written atomically (`workbench.storage.checkpoint_store`) into the run'
 Saves and loads are ordered operations: a save captures the state the operations before it left, never
 the middle of one; a load reads and verifies every file on the worker, after the operations before it
 (a save of the same name included), and changes the run only once everything has been checked against
-it. What can be checked without the files (names, paths) is checked in the caller's thread.
+it. What can be checked without the files (names, paths) is checked in the caller's thread. A state
+save's files are written beside the worker once captured (`workbench.engine.local.checkpoint_writes`):
+training and sampling go on meanwhile, anything that touches checkpoint folders waits for the write,
+and the save's future resolves once the files are on disk.
 
 `ttl_seconds` is honoured: the checkpoint records when it expires; an expired checkpoint is no longer
 listed or loadable, and `cleanup` removes it. `user_metadata` is stored with the checkpoint and
@@ -23,6 +26,7 @@ returned by listings.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -37,6 +41,7 @@ from workbench.engine.local.ranks import RankOp
 from workbench.engine.local.state import EngineState
 from workbench.engine.model.adapted_model import ADAPTER_CONFIG
 from workbench.engine.roles import Role
+from workbench.engine.worker import SessionClosedError
 from workbench.futures import APIFuture
 from workbench.storage import checkpoint_store, external_weights
 from workbench.storage.checkpoint_store import CheckpointError, CheckpointKind, check_name, kind_dir
@@ -108,12 +113,15 @@ def save_state(
     expires_at = _expires_at(ttl_seconds)
     metadata = check_metadata(user_metadata)
 
-    def work() -> SaveWeightsResponse:
+    saved: concurrent.futures.Future[SaveWeightsResponse] = concurrent.futures.Future()
+    saved.set_running_or_notify_cancel()
+
+    def work() -> None:
         lora_model = state.lora_model(model_id)
         files = checkpoint_files.capture(
             state, lora_model, name, expires_at=expires_at, user_metadata=metadata
         )
-        checkpoint_store.write_atomically(target, files, overwrite)
+        # the row now, in order with the operations around it (a run counts the rows its save has seen)
         state.record(
             "save_state",
             lora_model,
@@ -121,12 +129,38 @@ def save_state(
             {"checkpoint_bytes": float(sum(map(len, files.values())))},
         )
         path = address_of(target).tinker_path
-        state.history.event(
-            "checkpoint", {"name": name, "kind": "state", "path": path, "step": lora_model.step}
-        )
-        return SaveWeightsResponse(path=path, folder=str(target))
+        event = {"name": name, "kind": "state", "path": path, "step": lora_model.step}
 
-    return state.submit(work)
+        def write() -> None:
+            try:
+                checkpoint_store.write_atomically(target, files, overwrite)
+            except BaseException as error:  # the caller sees every failure
+                saved.set_exception(error)
+                return
+            response = SaveWeightsResponse(path=path, folder=str(target))
+
+            def announce() -> None:  # the sinks hear of the checkpoint before its caller does
+                if not saved.done():
+                    state.history.event("checkpoint", event)
+                    saved.set_result(response)
+
+            # on the worker, between operations, as every other event; once it has stopped, here
+            try:
+                announced = state.worker.submit(announce).future()
+            except SessionClosedError:
+                announce()
+            else:
+                announced.add_done_callback(lambda job: job.exception() is not None and announce())
+
+        state.writes.start(write)  # the state is captured: the next operation need not wait for the disk
+
+    def captured(job: concurrent.futures.Future[None]) -> None:
+        error = job.exception()
+        if error is not None:  # the capture failed, or the save never ran (the session closed first)
+            saved.set_exception(error)
+
+    state.submit(work).future().add_done_callback(captured)
+    return APIFuture(saved, state.worker.thread)
 
 
 def save_weights_for_sampler(

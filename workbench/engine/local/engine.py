@@ -633,7 +633,8 @@ class Engine:
         return state.submit(
             lambda: data_parallel.run_loss(
                 state, followers, model_id, role, call.op, call.batch, loss_fn, loss_fn_config, call.with_loss
-            )
+            ),
+            beside_writes=True,
         )
 
     def forward_backward_custom(
@@ -646,7 +647,8 @@ class Engine:
         forward_backward.note_loss(state, model_id, role, loss_fn, {})
         user_data = list(data)
         return state.submit(
-            lambda: data_parallel.run_custom(state, followers, model_id, role, batch, loss_fn, user_data)
+            lambda: data_parallel.run_custom(state, followers, model_id, role, batch, loss_fn, user_data),
+            beside_writes=True,
         )
 
     def join_group(self, address: GroupAddress) -> None:
@@ -888,7 +890,7 @@ class Engine:
         def append() -> None:
             history.record(op, label, step, values)
 
-        return self._state.submit(append)
+        return self._state.submit(append, beside_writes=True)
 
     def swap_sampling_generator(self, state: torch.Tensor) -> APIFuture[torch.Tensor]:
         """After the queued operations, set the sampling generator (which draws the seeds of sampling
@@ -942,6 +944,7 @@ class Engine:
         """The memory freed is the base model's, the adapters' and the optimizers'."""
         state = self._state
         state.worker.close()
+        state.writes.wait()  # the checkpoint write in flight lands before the engine goes
         if not self._finalizer.alive:  # freed by an earlier call
             return
         _leave_ranks(state)

@@ -176,7 +176,8 @@ def submit(
             call.spec,
             call.config,
             call.with_loss,
-        )
+        ),
+        beside_writes=True,
     )
 
 
@@ -203,7 +204,8 @@ def submit_custom(
     user_data = list(data)
     note_loss(state, model_id, role, loss_fn, {})
     return state.submit(
-        lambda: run_custom(state, state.lora_model(model_id), role, batch, loss_fn, user_data)
+        lambda: run_custom(state, state.lora_model(model_id), role, batch, loss_fn, user_data),
+        beside_writes=True,
     )
 
 

@@ -36,6 +36,7 @@ def submit(state: EngineState, model_id: str, role: Role, adam_params: Any) -> A
     return state.submit(
         lambda: run(state, model_id, role, params),
         mirror=lambda: RankOp("optim_step", (model_id, role, params)),
+        beside_writes=True,
     )
 
 

@@ -85,7 +85,7 @@ def pin(state: EngineState, model_id: str | None, version: int | None = None) ->
         lora_model.snapshots.pin(pinned)
         return SamplerPin(model_id=model_id, version=pinned)
 
-    return state.submit(work)
+    return state.submit(work, beside_writes=True)
 
 
 def pin_inflight(state: EngineState, model_id: str | None) -> APIFuture[SamplerPin]:
@@ -108,7 +108,7 @@ def pin_inflight(state: EngineState, model_id: str | None) -> APIFuture[SamplerP
             _drop_version(state, lora_model, previous)
         return SamplerPin(model_id=model_id, version=current, inflight=True)
 
-    return state.submit(work)
+    return state.submit(work, beside_writes=True)
 
 
 def current_weights(state: EngineState, held: SamplerPin) -> SamplerPin:
@@ -280,7 +280,7 @@ def submit_compute_logprobs(
             logprobs = sampler.compute_logprobs(tokens, pinned(state, held))
         return keep_last_logprobs(logprobs, prompt_logprobs_last_n)
 
-    return state.submit(work)
+    return state.submit(work, beside_writes=True)
 
 
 def active_sampler(state: EngineState) -> Sampler:

@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from workbench.engine.config import EngineConfig
+from workbench.engine.local.checkpoint_writes import CheckpointWrites
 from workbench.engine.local.collectives import Collectives
 from workbench.engine.local.lora_models import LoraModel, RoleAdapter
 from workbench.engine.local.ranks import FollowerRanks, RankOp
@@ -73,6 +74,7 @@ class EngineState:
         # single-threaded streams for a CPU pass over several datums (`workbench.engine.local.streams`)
         self.streams = streams
         self.history = MetricsHistory()
+        self.writes = CheckpointWrites()  # the checkpoint write in flight beside the worker
         self.resources = ResourceMeter(device)  # the `system/` metrics of each optim_step row
         self.lora_models: dict[str, LoraModel] = {}
         # Draws the seeds of sampling requests that give none, on the worker in submission order, so a
@@ -119,14 +121,31 @@ class EngineState:
         if self.followers is not None:
             self.followers.check()
 
-    def submit(self, work: Callable[[], T], mirror: Callable[[], RankOp] | None = None) -> APIFuture[T]:
+    def submit(
+        self,
+        work: Callable[[], T],
+        mirror: Callable[[], RankOp] | None = None,
+        *,
+        beside_writes: bool = False,
+    ) -> APIFuture[T]:
         """Queue work for the worker thread (raises SessionClosedError once closed). On several devices,
         an operation that changes a model names the op every follower repeats (`mirror`, made on the
-        worker, so it may name what earlier operations made: a saved checkpoint's folder)."""
+        worker, so it may name what earlier operations made: a saved checkpoint's folder). Work waits
+        for the checkpoint write in flight unless it touches memory alone (`beside_writes`; see
+        `workbench.engine.local.checkpoint_writes`)."""
+        if not beside_writes:
+            work = self._after_writes(work)
         followers = self.followers
         if followers is None or mirror is None:
             return self.worker.submit(work)
         return self.worker.submit(lambda: followers.mirrored(mirror(), work))
+
+    def _after_writes(self, work: Callable[[], T]) -> Callable[[], T]:
+        def after() -> T:
+            self.writes.wait()
+            return work()
+
+        return after
 
     def submit_batchable(
         self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], Sequence[Any]]
