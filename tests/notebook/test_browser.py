@@ -332,12 +332,7 @@ def _train_from_the_panel(page: Page, lab: Lab, workspace: str, screenshot: Path
     page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
-    panel = page.locator(".wb-panel")
-    try:
-        expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
-    except AssertionError:
-        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
-        raise AssertionError(f"the panel never rendered; cell outputs: {outputs}") from None
+    panel = _rendered_panel(page)
     expect(page.get_by_text("Loading widget")).to_have_count(0)
 
     step = panel.locator('[data-field="step"]')
@@ -387,12 +382,7 @@ def test_the_rl_cockpit_in_jupyterlab(lab: Lab, tmp_path: Path) -> None:
 
 def _drive_the_cockpit(page: Page, lab: Lab, workspace: str, artifacts: Path) -> None:
     _open(page, lab, workspace, "cockpit.ipynb")
-    panel = page.locator(".wb-panel")
-    try:
-        expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
-    except AssertionError:
-        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
-        raise AssertionError(f"the panel never rendered; cell outputs: {outputs}") from None
+    panel = _rendered_panel(page)
     expect(page.get_by_text("Loading widget")).to_have_count(0)
 
     # the status bar is one line at 1400 px
@@ -471,6 +461,17 @@ def _open_in(page: Page, server: Lab, front_end: str, notebook: str) -> None:
         page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
     # not awaited: the command's promise settles only when the last cell has run
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def _rendered_panel(page: Page) -> Locator:
+    """The notebook's panel once it is visible; if it never renders, the cells' outputs say why."""
+    panel = page.locator(".wb-panel")
+    try:
+        expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
+    except AssertionError:
+        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+        raise AssertionError(f"the panel never rendered; cell outputs: {outputs}") from None
+    return panel
 
 
 def _prompt(page: Page, code: str) -> str:

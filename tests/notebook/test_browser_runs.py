@@ -19,10 +19,10 @@ from playwright.sync_api import expect
 
 from tests.notebook.test_browser import (
     ARTIFACTS,
-    PANEL_RENDER_MS,
     STEP_MS,
     _browser_page,
     _open_in,
+    _rendered_panel,
     _serve,
     _tab,
     _write_notebook,
@@ -71,12 +71,7 @@ def test_the_runs_tab_and_a_triggers_alert(front_end: str, tmp_path: Path) -> No
     ):
         _write_notebook(tmp_path / "notebooks" / "runs.ipynb", RUNS_CELLS)
         _open_in(page, server, front_end, "runs.ipynb")
-        panel = page.locator(".wb-panel")
-        try:
-            expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
-        except AssertionError:
-            outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
-            raise AssertionError(f"the panel never rendered; cell outputs: {outputs}") from None
+        panel = _rendered_panel(page)
 
         # the trigger pauses the run after its step 1: a banner in the panel, JupyterLab's notification
         alert = panel.locator(".wb-alert")

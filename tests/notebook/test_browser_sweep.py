@@ -23,13 +23,13 @@ from playwright.sync_api import Locator, Page, expect
 from tests.notebook import BYTES_PER_STEP_BUDGET
 from tests.notebook.test_browser import (
     ACK_MS,
-    PANEL_RENDER_MS,
     STEP_MS,
     KernelTraffic,
     _acknowledged,
     _browser_page,
     _open_in,
     _prompt,
+    _rendered_panel,
     _serve,
     _tab,
     _write_notebook,
@@ -129,12 +129,7 @@ def test_the_sweep_tab_answers_while_a_cell_waits_on_the_sweep(front_end: str, t
         traffic = KernelTraffic(page)
         _write_notebook(tmp_path / "notebooks" / "sweep.ipynb", SWEEP_CELLS)
         _open_in(page, server, front_end, "sweep.ipynb")
-        panel = page.locator(".wb-panel")
-        try:
-            expect(panel).to_be_visible(timeout=PANEL_RENDER_MS)
-        except AssertionError:
-            outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
-            raise AssertionError(f"the panel never rendered; cell outputs: {outputs}") from None
+        panel = _rendered_panel(page)
 
         def waiting_on_the_sweep() -> bool:
             return _prompt(page, "blocks this cell") == "[*]:"
