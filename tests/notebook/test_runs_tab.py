@@ -141,6 +141,49 @@ def test_the_runs_tab_sorts_filters_and_overlays_runs_in_one_click(
         sess.close()
 
 
+def test_a_run_that_stopped_before_its_end_is_offered_for_resuming(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another kernel's folder whose run stopped at step 2 of 6 (its last run checkpoint has steps left)
+    is marked in the step cell, and the line under the table gives the call that resumes it; a run
+    that finished is not marked."""
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    finished = _trained(1, 1e-3, "done", [])
+
+    def stopping(sess: wb.Session, i: int) -> dict[str, float]:
+        metrics = _step(sess, i)
+        if i == 1:
+            sess.current_run.stop()
+        return metrics
+
+    stopped = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
+    try:
+        assert stopped.run(stopping, 6, save_every=2).wait(WAIT_S) is wb.RunState.STOPPED
+        folder = stopped.model_dir
+    finally:
+        stopped.close()
+    sess = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False)
+    panel = sess.panel(metrics=("loss:sum",))
+    try:
+        panel.stop_polling()
+        panel.tabs.selected_index = panel.tab_index("Runs")
+        panel.refresh()
+        runs = panel.runs
+        cells = {
+            entry.model_id: row.children[1].value
+            for entry, row in zip(runs.visible_entries(), runs.rows.children, strict=True)
+        }
+        call = f"wb.Session.from_checkpoint({str(folder)!r}) resumes it"
+        assert "2 ⏸" in cells[folder.name] and html.escape(call) in cells[folder.name]
+        assert "⏸" not in cells[finished] and "⏸" not in cells[sess.model_id]
+        line = html.unescape(runs.stopped.value)
+        assert f"{folder.name}: run stopped at step 2 of 6: {call}" in re.sub("<[^>]+>", "", line)
+        assert finished not in line
+    finally:
+        panel.close()
+        sess.close()
+
+
 def runs_columns():
     from workbench.notebook.panel.runs_tab import COLUMNS
 

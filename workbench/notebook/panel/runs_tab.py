@@ -9,6 +9,10 @@ whose id, base model, loss, tags or notes hold every word typed. The rows ticked
 Metrics tab's plots with one click on "Overlay in Metrics" (the Metrics tab opens on them); ticking
 none and clicking removes the overlays.
 
+A folder whose run stopped before its end (its newest run checkpoint has steps left: a crashed kernel,
+a stopped run) is offered for resuming: its step cell says so and a line under the table gives the call
+that continues it (`workbench.notebook.run_checkpoints.stopped_run_note`).
+
 The folders are read when the tab is opened, when "Refresh" is clicked and when a run of this session
 ends, never at every refresh of the panel: a listing reads every folder's new history lines. Below the
 table, every metric this session's history holds, with its last, least and greatest value and count
@@ -32,6 +36,7 @@ import ipywidgets
 
 from workbench.metrics import MetricSummary, summarize
 from workbench.notebook.panel.feedback import Feedback
+from workbench.notebook.run_checkpoints import stopped_run_note
 from workbench.storage.run_listing import HISTORY_FILE, RunEntry, RunListing
 
 if TYPE_CHECKING:
@@ -41,6 +46,8 @@ MAX_ROWS = 60
 """The most rows the table shows (after the filter and the sort); the rest are counted."""
 OWN_MARK = "● "
 """What marks this session's own row (its run id in bold after it)."""
+STOPPED_MARK = " ⏸"
+"""What follows the step of a run that stopped before its end (its step cell's tooltip says how to resume)."""
 SUMMARY_S = 5.0
 """How often, at most, the summary of a running session's metrics is redrawn while the tab is shown."""
 
@@ -202,6 +209,10 @@ class RunsTab:
             button.on_click(self.feedback.guard(lambda _b, column=column: self.sort_by(column.title)))
             self.headers.append(button)
         self.count = ipywidgets.HTML()
+        self.stopped = ipywidgets.HTML()
+        self.stopped.add_class("wb-runs-stopped")
+        self._stopped_notes: dict[str, str] = {}
+        """Each listed run that stopped before its end: where, and the call that resumes it."""
         self.rows = ipywidgets.VBox(
             layout=ipywidgets.Layout(max_height="24em", overflow="auto", width="100%")
         )
@@ -227,6 +238,7 @@ class RunsTab:
                 ),
                 self.rows,
                 self.count,
+                self.stopped,
                 self.feedback.widget,
                 ipywidgets.HTML("<b>This session's metrics</b>"),
                 self.summary,
@@ -239,6 +251,14 @@ class RunsTab:
     def rescan(self) -> None:
         """Read the model folders again and redraw the table."""
         self.entries = self.listing.scan()
+        self._stopped_notes = {}
+        for entry in self.entries:
+            own = entry.model_id == self.session.model_id
+            if own and self.session.current_run is not None:
+                continue  # the session's own run is in the Train tab and the status bar
+            note = stopped_run_note(entry.folder, self.session.resume_point if own else None)
+            if note is not None:
+                self._stopped_notes[entry.model_id] = note
         self._summaries, self._summarized_rows = {}, 0  # rows a rewind marked discarded are left out
         self.summary.value = ""
         names = sorted({name for entry in self.entries for name in entry.metrics} | {self.metric.value})
@@ -298,15 +318,18 @@ class RunsTab:
             self._row_boxes[entry.model_id].add_class("wb-runs-row")
         row = self._row_boxes[entry.model_id]
         own = entry.model_id == self.session.model_id
-        cells = "".join(
-            _cell(
-                (OWN_MARK if own and column.title == "run" else "") + column.text(entry, self.metric.value),
-                column.width_em,
-                bold=own and column.title == "run",
-                detail=None if column.detail is None else column.detail(entry),
-            )
-            for column in COLUMNS
-        )
+        stopped = self._stopped_notes.get(entry.model_id)
+
+        def cell(column: Column) -> str:
+            text = column.text(entry, self.metric.value)
+            detail = None if column.detail is None else column.detail(entry)
+            if column.title == "run" and own:
+                text = OWN_MARK + text
+            if column.title == "step" and stopped is not None:
+                text, detail = text + STOPPED_MARK, stopped
+            return _cell(text, column.width_em, bold=own and column.title == "run", detail=detail)
+
+        cells = "".join(cell(column) for column in COLUMNS)
         cells = f'<div style="white-space:nowrap">{cells}</div>'
         label = row.children[1]
         if label.value != cells:
@@ -332,6 +355,15 @@ class RunsTab:
             f"<small>{len(shown)} of {len(self.entries)} runs"
             + (f", the first {len(rows)} shown" if hidden else "")
             + f" · sorted by {self.sort_column.title} · {OWN_MARK}this session</small>"
+        )
+        notes = [
+            (entry.model_id, self._stopped_notes[entry.model_id])
+            for entry in shown
+            if entry.model_id in self._stopped_notes
+        ]
+        self.stopped.value = "".join(
+            f"<div><small>{STOPPED_MARK.strip()} <b>{html.escape(model_id)}</b>: <code>{html.escape(note)}</code></small></div>"
+            for model_id, note in notes
         )
         listed = {entry.model_id for entry in self.entries}
         for model_id in [m for m in self._checkboxes if m not in listed]:  # folders removed
