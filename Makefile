@@ -4,6 +4,7 @@
 # Also: make lab (JupyterLab on the tutorials), make bench (benchmarks against the raw floors),
 #   make lock (re-resolve requirements/dev.lock to the newest releases allowed, then run the tests).
 #   make test-vllm (the vLLM sampler's tests, in .venv-vllm with PyPI's CPU build of vLLM).
+#   make docs-tutorials (an executed rendering of each tutorial in docs/tutorials/; TUTORIALS=name for one).
 
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ LOCK := requirements/dev.lock
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env lock demo test lint test-unit test-notebooks test-tutorial-browser test-tutorial-tasks lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
+.PHONY: env lock demo test lint docs-tutorials test-unit test-notebooks test-tutorial-browser test-tutorial-tasks lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -128,6 +129,18 @@ test: env browser lint skyrl-env test-unit test-notebooks test-vllm
 lab: env
 	$(BIN)/jupyter lab --notebook-dir=notebooks --LabApp.news_url=None
 
+# An executed rendering of each tutorial in docs/tutorials/ (outputs, the panel's saved record, plots), the
+# notebooks themselves left clean; each page stamped with its notebook's cell digest, which
+# tests/promises/test_tutorial_renderings.py compares. TUTORIALS=04_rl_with_importance_sampling renders one.
+TUTORIALS ?= $(basename $(notdir $(wildcard notebooks/[0-9]*.ipynb)))
+docs-tutorials: env
+	mkdir -p docs/tutorials
+	for name in $(TUTORIALS); do \
+		WORKBENCH_CACHE=$(CURDIR)/.cache/workbench $(BIN)/jupyter nbconvert --to html --execute \
+			--ExecutePreprocessor.timeout=1800 --output-dir docs/tutorials notebooks/$$name.ipynb || exit 1; \
+	done
+	$(BIN)/python -m tests.tutorial_renderings stamp docs/tutorials $(TUTORIALS)
+
 # Run All of tutorial 04 in JupyterLab and Notebook 7, its controls driven while its loop cell waits on the
 # run (smollm2-135m: minutes on a quiet machine, too slow for CI's loaded cores).
 test-tutorial-browser: env browser
@@ -139,7 +152,8 @@ test-tutorial-tasks: env
 
 # The README's panel and cockpit screenshots, taken by the real-browser tests.
 screenshot: env browser
-	$(BIN)/python -m pytest -q tests/notebook/test_browser.py tests/notebook/test_browser_runs.py
+	$(BIN)/python -m pytest -q tests/notebook/test_browser.py tests/notebook/test_browser_runs.py \
+		tests/notebook/test_browser_sweep.py
 	cp artifacts/panel.png artifacts/cockpit-*.png docs/
 
 bench: env

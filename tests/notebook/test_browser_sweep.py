@@ -23,6 +23,7 @@ from playwright.sync_api import Locator, Page, expect
 from tests.notebook import BYTES_PER_STEP_BUDGET
 from tests.notebook.test_browser import (
     ACK_MS,
+    ARTIFACTS,
     STEP_MS,
     KernelTraffic,
     _acknowledged,
@@ -140,4 +141,6 @@ def test_the_sweep_tab_answers_while_a_cell_waits_on_the_sweep(front_end: str, t
             assert time.monotonic() < deadline, "the sweep's cell never started"
             page.wait_for_timeout(250)
         _drive(page, panel, waiting_on_the_sweep, traffic)
+        if front_end == "lab":  # the docs' picture of the tab (`make screenshot`)
+            panel.screenshot(path=str(ARTIFACTS / "cockpit-sweep.png"))
         expect(page.locator(".jp-OutputArea-output", has_text="ended")).to_be_visible(timeout=STEP_MS * 2)
