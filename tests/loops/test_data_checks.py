@@ -61,6 +61,19 @@ def test_an_end_of_turn_token_never_trained_is_named() -> None:
     assert "positions [4]" in str(wb.check_data([datum], end_of_turn=EOS)[0])
 
 
+def test_the_prompts_own_turn_ends_and_a_reply_cut_at_max_tokens_are_not_named() -> None:
+    """An RL datum whose chat prompt holds end-of-turn tokens (untrained: context) and whose sampled
+    reply was cut at max_tokens (no end-of-turn in it) trains what it should; the same datum with an
+    untrained end-of-turn inside the reply is named."""
+    prompt, reply = [5, EOS, 6, EOS, 7], [8, 9, 10]
+    tokens = prompt + reply
+    advantages = [0.0] * (len(prompt) - 1) + [0.5] * len(reply)
+    cut = ce_datum(tokens, weights=None, advantages=advantages)
+    assert _defects([cut]) == []
+    ended = ce_datum([*tokens, EOS, 11], weights=None, advantages=[*advantages, 0.0, 0.5])
+    assert _defects([ended]) == [(0, "end_of_turn_untrained")]
+
+
 def test_a_datum_longer_than_the_context_is_named() -> None:
     assert _defects([_sft()], max_length=5) == []
     assert _defects([_sft()], max_length=4) == [(0, "too_long")]

@@ -1,7 +1,8 @@
 """Training data checked before step 0: the silent mask bugs that train the wrong tokens.
 
 A datum can be well formed (every loss accepts it) and still teach the wrong thing: the prompt trained
-along with the answer, an end-of-turn token never trained (the model never learns to stop), targets
+along with the answer, an end-of-turn token never trained (the model never learns to stop; only one
+at or after the first trained target counts, since a prompt's own turn ends are context), targets
 that are not the next tokens (an off-by-one in the shift), an RL batch whose advantages are all 0
 (its group's rewards tied: no gradient), or a sequence longer than the model reads. `check_data`
 names each such datum and what is wrong with it; clean data gives an empty list. A run checks its
@@ -92,8 +93,11 @@ def _defects(datum: Datum, stops: set[int], max_length: int | None) -> list[tupl
         if len(targets_T) != len(tokens_T) or targets_T[:-1] != tokens_T[1:]:
             shift = next((s for s in (0, 2) if targets_T[: len(tokens_T) - s] == tokens_T[s:]), None)
             found.append(("targets_not_shifted", "" if shift is None else f" (they are shifted by {shift})"))
-        stop_positions = [i for i, token in enumerate(targets_T) if token in stops]
-        if stop_positions and any(weights_T) and not any(weights_T[i] for i in stop_positions):
+        # the end of a turn inside the trained span or after it: a prompt's own turn ends (before the
+        # first trained target) are context, and a sampled reply cut at max_tokens has no end at all
+        first_trained = next((i for i, w in enumerate(weights_T) if w), len(weights_T))
+        stop_positions = [i for i, token in enumerate(targets_T) if token in stops and i >= first_trained]
+        if stop_positions and not any(weights_T[i] for i in stop_positions):
             found.append(("end_of_turn_untrained", f" (at positions {stop_positions})"))
     if max_length is not None and len(tokens_T) > max_length:
         found.append(("too_long", f" ({len(tokens_T)} tokens > {max_length})"))
