@@ -37,6 +37,7 @@ import ipywidgets
 from workbench.metrics import MetricSummary, summarize
 from workbench.notebook.panel.feedback import Feedback
 from workbench.notebook.run_checkpoints import stopped_run_note
+from workbench.storage.checkpoint_store import kind_dir
 from workbench.storage.run_listing import HISTORY_FILE, RunEntry, RunListing
 
 if TYPE_CHECKING:
@@ -211,6 +212,7 @@ class RunsTab:
         self.count = ipywidgets.HTML()
         self.stopped = ipywidgets.HTML()
         self.stopped.add_class("wb-runs-stopped")
+        self._stopped_seen: dict[Path, tuple[int, str | None]] = {}  # folder: (its checkpoints' mtime, note)
         self._stopped_notes: dict[str, str] = {}
         """Each listed run that stopped before its end: where, and the call that resumes it."""
         self.rows = ipywidgets.VBox(
@@ -256,7 +258,11 @@ class RunsTab:
             own = entry.model_id == self.session.model_id
             if own and self.session.current_run is not None:
                 continue  # the session's own run is in the Train tab and the status bar
-            note = stopped_run_note(entry.folder, self.session.resume_point if own else None)
+            note = (
+                stopped_run_note(entry.folder, self.session.resume_point)
+                if own
+                else self._stopped_note(entry.folder)
+            )
             if note is not None:
                 self._stopped_notes[entry.model_id] = note
         self._summaries, self._summarized_rows = {}, 0  # rows a rewind marked discarded are left out
@@ -268,6 +274,18 @@ class RunsTab:
             self.metric.value = chosen
         self._stale = False
         self._render()
+
+    def _stopped_note(self, folder: Path) -> str | None:
+        """`stopped_run_note` of another folder, read again only when its state checkpoints change (a
+        checkpoint lands or goes by a rename or removal in that folder, which moves its mtime)."""
+        try:
+            stamp = kind_dir(folder, "state").stat().st_mtime_ns
+        except OSError:
+            return None  # no state checkpoint: no run to resume
+        seen = self._stopped_seen.get(folder)
+        if seen is None or seen[0] != stamp:
+            seen = self._stopped_seen[folder] = (stamp, stopped_run_note(folder, None))
+        return seen[1]
 
     def sort_by(self, title: str) -> None:
         """Sort by the column titled `title`; sorting by it again reverses the order."""
