@@ -27,6 +27,7 @@ import torch
 
 import workbench as wb
 from tests.datums import ragged_ce_batch, random_tokens, rl_datum
+from tests.interrupts import WAIT_S, Blocker, ctrl_c_once_waiting
 from workbench.engine.local.engine import choose_sharding
 from workbench.engine.local.ranks import RankFailedError
 from workbench.engine.model.base_model import resolve_model_path
@@ -196,6 +197,38 @@ def test_the_critic_equals_one_device(pair: tuple[wb.Session, wb.Session]) -> No
         _step_both(two, one, wb.Role.CRITIC)
 
 
+def test_ctrl_c_during_a_two_rank_call_leaves_the_ranks_consistent(
+    pair: tuple[wb.Session, wb.Session],
+) -> None:
+    """Ctrl-C while the kernel waits on a two-rank call that runs interrupts the wait only: the call
+    ends on both ranks. Ctrl-C while a mirrored op (deleting the critic) waits behind it withdraws the op
+    on both ranks. Afterwards the ranks hold the same model, and the next step equals one device's."""
+    two, one = pair
+    data = ragged_ce_batch(6, 5, 3, 14, VOCAB)
+    critic_before = two.engine.rank_digests(two.model_id, wb.Role.CRITIC)
+    blocker = Blocker()
+    held = blocker.hold(two, data)  # a custom loss: it runs on rank 0, then every rank's backward
+    with pytest.raises(KeyboardInterrupt), ctrl_c_once_waiting(after=blocker.release):
+        held.result()
+    held.result(timeout=WAIT_S)
+    second = Blocker()
+    queued = second.hold(two, data)
+    with pytest.raises(KeyboardInterrupt), ctrl_c_once_waiting():
+        two.delete_critic()  # queued behind the call the second blocker holds
+    second.release()
+    queued.result(timeout=WAIT_S)
+    assert two.critic is not None and two.config.critic is not None
+    assert two.engine.rank_digests(two.model_id, wb.Role.CRITIC) == critic_before  # on both ranks
+    policy = two.engine.rank_digests(two.model_id, wb.Role.POLICY)
+    assert len(policy) == 2 and policy[0] == policy[1]
+    done = Blocker()
+    done.release()
+    for _ in range(2):  # the same two calls on the one device
+        one.policy.forward_backward_custom(data, done).result()
+    _assert_same_gradients(two, one)
+    _step_both(two, one)
+
+
 def test_a_call_split_in_two_accumulates_the_same_gradient(pair: tuple[wb.Session, wb.Session]) -> None:
     """On two ranks, one call equals the same datums in two calls (a second model on the same base,
     made like the first, so mirrored to the follower too)."""
@@ -241,6 +274,7 @@ def test_a_killed_rank_fails_every_pending_call_naming_it(pair: tuple[wb.Session
     """The pair's two-rank session is broken after it: the next test closes it."""
     two, _ = pair
     engine, model_id = two.engine, two.model_id
+    two.policy.save_state("before-the-kill").result()  # what the next test restarts from
     data = ragged_ce_batch(6, 64, 32, 64, VOCAB)
     futures = [engine.forward_backward(model_id, wb.Role.POLICY, data, "cross_entropy") for _ in range(40)]
     futures[0].result()  # the calls are running
@@ -257,6 +291,46 @@ def test_a_killed_rank_fails_every_pending_call_naming_it(pair: tuple[wb.Session
     assert all("rank 1" in message and "forward_backward" in message for message in failures)
     with pytest.raises(RankFailedError, match="must be restarted"):
         two.policy.forward_backward(data, "cross_entropy")
+
+
+def test_a_session_whose_rank_died_restarts_from_its_last_saved_state(
+    pair: tuple[wb.Session, wb.Session], tmp_path: Path
+) -> None:
+    """After the killed-rank test: `restart()` closes the broken session and makes one on two ranks again,
+    in the same folder, holding the state saved before the kill on both ranks; it trains as one device
+    resumed from that state does."""
+    two, _ = pair
+    old_pids = two.engine.rank_pids
+    saved = two.list_checkpoints()[-1]
+    assert saved.name == "before-the-kill"
+    restarted = two.restart()
+    one = wb.Session.from_checkpoint(saved.path, model_dir=tmp_path / "one-device", wandb=False)
+    try:
+        assert two.closed and not any(psutil.pid_exists(pid) for pid in old_pids)
+        assert restarted.engine.devices == ["cpu", "cpu"] and restarted.engine.rank_pids != old_pids
+        assert restarted.model_dir == saved.path.parents[1] and restarted.critic is not None
+        digests = restarted.engine.rank_digests(restarted.model_id, wb.Role.POLICY)
+        assert digests == [one.engine.state_digest(one.model_id, wb.Role.POLICY)] * 2
+        data = ragged_ce_batch(7, 5, 3, 14, VOCAB)
+        mine = restarted.policy.forward_backward(data, "cross_entropy").result()
+        _assert_same_call(mine, one.policy.forward_backward(data, "cross_entropy").result())
+        _assert_same_gradients(restarted, one)
+    finally:
+        pids = restarted.engine.rank_pids
+        restarted.close()
+        one.close()
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_restart_without_a_saved_state_says_so_and_changes_nothing(tmp_path: Path) -> None:
+    sess = wb.Session("tiny", wb.LoraConfig(rank=4), wandb=False, model_dir=tmp_path / "model")
+    try:
+        with pytest.raises(wb.CheckpointError, match="holds no saved state to restart from"):
+            sess.restart()
+        assert not sess.closed
+        sess.policy.forward(ragged_ce_batch(8, 2, 3, 8, VOCAB), "cross_entropy").result()
+    finally:
+        sess.close()
 
 
 def _is_follower(process: psutil.Process) -> bool:

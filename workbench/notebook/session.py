@@ -320,6 +320,7 @@ class Session:
         else:
             self.history_offset = _count_rows(self.model_dir / HISTORY_FILE)
         """Rows of `history.jsonl` this session's history does not hold (written by an earlier session)."""
+        self._wandb_setting = wandb  # what `restart()` opens the W&B run with again
         self._history_sink = JsonlSink(self.model_dir / HISTORY_FILE)
         engine.history.sinks.append(self._history_sink)
         self.rollouts = RolloutLog(self.model_dir / ROLLOUTS_FILE)
@@ -381,6 +382,8 @@ class Session:
         model_dir: str | Path | None = None,
         wandb: WandbSetting = None,
         threads: int | None = None,
+        devices: int | str | Sequence[str] | None = None,
+        shard_base: bool | None = None,
         run_dir: str | Path | None = None,  # deprecated name of model_dir
     ) -> Session:
         """A new session that continues the run saved by `save_state` at `path` (a `tinker://` path or the
@@ -396,7 +399,8 @@ class Session:
         It continues in the checkpoint's model folder (`<model_dir>` for a checkpoint at
         `<model_dir>/checkpoints/<name>`) when that folder's name is the saved model id, else in
         `<models root>/<model id>`; the model id stays the same, so the W&B run resumes too. `device` (and with
-        it the sampler) follows this machine unless given; `model_dir` and `wandb` as for `Session(...)`.
+        it the sampler) follows this machine unless given; `model_dir`, `wandb`, `devices` and `shard_base`
+        as for `Session(...)` (a state saved on any number of ranks loads on any other).
         """
         model_dir = _model_dir_from(model_dir, run_dir)
         resume_point = None
@@ -426,6 +430,8 @@ class Session:
             max_samples_per_request=arguments["max_samples_per_request"],
             quantize=arguments["quantization"],
             threads=threads,
+            devices=devices,
+            shard_base=shard_base,
         )
         try:
             model_id = engine.create_model_from_state(
@@ -437,6 +443,44 @@ class Session:
         session = cls.__new__(cls)
         cls._attach(session, engine, model_id, wandb, resume_point, new_model=False)
         return session
+
+    def restart(self) -> Session:
+        """A new session in this one's place, from its model's last saved state: what a session must do
+        after a rank of its devices died or the ranks fell apart (`RankFailedError`), when no operation
+        can run on it any more.
+
+        The last saved state is the model folder's newest complete state checkpoint (`save_state`, or a
+        run's `save_every` checkpoint, whose run the new session's next `run()` then continues at the
+        saved step, as `from_checkpoint(model_dir)` does). This session is closed first (its follower
+        ranks ended, its folder freed); the new one has the same devices, base sharding, threads and W&B
+        setting, continues in the same folder with the same model id (the W&B run resumes), and holds
+        what the checkpoint holds: operations after it are lost. Use it as `sess = sess.restart()`.
+
+        Raises `CheckpointError`, leaving this session as it is, when the model has no saved state.
+        """
+        engine = self._local_engine("restart() loads a local checkpoint on a local engine")
+        model_dir, threads = self.model_dir, engine.config.threads
+        saved = [info for info in self.list_checkpoints() if info.kind == "state"]
+        if not saved:
+            raise CheckpointError(
+                f"{model_dir} holds no saved state to restart from: save_state (or run(..., save_every=k)) "
+                "saves one; without one, make a new Session"
+            )
+        newest = max(saved, key=lambda info: info.time)
+        run_point = newest_run_checkpoint(model_dir)
+        resume_from = model_dir if run_point is not None and run_point.path == newest.path else newest.path
+        devices = engine.devices if len(engine.devices) > 1 else None
+        shard_base = engine.sharded if devices is not None else None
+        self.close()
+        return Session.from_checkpoint(
+            resume_from,
+            device=None if devices is not None else engine.config.device,
+            model_dir=model_dir,
+            wandb=self._wandb_setting,
+            threads=threads,
+            devices=devices,
+            shard_base=shard_base,
+        )
 
     # ------------------------------------------------------------------------------------------ state
 

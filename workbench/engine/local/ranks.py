@@ -17,7 +17,7 @@ followers only ever act on rank 0's word. A watcher thread on rank 0 notices a f
 (killed, out of memory) within `WATCH_INTERVAL_S`, and fails every operation still queued with a
 `RankFailedError` naming the rank and the operation it died in; the operation running then fails with
 the same error as soon as it next waits on that rank, and the session refuses new work: it must be
-restarted from its last saved state.
+restarted from its last saved state (`Session.restart()` does so, on the same devices).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class FollowerRanks:
                 during = f"during {self.current_op}" if self.current_op else "between operations"
                 self.failure = RankFailedError(
                     f"rank {rank} (pid {process.pid}) {how} {during}; this session must be restarted: "
-                    "close it, make a new one and load its last saved state"
+                    "Session.restart() makes a new one from its last saved state"
                 )
             return self.failure
 
@@ -261,8 +261,8 @@ class FollowerRanks:
         with self._lock:
             if self.failure is None:
                 self.failure = RankFailedError(
-                    f"the ranks disagree after {op.name}: {why}; this session must be restarted: close it, "
-                    "make a new one and load its last saved state"
+                    f"the ranks disagree after {op.name}: {why}; this session must be restarted: "
+                    "Session.restart() makes a new one from its last saved state"
                 )
         raise self.failure
 
