@@ -117,7 +117,7 @@ lint: env
 	$(BIN)/lint-imports
 
 test-unit: env
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The tutorials prepare the built-in models into the tests' own cache (as tests/conftest.py does), not
 # the user's.
