@@ -5,8 +5,9 @@ use the Agg backend. `gpu` tests are skipped where there is no CUDA device, `vll
 cannot be imported (the main environment; `make test-vllm` runs them in `.venv-vllm`, with PyPI's CPU
 build of vLLM).
 
-The `sampler` fixture runs a test once per sampling engine ("hf", "vllm"), and `sampled` is a fresh tiny
-session sampling with it. vLLM's CPU attention kernels take head sizes from 32 up, and the tiny model's
+The `sampler` fixture runs a test once per sampling engine ("hf", "vllm"), on the model `sampled_model`
+names; a module shares one session per engine where its tests allow (a vLLM engine takes most of a
+minute to start on a CPU), and a test that trains makes a model of its own on that engine. vLLM's CPU attention kernels take head sizes from 32 up, and the tiny model's
 heads have 16 dimensions, so the vLLM runs use `tiny_for_vllm`: the tiny model with the same tokenizer,
 vocabulary and layers, and heads of 32 dimensions.
 
@@ -126,14 +127,6 @@ def sampler(request: pytest.FixtureRequest) -> str:
 def sampled_model(sampler: str, request: pytest.FixtureRequest) -> str:
     """The base model the `sampler` runs: the tiny model, or its 32-dimension-head twin for vLLM."""
     return "tiny" if sampler == "hf" else request.getfixturevalue("tiny_for_vllm")
-
-
-@pytest.fixture
-def sampled(sampler: str, sampled_model: str) -> wb.Session:
-    """A fresh session on the tiny model (rank 4) sampling with `sampler`, closed after the test."""
-    session = wb.Session(sampled_model, wb.LoraConfig(rank=4), seed=0, sampler=sampler)
-    yield session
-    session.close()
 
 
 @pytest.fixture

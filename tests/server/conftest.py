@@ -19,26 +19,48 @@ from workbench.engine.samplers import hf
 from workbench.server import TinkerServer
 
 
+@pytest.fixture(scope="module")
+def sampled_sess(
+    sampler: str, sampled_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[wb.Session]:
+    """The served session of a module's tests that take the `sampler` fixture: one per sampling engine
+    for the module (a vLLM engine takes most of a minute to start on a CPU), on the model `sampled_model`
+    names, with a runs folder of the module's own. Those tests sample the base model or train models of
+    their own on its engine, so each finds the weights a fresh session would have."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WORKBENCH_RUNS", str(tmp_path_factory.mktemp("runs")))
+        session = wb.Session(
+            sampled_model, wb.LoraConfig(rank=4), seed=0, wandb=False, max_models=6, sampler=sampler
+        )
+    yield session
+    session.close()
+
+
 @pytest.fixture
 def sess(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[wb.Session]:
-    """The served session: the tiny model with HF sampling, or, for a test that takes the `sampler`
-    fixture, the model and sampler it names; no W&B run, room for six models (a test fills them), and a
-    runs folder of its own, so listings show this test's models only."""
+    """The served session: the tiny model with HF sampling, fresh for the test, no W&B run, room for six
+    models (a test fills them), and a runs folder of its own, so listings show this test's models only.
+    For a test that takes the `sampler` fixture: the module's `sampled_sess`, on the model and sampler
+    it names, with its runs folder."""
     monkeypatch.setenv("TINKER_API_KEY", "tml-local")
-    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
-    model, sampler = "tiny", "hf"
     if "sampler" in request.fixturenames:
-        model, sampler = request.getfixturevalue("sampled_model"), request.getfixturevalue("sampler")
-    session = wb.Session(model, wb.LoraConfig(rank=4), seed=0, wandb=False, max_models=6, sampler=sampler)
+        shared = request.getfixturevalue("sampled_sess")
+        monkeypatch.setenv("WORKBENCH_RUNS", str(shared.model_dir.parent))
+        yield shared
+        return
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    session = wb.Session("tiny", wb.LoraConfig(rank=4), seed=0, wandb=False, max_models=6, sampler="hf")
     yield session
     session.close()
 
 
 @pytest.fixture
 def srv(sess: wb.Session) -> TinkerServer:
-    return sess.serve()
+    """A server of `sess`; the shared session's one server for all its tests."""
+    running = [server for server in sess.servers if server.running]
+    return running[0] if running else sess.serve()
 
 
 @pytest.fixture

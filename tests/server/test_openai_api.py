@@ -258,16 +258,20 @@ def test_a_client_that_leaves_a_stream_leaves_the_server_serving(
 def test_a_trained_checkpoint_answers_by_its_path_and_the_base_does_not(
     sampler: str, sess: wb.Session, srv: TinkerServer
 ) -> None:
+    """A model of the test's own on the served engine, made as a session makes its policy, taught one
+    answer: its checkpoint keeps the answer as the live model trains on."""
+    model_id = sess.engine.create_model(wb.LoraConfig(rank=4), seed=0).result()
+    policy = wb.TrainingClient(sess.engine, model_id)
     answer = " pineapple"
     prompt_text = sess.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     datum = sft_datum(sess.tokenizer, prompt_text, answer + sess.tokenizer.eos_token)
     for _ in range(80):
-        sess.policy.forward_backward([datum], "cross_entropy")
-        sess.policy.optim_step(ADAM)
-    path = sess.policy.save_weights_for_sampler("pineapple").result().path
+        policy.forward_backward([datum], "cross_entropy")
+        policy.optim_step(ADAM)
+    path = policy.save_weights_for_sampler("pineapple").result().path
     api = oai(srv)
     listed = [model.id for model in api.models.list().data]
-    assert path in listed and sess.config.base_model in listed and sess.model_id in listed
+    assert path in listed and sess.config.base_model in listed and model_id in listed
 
     def reply(model: str) -> str:
         return (
@@ -278,15 +282,16 @@ def test_a_trained_checkpoint_answers_by_its_path_and_the_base_does_not(
 
     assert reply(path) == answer
     assert reply(f"{sess.config.base_model};{path}") == answer
-    assert reply(sess.model_id) == answer  # the live policy, at its current weights
+    assert reply(model_id) == answer  # the live policy, at its current weights
     assert reply(sess.config.base_model) != answer
     for _ in range(60):  # training on: the checkpoint keeps its weights, the live policy moves on
-        sess.policy.forward_backward(
+        policy.forward_backward(
             [sft_datum(sess.tokenizer, prompt_text, " no" + sess.tokenizer.eos_token)], "cross_entropy"
         )
-        sess.policy.optim_step(ADAM)
+        policy.optim_step(ADAM)
     assert reply(path) == answer
-    assert reply(sess.model_id) != answer
+    assert reply(model_id) != answer
+    sess.engine.delete_model(model_id).result()
 
 
 REFUSALS = [

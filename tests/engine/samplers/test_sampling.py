@@ -1,10 +1,10 @@
 """Sampling on the tiny model: SamplingParams in full, batching, versions, agreement with training.
 
 The tests of what a sample promises run once per sampling engine (the `sampler` fixture: HF `generate`,
-and vLLM where it is installed): those that only sample share one session per engine for the module
-(`shared_sampled`: a vLLM engine takes about 15 s to start and stop on a CPU), those that train keep a
-fresh one each (`sampled`); those about HF's own decoding loop, and about what the engine does the same
-way for both (validation, seeding, batching, history rows, prompt types), run on HF alone.
+and vLLM where it is installed) on one session per engine for the module (`shared_sampled`: a vLLM
+engine takes about 15 s to start and stop on a CPU): those that only sample use its policy, those that
+train a model of their own on its engine (`own_policy`). Those about HF's own decoding loop, and about
+what the engine does the same way for both (validation, seeding, batching, history rows, prompt types), run on HF alone.
 """
 
 from __future__ import annotations
@@ -26,12 +26,22 @@ PROMPTS = ["User: Hello! How are you", "The quick brown fox", "17 + 25 ="]
 
 @pytest.fixture(scope="module")
 def shared_sampled(sampler: str, sampled_model: str) -> Iterator[wb.Session]:
-    """One session per sampling engine for the module's tests that only sample from it (none trains or
-    closes it): made as `sampled` is, so its weights are a fresh session's and a seeded request draws
-    what it would draw on one; unseeded requests only advance the session's seed generator."""
+    """One session per sampling engine for the module (no test trains its policy or closes it): the tiny model (rank 4, seed 0), so its weights are a fresh session's and a seeded request
+    draws what it would draw on one; unseeded requests only advance the session's seed generator."""
     session = wb.Session(sampled_model, wb.LoraConfig(rank=4), seed=0, sampler=sampler)
     yield session
     session.close()
+
+
+@pytest.fixture
+def own_policy(shared_sampled: wb.Session) -> Iterator[wb.TrainingClient]:
+    """A model of the test's own on the shared session's engine, made as the session made its policy
+    (rank 4, seed 0): its weights are a fresh session's, and the test's training leaves the shared
+    policy as it was. Removed after the test."""
+    engine = shared_sampled.engine
+    model_id = engine.create_model(wb.LoraConfig(rank=4), seed=0).result()
+    yield wb.TrainingClient(engine, model_id)
+    engine.delete_model(model_id).result()
 
 
 def _ids(sess: wb.Session, text: str) -> list[int]:
@@ -52,8 +62,12 @@ def _logits_after(sess: wb.Session, tokens: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([tokens])).logits[0, -1]
 
 
-def _snapshot_bytes(sess: wb.Session) -> int:
-    return sess.engine.model_status(sess.model_id).snapshot_bytes
+def _snapshot_bytes(policy: wb.Session | wb.TrainingClient) -> int:
+    return policy.engine.model_status(policy.model_id).snapshot_bytes
+
+
+def _live_versions(policy: wb.Session | wb.TrainingClient) -> list[int]:
+    return policy.engine.model_status(policy.model_id).live_versions
 
 
 def test_sampled_logprobs_equal_forward_logprobs_across_a_padded_batch(shared_sampled: wb.Session) -> None:
@@ -262,12 +276,16 @@ def test_prompt_logprobs_and_compute_logprobs(shared_sampled: wb.Session) -> Non
     assert sc.compute_logprobs(prompt[:1]).result() == [None]
 
 
-def test_clients_sample_the_weights_they_were_created_from(sampled: wb.Session) -> None:
-    prompt = _ids(sampled, PROMPTS[1])
+def test_clients_sample_the_weights_they_were_created_from(
+    shared_sampled: wb.Session, own_policy: wb.TrainingClient
+) -> None:
+    prompt = _ids(shared_sampled, PROMPTS[1])
     params = wb.SamplingParams(max_tokens=8, seed=11)
-    v0 = sampled.policy.save_weights_and_get_sampling_client()
+    v0 = own_policy.save_weights_and_get_sampling_client()
     before = v0.sample(prompt, 2, params).result()
-    assert before.weights_version == 0 and _snapshot_bytes(sampled) == 0  # the current version costs no copy
+    assert (
+        before.weights_version == 0 and _snapshot_bytes(own_policy) == 0
+    )  # the current version costs no copy
     data = [
         wb.Datum(
             model_input=prompt + before.sequences[0].tokens[:-1],
@@ -275,30 +293,32 @@ def test_clients_sample_the_weights_they_were_created_from(sampled: wb.Session) 
         )
     ]
     for _ in range(3):
-        sampled.policy.forward_backward(data, "cross_entropy").result()
-        sampled.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
-    assert sampled.policy.weights_version == 3
+        own_policy.forward_backward(data, "cross_entropy").result()
+        own_policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
+    assert own_policy.weights_version == 3
     after = v0.sample(prompt, 2, params).result()
     assert after.weights_version == 0
     assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
     assert [s.logprobs for s in after.sequences] == [s.logprobs for s in before.sequences]
-    v3 = sampled.sampling_client()
+    v3 = wb.SamplingClient(own_policy.engine, own_policy.engine.pin_sampler(own_policy.model_id))
     newer = v3.sample(prompt, 2, params).result()
     assert newer.weights_version == 3
     assert [s.logprobs for s in newer.sequences] != [s.logprobs for s in before.sequences]
-    assert sampled.live_versions() == [0, 3]
-    assert _snapshot_bytes(sampled) > 0
+    assert _live_versions(own_policy) == [0, 3]
+    assert _snapshot_bytes(own_policy) > 0
     # the live adapter is untouched by sampling the old version
-    digest = sampled.state_digest()
+    digest = shared_sampled.engine.state_digest(own_policy.model_id)
     v0.sample(prompt, 1, params).result()
-    assert sampled.state_digest() == digest
+    assert shared_sampled.engine.state_digest(own_policy.model_id) == digest
     del v0
     gc.collect()
-    sampled.state_digest()  # an operation after the release: the worker has processed it
-    assert sampled.live_versions() == [3] and _snapshot_bytes(sampled) == 0
+    shared_sampled.engine.state_digest(
+        own_policy.model_id
+    )  # an operation after the release: the worker has processed it
+    assert _live_versions(own_policy) == [3] and _snapshot_bytes(own_policy) == 0
     with pytest.raises(ValueError, match="weights version 0 is not held"):
-        _ = sampled.sampling_client(
-            version=0
+        _ = wb.SamplingClient(
+            shared_sampled.engine, shared_sampled.engine.pin_sampler(own_policy.model_id, 0)
         ).weights_version  # the pin fails, in order with the operations before it
 
 
@@ -317,17 +337,23 @@ def test_close_releases_the_pinned_weights_before_it_returns(tiny: wb.Session) -
         _ = tiny.sampling_client(version=0).weights_version
 
 
-def test_base_client_samples_the_base_model(sampled: wb.Session) -> None:
-    prompt = _ids(sampled, PROMPTS[0])
+def test_base_client_samples_the_base_model(
+    shared_sampled: wb.Session, own_policy: wb.TrainingClient
+) -> None:
+    prompt = _ids(shared_sampled, PROMPTS[0])
     data = [unweighted_datum(prompt)]
-    sampled.policy.forward_backward(data, "cross_entropy").result()
-    sampled.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
-    base = sampled.sampling_client(base=True)
+    own_policy.forward_backward(data, "cross_entropy").result()
+    own_policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result()
+    base = shared_sampled.sampling_client(base=True)
     response = base.sample(prompt, 2, wb.SamplingParams(max_tokens=6, seed=2)).result()
     assert response.weights_version is None
     for seq in response.sequences:
         full = prompt + seq.tokens
-        ref = sampled.reference.forward([unweighted_datum(full)], "cross_entropy").result()
+        ref = (
+            wb.TrainingClient(own_policy.engine, own_policy.model_id, wb.Role.REFERENCE)
+            .forward([unweighted_datum(full)], "cross_entropy")
+            .result()
+        )
         assert ref.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :] == pytest.approx(
             seq.logprobs, abs=1e-5
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -51,12 +52,37 @@ def _running_after(pids: set[int], timeout_s: float) -> set[int]:
     return _running(pids)
 
 
-def _train_one_step(sess: wb.Session, learning_rate: float = 1e-2) -> None:
-    tokens = sess.tokenizer("Red, orange, yellow, green, blue, indigo and violet").input_ids
-    sess.policy.forward_backward(
+def _train_one_step(policy: wb.TrainingClient, learning_rate: float = 1e-2) -> None:
+    tokens = policy.engine.tokenizer("Red, orange, yellow, green, blue, indigo and violet").input_ids
+    policy.forward_backward(
         [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
     ).result()
-    assert sess.policy.optim_step(wb.AdamParams(learning_rate=learning_rate)).result().applied
+    assert policy.optim_step(wb.AdamParams(learning_rate=learning_rate)).result().applied
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_for_vllm: str) -> Iterator[wb.Session]:
+    """One vLLM session for the module's tests that neither stop its sampler nor start a second engine
+    (vLLM takes most of a minute to start on a CPU); those keep their own. Its own policy is never
+    sampled: each test samples a model of its own (`own_policy`), so what vLLM holds is that test's."""
+    session = wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="vllm")
+    yield session
+    session.close()
+
+
+@pytest.fixture
+def own_policy(shared: wb.Session) -> Iterator[wb.TrainingClient]:
+    """A model of the test's own on the shared session's engine (rank 4, seed 0, as a fresh session's
+    policy), removed after the test: the next sample drops its adapters from vLLM."""
+    engine = shared.engine
+    model_id = engine.create_model(wb.LoraConfig(rank=4), seed=0).result()
+    yield wb.TrainingClient(engine, model_id)
+    engine.delete_model(model_id).result()
+
+
+def _client(policy: wb.TrainingClient) -> wb.SamplingClient:
+    """A client of the policy's current weights (what `Session.sampling_client()` gives)."""
+    return wb.SamplingClient(policy.engine, policy.engine.pin_sampler(policy.model_id))
 
 
 def _tokens(response: wb.SampleResponse) -> list[list[int]]:
@@ -78,7 +104,7 @@ def test_auto_samples_the_default_lora_with_vllm_and_its_processes_end_with_clos
     assert first.weights_version == 0 and first.sync_ms > 0
     engine_processes = _vllm_processes() - before
     assert len(engine_processes) == 2  # an EngineCore and its Worker
-    _train_one_step(sess, learning_rate=5e-2)
+    _train_one_step(sess.policy, learning_rate=5e-2)
     report = wb.check_logprob_agreement(
         sess, [prompt], num_samples=4, sampling_params=wb.SamplingParams(max_tokens=24)
     )
@@ -121,63 +147,27 @@ def test_auto_falls_back_to_hf_for_a_model_vllm_cannot_run(capsys) -> None:
         assert _running(_vllm_processes() - before) == set()
 
 
-def test_an_evicted_version_is_reloaded_and_its_time_counted(tiny_for_vllm: str) -> None:
-    """vLLM holds `MAX_LORAS` adapters: a third version evicts the least recently used one, which the
-    sampler knows; sampling it again loads it again, with the same tokens, and the load time is added
-    to its `sync_ms`. Weights no client can sample any more leave vLLM and their folders go."""
-    with wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="vllm") as sess:
-        prompt = [5, 17, 33, 48]
-        params = wb.SamplingParams(max_tokens=8, seed=3)
-        clients, first = [], []
-        for version in range(MAX_LORAS + 1):
-            clients.append(sess.sampling_client())
-            first.append(clients[-1].sample(prompt, 2, params).result())
-            assert first[-1].weights_version == version
-            _train_one_step(sess, learning_rate=5e-2)
-        vllm = sess.engine._state.sampler.started
-        keys = [(sess.model_id, version, None) for version in range(MAX_LORAS + 1)]
-        assert vllm.resident == keys[1:]  # version 0, the least recently used, was evicted
-        assert vllm.vllm_lora_ids() == {vllm._adapters[key].lora_id for key in keys[1:]}
-        again = clients[0].sample(prompt, 2, params).result()
-        assert _tokens(again) == _tokens(first[0])
-        assert again.sync_ms > first[0].sync_ms  # the reload's time is added
-        assert vllm.resident == [keys[2], keys[0]]
-        assert vllm.vllm_lora_ids() == {vllm._adapters[key].lora_id for key in vllm.resident}
-        # a client that is still resident samples without a new load
-        assert clients[2].sample(prompt, 2, params).result().sync_ms == first[2].sync_ms
-        # released clients' weights leave vLLM: a long run keeps the current version's adapter only
-        clients.clear()
-        for _ in range(6):
-            sess.sampling_client().sample(prompt, 1, params).result()
-            _train_one_step(sess)
-        sess.sampling_client().sample(prompt, 1, params).result()
-        assert vllm.resident == [(sess.model_id, sess.policy.weights_version, None)]
-        assert len(list(vllm._adapters_dir.iterdir())) == 1
-
-
-def test_prefix_caching_never_serves_another_versions_keys(tiny_for_vllm: str) -> None:
+def test_prefix_caching_never_serves_another_versions_keys(own_policy: wb.TrainingClient) -> None:
     """With vLLM's automatic prefix caching on, a long prompt sampled under one version fills the cache;
     after a large step the same prompt sampled under the next version gets that version's logprobs
     (what `forward` computes with the live weights), not those of the cached keys and values."""
-    with wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="vllm") as sess:
-        prompt = [(7 * i) % 180 + 5 for i in range(96)]  # several of vLLM's 16-token blocks
-        params = wb.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
-        _train_one_step(sess, learning_rate=5e-2)
-        before = sess.sampling_client().sample(prompt, 2, params).result()
-        assert (
-            sess.engine._state.sampler.started._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    policy = own_policy
+    prompt = [(7 * i) % 180 + 5 for i in range(96)]  # several of vLLM's 16-token blocks
+    params = wb.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
+    _train_one_step(policy, learning_rate=5e-2)
+    before = _client(policy).sample(prompt, 2, params).result()
+    assert policy.engine._state.sampler.started._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    _train_one_step(policy, learning_rate=5e-2)
+    after = _client(policy).sample(prompt, 2, params).result()
+    assert after.weights_version == before.weights_version + 1 == policy.weights_version
+    for seq in after.sequences:
+        datum = wb.Datum(
+            model_input=wb.ModelInput.from_ints(prompt + seq.tokens[:-1]),
+            loss_fn_inputs={"target_tokens": prompt[1:] + seq.tokens},
         )
-        _train_one_step(sess, learning_rate=5e-2)
-        after = sess.sampling_client().sample(prompt, 2, params).result()
-        assert after.weights_version == before.weights_version + 1 == sess.policy.weights_version
-        for seq in after.sequences:
-            datum = wb.Datum(
-                model_input=wb.ModelInput.from_ints(prompt + seq.tokens[:-1]),
-                loss_fn_inputs={"target_tokens": prompt[1:] + seq.tokens},
-            )
-            scored = sess.policy.forward([datum], "cross_entropy").result()
-            forward = scored.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
-            assert max(abs(a - b) for a, b in zip(forward, seq.logprobs, strict=True)) <= 1e-3
+        scored = policy.forward([datum], "cross_entropy").result()
+        forward = scored.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+        assert max(abs(a - b) for a, b in zip(forward, seq.logprobs, strict=True)) <= 1e-3
 
 
 class HeldSink:
@@ -196,22 +186,56 @@ class HeldSink:
             self.let_go.wait(HOLD_LIMIT_S)
 
 
-def test_a_token_sink_hears_each_sequence_as_vllm_draws_it(tiny_for_vllm: str) -> None:
+def test_a_token_sink_hears_each_sequence_as_vllm_draws_it(own_policy: wb.TrainingClient) -> None:
     """vLLM's engine is stepped by the sampler: a request's sink hears each sequence's tokens in order,
     before the sample ends (the sink is held at its 8th token while the sample is checked unfinished),
     and what it heard is the response's tokens; a greedy request's one row is each of its samples."""
-    with wb.Session(tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="vllm") as sess:
-        engine = sess.engine
-        pin = engine.pin_sampler(sess.model_id)
-        for temperature in (1.0, 0.0):
-            sink = HeldSink(at=8)
-            params = wb.SamplingParams(max_tokens=24, temperature=temperature, seed=3, stop=[])
-            response = engine.sample(pin, SampleRequest([5, 17, 33, 48], 2, params), token_sink=sink)
-            assert sink.reached.wait(HOLD_LIMIT_S)
-            assert not response.done()  # eight tokens heard while the sample goes on
-            sink.let_go.set()
-            assert [sink.heard[0], sink.heard[1]] == _tokens(response.result())
-        engine.release_sampler(pin)
+    engine = own_policy.engine
+    pin = engine.pin_sampler(own_policy.model_id)
+    for temperature in (1.0, 0.0):
+        sink = HeldSink(at=8)
+        params = wb.SamplingParams(max_tokens=24, temperature=temperature, seed=3, stop=[])
+        response = engine.sample(pin, SampleRequest([5, 17, 33, 48], 2, params), token_sink=sink)
+        assert sink.reached.wait(HOLD_LIMIT_S)
+        assert not response.done()  # eight tokens heard while the sample goes on
+        sink.let_go.set()
+        assert [sink.heard[0], sink.heard[1]] == _tokens(response.result())
+    engine.release_sampler(pin)
+
+
+def test_an_evicted_version_is_reloaded_and_its_time_counted(own_policy: wb.TrainingClient) -> None:
+    """vLLM holds `MAX_LORAS` adapters: a third version evicts the least recently used one, which the
+    sampler knows; sampling it again loads it again, with the same tokens, and the load time is added
+    to its `sync_ms`. Weights no client can sample any more leave vLLM and their folders go (those of the
+    models the module's earlier tests removed included)."""
+    policy = own_policy
+    prompt = [5, 17, 33, 48]
+    params = wb.SamplingParams(max_tokens=8, seed=3)
+    clients, first = [], []
+    for version in range(MAX_LORAS + 1):
+        clients.append(_client(policy))
+        first.append(clients[-1].sample(prompt, 2, params).result())
+        assert first[-1].weights_version == version
+        _train_one_step(policy, learning_rate=5e-2)
+    vllm = policy.engine._state.sampler.started
+    keys = [(policy.model_id, version, None) for version in range(MAX_LORAS + 1)]
+    assert vllm.resident == keys[1:]  # version 0, the least recently used, was evicted
+    assert vllm.vllm_lora_ids() == {vllm._adapters[key].lora_id for key in keys[1:]}
+    again = clients[0].sample(prompt, 2, params).result()
+    assert _tokens(again) == _tokens(first[0])
+    assert again.sync_ms > first[0].sync_ms  # the reload's time is added
+    assert vllm.resident == [keys[2], keys[0]]
+    assert vllm.vllm_lora_ids() == {vllm._adapters[key].lora_id for key in vllm.resident}
+    # a client that is still resident samples without a new load
+    assert clients[2].sample(prompt, 2, params).result().sync_ms == first[2].sync_ms
+    # released clients' weights leave vLLM: a long run keeps the current version's adapter only
+    clients.clear()
+    for _ in range(6):
+        _client(policy).sample(prompt, 1, params).result()
+        _train_one_step(policy)
+    _client(policy).sample(prompt, 1, params).result()
+    assert vllm.resident == [(policy.model_id, policy.weights_version, None)]
+    assert len(list(vllm._adapters_dir.iterdir())) == 1
 
 
 def test_an_interrupt_aborts_vllm_generation_in_flight_and_every_later_sample(tiny_for_vllm: str) -> None:
@@ -234,7 +258,7 @@ def test_an_interrupt_aborts_vllm_generation_in_flight_and_every_later_sample(ti
         assert not engine._state.sampler.started._llm.llm_engine.has_unfinished_requests()
         with pytest.raises(SamplingInterrupted):
             engine.sample(pin, SampleRequest([5, 17], 1, params)).result()
-        _train_one_step(sess)
+        _train_one_step(sess.policy)
 
 
 def test_each_base_model_gets_its_own_vllm_engine_within_a_budget_that_counts_them(
