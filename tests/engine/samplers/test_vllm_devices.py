@@ -45,24 +45,31 @@ def _gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def test_vllm_samples_tensor_parallel_over_two_devices_as_the_trainer_scores(tiny_for_vllm: str) -> None:
+def _trained_session(model: str, **devices: int) -> wb.Session:
+    """A session on `model` after one step (data parallel on several devices), its policy sampled."""
+    sess = wb.Session(model, wb.LoraConfig(rank=4), seed=0, sampler="auto", wandb=False, **devices)
+    tokens = list(range(5, 40))
+    sess.policy.forward_backward(
+        [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
+    ).result()
+    assert sess.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result().applied
+    return sess
+
+
+def test_vllm_samples_tensor_parallel_over_two_devices_as_on_one(tiny_for_vllm: str) -> None:
     """`devices=2` with `"auto"`, which takes vLLM where it is installed: one vLLM engine with a worker
     per device (tensor_parallel_size=2);
     after a data-parallel step, its greedy tokens are the trainer's most likely ones and its sampled
-    logprobs (greedy and seeded) are `forward`'s; its processes end on close and the core binding it set
-    for its start is not left in the environment."""
+    logprobs (greedy and seeded) are `forward`'s, and its greedy and seeded samples are a one-device
+    vLLM engine's after the same step; its processes end on close and the core binding it set for its
+    start is not left in the environment."""
     before = _vllm_processes()
     bind_before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    with wb.Session(
-        tiny_for_vllm, wb.LoraConfig(rank=4), seed=0, sampler="auto", devices=2, wandb=False
-    ) as sess:
-        tokens = list(range(5, 40))
-        sess.policy.forward_backward(
-            [wb.Datum(model_input=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]})], "cross_entropy"
-        ).result()
-        assert sess.policy.optim_step(wb.AdamParams(learning_rate=5e-2)).result().applied
+    greedy_params = wb.SamplingParams(max_tokens=12, temperature=0.0)
+    seeded_params = wb.SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    with _trained_session(tiny_for_vllm, devices=2) as sess:
         client = sess.sampling_client()
-        greedy = client.sample(PROMPT, 1, wb.SamplingParams(max_tokens=12, temperature=0.0)).result()
+        greedy = client.sample(PROMPT, 1, greedy_params).result()
         started = sess.engine._state.sampler.started
         assert sess.engine.config.sampler == "vllm"
         assert started._llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
@@ -82,11 +89,17 @@ def test_vllm_samples_tensor_parallel_over_two_devices_as_the_trainer_scores(tin
             max(max(lp for _, lp in best) - mine for best, mine in zip(top1, ours, strict=True)) <= TOLERANCE
         )
 
-        seeded = client.sample(PROMPT, 2, wb.SamplingParams(max_tokens=12, temperature=1.0, seed=3)).result()
+        seeded = client.sample(PROMPT, 2, seeded_params).result()
         for sequence in seeded.sequences:
             assert _gap(_forward_logprobs(sess, sequence.tokens), sequence.logprobs) <= TOLERANCE
     _, alive = psutil.wait_procs(engine_processes, timeout=SHUTDOWN_S)
     assert alive == []
+    with _trained_session(tiny_for_vllm) as one:
+        assert one.engine.config.sampler == "vllm"
+        client = one.sampling_client()
+        assert client.sample(PROMPT, 1, greedy_params).result().sequences[0].tokens == drawn
+        again = client.sample(PROMPT, 2, seeded_params).result()
+        assert [s.tokens for s in again.sequences] == [s.tokens for s in seeded.sequences]
 
 
 def test_vllm_refuses_a_base_sharded_over_the_ranks_before_any_rank_starts() -> None:
