@@ -9,7 +9,8 @@ and `close`. A backend that keeps no copy of the weights (HF `generate` on the t
 nothing to sync, and reports None.
 
 What must be known before a sampler starts (whether it can run on this device, the models it refuses,
-the memory it takes beside the training model, for a memory budget) is its `SamplerBackend` row in the
+whether it samples for an engine on several devices, the memory it takes beside the training model,
+for a memory budget) is its `SamplerBackend` row in the
 factory (`workbench.engine.samplers.factory.SAMPLERS`), with the function that starts it. Every backend
 starts from the same `SamplerStart`, which includes the training model's own sampler (HF `generate`
 in-process): what a backend cannot report itself (a logprob under another temperature, the prompt's
