@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -200,9 +201,13 @@ def test_a_sampler_checkpoint_samples_alike_on_every_rank(
     _assert_same_samples(mine, _together(one, clients[1], prompts, params))
 
 
-def test_a_sampler_on_one_device_only_is_refused_before_any_rank_starts() -> None:
-    with pytest.raises(ValueError, match=r"sampler='vllm' .* several devices"):
-        wb.Engine("tiny", devices=2, sampler="vllm")
+def test_a_sampler_that_cannot_sample_for_the_ranks_is_refused_before_any_rank_starts() -> None:
+    """vLLM, not installed here or (where it is) on a base sharded over the ranks: refused, saying why,
+    before any rank process starts."""
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=r"sampler='vllm' (is not available|cannot sample for an engine)"):
+        wb.Engine("tiny", devices=2, sampler="vllm", shard_base=True)
+    assert {child.pid for child in psutil.Process().children(recursive=True)} <= before
 
 
 @pytest.fixture(scope="module")

@@ -230,9 +230,11 @@ class Engine:
         max_tokens_per_microbatch: Padded tokens per forward pass; bounds activation memory.
         sampler: a backend of `workbench.engine.samplers.factory.SAMPLERS` (`"hf"`, `"vllm"`) or
             `"auto"` (vLLM when a build for the device is installed and runs the model, else HF, with a
-            notice saying why). On several devices HF, which spreads each sample call over the ranks
-            (`workbench.engine.local.rank_sampling`); a backend named that samples on one device
-            (vLLM) is refused before any rank starts (`factory.sampler_on_ranks`).
+            notice saying why). On several devices a backend samples for all of them
+            (`factory.sampler_on_ranks`, before any rank starts): vLLM in rank 0's process, tensor
+            parallel over the ranks' devices, or HF, which spreads each sample call over the ranks
+            (`workbench.engine.local.rank_sampling`); one named that cannot (vLLM on a sharded base)
+            is refused, saying why, and `"auto"` takes HF with a notice.
         max_samples_per_request: The largest `num_samples` one sample call may ask for.
         max_models: How many LoRA models may share the base at once.
         threads: torch CPU threads for every operation; None (default) chooses before each operation
@@ -291,7 +293,7 @@ class Engine:
             device=str(resolved_device),
             dtype=str(resolved_dtype).removeprefix("torch."),
             max_tokens_per_microbatch=max_tokens_per_microbatch,
-            sampler=sampler_on_ranks(sampler, resolved_device, len(ranks))
+            sampler=sampler_on_ranks(sampler, [torch.device(rank) for rank in ranks], shard)
             if self._devices
             else choose_sampler(sampler, resolved_device),
             max_samples_per_request=max_samples_per_request,

@@ -311,6 +311,7 @@ def _sampler_start(state: EngineState) -> SamplerStart:
         seed=state.config.seed,
         interrupted=state.sampling_interrupted,
         model_sampler=state.hf_sampler,
+        devices=1 if state.collectives is None else state.collectives.world_size,
     )
 
 
@@ -346,7 +347,8 @@ def _live_weights(state: EngineState) -> set[Hashable]:
 
 
 def _generate(state: EngineState, held: SamplerPin, requests: list[PreparedRequest]) -> list[RequestResult]:
-    """One engine call: on several ranks with the HF sampler, spread over them (`rank_sampling`)."""
+    """One engine call: on several ranks with the HF sampler, spread over them (`rank_sampling`);
+    another backend samples for every rank's device from rank 0 (tensor parallel)."""
     sampler = active_sampler(state)
     if state.followers is None or state.sampler.name != "hf":
         return sampler.generate(requests, pinned(state, held))

@@ -11,7 +11,9 @@ A session's choice goes through three gates, each here:
    refused with the reason; `"auto"` takes the first backend `preferred_by_auto` that can, else HF,
    with a one-line notice saying why, except where the backend says its absence is this machine's
    expected state (vLLM on a CPU without the vllm package: HF is the expected sampler there, and a
-   notice in every notebook's first cell would be noise).
+   notice in every notebook's first cell would be noise). On several devices `sampler_on_ranks` then
+   asks the backend whether it samples for the devices as a set (vLLM tensor parallel over them; HF
+   spreads each call over the ranks), before any rank starts.
 2. `sampler_for_model`, once the model is loaded: a backend that refuses the model (vLLM a mixture of
    experts) is an error when named, and HF with the notice under `"auto"`.
 3. `EngineSampler.get`, at the first sample: the backend starts; when it cannot (a model its kernels
@@ -21,7 +23,7 @@ A session's choice goes through three gates, each here:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import psutil
 import torch
@@ -70,27 +72,22 @@ def choose_sampler(choice: SamplerChoice, device: torch.device) -> str:
     return FALLBACK
 
 
-def sampler_on_ranks(choice: SamplerChoice, device: torch.device, ranks: int) -> str:
-    """The backend for an engine on `ranks` devices of `device`'s kind (`ranks` > 1), before any rank
-    starts: HF `generate`, which spreads each call's requests over the ranks (or runs them on every rank
-    of a sharded base). A backend named that samples on one device only (vLLM) is refused, saying so;
-    `"auto"` takes HF, with a notice where it would otherwise have taken such a backend."""
-    if choice not in sampler_choices():
-        return choose_sampler(choice, device)  # its error names the choices
-    if choice not in (AUTO, FALLBACK):
+def sampler_on_ranks(choice: SamplerChoice, devices: Sequence[torch.device], sharded: bool) -> str:
+    """The backend for an engine on several `devices` (one per rank, rank 0's first; `sharded`: the
+    base sharded over them), before any rank starts: gate 1 for the devices as a set. A backend named
+    that cannot sample for them (its `on_ranks` says why) is refused, saying so; `"auto"` takes the
+    first preferred backend that can (vLLM, tensor parallel over the devices), else HF `generate`, which
+    spreads each call's requests over the ranks, with a notice saying why."""
+    name = choose_sampler(choice, devices[0])
+    refusal = SAMPLERS[name].on_ranks(devices, sharded)
+    if refusal is None:
+        return name
+    if choice != AUTO:
         raise ValueError(
-            f"sampler={choice!r} samples on one device and does not run on an engine on several devices "
-            f"yet ({ranks} ranks): use sampler='hf', which spreads each sample call over the ranks"
+            f"sampler={choice!r} cannot sample for an engine on {len(devices)} devices: {refusal}; "
+            "sampler='hf' spreads each sample call over the ranks"
         )
-    preferred = [
-        backend.title
-        for backend in SAMPLERS.values()
-        if backend.preferred_by_auto and backend.unavailable(device) is None
-    ]
-    if choice == AUTO and preferred:
-        notice_fallback(
-            f"{preferred[0]} samples on one device; on {ranks} ranks HF generate spreads each call over them"
-        )
+    notice_fallback(f"{SAMPLERS[name].title} on {len(devices)} devices: {refusal}")
     return FALLBACK
 
 

@@ -55,7 +55,12 @@ from workbench.engine.samplers.requests import (
     SamplingInterrupted,
     TokenSink,
 )
-from workbench.engine.samplers.sampler import PinnedWeights, SamplerBackend, SamplerStart
+from workbench.engine.samplers.sampler import (
+    PinnedWeights,
+    SamplerBackend,
+    SamplerStart,
+    spreads_over_ranks,
+)
 from workbench.types import (
     PromptAltTokens,
     SampledSequence,
@@ -737,4 +742,5 @@ def start(context: SamplerStart) -> HFSampler:
     return context.model_sampler
 
 
-BACKEND = SamplerBackend(title="HF generate", start=start)
+# on several devices the engine spreads each call over its ranks (`engine.local.rank_sampling`)
+BACKEND = SamplerBackend(title="HF generate", start=start, on_ranks=spreads_over_ranks)

@@ -9,7 +9,8 @@ and `close`. A backend that keeps no copy of the weights (HF `generate` on the t
 nothing to sync, and reports None.
 
 What must be known before a sampler starts (whether it can run on this device, the models it refuses,
-the memory it takes beside the training model, for a memory budget) is its `SamplerBackend` row in the
+whether it samples for an engine on several devices, the memory it takes beside the training model,
+for a memory budget) is its `SamplerBackend` row in the
 factory (`workbench.engine.samplers.factory.SAMPLERS`), with the function that starts it. Every backend
 starts from the same `SamplerStart`, which includes the training model's own sampler (HF `generate`
 in-process): what a backend cannot report itself (a logprob under another temperature, the prompt's
@@ -66,6 +67,9 @@ class SamplerStart:
     seed: int  # the engine's seed
     interrupted: threading.Event  # set by `Engine.interrupt_sampling`: generation stops between steps
     model_sampler: HFSampler
+    # the engine's devices (1, or its rank count on several): a backend that spans devices (vLLM's
+    # tensor parallelism) runs on all of them, `device` first; the others only on `device`
+    devices: int = 1
 
 
 class Sampler(Protocol):
@@ -120,6 +124,15 @@ def samples_any_model(_info: BaseModelInfo) -> str | None:
     return None
 
 
+def spreads_over_ranks(_devices: Sequence[torch.device], _sharded: bool) -> str | None:
+    """A sampler whose engine spreads each call over the ranks itself (HF `generate`) runs on any."""
+    return None
+
+
+def one_device_only(_devices: Sequence[torch.device], _sharded: bool) -> str | None:
+    return "it samples on one device"
+
+
 def no_memory_of_its_own(_weights_bytes: int, _device: torch.device) -> int:
     """A sampler that samples the training model itself takes no memory beside it."""
     return 0
@@ -135,4 +148,7 @@ class SamplerBackend:
     memory_bytes: Callable[[int, torch.device], int] = no_memory_of_its_own
     unavailable: Callable[[torch.device], Unavailable | None] = runs_anywhere
     refuses: Callable[[BaseModelInfo], str | None] = samples_any_model  # why it cannot sample a model
+    # why it cannot sample for an engine on several devices (each rank's, and whether the base is
+    # sharded over them), or None when it can
+    on_ranks: Callable[[Sequence[torch.device], bool], str | None] = one_device_only
     preferred_by_auto: bool = False  # `"auto"` takes it when it can run here

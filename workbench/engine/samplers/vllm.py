@@ -35,6 +35,17 @@ vLLM sleeps between sample calls (weights offloaded, KV cache dropped) and wakes
 leaving the memory to training. On a CPU there is no sleep mode, and the KV cache takes a fixed
 `CPU_KV_CACHE_BYTES` of host memory unless `VLLM_CPU_KVCACHE_SPACE` (GiB) says otherwise.
 
+**Several devices.** On an engine on N devices (data parallel ranks) vLLM runs in rank 0's process,
+tensor parallel over the N devices (`tensor_parallel_size=N`: a worker per device, each holding 1/N of
+every layer's heads and columns, joined by an all-reduce), while training stays data parallel on the
+ranks; vLLM leans on rank 0's whole training model for the scores it does not report, so it refuses a
+base sharded over the ranks (`vllm_refuses_ranks`). On a CPU vLLM binds each worker's OpenMP threads
+to cores; its automatic binding gives each worker a NUMA node, which a machine with fewer nodes than
+workers lacks, so the sampler splits the usable cores among the workers itself
+(`VLLM_CPU_OMP_THREADS_BIND`, unless set). A sample is the same tokens as on one device: greedy and
+seeded samples are computed with the same kernels, up to the all-reduce's rounding (1e-6 nats on the
+tiny model).
+
 Written against vLLM's public API (`LLM`, `SamplingParams`, `RequestOutputKind`, `TokensPrompt`,
 `LoRARequest`, the engine's `add_request/step/abort_request/has_unfinished_requests` and
 `add_lora/remove_lora/list_loras`, `LLM.sleep/wake_up`); tested by the `vllm`-marked tests.
@@ -53,7 +64,8 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,11 +113,69 @@ def vllm_memory_bytes(weights_bytes: int, device: torch.device) -> int:
         CPU: weights_bytes + KV cache                       (CPU_KV_CACHE_BYTES, or VLLM_CPU_KVCACHE_SPACE GiB)
 
     On a CPU vLLM holds its own copy of the base weights and a KV cache of exactly the size it was
-    given; `VLLM_CPU_KVCACHE_SPACE` replaces that size as vLLM reads it (whole GiB)."""
+    given; `VLLM_CPU_KVCACHE_SPACE` replaces that size as vLLM reads it (whole GiB, per worker).
+
+    The share is per device, and stays so tensor parallel over an engine's N devices: on CUDA vLLM's
+    bound is a fraction of each GPU (its 1/N of the weights, the rest KV cache), beside that GPU's
+    training rank, which holds the same whole base as rank 0 (data parallel, one rank per GPU), so
+    every GPU keeps rank 0's room for training; on a CPU the N workers share one host's memory, with
+    1/N of the weights and `CPU_KV_CACHE_BYTES`/N of KV cache each (times N under
+    `VLLM_CPU_KVCACHE_SPACE`, which vLLM gives each worker)."""
     if device.type == "cuda":
         return int(GPU_MEMORY_UTILIZATION * torch.cuda.get_device_properties(device).total_memory)
     space_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
     return weights_bytes + (int(space_gib) * 1024**3 if space_gib else CPU_KV_CACHE_BYTES)
+
+
+def vllm_refuses_ranks(devices: Sequence[torch.device], sharded: bool) -> str | None:
+    """Why vLLM cannot sample tensor parallel over an engine's `devices` (a rank each, rank 0's first),
+    or None when it can: not over a sharded base (see the module); on CUDA, its workers take the first
+    N visible GPUs, so the ranks must be cuda:0 ... cuda:N-1 in order; on a CPU, a core per worker
+    unless `VLLM_CPU_OMP_THREADS_BIND` binds them otherwise."""
+    if sharded:
+        return (
+            "vLLM scores what it does not report (prompt logprobs, other temperatures) with rank 0's "
+            "training model, which a base sharded over the ranks runs only with every rank"
+        )
+    if devices[0].type == "cuda":
+        if [device.index for device in devices] != list(range(len(devices))):
+            return (
+                "vLLM's tensor parallel workers take the first GPUs visible (cuda:0 ... cuda:N-1), "
+                f"the ranks are on {[str(device) for device in devices]}: set CUDA_VISIBLE_DEVICES to them"
+            )
+        return None
+    cores = len(os.sched_getaffinity(0))
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and cores < len(devices):
+        return f"vLLM's CPU workers take a core each, and {len(devices)} workers have {cores} core(s)"
+    return None
+
+
+def cpu_worker_cores(workers: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `workers` CPU workers: the usable cores split into that many
+    contiguous groups (`"0|1"`, `"0-3|4-7"`), the first groups one core larger when they do not divide."""
+    cores = sorted(os.sched_getaffinity(0))
+    size, larger = divmod(len(cores), workers)
+    groups, start = [], 0
+    for worker in range(workers):
+        end = start + size + (worker < larger)
+        groups.append(",".join(str(core) for core in cores[start:end]))
+        start = end
+    return "|".join(groups)
+
+
+@contextmanager
+def _cpu_worker_binding(device: torch.device, workers: int) -> Iterator[None]:
+    """While vLLM starts its engine (whose processes read it at their start), bind its CPU workers to
+    `cpu_worker_cores` unless `VLLM_CPU_OMP_THREADS_BIND` says otherwise; one worker keeps vLLM's own
+    binding."""
+    if device.type != "cpu" or workers == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_cores(workers)
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
 def vllm_installed() -> bool:
@@ -221,6 +291,7 @@ class VLLMSampler:
         interrupted: threading.Event,
         model_sampler: HFSampler,
         max_loras: int = MAX_LORAS,
+        tensor_parallel_size: int = 1,
     ):
         import vllm
         from vllm.platforms import current_platform
@@ -237,23 +308,28 @@ class VLLMSampler:
         self._can_sleep = device.type == "cuda" and current_platform.is_sleep_mode_available()
         before = _engine_processes()
         self._adapters_dir = Path(tempfile.mkdtemp(prefix="workbench-vllm-adapters-"))
-        self._llm = vllm.LLM(
-            model=model_path,
-            tokenizer=tokenizer_path,
-            dtype=str(dtype).removeprefix("torch."),
-            enable_lora=True,
-            max_lora_rank=max(8, 1 << (max_lora_rank - 1).bit_length()),  # vLLM takes powers of two >= 8
-            max_loras=max_loras,
-            max_model_len=max_length,
-            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-            kv_cache_memory_bytes=CPU_KV_CACHE_BYTES if device.type == "cpu" else None,
-            enable_sleep_mode=self._can_sleep,
-            seed=seed,
-            max_logprobs=-1,  # `topk_sample_logprobs` may ask for the whole vocabulary (vLLM's cap: 20)
-            # a conversation's next turn and a group's samples reuse their prompt's cached blocks; a
-            # block's hash includes its LoRA id, and each weights version is its own LoRA id
-            enable_prefix_caching=True,
-        )
+        with _cpu_worker_binding(device, tensor_parallel_size):
+            self._llm = vllm.LLM(
+                model=model_path,
+                tokenizer=tokenizer_path,
+                tensor_parallel_size=tensor_parallel_size,
+                dtype=str(dtype).removeprefix("torch."),
+                enable_lora=True,
+                max_lora_rank=max(8, 1 << (max_lora_rank - 1).bit_length()),  # vLLM takes powers of two >= 8
+                max_loras=max_loras,
+                max_model_len=max_length,
+                gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+                # per worker: each holds its 1/N of the key-value heads, for the same tokens as one
+                kv_cache_memory_bytes=CPU_KV_CACHE_BYTES // tensor_parallel_size
+                if device.type == "cpu"
+                else None,
+                enable_sleep_mode=self._can_sleep,
+                seed=seed,
+                max_logprobs=-1,  # `topk_sample_logprobs` may ask for the whole vocabulary (vLLM's cap: 20)
+                # a conversation's next turn and a group's samples reuse their prompt's cached blocks; a
+                # block's hash includes its LoRA id, and each weights version is its own LoRA id
+                enable_prefix_caching=True,
+            )
         self._processes = _engine_processes() - before
         self.max_loras = max_loras
         self._adapters: dict[Hashable, _Adapter] = {}  # weights key -> its adapter, written once
@@ -564,6 +640,7 @@ def start(context: SamplerStart) -> VLLMSampler:
         context.seed,
         context.interrupted,
         context.model_sampler,
+        tensor_parallel_size=context.devices,
     )
 
 
@@ -573,5 +650,6 @@ BACKEND = SamplerBackend(
     memory_bytes=vllm_memory_bytes,
     unavailable=vllm_unavailable,
     refuses=vllm_refuses,
+    on_ranks=vllm_refuses_ranks,
     preferred_by_auto=True,
 )
