@@ -89,6 +89,7 @@ from workbench.engine.samplers.sampler import (
     Unavailable,
     WriteAdapter,
 )
+from workbench.engine.threads import usable_cpus
 from workbench.types import ModelInput, SampledSequence, SamplingParams
 
 # Fraction of GPU memory vLLM's engine may take (weights, activations, KV cache).
@@ -127,6 +128,10 @@ def vllm_memory_bytes(weights_bytes: int, device: torch.device) -> int:
     return weights_bytes + (int(space_gib) * 1024**3 if space_gib else CPU_KV_CACHE_BYTES)
 
 
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+"""vLLM's CPU workers' core binding: `"0|1"` binds worker 0 to core 0 and worker 1 to core 1."""
+
+
 def vllm_refuses_ranks(devices: Sequence[torch.device], sharded: bool) -> str | None:
     """Why vLLM cannot sample tensor parallel over an engine's `devices` (a rank each, rank 0's first),
     or None when it can: not over a sharded base (see the module); on CUDA, its workers take the first
@@ -144,8 +149,8 @@ def vllm_refuses_ranks(devices: Sequence[torch.device], sharded: bool) -> str | 
                 f"the ranks are on {[str(device) for device in devices]}: set CUDA_VISIBLE_DEVICES to them"
             )
         return None
-    cores = len(os.sched_getaffinity(0))
-    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and cores < len(devices):
+    cores = len(usable_cpus()[0])
+    if THREADS_BIND not in os.environ and cores < len(devices):
         return f"vLLM's CPU workers take a core each, and {len(devices)} workers have {cores} core(s)"
     return None
 
@@ -153,7 +158,7 @@ def vllm_refuses_ranks(devices: Sequence[torch.device], sharded: bool) -> str | 
 def cpu_worker_cores(workers: int) -> str:
     """`VLLM_CPU_OMP_THREADS_BIND` for `workers` CPU workers: the usable cores split into that many
     contiguous groups (`"0|1"`, `"0-3|4-7"`), the first groups one core larger when they do not divide."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cpus()[0]
     size, larger = divmod(len(cores), workers)
     groups, start = [], 0
     for worker in range(workers):
@@ -168,14 +173,14 @@ def _cpu_worker_binding(device: torch.device, workers: int) -> Iterator[None]:
     """While vLLM starts its engine (whose processes read it at their start), bind its CPU workers to
     `cpu_worker_cores` unless `VLLM_CPU_OMP_THREADS_BIND` says otherwise; one worker keeps vLLM's own
     binding."""
-    if device.type != "cpu" or workers == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    if device.type != "cpu" or workers == 1 or THREADS_BIND in os.environ:
         yield
         return
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_cores(workers)
+    os.environ[THREADS_BIND] = cpu_worker_cores(workers)
     try:
         yield
     finally:
-        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        del os.environ[THREADS_BIND]
 
 
 def vllm_installed() -> bool:
