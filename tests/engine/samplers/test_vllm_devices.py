@@ -15,6 +15,7 @@ import pytest
 
 import workbench as wb
 from workbench.engine.samplers.vllm import ENGINE_PROCESS_PREFIX
+from workbench.engine.threads import usable_cpus
 
 pytestmark = pytest.mark.vllm
 
@@ -56,6 +57,9 @@ def _trained_session(model: str, **devices: int) -> wb.Session:
     return sess
 
 
+@pytest.mark.skipif(
+    len(usable_cpus()[0]) < 2, reason="vLLM's CPU workers take a core each: two devices need two cores"
+)
 def test_vllm_samples_tensor_parallel_over_two_devices_as_on_one(tiny_for_vllm: str) -> None:
     """`devices=2` with `"auto"`, which takes vLLM where it is installed: one vLLM engine with a worker
     per device (tensor_parallel_size=2);
