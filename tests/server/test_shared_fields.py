@@ -1,6 +1,6 @@
 """workbench/server/sampling_fields.py: the sampling fields OpenAI's and Anthropic's APIs share are read
 with one rule each, `SamplingParams`' own, and a chat request builds the one `SampleRequest` the engine
-samples.
+samples, which the engine checks against the model once (`check_sample`, then `sample` unchecked).
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import httpx
 import pytest
 
 import workbench as wb
+from workbench.engine.interface import CheckedSample, asked
+from workbench.engine.local import sample as local_sample
+from workbench.engine.samplers.requests import PreparedRequest
 from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.server import TinkerServer
 
@@ -79,24 +82,34 @@ def test_what_sampling_params_takes_both_apis_take(sess: wb.Session, srv: Tinker
                 assert response.status_code == 200, (url, fields, response.text)
 
 
-def test_a_chat_request_builds_the_one_sample_request_the_engine_samples(
-    sess: wb.Session, srv: TinkerServer, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_chat_request_builds_the_one_sample_request_the_engine_samples_and_checks_it_once(
+    sess: wb.Session, srv: TinkerServer, monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
     built: list[SampleRequest] = []
     sampled: list[SampleRequest] = []
+    checked: list[SampleRequest] = []  # the engine's check against the model: max_tokens within the context
     check = SampleRequest.__post_init__
     sample = type(sess.engine).sample
+    prepare = local_sample.prepare_request
 
     def counted(request: SampleRequest) -> None:
         check(request)
         built.append(request)
 
-    def recorded(engine: Any, pin: Any, request: SampleRequest, token_sink: Any = None) -> Any:
-        sampled.append(request)
+    def recorded(
+        engine: Any, pin: Any, request: SampleRequest | CheckedSample, token_sink: Any = None
+    ) -> Any:
+        sampled.append(asked(request))
         return sample(engine, pin, request, token_sink)
+
+    def prepared(request: SampleRequest, **against: Any) -> PreparedRequest:
+        checked.append(request)
+        return prepare(request, **against)
 
     monkeypatch.setattr(SampleRequest, "__post_init__", counted)
     monkeypatch.setattr(type(sess.engine), "sample", recorded)
+    monkeypatch.setattr(local_sample, "prepare_request", prepared)
     body = {
         "model": sess.config.base_model,
         "messages": QUESTION,
@@ -104,13 +117,16 @@ def test_a_chat_request_builds_the_one_sample_request_the_engine_samples(
         "n": 2,
         "seed": 5,
         "top_k": 9,
+        "stream": stream,
     }
     with httpx.Client(timeout=120) as http:
         response = http.post(f"{srv.url}/oai/api/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
-    assert len(built) == 1 and sampled == built
+    assert response.text.rstrip().endswith("data: [DONE]") if stream else response.json()["choices"]
+    assert len(built) == 1 and sampled == built and checked == built
     request = built[0]
     assert request.num_samples == 2
     params = request.sampling_params
     assert (params.max_tokens, params.seed, params.top_k, params.temperature) == (3, 5, 9, 1.0)
-    assert request.prompt.to_ints() == response.json()["prompt_token_ids"]
+    if not stream:
+        assert request.prompt.to_ints() == response.json()["prompt_token_ids"]

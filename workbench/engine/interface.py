@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from workbench.engine.config import EngineConfig, ModelConfig
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.roles import Role
-from workbench.engine.samplers.requests import TokenSink
+from workbench.engine.samplers.requests import PreparedRequest, TokenSink
 from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.futures import APIFuture
 from workbench.metrics import MetricsHistory
@@ -54,6 +54,29 @@ class Restore(enum.Enum):
     WEIGHTS = "weights"
     WITH_OPTIMIZER = "with_optimizer"  # + AdamW state, step counters, pending gradients
     EVERYTHING = "everything"  # + every RNG: an exact resume
+
+
+@dataclass(frozen=True)
+class CheckedSample:
+    """A `SampleRequest` an engine has checked (`EngineInterface.check_sample`), which its `sample` takes
+    without checking it again: the compatible APIs check every call of a request before they resolve its
+    weights or queue the first call, then sample the calls they checked.
+
+    Attributes:
+        request: The request as its caller built it.
+        prepared: What the local engine's check worked out (`requests.prepare_request`); None from a remote
+            engine, whose service checks what needs the model.
+        checked_by: The engine whose check it passed; another engine checks it afresh.
+    """
+
+    request: SampleRequest
+    prepared: PreparedRequest | None = field(compare=False, repr=False)
+    checked_by: object = field(compare=False, repr=False)
+
+
+def asked(request: SampleRequest | CheckedSample) -> SampleRequest:
+    """The request a sample call stands for, checked or not."""
+    return request.request if isinstance(request, CheckedSample) else request
 
 
 @dataclass(frozen=True)
@@ -236,7 +259,10 @@ class EngineInterface(Protocol):
         return once they are released."""
 
     def sample(
-        self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
+        self,
+        pin: APIFuture[SamplerPin],
+        request: SampleRequest | CheckedSample,
+        token_sink: TokenSink | None = None,
     ) -> APIFuture[SampleResponse]:
         """Sample `request.num_samples` continuations of `request.prompt` from the pinned weights, each
         with the logprob of every sampled token (Tinker's `SamplingClient.sample`).
@@ -244,7 +270,8 @@ class EngineInterface(Protocol):
         The request was checked as it was built of everything that needs no model (`SampleRequest`); what
         needs the model (token ids within the vocabulary, `max_tokens` within the context, widths capped
         by the vocabulary) is checked before anything is queued, and a refused request raises a
-        ValueError and changes nothing. Sampled tokens' logprobs follow the temperature rule of
+        ValueError and changes nothing; a request this engine's `check_sample` passed is not checked
+        again. Sampled tokens' logprobs follow the temperature rule of
         `workbench.types.SampledSequence`; the prompt's logprobs and scores (top-k, target ids, draws) are
         the model's own, as `workbench.types.SampleResponse` says.
 
@@ -258,10 +285,10 @@ class EngineInterface(Protocol):
         reads the tokens from the response.
         """
 
-    def check_sample(self, request: SampleRequest) -> None:
+    def check_sample(self, request: SampleRequest) -> CheckedSample:
         """Raise the ValueError `sample` would raise for `request`, queueing nothing: what the caller
         checks before it resolves weights or queues the first of several requests (the compatible APIs'
-        calls), so a refused request changes nothing."""
+        calls), so a refused request changes nothing; what passed is sampled without a second check."""
 
     def compute_logprobs(
         self,

@@ -396,7 +396,7 @@ class AnthropicRoutes(ModelRoutes):
     async def messages(self, body: Mapping[str, Any]) -> Response:
         stream = flag(body, "stream")
         call, offered = self.call(body)
-        check_calls(self.engine, [call])
+        call = check_calls(self.engine, [call])[0]
         stops = call.stop_strings
         message_id = f"msg_{secrets.token_hex(12)}"
         weights = await self.weights.resolve(body.get("model"))

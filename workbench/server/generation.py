@@ -7,7 +7,7 @@ samples, built once (`generation_call`), and how its sequences are read back. `c
 engine check every call of a request (`EngineInterface.check_sample`: ids in the vocabulary, `max_tokens`
 within what the context leaves) and counts its sequences against `max_samples_per_request`, in the
 caller's thread before any of them is queued, so a refused request changes nothing and costs nothing
-sized by it. `generate` then submits them with `Engine.sample`: the engine's one ordered sample path,
+sized by it; the engine samples what it checked without checking it again. `generate` then submits them with `Engine.sample`: the engine's one ordered sample path,
 pinned to the weights the request named, batched with whatever else queues on the same weights,
 training included.
 
@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
-from workbench.engine.interface import EngineInterface, SamplerPin, TokenSink
+from workbench.engine.interface import CheckedSample, EngineInterface, SamplerPin, TokenSink
 from workbench.engine.local.engine import Engine
 from workbench.engine.samplers.sample_request import SampleRequest
 from workbench.futures import APIFuture
@@ -61,12 +62,14 @@ class GenerationCall:
         stop_strings: The stop strings the request named (a text is cut before the first it holds).
         stop_ids: Tokens that end a sequence and are not shown (the end of turn, the end of sequence).
         scores_only: `max_tokens=0`: the prompt's logprobs only (one token is sampled, then left out).
+        checked: The request as the engine checked it (`check_calls`), which it samples unchecked.
     """
 
     request: SampleRequest
     stop_strings: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()
     scores_only: bool = False
+    checked: CheckedSample | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -155,9 +158,10 @@ def text_ending(tokenizer: PreTrainedTokenizerBase) -> Ending:
     return Ending(frozenset() if eos is None else frozenset({int(eos)}))
 
 
-def check_calls(engine: EngineInterface, calls: Sequence[GenerationCall]) -> None:
+def check_calls(engine: EngineInterface, calls: Sequence[GenerationCall]) -> list[GenerationCall]:
     """Every call checked by the engine (`EngineInterface.check_sample`) and the request's sequences
-    counted, before any is queued; raises RequestError naming the problem."""
+    counted, before any is queued; raises RequestError naming the problem. The calls come back with what
+    the engine checked, which `generate` and `stream_generate` sample without a second check."""
     limit = engine.config.max_samples_per_request
     total = sum(call.n for call in calls)
     if not calls or total > limit:
@@ -165,18 +169,20 @@ def check_calls(engine: EngineInterface, calls: Sequence[GenerationCall]) -> Non
             f"a request may ask for 1 to {limit} sequences in all (prompts x n, the server's "
             f"max_samples_per_request), this one asks for {total}"
         )
+    checked = []
     for index, call in enumerate(calls):
         where = f"prompt {index}: " if len(calls) > 1 else ""
         try:
-            engine.check_sample(call.request)
+            checked.append(dataclasses.replace(call, checked=engine.check_sample(call.request)))
         except ValueError as error:
             raise RequestError(f"{where}{error}") from None
+    return checked
 
 
 def _submit(
     engine: Engine, pin: APIFuture[SamplerPin], call: GenerationCall, token_sink: TokenSink | None = None
 ) -> APIFuture[SampleResponse]:
-    return engine.sample(pin, call.request, token_sink)
+    return engine.sample(pin, call.checked or call.request, token_sink)
 
 
 async def generate(

@@ -610,9 +610,10 @@ class OpenAIRoutes(ModelRoutes):
 
     async def _run(self, model: object, calls: list[GenerationCall]) -> list[Generated]:
         """Check every call, resolve the weights, then sample: a refusal comes before any work."""
-        weights = await self._weights(model, calls)
+        checked = check_calls(self.engine, calls)
+        weights = await self._weights(model)
         try:
-            return await generate(weights.engine, weights.pin, calls)
+            return await generate(weights.engine, weights.pin, checked)
         finally:
             weights.done()
 
@@ -620,15 +621,15 @@ class OpenAIRoutes(ModelRoutes):
         self, model: object, calls: list[GenerationCall]
     ) -> AsyncIterator[TextDelta | SequenceDone]:
         """`_run` as a stream, started: a failure before its first event raises here."""
-        weights = await self._weights(model, calls)
+        checked = check_calls(self.engine, calls)
+        weights = await self._weights(model)
         try:
-            return await started(stream_generate(weights.engine, weights.pin, calls))
+            return await started(stream_generate(weights.engine, weights.pin, checked))
         finally:
             weights.done()  # queued after the calls' samples, which it leaves their weights
 
-    async def _weights(self, model: object, calls: list[GenerationCall]) -> Weights:
-        """The calls checked, then the weights `model` names."""
-        check_calls(self.engine, calls)
+    async def _weights(self, model: object) -> Weights:
+        """The weights `model` names, pinned."""
         try:
             return await self.weights.resolve(model)
         except RequestError as error:

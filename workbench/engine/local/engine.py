@@ -42,7 +42,7 @@ from workbench.engine.config import (
     QuantizationConfig,
     to_quantization_config,
 )
-from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, SamplerPin
+from workbench.engine.interface import CheckedSample, CustomLossFn, ModelStatus, Restore, SamplerPin
 from workbench.engine.local import (
     checkpoint_files,
     checkpoints,
@@ -751,15 +751,19 @@ class Engine:
                     self._state.submit(lambda: None).result()
 
     def sample(
-        self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
+        self,
+        pin: APIFuture[SamplerPin],
+        request: SampleRequest | CheckedSample,
+        token_sink: TokenSink | None = None,
     ) -> APIFuture[SampleResponse]:
         """The request is checked against the model in the caller's thread (`requests.prepare_request`),
-        and `token_sink` is told each sequence's tokens as the sampler draws them."""
+        unless `check_sample` checked it, and `token_sink` is told each sequence's tokens as the sampler
+        draws them."""
         return sample.submit_sample(self._state, pin, request, token_sink)
 
-    def check_sample(self, request: SampleRequest) -> None:
+    def check_sample(self, request: SampleRequest) -> CheckedSample:
         """`requests.prepare_request`'s checks against the model and `max_samples_per_request`."""
-        sample.check_sample(self._state, request)
+        return sample.check_sample(self._state, request)
 
     def compute_logprobs(
         self,

@@ -17,7 +17,8 @@ waits behind it); the HF prefix cache and vLLM's adapters are keyed by the resol
 cached keys and values of one version serve another.
 
 **Requests are batched.** A `SampleRequest`, checked as it was built, is checked against the model in
-the caller's thread (`requests.prepare_request`: bad input raises and changes nothing) and queued as a
+the caller's thread (`requests.prepare_request`: bad input raises and changes nothing; once, where
+`check_sample` checked it first) and queued as a
 batchable operation, so requests that queue up together run as one engine call per set of weights. On
 the worker each request without a seed draws one from the engine's sampling generator, in order; the
 engine's sampler (`workbench.engine.samplers.sampler.Sampler`, started on first use) samples under the
@@ -38,7 +39,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from workbench.engine.interface import SamplerPin
+from workbench.engine.interface import CheckedSample, SamplerPin, asked
 from workbench.engine.local import rank_sampling
 from workbench.engine.local.heap import release_freed_memory
 from workbench.engine.local.lora_models import LoraModel
@@ -222,30 +223,33 @@ def pinned_weights(state: EngineState, held: SamplerPin) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- requests
 
 
-def check_sample(state: EngineState, request: SampleRequest) -> None:
-    """Raise what `submit_sample` raises for `request` in the caller's thread, queueing nothing."""
+def check_sample(state: EngineState, request: SampleRequest) -> CheckedSample:
+    """Raise what `submit_sample` raises for `request` in the caller's thread, queueing nothing; what
+    passes carries its prepared form, so `submit_sample` does not check it again."""
     state.check_open()
-    _prepared(state, request, None)
+    return CheckedSample(request, _prepared(state, request), state)
 
 
-def _prepared(state: EngineState, request: SampleRequest, token_sink: TokenSink | None) -> PreparedRequest:
+def _prepared(state: EngineState, request: SampleRequest | CheckedSample) -> PreparedRequest:
+    """`request` checked against the model (`requests.prepare_request`), unless this engine checked it."""
+    if isinstance(request, CheckedSample) and request.checked_by is state and request.prepared is not None:
+        return request.prepared
     return prepare_request(
-        request,
+        asked(request),
         tokenizer=state.tokenizer,
         base_info=state.base_info,
         max_samples_per_request=state.config.max_samples_per_request,
-        token_sink=token_sink,
     )
 
 
 def submit_sample(
     state: EngineState,
     pin_future: APIFuture[SamplerPin],
-    request: SampleRequest,
+    request: SampleRequest | CheckedSample,
     token_sink: TokenSink | None = None,
 ) -> APIFuture[SampleResponse]:
     state.check_open()
-    prepared = _prepared(state, request, token_sink)
+    prepared = dataclasses.replace(_prepared(state, request), token_sink=token_sink)
     return state.submit_batchable(
         "sample", (pin_future, prepared), lambda items: run_sample_batch(state, items)
     )

@@ -50,7 +50,7 @@ from tinker import types as sdk
 from transformers import PreTrainedTokenizerBase
 
 from workbench.engine.config import EngineConfig, ModelConfig
-from workbench.engine.interface import CustomLossFn, ModelStatus, Restore, SamplerPin
+from workbench.engine.interface import CheckedSample, CustomLossFn, ModelStatus, Restore, SamplerPin, asked
 from workbench.engine.model.base_model import BaseModelInfo
 from workbench.engine.remote.client_metrics import with_client_metrics
 from workbench.engine.remote.sequence_id_relay import SequenceIdRelay
@@ -592,7 +592,7 @@ class RemoteEngine:
 
         return get
 
-    def check_sample(self, request: SampleRequest) -> None:
+    def check_sample(self, request: SampleRequest) -> CheckedSample:
         """What this side can check; the service checks what needs the model when the request comes."""
         if request.record_stability_info or request.sequence_ids is not None:
             raise RemoteUnsupportedError(
@@ -600,14 +600,20 @@ class RemoteEngine:
             )
         if request.num_samples < 1:
             raise ValueError(f"num_samples must be a positive integer, got {request.num_samples!r}")
+        return CheckedSample(request, None, self)
 
     def sample(
-        self, pin: APIFuture[SamplerPin], request: SampleRequest, token_sink: TokenSink | None = None
+        self,
+        pin: APIFuture[SamplerPin],
+        request: SampleRequest | CheckedSample,
+        token_sink: TokenSink | None = None,
     ) -> APIFuture[SampleResponse]:
         """Sample on the service, which checks what needs the model; the response reports the weights
         version its client pinned. The service answers a request whole: `token_sink` is told nothing, and
         its caller has the tokens with the response."""
-        self.check_sample(request)
+        if not (isinstance(request, CheckedSample) and request.checked_by is self):
+            request = self.check_sample(asked(request))
+        request = request.request
         model_input = to_sdk_model_input(request.prompt)
         params = to_sdk_sampling_params(request.sampling_params)
         targets = request.target_prompt_logprobs

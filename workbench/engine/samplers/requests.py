@@ -142,7 +142,6 @@ def prepare_request(
     tokenizer: PreTrainedTokenizerBase,
     base_info: BaseModelInfo,
     max_samples_per_request: int,
-    token_sink: TokenSink | None = None,
 ) -> PreparedRequest:
     """Check `request` against the model and the engine; raises ValueError naming the problem."""
     tokens = request.prompt.to_ints()
@@ -173,7 +172,6 @@ def prepare_request(
         stop_token_ids=stop_ids,
         stop_strings=stop_strings,
         target_prompt_ids=None if targets is None else torch.from_numpy(targets.copy()),
-        token_sink=token_sink,
     )
 
 
