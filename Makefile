@@ -16,7 +16,7 @@ LOCK := requirements/dev.lock
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env lock demo test lint docs-tutorials test-unit test-notebooks test-tutorial-browser test-tutorial-tasks lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
+.PHONY: env lock demo test lint docs-tutorials test-unit test-notebooks test-notebooks-then-vllm test-tutorial-browser test-tutorial-tasks lab bench browser screenshot skyrl-env test-skyrl vllm-env test-vllm
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -124,7 +124,16 @@ test-unit: env
 test-notebooks: env
 	WORKBENCH_CACHE=$(CURDIR)/.cache/workbench $(BIN)/python -m pytest -q --nbval-lax --nbval-current-env notebooks/
 
-test: env browser lint skyrl-env test-unit test-notebooks test-vllm
+# The tests as two streams side by side: the unit tests, and the notebooks then the vLLM suite. Much of
+# each stream's time is spent waiting (on kernels, browsers, servers, subprocesses starting), so on 2
+# cores with another process busy the pair takes about the longer stream's time, not the sum. A failure
+# in either fails `make test` once both have ended; lines of the two streams interleave whole.
+test: env browser lint skyrl-env
+	$(MAKE) --no-print-directory -j2 --output-sync=line test-unit test-notebooks-then-vllm
+
+test-notebooks-then-vllm:
+	$(MAKE) --no-print-directory test-notebooks
+	$(MAKE) --no-print-directory test-vllm
 
 lab: env
 	$(BIN)/jupyter lab --notebook-dir=notebooks --LabApp.news_url=None
