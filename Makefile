@@ -127,9 +127,10 @@ test-notebooks: env
 # The tests as two streams side by side: the unit tests, and the notebooks then the vLLM suite. Much of
 # each stream's time is spent waiting (on kernels, browsers, servers, subprocesses starting), so on 2
 # cores with another process busy the pair takes about the longer stream's time, not the sum. A failure
-# in either fails `make test` once both have ended; lines of the two streams interleave whole.
+# in either fails `make test` once both have ended. The streams print as they go, interleaved (grouping
+# their output would hold each pytest's lines back until it ends).
 test: env browser lint skyrl-env
-	$(MAKE) --no-print-directory -j2 --output-sync=line test-unit test-notebooks-then-vllm
+	$(MAKE) --no-print-directory -j2 test-unit test-notebooks-then-vllm
 
 test-notebooks-then-vllm:
 	$(MAKE) --no-print-directory test-notebooks
